@@ -1,0 +1,145 @@
+"""Frozen configuration objects: the model (read from a Hugging Face config.json) and the engine.
+
+Runtime facts such as the number of KV blocks that fit in memory are not stored here; the
+model runner returns them in :class:`CacheInfo`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(name: str | None, default: torch.dtype = torch.float32) -> torch.dtype:
+    """Map a dtype name ("float32", "bfloat16", "float16", "auto"/None -> default).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name is None or name == "auto":
+        return default
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; expected one of auto, float32, bfloat16, float16") from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Qwen3 (``model_type="qwen3"``) or Qwen2 (``"qwen2"``) decoder.
+
+    Qwen3 has per-head RMSNorm on q and k (``qk_norm``) and no q/k/v bias; Qwen2 has q/k/v bias
+    and no q/k norm.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    torch_dtype: torch.dtype
+
+    @staticmethod
+    def from_hf(model_dir: str | Path) -> "ModelConfig":
+        """Read ``config.json`` of a Hugging Face checkpoint directory.
+
+        Reads ``rope_theta`` at the top level (Hub configs) or in ``rope_parameters``
+        (transformers 5); ``head_dim`` explicit or ``hidden_size // num_attention_heads``.
+
+        Raises:
+            FileNotFoundError: no config.json. ValueError: unsupported model_type.
+        """
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        model_type = cfg.get("model_type")
+        if model_type not in ("qwen3", "qwen2"):
+            raise ValueError(f"unsupported model_type {model_type!r}; expected 'qwen3' or 'qwen2'")
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None:
+            rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        rope_scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
+        if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) not in ("default", None):
+            raise ValueError(f"rope scaling {rope_scaling!r} is not supported")
+        heads = cfg["num_attention_heads"]
+        dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        return ModelConfig(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            torch_dtype=parse_dtype(dtype_name),
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings (the server's command-line flags).
+
+    Attributes:
+        model: checkpoint directory.
+        dtype: weight/activation dtype (None: float32 on CPU, the checkpoint's dtype on CUDA).
+        device: "cpu", "cuda" or "cuda:N".
+        max_model_len: longest sequence (prompt + output) in tokens; None = the model's limit.
+        block_size: tokens per KV block.
+        num_kv_blocks: KV blocks to allocate; None = derive from ``kv_cache_memory_gb`` or, on
+            CUDA, from free memory (``gpu_memory_utilization``).
+        kv_cache_memory_gb: KV cache budget in GiB when ``num_kv_blocks`` is None.
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        attention_backend: "triton", "torch" or None (triton on CUDA, torch on CPU).
+        enable_prefix_caching: share full KV blocks between requests with the same prefix.
+        enable_chunked_prefill: split long prompts over several steps within the token budget.
+        cuda_graph: capture decode steps in CUDA graphs (CUDA only).
+    """
+
+    model: str
+    dtype: torch.dtype | None = None
+    device: str = "cpu"
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.85
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    attention_backend: str | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    cuda_graph: bool = True
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def read_generation_config(model_dir: str | Path) -> dict:
+    """``generation_config.json`` of a checkpoint as a dict ({} when absent)."""
+    path = Path(model_dir) / "generation_config.json"
+    return json.loads(path.read_text()) if path.exists() else {}

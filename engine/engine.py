@@ -1,0 +1,206 @@
+"""The synchronous engine: requests in, one batched step at a time, token outputs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig, read_generation_config
+from engine.model_runner import ModelRunner
+from engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from engine.scheduler import Scheduler
+from engine.stats import StepStats
+
+log = logging.getLogger(__name__)
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served (too long for the model or the KV cache)."""
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request.
+
+    Attributes:
+        new_token_ids: tokens sampled this step (0 or 1).
+        logprobs: per new token, None or (logprob, [(id, logprob)] alternatives).
+        finish_reason: set on the request's last output.
+        error: message when the request failed inside the engine.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+def eos_ids_from(model_dir: str) -> frozenset[int]:
+    """EOS ids from ``generation_config.json`` (an int or a list)."""
+    eos = read_generation_config(model_dir).get("eos_token_id")
+    if eos is None:
+        return frozenset()
+    return frozenset(eos if isinstance(eos, list) else [eos])
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache.
+
+    Args:
+        config: engine settings (``config.model`` is the checkpoint directory).
+        eos_token_ids: ids ending generation; default: the checkpoint's generation config.
+        random_weights: benchmark mode, weights from ``config.seed`` instead of the checkpoint.
+    """
+
+    def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int] | None = None, random_weights: bool = False):
+        self.config = config
+        self.model_config = ModelConfig.from_hf(config.model)
+        self.runner = ModelRunner(self.model_config, config, random_weights=random_weights)
+        info = self.runner.cache_info
+        self.cache_info = info
+        self.max_model_len = info.max_model_len
+        self.eos_token_ids = eos_token_ids if eos_token_ids is not None else eos_ids_from(config.model)
+        self.block_manager = BlockManager(info.num_kv_blocks, info.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.requests: dict[str, Request] = {}
+        log.info(
+            "engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d, backend %s",
+            self.model_config.model_type, config.device, self.runner.dtype, info.num_kv_blocks,
+            info.block_size, info.max_model_len, self.runner.backend.name,
+        )
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request.
+
+        Raises:
+            RequestRejected: empty prompt, prompt at or over max_model_len, prompt that the KV
+                cache can never hold, or a duplicate id.
+        """
+        if request_id in self.requests:
+            raise RequestRejected(f"duplicate request id {request_id!r}")
+        if not prompt_token_ids:
+            raise RequestRejected("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not (0 <= t < vocab) for t in prompt_token_ids):
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestRejected(
+                f"prompt has {len(prompt_token_ids)} tokens; this model's maximum context length is "
+                f"{self.max_model_len} tokens including at least one generated token"
+            )
+        req = Request(request_id, list(prompt_token_ids), params, max_len=self.max_model_len)
+        why = self.scheduler.can_ever_fit(req)
+        if why:
+            raise RequestRejected(why)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request at once and free its blocks. Returns False for an unknown id."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.finish(req, FinishReason.ABORT)
+        self.runner.sampler.release(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -------------------------------------------------------------------- step
+    def _check_stop(self, req: Request, token: int) -> FinishReason | None:
+        p = req.sampling_params
+        n_out = len(req.output_token_ids)
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return FinishReason.STOP
+            if token in p.stop_token_ids:
+                return FinishReason.STOP
+        if n_out >= p.max_tokens or req.num_tokens >= req.max_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(req, reason)
+        self.requests.pop(req.request_id, None)
+        self.runner.sampler.release(req.request_id)
+
+    def step(self) -> tuple[list[RequestOutput], StepStats]:
+        """Schedule, run the model once and apply the sampled tokens.
+
+        An exception inside the model fails only the requests of this step (finish reason
+        ``error``); the engine stays usable.
+        """
+        t0 = time.perf_counter()
+        bm = self.block_manager
+        q0, h0 = bm.prefix_queries, bm.prefix_hits
+        batch = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        n_prompt = n_gen = 0
+        if len(batch):
+            try:
+                sampled_reqs, samples = self.runner.execute(batch, self.eos_token_ids)
+            except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
+                log.exception("model step failed; failing %d requests", len(batch))
+                for req in batch.requests:
+                    self._finish(req, FinishReason.ERROR)
+                    outputs.append(RequestOutput(req.request_id, [], finished=True,
+                                                 finish_reason=FinishReason.ERROR, error=str(exc)))
+                return outputs, self._stats(t0, 0, 0, batch.num_preemptions, q0, h0)
+            for req, n in zip(batch.requests, batch.num_new_tokens):
+                n_prompt += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
+                req.num_computed_tokens += n
+                bm.cache_full_blocks(req)
+            for i, req in enumerate(sampled_reqs):
+                token = samples.token_ids[i]
+                req.output_token_ids.append(token)
+                n_gen += 1
+                reason = self._check_stop(req, token)
+                lp = samples.logprobs[i]
+                outputs.append(RequestOutput(
+                    req.request_id, [token], [lp] if lp is not None or req.sampling_params.logprobs is not None else [],
+                    finished=reason is not None, finish_reason=reason,
+                    num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+                ))
+                if reason is not None:
+                    self._finish(req, reason)
+        return outputs, self._stats(t0, n_prompt, n_gen, batch.num_preemptions, q0, h0)
+
+    def _stats(self, t0, n_prompt, n_gen, n_preempt, q0, h0) -> StepStats:
+        bm = self.block_manager
+        return StepStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=bm.num_free_blocks,
+            num_blocks=bm.num_blocks,
+            kv_usage=bm.usage,
+            num_prompt_tokens=n_prompt,
+            num_generation_tokens=n_gen,
+            num_preemptions=n_preempt,
+            prefix_queries=bm.prefix_queries - q0,
+            prefix_hits=bm.prefix_hits - h0,
+            step_seconds=time.perf_counter() - t0,
+        )
+
+    # ----------------------------------------------------------------- offline
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion (offline batch); returns the output token ids per prompt."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"offline-{id(self)}-{i}" for i in range(len(prompts))]
+        reqs = [self.add_request(rid, p, sp) for rid, p, sp in zip(ids, prompts, plist)]
+        while self.has_unfinished():
+            self.step()
+        return [r.output_token_ids for r in reqs]

@@ -1,0 +1,161 @@
+"""Continuous-batching scheduler with chunked prefill and preemption by recompute.
+
+Each step gets a token budget (``max_num_batched_tokens``). Running requests are scheduled
+first (decodes take one token each; a request still in prefill takes a chunk), then waiting
+requests are admitted in arrival order while the budget, ``max_num_seqs`` and free KV blocks
+allow. Prefill and decode are one mechanism: a request computes tokens
+``num_computed_tokens .. num_tokens`` of its sequence, as in vLLM v1 and Sarathi-Serve
+(Agrawal et al., OSDI 2024). When blocks run out, the newest running request is preempted:
+its blocks are freed and it returns to the front of the waiting queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """Requests of one step and how many new tokens each computes (same order)."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    """Waiting and running queues over a :class:`BlockManager`.
+
+    Args:
+        block_manager: the KV block allocator.
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget per step.
+        enable_chunked_prefill: when False a prompt is only scheduled whole.
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+    ):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def can_ever_fit(self, request: Request) -> str | None:
+        """Why the request can never run (a message), or None when it can."""
+        bm = self.block_manager
+        need = request.num_prompt_tokens + 1
+        if bm.blocks_needed(need) > bm.num_blocks:
+            return (
+                f"prompt of {request.num_prompt_tokens} tokens needs {bm.blocks_needed(need)} KV blocks; "
+                f"the cache has {bm.num_blocks}"
+            )
+        if not self.enable_chunked_prefill and request.num_prompt_tokens > self.max_num_batched_tokens:
+            return (
+                f"prompt of {request.num_prompt_tokens} tokens exceeds max_num_batched_tokens="
+                f"{self.max_num_batched_tokens} with chunked prefill off"
+            )
+        return None
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick the requests of the next step and allocate their KV blocks."""
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        # 1. running requests, oldest first; preempt the newest when blocks run out.
+        queue = list(self.running)
+        kept: list[Request] = []
+        while queue and budget > 0:
+            req = queue.pop(0)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.enable_chunked_prefill and n < req.num_tokens - req.num_computed_tokens:
+                kept.append(req)  # cannot take a partial prefill; wait for a later step
+                continue
+            while bm.allocate_slots(req, n) is None:
+                victim = queue.pop() if queue else None
+                if victim is None:
+                    # nothing newer left to evict: preempt this request itself
+                    self._preempt(req)
+                    batch.num_preemptions += 1
+                    req = None
+                    break
+                self._preempt(victim)
+                batch.num_preemptions += 1
+            if req is None:
+                break
+            kept.append(req)
+            batch.requests.append(req)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        kept.extend(queue)  # not scheduled this step (budget exhausted) but still running
+        self.running = kept
+
+        # 2. admit waiting requests in order, unless someone was preempted this step.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.num_preemptions:
+            req = self.waiting[0]
+            cached = bm.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            remaining = req.num_tokens - req.num_computed_tokens - len(cached) * bm.block_size
+            n = min(remaining, budget)
+            if not self.enable_chunked_prefill and n < remaining:
+                break
+            if bm.allocate_slots(req, n, cached) is None:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            batch.requests.append(req)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request (any state): free its blocks and drop it from the queues. Idempotent."""
+        if request.status == RequestStatus.FINISHED:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.block_manager.free(request)

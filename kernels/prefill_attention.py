@@ -1,0 +1,380 @@
+"""Triton varlen flash-attention prefill over the paged KV cache (plus a dense-KV fast path).
+
+Layouts are those of :mod:`kernels.reference`. Queries of many sequences are packed on one
+token axis (``cu_seqlens_q``); keys/values are read from the paged cache through the block
+table, so a sequence's new tokens also attend to its cached prefix (chunked prefill, prefix
+caching). The causal mask is bottom-right aligned: query ``j`` of sequence ``b`` sits at
+position ``seq_lens[b] - q_len[b] + j``.
+
+Algorithm: FlashAttention-2 (Dao, "FlashAttention-2: Faster Attention with Better Parallelism
+and Work Partitioning", 2023) as written in Triton's fused-attention tutorial
+(``python/tutorials/06-fused-attention.py``): one program per (query head, BLOCK_M query rows,
+sequence), online softmax in base 2 with fp32 running max / sum / accumulator, the KV loop split
+into a mask-free part and a masked diagonal/tail part. Imports only torch and triton.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["prefill_attention", "prefill_attention_dense", "prefill_config"]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attn_tile(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    bt_row_ptr,
+    lo,
+    hi,
+    k_start,
+    seq_len,
+    q_pos,
+    qk_scale,
+    stride_kb,
+    stride_kt,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vd,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Online-softmax update of (acc, l_i, m_i) with keys lo .. hi (lo multiple of BLOCK_N)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k_pos = start_n + offs_n
+        if MASK:
+            kv_ok = k_pos < seq_len
+        if PAGED:
+            if MASK:
+                blk = tl.load(bt_row_ptr + k_pos // PAGE_SIZE, mask=kv_ok, other=0)
+            else:
+                blk = tl.load(bt_row_ptr + k_pos // PAGE_SIZE)
+            blk = blk.to(tl.int64)
+            k_row = blk * stride_kb + (k_pos % PAGE_SIZE) * stride_kt
+            v_row = blk * stride_vb + (k_pos % PAGE_SIZE) * stride_vt
+        else:
+            tok = (k_start + k_pos).to(tl.int64)
+            k_row = tok * stride_kt
+            v_row = tok * stride_vt
+        k_ptrs = k_base + k_row[:, None] + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + v_row[:, None] + offs_d[None, :] * stride_vd
+        if MASK:
+            k = tl.load(k_ptrs, mask=kv_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if MASK:
+            ok = kv_ok[None, :]
+            if CAUSAL:
+                ok = ok & (k_pos[None, :] <= q_pos[:, None])
+            qk = tl.where(ok, qk, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASK:
+            v = tl.load(v_ptrs, mask=kv_ok[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    block_tables_ptr,
+    cu_q_ptr,
+    seq_lens_ptr,
+    cu_k_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_bt,
+    NUM_GROUPS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    head = tl.program_id(0)
+    # Heaviest (last) query tiles first: better tail balance under the causal mask.
+    m_blk = tl.num_programs(1) - 1 - tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    if m_blk * BLOCK_M >= q_len:
+        return
+    if PAGED:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        k_start = 0
+    else:
+        k_start = tl.load(cu_k_ptr + seq)
+        seq_len = tl.load(cu_k_ptr + seq + 1) - k_start
+    ctx = seq_len - q_len  # cached prefix length (bottom-right causal alignment)
+    kv_head = head // NUM_GROUPS
+
+    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < q_len
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    q_pos = ctx + offs_m
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if CAUSAL:
+        # Keys 0 .. ctx + first row are visible to every row of the tile: no mask needed there.
+        hi_full = ((ctx + m_blk * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(seq_len, ctx + (m_blk + 1) * BLOCK_M)
+    else:
+        hi_full = (seq_len // BLOCK_N) * BLOCK_N
+        hi = seq_len
+    acc, l_i, m_i = _attn_tile(
+        acc, l_i, m_i, q, k_base, v_base, bt_row_ptr, 0, hi_full, k_start, seq_len, q_pos,
+        qk_scale, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, False, CAUSAL, DOT_PREC,
+    )
+    acc, l_i, m_i = _attn_tile(
+        acc, l_i, m_i, q, k_base, v_base, bt_row_ptr, hi_full, hi, k_start, seq_len, q_pos,
+        qk_scale, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, True, CAUSAL, DOT_PREC,
+    )
+    l_i = tl.where(l_i > 0.0, l_i, 1.0)
+    acc = acc / l_i[:, None]
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+
+
+def prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = True) -> dict:
+    """Tile configuration ``{BLOCK_M, BLOCK_N, num_warps, num_stages}`` used by the launchers.
+
+    Host-side and static (no autotuning at launch, so launches can be captured in a CUDA graph).
+    Values for bf16/fp16 on CUDA were chosen by the sweep in ``bench/kernels.py`` on an H200.
+    """
+    if device.type != "cuda":
+        # Triton interpreter: large tiles mean fewer interpreted programs and loop steps.
+        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    if dtype == torch.float32:
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    if head_dim <= 64:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+
+
+def _check_common(q: torch.Tensor, out: torch.Tensor, cu_seqlens_q: torch.Tensor, max_query_len: int) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, H_q, D], got {tuple(q.shape)}")
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must match q's shape/dtype/device, got {tuple(out.shape)} {out.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"unsupported dtype {q.dtype}; expected float16, bfloat16 or float32")
+    d = q.shape[2]
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {d}")
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.device != q.device:
+        raise ValueError("cu_seqlens_q must be an int32 [B + 1] tensor on q's device")
+    if not isinstance(max_query_len, int) or max_query_len < 0:
+        raise ValueError(f"max_query_len must be a non-negative int, got {max_query_len!r}")
+
+
+def _launch(q, k, v, out, block_tables, cu_q, seq_lens, cu_k, scale, max_query_len, causal,
+            paged, page_size, stride_kb, stride_vb, stride_bt, config):
+    t, hq, d = q.shape
+    hkv = k.shape[-2]
+    num_seqs = cu_q.shape[0] - 1
+    if t == 0 or num_seqs == 0 or max_query_len == 0:
+        return out
+    cfg = dict(prefill_config(d, q.dtype, q.device, causal))
+    if config:
+        cfg.update(config)
+    grid = (hq, triton.cdiv(max_query_len, cfg["BLOCK_M"]), num_seqs)
+    _prefill_kernel[grid](
+        q, k, v, out, block_tables, cu_q, seq_lens, cu_k,
+        float(scale) * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        stride_kb, k.stride(-3), k.stride(-2), k.stride(-1),
+        stride_vb, v.stride(-3), v.stride(-2), v.stride(-1),
+        stride_bt,
+        NUM_GROUPS=hq // hkv,
+        HEAD_DIM=d,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        PAGE_SIZE=page_size,
+        PAGED=paged,
+        CAUSAL=bool(causal),
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    causal: bool = True,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Varlen (packed) attention of new query tokens over the paged KV cache (Triton).
+
+    Same semantics as :func:`kernels.reference.prefill_attention_ref`.
+
+    Args:
+        q: ``[T, H_q, D]`` packed queries, float16 / bfloat16 / float32, any strides.
+        k_cache, v_cache: ``[num_blocks, block_size, H_kv, D]``, q's dtype, already holding this
+            step's keys/values; ``H_q % H_kv == 0`` (MHA, GQA, MQA); D a power of two in [16, 256].
+        block_tables: int32 ``[B, max_blocks]``; entries past a sequence's last block are ignored.
+        cu_seqlens_q: int32 ``[B + 1]`` offsets of each sequence's new tokens in ``q``.
+        seq_lens: int32 ``[B]`` cached + new tokens per sequence (``>= q_len``).
+        out: ``[T, H_q, D]`` like ``q``; written in place (rows of every sequence) and returned.
+        scale: softmax scale (usually ``D ** -0.5``).
+        max_query_len: host int, an upper bound of ``cu_seqlens_q[b+1] - cu_seqlens_q[b]``; sizes
+            the grid, so the launch needs no device-to-host sync and can be graph-captured.
+        causal: bottom-right aligned causal mask (query j at position ``seq_len - q_len + j``).
+        config: optional tile override ``{BLOCK_M, BLOCK_N, num_warps, num_stages}`` (benchmarks).
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: on inconsistent shapes, dtypes, devices, head counts or head_dim.
+
+    Algorithm: FlashAttention-2 (Dao 2023) after Triton's fused-attention tutorial; K/V rows are
+    gathered through the block table tile by tile (``block = block_tables[b, pos // block_size]``).
+    """
+    _check_common(q, out, cu_seqlens_q, max_query_len)
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError("k_cache/v_cache must be [num_blocks, block_size, H_kv, D] of equal shape")
+    t, hq, d = q.shape
+    _, page_size, hkv, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"cache head_dim {dk} != q head_dim {d}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"H_q={hq} must be a multiple of H_kv={hkv}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError("k_cache/v_cache must have q's dtype")
+    b = cu_seqlens_q.shape[0] - 1
+    if block_tables.dim() != 2 or block_tables.dtype != torch.int32 or block_tables.shape[0] != b:
+        raise ValueError(f"block_tables must be int32 [B={b}, max_blocks], got {tuple(block_tables.shape)} {block_tables.dtype}")
+    if seq_lens.shape != (b,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [B={b}]")
+    if block_tables.stride(1) != 1 and block_tables.shape[1] > 1:
+        raise ValueError("block_tables rows must be contiguous")
+    devs = {k_cache.device, v_cache.device, block_tables.device, seq_lens.device}
+    if devs != {q.device}:
+        raise ValueError("all tensors must be on q's device")
+    return _launch(
+        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, cu_seqlens_q, scale,
+        max_query_len, causal, True, page_size, k_cache.stride(0), v_cache.stride(0),
+        block_tables.stride(0), config,
+    )
+
+
+def prefill_attention_dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    causal: bool = True,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Varlen attention with packed, contiguous (non-paged) keys/values (Triton fast path).
+
+    Args:
+        q, out: ``[T, H_q, D]`` as in :func:`prefill_attention`.
+        k, v: ``[T_k, H_kv, D]`` packed keys/values of all sequences, q's dtype.
+        cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]`` offsets of each sequence's queries / keys;
+            ``k_len >= q_len`` (queries are the last ``q_len`` key positions when causal).
+        scale, max_query_len, causal, config: as in :func:`prefill_attention`.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: on inconsistent shapes, dtypes or devices.
+
+    Algorithm: the same FlashAttention-2 kernel as :func:`prefill_attention`, addressing K/V
+    rows as ``cu_seqlens_k[b] + pos`` instead of through a block table.
+    """
+    _check_common(q, out, cu_seqlens_q, max_query_len)
+    if k.dim() != 3 or v.shape != k.shape or k.shape[2] != q.shape[2]:
+        raise ValueError(f"k/v must be [T_k, H_kv, D] with q's D, got {tuple(k.shape)}, {tuple(v.shape)}")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"H_q={hq} must be a multiple of H_kv={hkv}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError("k/v must have q's dtype")
+    if cu_seqlens_k.shape != cu_seqlens_q.shape or cu_seqlens_k.dtype != torch.int32:
+        raise ValueError("cu_seqlens_k must be int32 [B + 1]")
+    if {k.device, v.device, cu_seqlens_k.device} != {q.device}:
+        raise ValueError("all tensors must be on q's device")
+    return _launch(
+        q, k, v, out, cu_seqlens_q, cu_seqlens_q, cu_seqlens_q, cu_seqlens_k, scale,
+        max_query_len, causal, False, 1, 0, 0, 0, config,
+    )
