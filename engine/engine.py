@@ -39,6 +39,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    scheduled_time: float | None = None
 
 
 def eos_ids_from(model_dir: str) -> frozenset[int]:
@@ -81,15 +82,13 @@ class LLMEngine:
         )
 
     # ---------------------------------------------------------------- requests
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """Queue a request.
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Reject a request that can never be served; reads only constants (thread-safe).
 
         Raises:
-            RequestRejected: empty prompt, prompt at or over max_model_len, prompt that the KV
-                cache can never hold, or a duplicate id.
+            RequestRejected: empty prompt, ids outside the vocabulary, prompt at or over
+                max_model_len, or a prompt that the KV cache can never hold.
         """
-        if request_id in self.requests:
-            raise RequestRejected(f"duplicate request id {request_id!r}")
         if not prompt_token_ids:
             raise RequestRejected("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -100,10 +99,20 @@ class LLMEngine:
                 f"prompt has {len(prompt_token_ids)} tokens; this model's maximum context length is "
                 f"{self.max_model_len} tokens including at least one generated token"
             )
-        req = Request(request_id, list(prompt_token_ids), params, max_len=self.max_model_len)
-        why = self.scheduler.can_ever_fit(req)
+        why = self.scheduler.can_ever_fit(len(prompt_token_ids))
         if why:
             raise RequestRejected(why)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Validate and queue a request.
+
+        Raises:
+            RequestRejected: see :meth:`validate`, or a duplicate id.
+        """
+        if request_id in self.requests:
+            raise RequestRejected(f"duplicate request id {request_id!r}")
+        self.validate(prompt_token_ids, params)
+        req = Request(request_id, list(prompt_token_ids), params, max_len=self.max_model_len)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -174,6 +183,7 @@ class LLMEngine:
                     req.request_id, [token], [lp] if lp is not None or req.sampling_params.logprobs is not None else [],
                     finished=reason is not None, finish_reason=reason,
                     num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+                    scheduled_time=req.first_scheduled_time,
                 ))
                 if reason is not None:
                     self._finish(req, reason)

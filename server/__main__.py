@@ -1,0 +1,78 @@
+"""Command line: ``python -m server [--model DIR] ...``; every flag also reads QWEN_SERVE_<FLAG>."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+log = logging.getLogger("server")
+
+ENV_PREFIX = "QWEN_SERVE_"
+
+
+def _env(name: str, default=None):
+    return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The server's flags; defaults come from QWEN_SERVE_* environment variables when set."""
+    p = argparse.ArgumentParser(
+        prog="python -m server",
+        description="OpenAI-compatible server for Qwen3/Qwen2 checkpoints (paged KV cache, continuous batching). "
+        "Every flag can also be set through the environment variable QWEN_SERVE_<FLAG> "
+        "(e.g. QWEN_SERVE_PORT=9000).",
+    )
+    a = p.add_argument
+    a("--model", default=_env("model"), help="Hugging Face checkpoint directory (default: the embedded random-weight Qwen3)")
+    a("--host", default=_env("host", "127.0.0.1"))
+    a("--port", type=int, default=int(_env("port", 8000)))
+    a("--dtype", default=_env("dtype", "auto"), choices=["auto", "float32", "bfloat16", "float16"],
+      help="weights and activations (auto: float32 on CPU, the checkpoint's dtype on CUDA)")
+    a("--device", default=_env("device", "auto"), help="auto, cpu, cuda or cuda:N")
+    a("--max-model-len", type=int, default=_env("max_model_len"), help="longest prompt + completion in tokens")
+    a("--block-size", type=int, default=int(_env("block_size", 16)), help="tokens per KV-cache block")
+    a("--num-kv-blocks", type=int, default=_env("num_kv_blocks"), help="KV-cache blocks to allocate")
+    a("--kv-cache-memory-gb", type=float, default=_env("kv_cache_memory_gb"),
+      help="KV-cache budget in GiB (when --num-kv-blocks is not given; default: 1 GiB on CPU, "
+      "--gpu-memory-utilization of the GPU)")
+    a("--gpu-memory-utilization", type=float, default=float(_env("gpu_memory_utilization", 0.85)))
+    a("--max-num-seqs", type=int, default=int(_env("max_num_seqs", 256)), help="most requests running at once")
+    a("--max-num-batched-tokens", type=int, default=int(_env("max_num_batched_tokens", 8192)),
+      help="token budget of one engine step (prefill chunks + decodes)")
+    a("--served-model-name", default=_env("served_model_name"), help="model id in the API (default: the directory name)")
+    a("--attention-backend", default=_env("attention_backend"), choices=["triton", "torch"],
+      help="default: triton on CUDA, torch on CPU")
+    a("--no-prefix-caching", action="store_true", default=bool(_env("no_prefix_caching")), help="disable automatic prefix caching")
+    a("--no-cuda-graph", action="store_true", default=bool(_env("no_cuda_graph")), help="disable CUDA graphs for decode")
+    a("--reasoning-parser", default=_env("reasoning_parser"), choices=["qwen3"],
+      help="split <think>...</think> into reasoning_content")
+    a("--api-key", default=_env("api_key"), help="require 'Authorization: Bearer KEY' on /v1 routes")
+    a("--protect-metrics", action="store_true", default=bool(_env("protect_metrics")), help="require the API key on /metrics too")
+    a("--max-body-bytes", type=int, default=int(_env("max_body_bytes", 4 << 20)), help="larger request bodies get 413")
+    a("--max-prompt-tokens", type=int, default=_env("max_prompt_tokens"), help="longer prompts get 400")
+    a("--seed", type=int, default=int(_env("seed", 0)))
+    a("--log-level", default=_env("log_level", "info"), choices=["debug", "info", "warning", "error"])
+    a("--graceful-timeout", type=float, default=float(_env("graceful_timeout", 30)),
+      help="seconds in-flight requests get to finish after SIGTERM")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from server.factory import build_context
+    from server.app import create_app
+
+    ctx = build_context(args)
+    app = create_app(ctx)
+    log.info("serving %s on http://%s:%d", ctx.model_name, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=int(args.graceful_timeout))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

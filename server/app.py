@@ -1,0 +1,166 @@
+"""FastAPI application: routes, API-key check, body-size limit, lifespan of the engine loop."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from server.chat import ChatCompletions
+from server.completions import Completions
+from server.context import ServerContext
+from server.errors import APIError, error_body, install_error_handlers
+from server.generation import EngineError
+from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+
+
+class BodySizeLimit:
+    """ASGI middleware: POST bodies larger than ``max_bytes`` get 413 before any parsing."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        too_big = declared is not None and declared.isdigit() and int(declared) > self.max_bytes
+        messages = []
+        if not too_big:
+            size = 0
+            while True:
+                msg = await receive()
+                messages.append(msg)
+                if msg["type"] != "http.request":
+                    break
+                size += len(msg.get("body", b""))
+                if size > self.max_bytes:
+                    too_big = True
+                    break
+                if not msg.get("more_body", False):
+                    break
+        if too_big:
+            resp = JSONResponse(error_body(413, f"request body exceeds {self.max_bytes} bytes"), status_code=413)
+            return await resp(scope, receive, send)
+
+        async def replay():
+            if messages:
+                return messages.pop(0)
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+async def _until_disconnect(raw: Request, coro):
+    """Run ``coro``; if the client disconnects first, cancel it (its finally blocks abort the
+    engine requests) and return None."""
+    task = asyncio.ensure_future(coro)
+
+    async def watch():
+        while True:
+            msg = await raw.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    return None
+
+
+def create_app(ctx: ServerContext) -> FastAPI:
+    """Build the application over a ready :class:`ServerContext` (the engine loop starts with the app)."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        ctx.engine.start()
+        try:
+            yield
+        finally:
+            await ctx.engine.shutdown()
+
+    app = FastAPI(title="qwen-serve", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    app.state.ctx = ctx
+    chat = ChatCompletions(ctx)
+    completions = Completions(ctx)
+
+    def check_key(request: Request) -> None:
+        if ctx.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), ctx.api_key.encode()):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", None, "invalid_api_key")
+
+    async def stream_response(gen_iter, aborts) -> StreamingResponse:
+        async def body():
+            try:
+                async for item in gen_iter:
+                    yield item
+            finally:
+                aborts()
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        gen = chat.start(req)
+        if req.stream:
+            return await stream_response(chat.stream(req, gen), gen.abort)
+        try:
+            resp = await _until_disconnect(raw, chat.complete(req, gen))
+        except EngineError as exc:
+            raise APIError(500, f"engine error: {exc}") from None
+        finally:
+            gen.abort()
+        return resp if resp is not None else Response(status_code=499)
+
+    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    async def text_completions(req: CompletionRequest, raw: Request):
+        gens, rid = completions.start(req)
+
+        def abort_all():
+            for g in gens:
+                g.abort()
+
+        if req.stream:
+            return await stream_response(completions.stream(req, gens, rid), abort_all)
+        try:
+            resp = await _until_disconnect(raw, completions.complete(req, gens, rid))
+        except EngineError as exc:
+            raise APIError(500, f"engine error: {exc}") from None
+        finally:
+            abort_all()
+        return resp if resp is not None else Response(status_code=499)
+
+    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    async def models():
+        return ModelList(data=[ModelCard(id=ctx.model_name, root=ctx.model_name, max_model_len=ctx.max_model_len)])
+
+    @app.get("/health")
+    async def health():
+        if not ctx.engine.is_running:
+            return JSONResponse(error_body(503, "engine loop is not running"), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        if ctx.protect_metrics:
+            check_key(request)
+        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return BodySizeLimit(app, ctx.max_body_bytes) if ctx.max_body_bytes else app
+
+
+def openapi_app(app) -> FastAPI:
+    """The FastAPI object inside the middleware (for its OpenAPI schema)."""
+    return getattr(app, "app", app)
+

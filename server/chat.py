@@ -1,0 +1,183 @@
+"""POST /v1/chat/completions: template rendering, generation, and response/stream shaping."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from engine.engine import RequestRejected
+from engine.tokenizer import Tokenizer
+from server.context import ServerContext
+from server.errors import APIError, error_body
+from server.generation import EngineError, Generation
+from server.output import ChatOutputProcessor
+from server.params import to_sampling_params
+from server.protocol import (
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+    ChoiceLogprobs, Delta, DeltaToolCall, ResponseMessage, ResponseToolCall, TokenLogprob, TopLogprob, Usage,
+    new_id,
+)
+from server.stream import DONE, sse
+
+
+def messages_to_dicts(req: ChatCompletionRequest) -> list[dict]:
+    """OpenAI messages as the plain dicts a Hugging Face chat template expects."""
+    out = []
+    for m in req.messages:
+        d: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.name:
+            d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": tc.id, "type": "function",
+                                "function": {"name": tc.function.name, "arguments": tc.function.arguments}}
+                               for tc in m.tool_calls]
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content:
+            d["reasoning_content"] = m.reasoning_content
+        out.append(d)
+    return out
+
+
+def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> str:
+    """Render the chat template (sandboxed jinja2) for this request.
+
+    Raises:
+        APIError: 400 when the template rejects the conversation.
+    """
+    tools = None
+    if req.tools and req.tool_choice != "none":
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    try:
+        return tokenizer.apply_chat_template(
+            messages_to_dicts(req), tools=tools, add_generation_prompt=req.add_generation_prompt,
+            **(req.chat_template_kwargs or {}),
+        )
+    except ValueError as exc:
+        raise APIError(400, f"chat template error: {exc}", "messages") from None
+
+
+def token_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list) -> list[TokenLogprob]:
+    """OpenAI chat logprobs entries for generated tokens (engine entries: (logprob, [(id, logprob)]))."""
+    out = []
+    for tok, entry in zip(token_ids, entries):
+        if entry is None:
+            continue
+        lp, alts = entry
+        text = tokenizer.decode([tok], skip_special_tokens=False)
+        tops = []
+        for alt_id, alt_lp in alts:
+            t = tokenizer.decode([alt_id], skip_special_tokens=False)
+            tops.append(TopLogprob(token=t, logprob=alt_lp, bytes=list(t.encode())))
+        out.append(TokenLogprob(token=text, logprob=lp, bytes=list(text.encode()), top_logprobs=tops))
+    return out
+
+
+class ChatCompletions:
+    """The chat endpoint's logic, bound to a :class:`ServerContext`."""
+
+    def __init__(self, ctx: ServerContext):
+        self.ctx = ctx
+
+    def start(self, req: ChatCompletionRequest) -> Generation:
+        """Validate, render and tokenize, then queue the request's choices.
+
+        Raises:
+            APIError: 400/404 with an OpenAI error body.
+        """
+        ctx = self.ctx
+        if req.model is not None and req.model != ctx.model_name:
+            raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{ctx.model_name}'.",
+                           "model", "model_not_found")
+        prompt = render_prompt(ctx.tokenizer, req)
+        prompt_ids = ctx.tokenizer.encode(prompt)
+        limit = ctx.max_prompt_tokens
+        if limit is not None and len(prompt_ids) > limit:
+            raise APIError(400, f"prompt has {len(prompt_ids)} tokens; the limit is {limit}", "messages")
+        params = to_sampling_params(
+            req, max_tokens=req.max_completion_tokens or req.max_tokens,
+            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+            num_prompt_tokens=len(prompt_ids), max_model_len=ctx.max_model_len,
+            vocab_size=ctx.vocab_size, defaults=ctx.defaults,
+        )
+        try:
+            return Generation(ctx.engine, ctx.tokenizer, new_id("chatcmpl"), prompt_ids, params, req.n,
+                              on_finished=ctx.metrics.on_request_finished)
+        except RequestRejected as exc:
+            raise APIError(400, str(exc), "messages", "context_length_exceeded") from None
+
+    def _processor(self, req: ChatCompletionRequest) -> ChatOutputProcessor:
+        return ChatOutputProcessor(reasoning=self.ctx.reasoning_parser == "qwen3",
+                                   tools=bool(req.tools) and req.tool_choice != "none")
+
+    async def complete(self, req: ChatCompletionRequest, gen: Generation) -> ChatCompletionResponse:
+        """Non-streamed response. Raises EngineError when the engine failed the request."""
+        results = await gen.collect()
+        choices = []
+        for r in results:
+            proc = self._processor(req)
+            r1, c1, t1 = proc.feed(r.text)
+            r2, c2, t2 = proc.finish()
+            reasoning, content, calls = r1 + r2, c1 + c2, t1 + t2
+            finish = "tool_calls" if calls and r.finish_reason == "stop" else r.finish_reason
+            msg = ResponseMessage(
+                content=content if (content or not calls) else None,
+                reasoning_content=reasoning or None,
+                tool_calls=[ResponseToolCall(id=c["id"], function=c["function"]) for c in calls] or None,
+            )
+            lps = None
+            if req.logprobs:
+                lps = ChoiceLogprobs(content=token_logprobs(self.ctx.tokenizer, r.token_ids, r.logprobs))
+            choices.append(ChatChoice(index=r.index, message=msg, logprobs=lps, finish_reason=finish))
+        completion = sum(len(r.token_ids) for r in results)
+        rid = gen.request_id
+        return ChatCompletionResponse(
+            id=rid, model=self.ctx.model_name, choices=choices,
+            usage=Usage(prompt_tokens=gen.num_prompt_tokens, completion_tokens=completion,
+                        total_tokens=gen.num_prompt_tokens + completion),
+        )
+
+    async def stream(self, req: ChatCompletionRequest, gen: Generation) -> AsyncIterator[str]:
+        """SSE chunks: role first, content deltas, a finish chunk per choice, usage, [DONE]."""
+        rid = gen.request_id
+        created = int(time.time())
+        model = self.ctx.model_name
+        n = len(gen.streams)
+        procs = [self._processor(req) for _ in range(n)]
+        completion = 0
+
+        def chunk(index: int, delta: Delta, finish: str | None = None, logprobs=None) -> str:
+            return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+                ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)]))
+
+        for i in range(n):
+            yield chunk(i, Delta(role="assistant", content=""))
+        try:
+            async for ev in gen.events():
+                completion += len(ev.token_ids)
+                proc = procs[ev.index]
+                r, c, calls = proc.feed(ev.text)
+                if ev.finish_reason is not None:
+                    r2, c2, calls2 = proc.finish()
+                    r, c, calls = r + r2, c + c2, calls + calls2
+                lps = None
+                if req.logprobs and ev.logprobs:
+                    lps = ChoiceLogprobs(content=token_logprobs(self.ctx.tokenizer, ev.token_ids, ev.logprobs))
+                if r or c or calls or lps:
+                    yield chunk(ev.index, Delta(
+                        content=c or None, reasoning_content=r or None,
+                        tool_calls=[DeltaToolCall(index=tc["index"], id=tc["id"], type="function",
+                                                  function=tc["function"]) for tc in calls] or None,
+                    ), logprobs=lps)
+                if ev.finish_reason is not None:
+                    finish = "tool_calls" if proc.num_tool_calls and ev.finish_reason == "stop" else ev.finish_reason
+                    yield chunk(ev.index, Delta(), finish)
+        except EngineError as exc:
+            yield sse(error_body(500, f"engine error: {exc}"))
+            yield DONE
+            return
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=Usage(
+                prompt_tokens=gen.num_prompt_tokens, completion_tokens=completion,
+                total_tokens=gen.num_prompt_tokens + completion)))
+        yield DONE

@@ -1,0 +1,162 @@
+"""POST /v1/completions: text prompts (or token ids), echo, logprobs, streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from engine.engine import RequestRejected
+from server.context import ServerContext
+from server.errors import APIError, error_body
+from server.generation import ChoiceEvent, EngineError, Generation
+from server.params import to_sampling_params
+from server.protocol import (
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage, new_id,
+)
+from server.stream import DONE, sse
+
+
+class Completions:
+    """The text-completion endpoint's logic, bound to a :class:`ServerContext`."""
+
+    def __init__(self, ctx: ServerContext):
+        self.ctx = ctx
+
+    def _prompts(self, req: CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        tok = self.ctx.tokenizer
+        if isinstance(p, str):
+            return [tok.encode(p)]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        if all(isinstance(x, str) for x in p):
+            return [tok.encode(x) for x in p]
+        return [list(x) for x in p]
+
+    def start(self, req: CompletionRequest) -> tuple[list[Generation], str]:
+        """Validate and queue every prompt's choices. Raises APIError (400/404)."""
+        ctx = self.ctx
+        if req.model is not None and req.model != ctx.model_name:
+            raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{ctx.model_name}'.",
+                           "model", "model_not_found")
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", "suffix")
+        rid = new_id("cmpl")
+        prompts = self._prompts(req)
+        if len(prompts) * req.n > 64:
+            raise APIError(400, "at most 64 choices (prompts x n) per request", "prompt")
+        gens: list[Generation] = []
+        try:
+            for i, ids in enumerate(prompts):
+                if not ids:
+                    raise APIError(400, "prompt must not be empty", "prompt")
+                limit = ctx.max_prompt_tokens
+                if limit is not None and len(ids) > limit:
+                    raise APIError(400, f"prompt has {len(ids)} tokens; the limit is {limit}", "prompt")
+                params = to_sampling_params(
+                    req, max_tokens=req.max_tokens if req.max_tokens is not None else 16, logprobs=req.logprobs,
+                    num_prompt_tokens=len(ids), max_model_len=ctx.max_model_len, vocab_size=ctx.vocab_size,
+                    defaults=ctx.defaults,
+                )
+                gens.append(Generation(ctx.engine, ctx.tokenizer, f"{rid}-p{i}", ids, params, req.n,
+                                       on_finished=ctx.metrics.on_request_finished))
+        except RequestRejected as exc:
+            for g in gens:
+                g.abort()
+            raise APIError(400, str(exc), "prompt", "context_length_exceeded") from None
+        except APIError:
+            for g in gens:
+                g.abort()
+            raise
+        return gens, rid
+
+    def _logprobs(self, token_ids: list[int], entries: list, offset: int) -> CompletionLogprobs:
+        tok = self.ctx.tokenizer
+        out = CompletionLogprobs()
+        for t, e in zip(token_ids, entries):
+            text = tok.decode([t], skip_special_tokens=False)
+            out.tokens.append(text)
+            out.token_logprobs.append(e[0] if e else None)
+            out.top_logprobs.append({tok.decode([i], skip_special_tokens=False): lp for i, lp in e[1]} if e else None)
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+    def _echo(self, gen: Generation) -> str:
+        return self.ctx.tokenizer.decode(gen.prompt_ids, skip_special_tokens=False)
+
+    async def complete(self, req: CompletionRequest, gens: list[Generation], rid: str) -> CompletionResponse:
+        results = await asyncio.gather(*(g.collect() for g in gens))
+        choices = []
+        prompt_tokens = completion = 0
+        for p_idx, (gen, res) in enumerate(zip(gens, results)):
+            prompt_tokens += gen.num_prompt_tokens
+            prefix = self._echo(gen) if req.echo else ""
+            for r in res:
+                completion += len(r.token_ids)
+                lps = self._logprobs(r.token_ids, r.logprobs, len(prefix)) if req.logprobs is not None else None
+                choices.append(CompletionChoice(index=p_idx * req.n + r.index, text=prefix + r.text,
+                                                logprobs=lps, finish_reason=r.finish_reason))
+        return CompletionResponse(id=rid, model=self.ctx.model_name, choices=choices, usage=Usage(
+            prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion))
+
+    async def stream(self, req: CompletionRequest, gens: list[Generation], rid: str) -> AsyncIterator[str]:
+        created = int(time.time())
+        model = self.ctx.model_name
+        queue: asyncio.Queue = asyncio.Queue()
+        completion = 0
+
+        async def pump(p_idx: int, gen: Generation):
+            try:
+                async for ev in gen.events():
+                    await queue.put((p_idx, ev))
+            except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
+                await queue.put(exc)
+            await queue.put(None)
+
+        def chunk(index: int, text: str, finish: str | None, lps=None) -> str:
+            return sse(CompletionResponse(id=rid, created=created, model=model, choices=[
+                CompletionChoice(index=index, text=text, logprobs=lps, finish_reason=finish)]))
+
+        offsets: dict[int, int] = {}
+        if req.echo:
+            for p_idx, gen in enumerate(gens):
+                for i in range(req.n):
+                    text = self._echo(gen)
+                    offsets[p_idx * req.n + i] = len(text)
+                    yield chunk(p_idx * req.n + i, text, None)
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+        try:
+            done = 0
+            while done < len(tasks):
+                item = await queue.get()
+                if item is None:
+                    done += 1
+                    continue
+                if isinstance(item, EngineError):
+                    yield sse(error_body(500, f"engine error: {item}"))
+                    yield DONE
+                    return
+                if isinstance(item, Exception):
+                    raise item
+                p_idx, ev = item
+                ev: ChoiceEvent
+                index = p_idx * req.n + ev.index
+                completion += len(ev.token_ids)
+                lps = None
+                if req.logprobs is not None and ev.token_ids:
+                    lps = self._logprobs(ev.token_ids, ev.logprobs, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(ev.text)
+                if ev.text or ev.finish_reason or lps:
+                    yield chunk(index, ev.text, ev.finish_reason, lps)
+        finally:
+            for t in tasks:
+                t.cancel()
+            for g in gens:
+                g.abort()
+        if req.stream_options is not None and req.stream_options.include_usage:
+            prompt_tokens = sum(g.num_prompt_tokens for g in gens)
+            yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=Usage(
+                prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)))
+        yield DONE

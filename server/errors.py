@@ -1,0 +1,66 @@
+"""OpenAI-shaped error bodies and the exception handlers that produce them."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          413: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error with an HTTP status and an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """``{"error": {"message", "type", "param", "code"}}`` as OpenAI returns it."""
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def _param_of(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body",)]
+    # drop pydantic's union-branch tags ("str", "list[TextPart]", ...) but keep indices and names
+    kept = [p for p in parts if not any(c in p for c in "[]") and p not in ("str", "int", "float", "bool", "function-after")]
+    return ".".join(kept) or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map validation errors to 400 (never FastAPI's 422) and every error to an OpenAI body."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        param = _param_of(tuple(first.get("loc", ())))
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            msg, param = "the request body is not valid JSON", None
+        elif first.get("type") == "missing":
+            msg = f"missing required parameter '{param}'"
+        else:
+            msg = f"invalid value for '{param}': {msg}" if param else msg
+        return error_response(400, msg, param, first.get("type"))
+
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _any(_: Request, exc: Exception):
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")

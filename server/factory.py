@@ -1,0 +1,78 @@
+"""Build the engine, tokenizer and metrics from command-line arguments."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig, parse_dtype, read_generation_config
+from engine.engine import LLMEngine
+from engine.tokenizer import Tokenizer
+from server.context import ServerContext
+from server.metrics import ServerMetrics
+from server.params import generation_defaults
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> str:
+    """"auto" -> "cuda" when available else "cpu"."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def build_context(args: argparse.Namespace) -> ServerContext:
+    """Load the checkpoint (or build the embedded one) and wire engine, tokenizer and metrics.
+
+    Raises:
+        FileNotFoundError / ValueError: unreadable or unsupported checkpoint, bad settings.
+    """
+    model_dir = args.model
+    if model_dir is None:
+        from engine.embedded import ensure_embedded_checkpoint
+
+        model_dir = str(ensure_embedded_checkpoint())
+        name = args.served_model_name or "qwen3-embedded"
+    else:
+        name = args.served_model_name or Path(model_dir).resolve().name
+    device = resolve_device(args.device)
+    config = EngineConfig(
+        model=model_dir,
+        dtype=None if args.dtype == "auto" else parse_dtype(args.dtype),
+        device=device,
+        max_model_len=args.max_model_len and int(args.max_model_len),
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks and int(args.num_kv_blocks),
+        kv_cache_memory_gb=args.kv_cache_memory_gb and float(args.kv_cache_memory_gb),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        attention_backend=args.attention_backend,
+        enable_prefix_caching=not args.no_prefix_caching,
+        cuda_graph=not args.no_cuda_graph,
+        seed=args.seed,
+    )
+    tokenizer = Tokenizer(model_dir)
+    engine = LLMEngine(config, eos_token_ids=tokenizer.eos_token_ids)
+    info = engine.cache_info
+    metrics = ServerMetrics(name, {
+        "model": model_dir, "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "block_size": info.block_size, "num_kv_blocks": info.num_kv_blocks, "max_model_len": info.max_model_len,
+    }, cuda_device=torch.device(device) if device.startswith("cuda") else None)
+    return ServerContext(
+        engine=AsyncEngine(engine, on_step=metrics.on_step),
+        tokenizer=tokenizer,
+        model_name=name,
+        metrics=metrics,
+        defaults=generation_defaults(read_generation_config(model_dir)),
+        reasoning_parser=args.reasoning_parser,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_tokens=args.max_prompt_tokens and int(args.max_prompt_tokens),
+        protect_metrics=args.protect_metrics,
+    )

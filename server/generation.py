@@ -1,0 +1,186 @@
+"""Runs one API request through the async engine: n choices, detokenization, stop strings, aborts.
+
+Everything the chat and text endpoints share lives here; the endpoints only shape responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.async_engine import AsyncEngine, RequestStream
+from engine.detokenizer import IncrementalDetokenizer
+from engine.request import FinishReason, SamplingParams
+from engine.stats import RequestStats
+from engine.tokenizer import Tokenizer
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request (HTTP 500 / an error chunk)."""
+
+
+@dataclass
+class ChoiceEvent:
+    """New output of one choice.
+
+    Attributes:
+        text: new text (already cut at a stop string, UTF-8 safe).
+        token_ids: new token ids; logprobs: matching engine logprob entries (may be empty).
+        finish_reason: "stop" | "length" | "abort" on the choice's last event.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class ChoiceResult:
+    """Accumulated output of one choice."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Generation:
+    """One API request (``n`` engine requests) in flight.
+
+    Args:
+        engine: the shared async engine; tokenizer: for detokenization.
+        request_id: the API request id; prompt_ids: the prompt tokens.
+        params: sampling parameters; n: number of choices (seeds are ``seed + i``).
+        on_finished: called with :class:`RequestStats` for every finished engine request.
+
+    Raises (from the constructor):
+        RequestRejected: the prompt can never be served.
+    """
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, request_id: str, prompt_ids: list[int],
+                 params: SamplingParams, n: int = 1, on_finished=None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.on_finished = on_finished
+        self.streams: list[RequestStream] = []
+        self.finished: list[bool] = [False] * n
+        self.num_tokens: list[int] = [0] * n
+        engine.engine.validate(prompt_ids, params)
+        for i in range(n):
+            p = params
+            if n > 1 and params.seed is not None:
+                p = dataclasses.replace(params, seed=params.seed + i)
+            self.streams.append(engine.add_request(f"{request_id}-{i}", prompt_ids, p))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    async def _choice(self, index: int) -> AsyncIterator[ChoiceEvent]:
+        stream = self.streams[index]
+        p = self.params
+        detok = IncrementalDetokenizer(
+            self.tokenizer, self.prompt_ids, skip_special_tokens=p.skip_special_tokens,
+            stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output,
+        )
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.engine.engine.eos_token_ids))
+        async for out in stream:
+            if out.error is not None:
+                self._finish(index, "error")
+                raise EngineError(out.error)
+            ids = out.new_token_ids
+            self.num_tokens[index] += len(ids)
+            text_ids = ids
+            if out.finish_reason == FinishReason.STOP and ids and ids[-1] in stop_ids and not p.include_stop_str_in_output:
+                text_ids = ids[:-1]  # the stop token itself is not part of the text
+            text = detok.step(text_ids) if text_ids else ""
+            if detok.stop_reason is not None:
+                self.engine.abort(stream.request_id)
+                self._finish(index, "stop")
+                yield ChoiceEvent(index, text, ids, out.logprobs, "stop")
+                return
+            reason = None
+            if out.finished:
+                text += detok.finish()
+                reason = out.finish_reason.value
+                self._finish(index, reason)
+            yield ChoiceEvent(index, text, ids, out.logprobs, reason)
+        # stream ended without a finished output: aborted elsewhere
+
+    def _finish(self, index: int, reason: str) -> None:
+        if self.finished[index]:
+            return
+        self.finished[index] = True
+        if self.on_finished is None:
+            return
+        s = self.streams[index]
+        now = time.monotonic()
+        self.on_finished(RequestStats(
+            request_id=s.request_id, finish_reason=reason, num_prompt_tokens=s.num_prompt_tokens,
+            num_generation_tokens=self.num_tokens[index], num_cached_tokens=0,
+            queue_time=None if s.scheduled_time is None else s.scheduled_time - s.arrival_time,
+            ttft=None if s.first_token_time is None else s.first_token_time - s.arrival_time,
+            e2e_latency=now - s.arrival_time,
+        ), s.itls)
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        """Events of all choices, interleaved as they arrive. Aborts unfinished choices on exit."""
+        try:
+            if len(self.streams) == 1:
+                async for ev in self._choice(0):
+                    yield ev
+                return
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i):
+                try:
+                    async for ev in self._choice(i):
+                        await queue.put(ev)
+                except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
+                    await queue.put(exc)
+                await queue.put(None)
+
+            tasks = [asyncio.create_task(pump(i)) for i in range(len(self.streams))]
+            try:
+                done = 0
+                while done < len(tasks):
+                    item = await queue.get()
+                    if item is None:
+                        done += 1
+                    elif isinstance(item, Exception):
+                        raise item
+                    else:
+                        yield item
+            finally:
+                for t in tasks:
+                    t.cancel()
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Abort every unfinished choice (client gone); idempotent."""
+        for i, s in enumerate(self.streams):
+            if not self.finished[i]:
+                self.engine.abort(s.request_id)
+                self._finish(i, "abort")
+
+    async def collect(self) -> list[ChoiceResult]:
+        """Run to completion and return each choice's full output (non-streaming)."""
+        results = [ChoiceResult(i) for i in range(len(self.streams))]
+        async for ev in self.events():
+            r = results[ev.index]
+            r.text += ev.text
+            r.token_ids += ev.token_ids
+            r.logprobs += ev.logprobs
+            if ev.finish_reason is not None:
+                r.finish_reason = ev.finish_reason
+        return results

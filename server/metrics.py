@@ -1,0 +1,106 @@
+"""Prometheus exporter of the engine's plain stats objects (vLLM metric names, own prefix).
+
+The engine never imports prometheus_client; it hands :class:`StepStats` and
+:class:`RequestStats` to :class:`ServerMetrics`, which owns a private registry.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, generate_latest
+
+from engine.stats import RequestStats, StepStats
+
+PREFIX = "qwen_serve:"
+#: latency buckets from 1 ms to 10 minutes: they fit CPU and GPU speeds alike
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+FINISH_REASONS = ("stop", "length", "abort", "tool_calls", "error")
+
+
+class ServerMetrics:
+    """All metrics of one server, labelled with ``model_name``.
+
+    Args:
+        model_name: the served model id.
+        info: static facts for the info metric (model, dtype, block_size, num_kv_blocks, max_model_len).
+        cuda_device: a torch CUDA device whose memory is reported at each scrape, or None.
+    """
+
+    def __init__(self, model_name: str, info: dict[str, str], cuda_device=None):
+        self.registry = reg = CollectorRegistry()
+        ProcessCollector(registry=reg)
+        self.cuda_device = cuda_device
+        labels = ["model_name"]
+        self._label = {"model_name": model_name}
+
+        def gauge(name, doc):
+            return Gauge(PREFIX + name, doc, labels, registry=reg).labels(**self._label)
+
+        def counter(name, doc):
+            return Counter(PREFIX + name, doc, labels, registry=reg).labels(**self._label)
+
+        def hist(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg).labels(**self._label)
+
+        self.running = gauge("num_requests_running", "Requests in the running queue.")
+        self.waiting = gauge("num_requests_waiting", "Requests in the waiting queue.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
+        self.free_blocks = gauge("num_free_kv_blocks", "Free KV-cache blocks.")
+        self.gpu_allocated = gauge("gpu_memory_allocated_bytes", "CUDA memory allocated by tensors.")
+        self.gpu_reserved = gauge("gpu_memory_reserved_bytes", "CUDA memory reserved by the caching allocator.")
+        self.gpu_total = gauge("gpu_memory_total_bytes", "Total memory of the CUDA device.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (prefill).")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.preemptions = counter("num_preemptions", "Requests preempted (recompute).")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                          labels + ["finished_reason"], registry=reg)
+        self.success = {r: success.labels(finished_reason=r, **self._label) for r in FINISH_REASONS}
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.", LATENCY_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduling.", LATENCY_BUCKETS)
+        self.req_prompt = hist("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
+        self.req_gen = hist("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
+        self.iteration_tokens = hist("iteration_tokens_total", "Tokens per engine step.", TOKEN_BUCKETS)
+        Info(PREFIX + "model", "Served model and cache configuration.", registry=reg).info(
+            {"model_name": model_name, **{k: str(v) for k, v in info.items()}})
+
+    def on_step(self, s: StepStats) -> None:
+        """Record one engine step."""
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.kv_usage.set(s.kv_usage)
+        self.free_blocks.set(s.num_free_blocks)
+        self.prompt_tokens.inc(s.num_prompt_tokens)
+        self.generation_tokens.inc(s.num_generation_tokens)
+        self.preemptions.inc(s.num_preemptions)
+        self.prefix_queries.inc(s.prefix_queries)
+        self.prefix_hits.inc(s.prefix_hits)
+        if s.num_prompt_tokens + s.num_generation_tokens:
+            self.iteration_tokens.observe(s.num_prompt_tokens + s.num_generation_tokens)
+
+    def on_request_finished(self, r: RequestStats, itls: list[float]) -> None:
+        """Record one finished engine request and its inter-token gaps."""
+        self.success.get(r.finish_reason, self.success["error"]).inc()
+        self.e2e.observe(r.e2e_latency)
+        self.req_prompt.observe(r.num_prompt_tokens)
+        self.req_gen.observe(r.num_generation_tokens)
+        if r.ttft is not None:
+            self.ttft.observe(r.ttft)
+        if r.queue_time is not None:
+            self.queue_time.observe(r.queue_time)
+        for gap in itls:
+            self.itl.observe(gap)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition (refreshes the CUDA memory gauges first)."""
+        if self.cuda_device is not None:
+            import torch
+
+            self.gpu_allocated.set(torch.cuda.memory_allocated(self.cuda_device))
+            self.gpu_reserved.set(torch.cuda.memory_reserved(self.cuda_device))
+            self.gpu_total.set(torch.cuda.get_device_properties(self.cuda_device).total_memory)
+        return generate_latest(self.registry)

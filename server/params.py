@@ -1,0 +1,89 @@
+"""Turn an API request's sampling fields into the engine's SamplingParams (with checkpoint defaults)."""
+
+from __future__ import annotations
+
+from engine.request import SamplingParams
+from server.errors import APIError
+from server.protocol import SamplingFields
+
+#: generation_config.json keys that give request defaults
+_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(generation_config: dict) -> dict:
+    """Sampling defaults from a checkpoint's generation config (Qwen3: temperature 0.6, top_p 0.95,
+    top_k 20). Without ``do_sample`` true the checkpoint asks for greedy decoding."""
+    out = {k: generation_config[k] for k in _DEFAULT_KEYS if generation_config.get(k) is not None}
+    if generation_config and not generation_config.get("do_sample", False) and "temperature" in out:
+        out["temperature"] = 0.0
+    return out
+
+
+def to_sampling_params(
+    req: SamplingFields,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    vocab_size: int,
+    defaults: dict,
+) -> SamplingParams:
+    """Build SamplingParams, applying checkpoint defaults to the fields the request left out.
+
+    Args:
+        max_tokens: the request's limit (None = up to the model length).
+        logprobs: number of top alternatives to report (None = no logprobs).
+
+    Raises:
+        APIError: 400 when prompt + max_tokens exceed the model length or a logit_bias /
+            stop_token_ids id is outside the vocabulary.
+    """
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+                       f"prompt has {num_prompt_tokens} tokens, which leaves no room for the completion.",
+                       "messages", "context_length_exceeded")
+    if max_tokens is not None and max_tokens > room:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                       f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+                       f"{max_tokens} for the completion).", "max_tokens", "context_length_exceeded")
+    bias = None
+    if req.logit_bias:
+        bias = {}
+        for key, val in req.logit_bias.items():
+            tok = int(key)
+            if not 0 <= tok < vocab_size:
+                raise APIError(400, f"logit_bias token id {tok} is outside the vocabulary [0, {vocab_size})", "logit_bias")
+            bias[tok] = float(val)
+    for tok in req.stop_token_ids or []:
+        if not 0 <= tok < vocab_size:
+            raise APIError(400, f"stop_token_ids entry {tok} is outside the vocabulary", "stop_token_ids")
+    if req.min_tokens and max_tokens is not None and req.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
+
+    def pick(name, fallback):
+        value = getattr(req, name)
+        if value is None:
+            value = defaults.get(name, fallback)
+        return value
+
+    return SamplingParams(
+        temperature=float(pick("temperature", 1.0)),
+        top_p=float(pick("top_p", 1.0)),
+        top_k=int(pick("top_k", -1)),
+        min_p=float(pick("min_p", 0.0)),
+        presence_penalty=float(req.presence_penalty or 0.0),
+        frequency_penalty=float(req.frequency_penalty or 0.0),
+        repetition_penalty=float(pick("repetition_penalty", 1.0)),
+        logit_bias=bias,
+        seed=req.seed,
+        max_tokens=max_tokens if max_tokens is not None else room,
+        min_tokens=req.min_tokens,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        stop=list(req.stop or []),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+    )
