@@ -56,18 +56,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, D]`` in ``dtype`` for int64 positions ``[T]`` (once per forward)."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` by their positions (int64 ``[T]``)."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        q = q * cos + self._rotate_half(q) * sin
-        k = k * cos + self._rotate_half(k) * sin
-        return q, k
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, H, D]`` by precomputed ``cos``/``sin`` ``[T, 1, D]`` (rotate-half layout)."""
+    return x * cos + _rotate_half(x) * sin
 
 
 class Attention(nn.Module):
@@ -87,7 +88,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, positions, rope, kv_cache, meta, backend):
+    def forward(self, x, rope, kv_cache, meta, backend):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -96,7 +97,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = rope(positions, q, k)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = backend.forward(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -121,8 +123,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rope, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta, backend)
+    def forward(self, x, rope, kv_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -168,9 +170,9 @@ class Qwen3ForCausalLM(nn.Module):
             meta: the step's attention metadata; backend: the attention implementation.
         """
         x = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary_emb
+        rope = self.model.rotary_emb.lookup(positions, x.dtype)
         for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, rope, kv, meta, backend)
+            x = layer(x, rope, kv, meta, backend)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
