@@ -138,6 +138,13 @@ class ModelRunner:
             log.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, max_len)
             max_len = capacity
         self.cache_info = CacheInfo(num_blocks, config.block_size, max_len, per_block)
+        self.graphs = None
+        if config.cuda_graph and self.device.type == "cuda" and self.backend.name == "triton":
+            from engine.cuda_graph import DecodeGraphs
+
+            max_blocks = -(-max_len // config.block_size)
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, config.max_num_seqs, max_blocks, max_len)
+            self.graphs.capture()
 
     def _num_kv_blocks(self, bytes_per_block: int) -> int:
         cfg = self.config
@@ -184,6 +191,12 @@ class ModelRunner:
             The requests that sampled a token this step and their samples (same order).
         """
         inp = prepare_inputs(batch, self.config.block_size)
+        if self.graphs is not None and inp.max_query_len == 1 and self.graphs.can_run(len(batch), inp.max_seq_len):
+            logits = self.graphs.run(
+                self._to_device(inp.input_ids), self._to_device(inp.positions), self._to_device(inp.slot_mapping),
+                self._to_device(inp.block_tables), self._to_device(inp.seq_lens),
+            )
+            return inp.sample_requests, self.sampler(logits, inp.sample_requests, eos_ids)
         hidden = self._forward(inp)
         if not inp.sample_requests:
             return [], SampleOutput([], [])

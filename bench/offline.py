@@ -1,0 +1,105 @@
+"""Offline throughput on nano-vllm's workload: this engine vs transformers' continuous batching.
+
+Usage (on the GPU): ``python bench/offline.py [--hf-seconds 120] [--skip-hf]``
+Prints one table: output tokens/s of each and the ratio. transformers runs the same requests
+(per-request max_new_tokens through its continuous-batching manager); when it cannot finish
+within ``--hf-seconds`` its throughput is measured on the tokens it produced until then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench.common import Timer, nano_vllm_workload, random_qwen3_checkpoint  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import LLMEngine  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
+
+
+def run_ours(ckpt: str, prompts, out_lens, args) -> dict:
+    engine = LLMEngine(EngineConfig(
+        model=ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=4096, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, cuda_graph=not args.no_cuda_graph,
+        enable_prefix_caching=False,
+    ), eos_token_ids=frozenset())
+    engine.generate([prompts[0][:64]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
+    with Timer() as t:
+        outs = engine.generate(prompts, params)
+    total = sum(len(o) for o in outs)
+    assert total == sum(out_lens), (total, sum(out_lens))
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    info = engine.cache_info
+    res = dict(name="qwen-serve", tokens=total, seconds=t.seconds, tok_s=total / t.seconds,
+               kv_blocks=info.num_kv_blocks, preemptions=engine.scheduler.num_preemptions)
+    del engine
+    torch.cuda.empty_cache()
+    return res
+
+
+def run_hf(ckpt: str, prompts, out_lens, budget_s: float) -> dict:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="paged|sdpa").cuda()
+    gen_cfg = GenerationConfig(max_new_tokens=max(out_lens), do_sample=True, temperature=0.6, eos_token_id=-1,
+                               pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=gen_cfg)
+    manager.start()
+    t0 = time.perf_counter()
+    ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, out_lens)]
+    done, tokens = set(), 0
+    while len(done) < len(ids) and time.perf_counter() - t0 < budget_s:
+        r = manager.get_result(timeout=1)
+        if r is not None and r.is_finished() and r.request_id not in done:
+            done.add(r.request_id)
+            tokens += len(r.generated_tokens)
+    seconds = time.perf_counter() - t0
+    partial = 0
+    if len(done) < len(ids):  # count tokens of unfinished requests too
+        try:
+            for state in manager.scheduler.active_requests.values():
+                partial += len(state.generated_tokens)
+        except Exception:  # noqa: BLE001 - internal API differs between versions
+            pass
+    manager.stop(block=False)
+    return dict(name="transformers CB (paged|sdpa)", tokens=tokens + partial, seconds=seconds,
+                tok_s=(tokens + partial) / seconds, finished=len(done), of=len(ids))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", default="/tmp/qwen3-0.6b-random")
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--no-cuda-graph", action="store_true")
+    ap.add_argument("--hf-seconds", type=float, default=120)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    ckpt = str(random_qwen3_checkpoint(args.ckpt))
+    prompts, out_lens = nano_vllm_workload(args.num_seqs)
+    print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(out_lens)} output tokens")
+    rows = [run_ours(ckpt, prompts, out_lens, args)]
+    if not args.skip_hf:
+        try:
+            rows.append(run_hf(ckpt, prompts, out_lens, args.hf_seconds))
+        except Exception as exc:  # noqa: BLE001 - report and keep our numbers
+            print(f"transformers run failed: {type(exc).__name__}: {exc}")
+    print(f"\n| engine | output tokens | seconds | output tok/s | ratio |\n|---|---|---|---|---|")
+    for r in rows:
+        extra = f" ({r['finished']}/{r['of']} finished)" if "finished" in r else ""
+        print(f"| {r['name']}{extra} | {r['tokens']} | {r['seconds']:.2f} | {r['tok_s']:.0f} | "
+              f"{rows[0]['tok_s'] / r['tok_s']:.2f}x |")
+    print(f"\nqwen-serve: {rows[0]['kv_blocks']} KV blocks, {rows[0]['preemptions']} preemptions; "
+          f"GPU: {torch.cuda.get_device_name()}")
+
+
+if __name__ == "__main__":
+    main()
