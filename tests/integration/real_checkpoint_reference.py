@@ -7,7 +7,7 @@ The real checkpoint is Qwen2.5-Coder-0.5B-Instruct, built offline by
 A test compares the engine's greedy token ids with :func:`transformers_greedy_ids`::
 
     import pytest
-    from real_checkpoint_reference import (  # or tests.integration.real_checkpoint_reference
+    from tests.integration.real_checkpoint_reference import (
         CHAT_PROMPTS, REAL_CHECKPOINT_DIR, real_checkpoint_available, transformers_greedy_ids)
 
     pytestmark = [
@@ -47,7 +47,10 @@ CHAT_PROMPTS: list[list[dict[str, str]]] = [
         {"role": "user", "content": "What does the HTTP status code 404 mean?"},
     ],
     [
-        {"role": "user", "content": "Write a bash one-liner that counts the lines of all .py files."},
+        {
+            "role": "user",
+            "content": "Write a bash one-liner that counts the lines of all .py files.",
+        },
         {"role": "assistant", "content": "find . -name '*.py' | xargs wc -l"},
         {"role": "user", "content": "Now make it skip the .venv directory."},
     ],
@@ -75,18 +78,20 @@ def _load(checkpoint_dir: str) -> tuple[Any, Any]:
 
 
 def chat_prompt_ids(checkpoint_dir: str | Path, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of ``messages`` rendered by the checkpoint's chat template, with the generation prompt.
+    """Token ids of ``messages`` in the checkpoint's chat template, plus the generation prompt.
 
     This is what an OpenAI chat request with these messages should be tokenized to.
     """
     _, tokenizer = _load(str(Path(checkpoint_dir).resolve()))
-    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        return_dict=True)
+    enc = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
     return list(enc["input_ids"])
 
 
-def transformers_greedy_ids(checkpoint_dir: str | Path, messages: list[dict[str, str]],
-                            max_new_tokens: int) -> list[int]:
+def transformers_greedy_ids(
+    checkpoint_dir: str | Path, messages: list[dict[str, str]], max_new_tokens: int
+) -> list[int]:
     """Reference greedy continuation of a chat, computed with transformers in float32.
 
     The prompt is ``apply_chat_template(messages, add_generation_prompt=True)``; generation is
@@ -117,7 +122,7 @@ def transformers_greedy_ids(checkpoint_dir: str | Path, messages: list[dict[str,
             return_dict_in_generate=True,
             output_logits=True,
         )
-    ids = out.sequences[0, len(prompt):].tolist()
+    ids = out.sequences[0, len(prompt) :].tolist()
     argmax = [int(step[0].argmax()) for step in out.logits]
     if ids != argmax[: len(ids)]:
         raise AssertionError(f"generate() was not pure greedy: {ids} != argmax {argmax}")
