@@ -43,7 +43,8 @@ def _store_kv_kernel(
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     offs_h = h0 + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < head_dim) & (slot >= 0)
+    h_limit = tl.where(slot >= 0, num_kv_heads, 0)  # negative slot: store nothing
+    mask = (offs_h[:, None] < h_limit) & (offs_d[None, :] < head_dim)
     safe_slot = tl.maximum(slot, 0)
     blk = safe_slot // BLOCK_SIZE
     off = safe_slot % BLOCK_SIZE

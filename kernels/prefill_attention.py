@@ -15,7 +15,6 @@ into a mask-free part and a masked diagonal/tail part. Imports only torch and tr
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
@@ -24,6 +23,15 @@ import triton.language as tl
 __all__ = ["prefill_attention", "prefill_attention_dense", "prefill_config"]
 
 _LOG2E = 1.4426950408889634
+
+
+def _interpreter_upcast(q: torch.Tensor) -> bool:
+    """True when 16-bit tiles must be upcast to fp32 before tl.dot.
+
+    The Triton CPU interpreter stores bfloat16 as raw uint16 and its ``dot`` multiplies those
+    integers (seen with triton 3.9), so off-GPU the kernels compute 16-bit inputs in fp32.
+    """
+    return q.device.type != "cuda" and q.dtype != torch.float32
 
 
 @triton.jit
@@ -54,6 +62,7 @@ def _attn_tile(
     MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """Online-softmax update of (acc, l_i, m_i) with keys lo .. hi (lo multiple of BLOCK_N)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -81,6 +90,8 @@ def _attn_tile(
             k = tl.load(k_ptrs, mask=kv_ok[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
+        if UPCAST:
+            k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         if MASK:
             ok = kv_ok[None, :]
@@ -96,6 +107,8 @@ def _attn_tile(
             v = tl.load(v_ptrs, mask=kv_ok[:, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
+        if UPCAST:
+            v = v.to(tl.float32)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         m_i = m_ij
     return acc, l_i, m_i
@@ -135,6 +148,7 @@ def _prefill_kernel(
     PAGED: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     head = tl.program_id(0)
     # Heaviest (last) query tiles first: better tail balance under the causal mask.
@@ -162,6 +176,8 @@ def _prefill_kernel(
         mask=row_ok[:, None],
         other=0.0,
     )
+    if UPCAST:
+        q = q.to(tl.float32)
     q_pos = ctx + offs_m
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -181,12 +197,12 @@ def _prefill_kernel(
     acc, l_i, m_i = _attn_tile(
         acc, l_i, m_i, q, k_base, v_base, bt_row_ptr, 0, hi_full, k_start, seq_len, q_pos,
         qk_scale, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, False, CAUSAL, DOT_PREC,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, False, CAUSAL, DOT_PREC, UPCAST,
     )
     acc, l_i, m_i = _attn_tile(
         acc, l_i, m_i, q, k_base, v_base, bt_row_ptr, hi_full, hi, k_start, seq_len, q_pos,
         qk_scale, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, True, CAUSAL, DOT_PREC,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, True, CAUSAL, DOT_PREC, UPCAST,
     )
     l_i = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_i[:, None]
@@ -236,6 +252,7 @@ def _launch(q, k, v, out, block_tables, cu_q, seq_lens, cu_k, scale, max_query_l
     num_seqs = cu_q.shape[0] - 1
     if t == 0 or num_seqs == 0 or max_query_len == 0:
         return out
+    upcast = _interpreter_upcast(q)
     cfg = dict(prefill_config(d, q.dtype, q.device, causal))
     if config:
         cfg.update(config)
@@ -255,7 +272,8 @@ def _launch(q, k, v, out, block_tables, cu_q, seq_lens, cu_k, scale, max_query_l
         PAGE_SIZE=page_size,
         PAGED=paged,
         CAUSAL=bool(causal),
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PREC="ieee" if q.dtype == torch.float32 or upcast else "tf32",
+        UPCAST=upcast,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

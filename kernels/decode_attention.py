@@ -1,0 +1,358 @@
+"""Triton split-KV paged decode attention (flash-decoding) with a reduction stage.
+
+Layouts are those of :mod:`kernels.reference`: one query token per sequence, ``q`` and ``out``
+``[B, H_q, D]``, K/V in the paged cache ``[num_blocks, block_size, H_kv, D]`` reached through
+``block_tables`` and ``seq_lens``.
+
+Algorithm: Flash-Decoding (Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context
+inference", PyTorch blog, 2023). Stage 1 gives every (KV head, sequence, split) its own
+program: the ``H_q / H_kv`` query heads that share the KV head are processed together as the
+rows of one ``[BLOCK_G, D]`` tile, so each KV block is read from memory once, and the split's
+keys are swept with the FlashAttention-2 online softmax (fp32 running max / sum / accumulator).
+Each split writes its normalised partial output and its log-sum-exp; stage 2 merges the splits
+with weights ``exp(lse_s - max lse)``. With one split, stage 1 writes ``out`` directly and stage 2
+is skipped. Imports only torch and triton.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["decode_attention", "decode_scratch", "choose_num_splits", "decode_config"]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    po_ptr,
+    plse_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    qk_scale,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_bt,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    NUM_GROUPS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Split s covers keys [s * split_len, (s + 1) * split_len), split_len a multiple of BLOCK_N.
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_ok = offs_g < NUM_GROUPS
+    heads = kv_head * NUM_GROUPS + offs_g
+    seq64 = seq.to(tl.int64)
+    q = tl.load(
+        q_ptr + seq64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=g_ok[:, None],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    bt_row_ptr = block_tables_ptr + seq64 * stride_bt
+    for start_n in range(start, end, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k_pos = start_n + offs_n
+        kv_ok = k_pos < end
+        blk = tl.load(bt_row_ptr + k_pos // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
+        k_row = blk * stride_kb + (k_pos % PAGE_SIZE) * stride_kt
+        v_row = blk * stride_vb + (k_pos % PAGE_SIZE) * stride_vt
+        k = tl.load(k_base + k_row[:, None] + offs_d[None, :] * stride_kd, mask=kv_ok[:, None], other=0.0)
+        v = tl.load(v_base + v_row[:, None] + offs_d[None, :] * stride_vd, mask=kv_ok[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        qk = tl.where(kv_ok[None, :], qk, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        m_i = m_ij
+
+    has = l_i > 0.0
+    acc = acc / tl.where(has, l_i, 1.0)[:, None]
+    if SPLIT:
+        lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        po_ptrs = po_ptr + seq64 * stride_pob + heads[:, None] * stride_poh + split * stride_pos + offs_d[None, :]
+        tl.store(po_ptrs, acc, mask=g_ok[:, None])
+        tl.store(plse_ptr + seq64 * stride_plb + heads * stride_plh + split, lse, mask=g_ok)
+    else:
+        o_ptrs = out_ptr + seq64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,
+    po_ptr,
+    plse_ptr,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    head = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < num_splits
+    lse = tl.load(plse_ptr + seq * stride_plb + head * stride_plh + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.math.exp2(lse - m)  # 0 for empty splits (lse = -inf)
+    po = tl.load(
+        po_ptr + seq * stride_pob + head * stride_poh + offs_s[:, None] * stride_pos + offs_d[None, :],
+        mask=s_ok[:, None],
+        other=0.0,
+    )
+    o = tl.sum(po * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d * stride_od, o.to(out_ptr.dtype.element_ty))
+
+
+def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """Tile configuration ``{BLOCK_N, num_warps, num_stages}`` of stage 1 (host-side, static).
+
+    Values for bf16/fp16 on CUDA were chosen by the sweep in ``bench/kernels.py`` on an H200.
+    """
+    if device.type != "cuda":
+        return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    if dtype == torch.float32:
+        return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+
+
+def choose_num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    num_sms: int,
+    *,
+    min_keys_per_split: int = 256,
+    programs_per_sm: int = 2,
+    max_splits: int = 64,
+) -> int:
+    """Number of KV splits for :func:`decode_attention` (host-side; no device access or sync).
+
+    Picks the smallest split count that gives at least ``programs_per_sm * num_sms`` stage-1
+    programs (``batch * num_kv_heads * splits``), capped so that every split keeps at least
+    ``min_keys_per_split`` keys of the longest sequence, and by ``max_splits``.
+
+    Args:
+        batch: number of sequences B; num_kv_heads: H_kv.
+        max_seq_len: host int, the largest ``seq_lens`` entry (e.g. ``AttentionMetadata.max_seq_len``).
+        num_sms: multiprocessor count of the GPU (132 on an H200).
+
+    Returns:
+        An int in ``[1, max_splits]``.
+
+    Raises:
+        ValueError: if an argument is negative or ``num_sms < 1``.
+    """
+    if batch < 0 or num_kv_heads < 1 or max_seq_len < 0 or num_sms < 1:
+        raise ValueError("choose_num_splits: invalid arguments")
+    programs = max(1, batch * num_kv_heads)
+    want = triton.cdiv(programs_per_sm * num_sms, programs)
+    cap = max(1, max_seq_len // max(1, min_keys_per_split))
+    return int(max(1, min(want, cap, max_splits)))
+
+
+def decode_scratch(
+    batch: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate the split-KV scratch of :func:`decode_attention`.
+
+    Returns:
+        ``(partial_out, partial_lse)``: float32 ``[batch, num_heads, num_splits, head_dim]`` and
+        float32 ``[batch, num_heads, num_splits]`` (uninitialised; every used element is written
+        by stage 1 before stage 2 reads it).
+
+    Raises:
+        ValueError: on a non-positive size.
+    """
+    if batch < 1 or num_heads < 1 or head_dim < 1 or num_splits < 1:
+        raise ValueError("decode_scratch: sizes must be positive")
+    po = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=device)
+    plse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=device)
+    return po, plse
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    num_splits: int,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Paged decode attention, one query token per sequence, split-KV (Triton).
+
+    Same semantics as :func:`kernels.reference.decode_attention_ref`.
+
+    Args:
+        q: ``[B, H_q, D]`` float16 / bfloat16 / float32, any strides.
+        k_cache, v_cache: ``[num_blocks, block_size, H_kv, D]`` of q's dtype; ``H_q % H_kv == 0``;
+            D a power of two in [16, 256].
+        block_tables: int32 ``[B, max_blocks]`` (rows contiguous); seq_lens: int32 ``[B]``, each
+            ``>= 1``.
+        out: ``[B, H_q, D]`` like ``q``; written in place and returned.
+        scale: softmax scale.
+        partial_out: float32 ``[B, H_q, S, D]`` with ``S >= num_splits``, last dim contiguous;
+            partial_lse: float32 ``[B, H_q, S]`` (log2-domain log-sum-exp), last dim contiguous.
+            Scratch from :func:`decode_scratch`; unused when ``num_splits == 1``.
+        num_splits: host int >= 1, e.g. from :func:`choose_num_splits`; sizes the grid.
+        config: optional stage-1 tile override ``{BLOCK_N, num_warps, num_stages}`` (benchmarks).
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: on inconsistent shapes, dtypes, devices, strides or ``num_splits < 1``.
+
+    Algorithm: Flash-Decoding (Dao et al. 2023 blog) with FlashAttention-2's online softmax;
+    the query heads of one KV head form one tile so each KV block is read once.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, H_q, D], got {tuple(q.shape)}")
+    b, hq, d = q.shape
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError("out must match q's shape, dtype and device")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"unsupported dtype {q.dtype}")
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {d}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError("k_cache/v_cache must be [num_blocks, block_size, H_kv, D] of equal shape")
+    _, page_size, hkv, dk = k_cache.shape
+    if dk != d or hkv == 0 or hq % hkv:
+        raise ValueError(f"cache [*, *, {hkv}, {dk}] incompatible with q [*, {hq}, {d}]")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError("k_cache/v_cache must have q's dtype")
+    if block_tables.dim() != 2 or block_tables.dtype != torch.int32 or block_tables.shape[0] != b:
+        raise ValueError(f"block_tables must be int32 [B={b}, max_blocks]")
+    if block_tables.stride(1) != 1 and block_tables.shape[1] > 1:
+        raise ValueError("block_tables rows must be contiguous")
+    if seq_lens.shape != (b,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [B={b}]")
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    if (
+        partial_out.dtype != torch.float32
+        or partial_lse.dtype != torch.float32
+        or partial_out.dim() != 4
+        or partial_lse.dim() != 3
+        or partial_out.shape[:2] != (b, hq)
+        or partial_out.shape[3] != d
+        or partial_lse.shape[:2] != (b, hq)
+        or partial_out.shape[2] < num_splits
+        or partial_lse.shape[2] < num_splits
+    ):
+        raise ValueError(
+            f"scratch must be float32 [B, H_q, >={num_splits}, D] and [B, H_q, >={num_splits}], got "
+            f"{tuple(partial_out.shape)} {partial_out.dtype}, {tuple(partial_lse.shape)} {partial_lse.dtype}"
+        )
+    if partial_out.stride(3) != 1 or partial_lse.stride(2) != 1:
+        raise ValueError("scratch last dimensions must be contiguous")
+    devs = {k_cache.device, v_cache.device, block_tables.device, seq_lens.device, partial_out.device, partial_lse.device}
+    if devs != {q.device}:
+        raise ValueError("all tensors must be on q's device")
+    if b == 0:
+        return out
+    # Triton's CPU interpreter multiplies bf16 as raw uint16 in tl.dot: compute 16-bit in fp32 there.
+    upcast = q.device.type != "cuda" and q.dtype != torch.float32
+    cfg = dict(decode_config(d, q.dtype, q.device))
+    if config:
+        cfg.update(config)
+    group = hq // hkv
+    split = num_splits > 1
+    _decode_split_kernel[(hkv, b, num_splits)](
+        q, k_cache, v_cache, out, partial_out, partial_lse, block_tables, seq_lens,
+        float(scale) * _LOG2E, num_splits,
+        q.stride(0), q.stride(1), q.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+        block_tables.stride(0),
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1),
+        NUM_GROUPS=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=d,
+        BLOCK_N=cfg["BLOCK_N"],
+        PAGE_SIZE=page_size,
+        SPLIT=split,
+        DOT_PREC="ieee" if q.dtype == torch.float32 or upcast else "tf32",
+        UPCAST=upcast,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    if split:
+        _decode_reduce_kernel[(hq, b)](
+            out, partial_out, partial_lse, num_splits,
+            out.stride(0), out.stride(1), out.stride(2),
+            partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+            partial_lse.stride(0), partial_lse.stride(1),
+            HEAD_DIM=d,
+            BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,137 @@
+"""prefill_attention / prefill_attention_dense (Triton) against prefill_attention_ref.
+
+Random non-contiguous block tables, unused cache slots and block-table padding poisoned with
+NaN, outputs NaN-filled before each launch, cached prefixes plus new tokens, the
+Hq/Hkv ratios 1, 2, 4, 8, head_dim 64/128, block sizes 16/32, fp32/bf16/fp16. The parameter
+grid is sampled (the interpreter is slow), every case draws fresh random inputs.
+"""
+
+import os
+
+import pytest
+import torch
+
+from kernels.prefill_attention import prefill_attention, prefill_attention_dense
+from kernels.reference import gather_kv_ref, prefill_attention_ref
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def make_paged(seq_lens, h_kv, d, block_size, dtype, g):
+    """Paged K/V holding random rows for each sequence; every other slot is NaN."""
+    nblk = [(n + block_size - 1) // block_size for n in seq_lens]
+    spare = 4
+    num_blocks = sum(nblk) + spare
+    perm = torch.randperm(num_blocks, generator=g)
+    k_cache = torch.full((num_blocks, block_size, h_kv, d), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    max_blocks = max(nblk) + 2
+    # entries past a sequence's last block point at NaN-filled spare blocks
+    block_tables = perm[-spare:][torch.randint(0, spare, (len(seq_lens), max_blocks), generator=g)].to(torch.int32)
+    used = 0
+    for b, n in enumerate(seq_lens):
+        blocks = perm[used : used + nblk[b]]
+        used += nblk[b]
+        block_tables[b, : nblk[b]] = blocks.to(torch.int32)
+        for i in range(n):
+            k_cache[blocks[i // block_size], i % block_size] = torch.randn(h_kv, d, generator=g).to(dtype)
+            v_cache[blocks[i // block_size], i % block_size] = torch.randn(h_kv, d, generator=g).to(dtype)
+    return k_cache, v_cache, block_tables
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+CASES = [
+    # q_lens, cached prefix lens, Hq, Hkv, D, block_size, dtype, causal
+    ([1, 15, 17], [0, 0, 0], 4, 4, 64, 16, torch.float32, True),
+    ([300], [0], 8, 2, 128, 32, torch.bfloat16, True),
+    ([17, 40], [100, 0], 8, 1, 64, 16, torch.float16, True),
+    ([15, 1, 130], [33, 200, 70], 8, 4, 128, 16, torch.float32, True),
+    ([200, 17], [0, 15], 2, 1, 64, 32, torch.bfloat16, False),
+    ([1, 1, 1], [16, 17, 299], 4, 2, 128, 32, torch.float32, True),
+    ([64, 15], [0, 1], 8, 8, 128, 16, torch.bfloat16, False),
+    ([257], [31], 2, 2, 64, 32, torch.float16, False),
+    ([33, 5], [47, 0], 16, 2, 64, 16, torch.float32, True),
+    ([120], [180], 8, 1, 128, 16, torch.float32, False),
+]
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens,hq,hkv,d,block_size,dtype,causal", CASES)
+def test_prefill_matches_reference(device, q_lens, ctx_lens, hq, hkv, d, block_size, dtype, causal):
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    k_cache, v_cache, block_tables = make_paged(seq_lens, hkv, d, block_size, dtype, g)
+    t = sum(q_lens)
+    # q as a non-contiguous view of a fused QKV projection output
+    qkv = torch.randn(t, hq + 2 * hkv, d, generator=g).to(dtype)
+    q = qkv[:, :hq]
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    scale = d**-0.5
+    ref = torch.empty(t, hq, d)
+    prefill_attention_ref(q.float(), k_cache.float(), v_cache.float(), block_tables, cu, sl, ref, scale, causal)
+
+    out = torch.full((t, hq, d), float("nan"), dtype=dtype, device=device)
+    res = prefill_attention(
+        q.to(device), k_cache.to(device), v_cache.to(device), block_tables.to(device), cu.to(device),
+        sl.to(device), out, scale, max(q_lens), causal,
+    )
+    assert res is out
+    assert torch.isfinite(out).all(), f"unwritten or NaN output (seed={seed})"
+    err = rel_err(out.cpu(), ref)
+    assert err <= TOL[dtype], f"rel err {err:.2e} (seed={seed})"
+
+
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens,hq,hkv,d,dtype,causal",
+    [
+        ([17, 1, 100], [0, 15, 30], 4, 2, 64, torch.float32, True),
+        ([150, 15], [0, 0], 8, 1, 128, torch.bfloat16, False),
+    ],
+)
+def test_prefill_dense_matches_reference(device, q_lens, ctx_lens, hq, hkv, d, dtype, causal):
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    k_cache, v_cache, block_tables = make_paged(seq_lens, hkv, d, 16, dtype, g)
+    ks, vs = zip(*(gather_kv_ref(k_cache, v_cache, block_tables[b], n) for b, n in enumerate(seq_lens)))
+    k, v = torch.cat(ks), torch.cat(vs)
+    q = torch.randn(sum(q_lens), hq, d, generator=g).to(dtype)
+    cu_q = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu_q[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    cu_k = torch.zeros_like(cu_q)
+    cu_k[1:] = torch.cumsum(torch.tensor(seq_lens), 0)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    ref = torch.empty(q.shape)
+    prefill_attention_ref(q.float(), k_cache.float(), v_cache.float(), block_tables, cu_q, sl, ref, 0.1, causal)
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)
+    prefill_attention_dense(
+        q.to(device), k.to(device), v.to(device), cu_q.to(device), cu_k.to(device), out, 0.1, max(q_lens), causal
+    )
+    assert torch.isfinite(out).all(), f"seed={seed}"
+    err = rel_err(out.cpu(), ref)
+    assert err <= TOL[dtype], f"rel err {err:.2e} (seed={seed})"
+
+
+def test_prefill_rejects_bad_inputs(device):
+    q = torch.zeros(5, 6, 64, device=device)
+    kc = torch.zeros(4, 16, 4, 64, device=device)  # 6 % 4 != 0
+    bt = torch.zeros(1, 4, dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 5], dtype=torch.int32, device=device)
+    sl = torch.tensor([5], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError):
+        prefill_attention(q, kc, kc, bt, cu, sl, torch.empty_like(q), 0.1, 5)
+    q = torch.zeros(5, 8, 48, device=device)  # head_dim not a power of two
+    kc = torch.zeros(4, 16, 4, 48, device=device)
+    with pytest.raises(ValueError):
+        prefill_attention(q, kc, kc, bt, cu, sl, torch.empty_like(q), 0.1, 5)
+    q = torch.zeros(5, 8, 64, device=device)
+    kc = torch.zeros(4, 16, 4, 64, device=device)
+    with pytest.raises(ValueError):  # int64 block table
+        prefill_attention(q, kc, kc, bt.long(), cu, sl, torch.empty_like(q), 0.1, 5)
+    with pytest.raises(ValueError):  # output dtype
+        prefill_attention(q, kc, kc, bt, cu, sl, torch.empty_like(q).half(), 0.1, 5)
