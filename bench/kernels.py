@@ -240,12 +240,27 @@ def prefill_reference_error(inp, causal, outs: dict, g, rows_per_seq=256):
     return {k: math.sqrt(a / bb) if torch.isfinite(torch.tensor(a)) else float("inf") for k, (a, bb) in errs.items()}
 
 
-PREFILL_CONFIGS = [
-    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-]
+def _pc(bm, bn, w, st, **flags):
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st, **flags}
+
+
+PREFILL_CONFIGS = {
+    "paged": [
+        _pc(128, 128, 8, 3),
+        _pc(128, 128, 8, 3, BT_PREFETCH=True),
+        _pc(128, 64, 8, 3, BT_PREFETCH=True),
+        _pc(128, 64, 8, 4, BT_PREFETCH=True),
+        _pc(64, 64, 4, 3, BT_PREFETCH=True),
+        _pc(128, 128, 8, 2, BT_PREFETCH=True),
+    ],
+    "dense": [
+        _pc(128, 128, 8, 3),
+        _pc(128, 128, 8, 3, TMA=True),
+        _pc(128, 64, 8, 3, TMA=True),
+        _pc(128, 128, 8, 2, TMA=True),
+        _pc(64, 64, 4, 3, TMA=True),
+    ],
+}
 
 
 def sweep_prefill(device, g, quick):
@@ -253,12 +268,11 @@ def sweep_prefill(device, g, quick):
     b, s = (1, 256) if quick else (4, 4096)
     inp = prefill_inputs(b, s, device, g)
     best = {}
-    configs = PREFILL_CONFIGS[:2] if quick else PREFILL_CONFIGS
     for causal in (True, False):
         flops = 4 * b * s * s * HQ * D * (0.5 if causal else 1.0)
         for kind in ("paged", "dense"):
             res = []
-            for cfg in configs:
+            for cfg in PREFILL_CONFIGS[kind][:2] if quick else PREFILL_CONFIGS[kind]:
                 try:
                     paged, dense, _ = prefill_fns(inp, causal, cfg, cfg)
                     fn = paged if kind == "paged" else dense
@@ -297,16 +311,18 @@ def run_prefill(device, g, quick, best):
 
 # ----------------------------------------------------------------------------- decode
 DECODE_CONFIGS = [
-    {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_N": 32, "num_warps": 4, "num_stages": 4},
     {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_N": 16, "num_warps": 4, "num_stages": 6},
+    {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "BT_PREFETCH": True},
+    {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "BT_PREFETCH": True},
+    {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "BT_PREFETCH": True},
+    {"BLOCK_N": 32, "num_warps": 4, "num_stages": 4, "BT_PREFETCH": True},
+    {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "BT_PREFETCH": True},
 ]
 
 
 def decode_setup(b, ctx, device, g, block_size=16, min_bytes=256 << 20):
     kv_bytes = 2 * b * ctx * HKV * D * 2
-    copies = max(1, min(32, triton.cdiv(min_bytes, kv_bytes)))
+    copies = max(1, min(32, triton.cdiv(min_bytes, kv_bytes))) if torch.cuda.is_available() else 1
     sets = []
     for _ in range(copies):
         kc, vc, bt = paged_kv([ctx] * b, block_size, torch.bfloat16, device, g)
@@ -355,9 +371,9 @@ def sweep_decode(device, g, quick, num_sms):
         for i, cfg in enumerate(configs):
             try:
                 ms = graph_ms(decode_fns(sets, ns, cfg))
-                bw = kv_bytes / ms / 1e9
+                bw = kv_bytes / ms / 1e9  # bytes per ms / 1e9 = TB/s
                 scores.setdefault(i, []).append(bw)
-                log(f"  sweep decode B={b} ctx={ctx} splits={ns} {cfg}: {bw:.0f} GB/s")
+                log(f"  sweep decode B={b} ctx={ctx} splits={ns} {cfg}: {bw:.3f} TB/s")
             except Exception as e:
                 scores.setdefault(i, []).append(0.0)
                 log(f"  sweep decode {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
@@ -382,7 +398,7 @@ def run_decode(device, g, quick, num_sms, cfg, sweep_splits):
         fns[0]()
         err = rel(st["out"], ref) if torch.isfinite(st["out"]).all() else float("inf")
         ms = graph_ms(fns)
-        split_res = {ns: kv_bytes / ms / 1e9}
+        split_res = {ns: kv_bytes / ms / 1e9}  # TB/s
         if sweep_splits:
             for cand in (1, 2, 4, 8, 16, 32, 64):
                 if cand != ns and cand * 16 <= ctx:
@@ -396,12 +412,12 @@ def run_decode(device, g, quick, num_sms, cfg, sweep_splits):
         sdpa_out = sdpa_fns[0]().view(b, HQ, D)
         sdpa_err = rel(sdpa_out, ref)
         sdpa_ms = graph_ms(sdpa_fns)
-        bw, sbw = kv_bytes / ms / 1e9, kv_bytes / sdpa_ms / 1e9
-        rows.append(dict(batch=b, ctx=ctx, splits=ns, gbps=bw, sdpa_gbps=sbw, us=ms * 1e3, sdpa_us=sdpa_ms * 1e3,
+        bw, sbw = kv_bytes / ms / 1e9, kv_bytes / sdpa_ms / 1e9  # TB/s
+        rows.append(dict(batch=b, ctx=ctx, splits=ns, tbps=bw, sdpa_tbps=sbw, us=ms * 1e3, sdpa_us=sdpa_ms * 1e3,
                          err=err, sdpa_err=sdpa_err, split_sweep=split_res))
-        log(f"  decode B={b} ctx={ctx} splits={ns}: {bw:.0f} GB/s ({ms * 1e3:.1f} us) sdpa {sbw:.0f} GB/s "
-            f"({sdpa_ms * 1e3:.1f} us) err {err:.1e} sdpa err {sdpa_err:.1e}; split sweep "
-            + " ".join(f"{k}:{v:.0f}" for k, v in sorted(split_res.items())))
+        log(f"  decode B={b} ctx={ctx} splits={ns}: {bw:.3f} TB/s ({ms * 1e3:.1f} us) sdpa {sbw:.3f} TB/s "
+            f"({sdpa_ms * 1e3:.1f} us) err {err:.1e} sdpa err {sdpa_err:.1e}; split sweep (TB/s) "
+            + " ".join(f"{k}:{v:.2f}" for k, v in sorted(split_res.items())))
         del dsets
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return rows
@@ -503,8 +519,8 @@ def main() -> int:
     lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for r in dec:
         lines.append(
-            f"| | {r['batch']} | {r['ctx']} | {r['splits']} | {r['gbps'] / 1e3:.2f} | {r['us']:.1f} | {r['sdpa_gbps'] / 1e3:.2f} | "
-            f"{r['sdpa_us']:.1f} | {r['gbps'] / r['sdpa_gbps']:.2f}x | {r['err']:.1e} / {r['sdpa_err']:.1e} |"
+            f"| | {r['batch']} | {r['ctx']} | {r['splits']} | {r['tbps']:.2f} | {r['us']:.1f} | {r['sdpa_tbps']:.2f} | "
+            f"{r['sdpa_us']:.1f} | {r['tbps'] / r['sdpa_tbps']:.2f}x | {r['err']:.1e} / {r['sdpa_err']:.1e} |"
         )
     lines.append("")
     lines.append("| prefill memory (B=1, causal, paged) | S | peak extra MiB (incl. output) | output MiB | S^2 fp32 score matrix MiB |")

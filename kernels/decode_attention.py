@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.prefill_attention import _attn_tile
+
 __all__ = ["decode_attention", "decode_scratch", "choose_num_splits", "decode_config"]
 
 _LOG2E = 1.4426950408889634
@@ -65,6 +67,7 @@ def _decode_split_kernel(
     SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    BT_PREFETCH: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -73,7 +76,7 @@ def _decode_split_kernel(
     # Split s covers keys [s * split_len, (s + 1) * split_len), split_len a multiple of BLOCK_N.
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    end = tl.maximum(tl.minimum(start + split_len, seq_len), start)  # empty split: end == start
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -94,28 +97,18 @@ def _decode_split_kernel(
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     bt_row_ptr = block_tables_ptr + seq64 * stride_bt
-    for start_n in range(start, end, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        k_pos = start_n + offs_n
-        kv_ok = k_pos < end
-        blk = tl.load(bt_row_ptr + k_pos // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
-        k_row = blk * stride_kb + (k_pos % PAGE_SIZE) * stride_kt
-        v_row = blk * stride_vb + (k_pos % PAGE_SIZE) * stride_vt
-        k = tl.load(k_base + k_row[:, None] + offs_d[None, :] * stride_kd, mask=kv_ok[:, None], other=0.0)
-        v = tl.load(v_base + v_row[:, None] + offs_d[None, :] * stride_vd, mask=kv_ok[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        qk = tl.where(kv_ok[None, :], qk, float("-inf"))
-        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
-        alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
-        m_i = m_ij
+    full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
+    # full tiles without masks, then the masked tail tile (same online-softmax step as prefill)
+    acc, l_i, m_i = _attn_tile(
+        acc, l_i, m_i, q, k_base, v_base, k_ptr, v_ptr, 0, bt_row_ptr, start, full_end, 0, end, offs_g,
+        qk_scale, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, False, False, DOT_PREC, UPCAST, False, BT_PREFETCH,
+    )
+    acc, l_i, m_i = _attn_tile(
+        acc, l_i, m_i, q, k_base, v_base, k_ptr, v_ptr, 0, bt_row_ptr, full_end, end, 0, end, offs_g,
+        qk_scale, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, True, False, DOT_PREC, UPCAST, False, False,
+    )
 
     has = l_i > 0.0
     acc = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -164,15 +157,16 @@ def _decode_reduce_kernel(
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """Tile configuration ``{BLOCK_N, num_warps, num_stages}`` of stage 1 (host-side, static).
+    """Tile configuration ``{BLOCK_N, num_warps, num_stages, BT_PREFETCH}`` of stage 1 (host-side,
+    static); ``BT_PREFETCH`` loads the next tile's block ids one iteration ahead.
 
     Values for bf16/fp16 on CUDA were chosen by the sweep in ``bench/kernels.py`` on an H200.
     """
     if device.type != "cuda":
-        return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+        return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "BT_PREFETCH": True}
     if dtype == torch.float32:
         return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
 
 
 def choose_num_splits(
@@ -181,7 +175,7 @@ def choose_num_splits(
     max_seq_len: int,
     num_sms: int,
     *,
-    min_keys_per_split: int = 256,
+    min_keys_per_split: int = 128,
     programs_per_sm: int = 2,
     max_splits: int = 64,
 ) -> int:
@@ -342,6 +336,7 @@ def decode_attention(
         SPLIT=split,
         DOT_PREC="ieee" if q.dtype == torch.float32 or upcast else "tf32",
         UPCAST=upcast,
+        BT_PREFETCH=bool(cfg.get("BT_PREFETCH", False)),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -42,6 +42,9 @@ def _attn_tile(
     q,
     k_base,
     v_base,
+    k_desc,
+    v_desc,
+    desc_col,
     bt_row_ptr,
     lo,
     hi,
@@ -63,17 +66,26 @@ def _attn_tile(
     CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    BT_PREFETCH: tl.constexpr,
 ):
     """Online-softmax update of (acc, l_i, m_i) with keys lo .. hi (lo multiple of BLOCK_N)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
+    if PAGED and BT_PREFETCH:
+        # block ids of the first tile; later tiles' ids are loaded one iteration ahead
+        blk_next = tl.load(bt_row_ptr + (lo + offs_n) // PAGE_SIZE, mask=lo + offs_n < hi, other=0)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k_pos = start_n + offs_n
         if MASK:
             kv_ok = k_pos < seq_len
         if PAGED:
-            if MASK:
+            if BT_PREFETCH:
+                blk = blk_next
+                nxt = k_pos + BLOCK_N
+                blk_next = tl.load(bt_row_ptr + nxt // PAGE_SIZE, mask=nxt < hi, other=0)
+            elif MASK:
                 blk = tl.load(bt_row_ptr + k_pos // PAGE_SIZE, mask=kv_ok, other=0)
             else:
                 blk = tl.load(bt_row_ptr + k_pos // PAGE_SIZE)
@@ -86,7 +98,11 @@ def _attn_tile(
             v_row = tok * stride_vt
         k_ptrs = k_base + k_row[:, None] + offs_d[None, :] * stride_kd
         v_ptrs = v_base + v_row[:, None] + offs_d[None, :] * stride_vd
-        if MASK:
+        if USE_TMA:
+            # dense path: rows past this sequence belong to the next one (finite) or are
+            # zero-filled by the copy engine; the softmax mask discards them
+            k = k_desc.load([k_start + start_n, desc_col])
+        elif MASK:
             k = tl.load(k_ptrs, mask=kv_ok[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
@@ -103,7 +119,9 @@ def _attn_tile(
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if MASK:
+        if USE_TMA:
+            v = v_desc.load([k_start + start_n, desc_col])
+        elif MASK:
             v = tl.load(v_ptrs, mask=kv_ok[:, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
@@ -120,6 +138,8 @@ def _prefill_kernel(
     k_ptr,
     v_ptr,
     out_ptr,
+    k_desc,
+    v_desc,
     block_tables_ptr,
     cu_q_ptr,
     seq_lens_ptr,
@@ -149,6 +169,8 @@ def _prefill_kernel(
     CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    BT_PREFETCH: tl.constexpr,
 ):
     head = tl.program_id(0)
     # Heaviest (last) query tiles first: better tail balance under the causal mask.
@@ -195,14 +217,14 @@ def _prefill_kernel(
         hi_full = (seq_len // BLOCK_N) * BLOCK_N
         hi = seq_len
     acc, l_i, m_i = _attn_tile(
-        acc, l_i, m_i, q, k_base, v_base, bt_row_ptr, 0, hi_full, k_start, seq_len, q_pos,
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_head * HEAD_DIM, bt_row_ptr, 0, hi_full, k_start, seq_len, q_pos,
         qk_scale, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, False, CAUSAL, DOT_PREC, UPCAST,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, False, CAUSAL, DOT_PREC, UPCAST, USE_TMA, BT_PREFETCH,
     )
     acc, l_i, m_i = _attn_tile(
-        acc, l_i, m_i, q, k_base, v_base, bt_row_ptr, hi_full, hi, k_start, seq_len, q_pos,
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_head * HEAD_DIM, bt_row_ptr, hi_full, hi, k_start, seq_len, q_pos,
         qk_scale, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, True, CAUSAL, DOT_PREC, UPCAST,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, True, CAUSAL, DOT_PREC, UPCAST, USE_TMA, False,
     )
     l_i = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_i[:, None]
@@ -213,20 +235,25 @@ def _prefill_kernel(
     )
 
 
-def prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = True) -> dict:
-    """Tile configuration ``{BLOCK_M, BLOCK_N, num_warps, num_stages}`` used by the launchers.
+def prefill_config(
+    head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = True, paged: bool = True
+) -> dict:
+    """Tile configuration used by the launchers: ``{BLOCK_M, BLOCK_N, num_warps, num_stages}``
+    plus the flags ``TMA`` (dense path: read K/V with the Hopper copy engine through tensor
+    descriptors) and ``BT_PREFETCH`` (paged path: load the next tile's block ids one iteration
+    ahead).
 
     Host-side and static (no autotuning at launch, so launches can be captured in a CUDA graph).
     Values for bf16/fp16 on CUDA were chosen by the sweep in ``bench/kernels.py`` on an H200.
     """
     if device.type != "cuda":
-        # Triton interpreter: large tiles mean fewer interpreted programs and loop steps.
-        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+        # Triton interpreter: small tiles exercise the tile boundaries in the tests.
+        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "BT_PREFETCH": paged}
     if dtype == torch.float32:
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     if head_dim <= 64:
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 
 
 def _check_common(q: torch.Tensor, out: torch.Tensor, cu_seqlens_q: torch.Tensor, max_query_len: int) -> None:
@@ -245,6 +272,17 @@ def _check_common(q: torch.Tensor, out: torch.Tensor, cu_seqlens_q: torch.Tensor
         raise ValueError(f"max_query_len must be a non-negative int, got {max_query_len!r}")
 
 
+def _tma_ok(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Dense K/V can be read with the Hopper copy engine (rows of [T_k, H_kv * D], 16B aligned)."""
+    if k.device.type != "cuda" or torch.cuda.get_device_capability(k.device)[0] < 9:
+        return False
+    for t in (k, v):
+        t_, h, d = t.shape
+        if t.stride(2) != 1 or t.stride(1) != d or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return False
+    return True
+
+
 def _launch(q, k, v, out, block_tables, cu_q, seq_lens, cu_k, scale, max_query_len, causal,
             paged, page_size, stride_kb, stride_vb, stride_bt, config):
     t, hq, d = q.shape
@@ -253,12 +291,19 @@ def _launch(q, k, v, out, block_tables, cu_q, seq_lens, cu_k, scale, max_query_l
     if t == 0 or num_seqs == 0 or max_query_len == 0:
         return out
     upcast = _interpreter_upcast(q)
-    cfg = dict(prefill_config(d, q.dtype, q.device, causal))
+    cfg = dict(prefill_config(d, q.dtype, q.device, causal, paged))
     if config:
         cfg.update(config)
+    use_tma = bool(cfg.get("TMA", False)) and not paged and _tma_ok(k, v)
+    k_desc, v_desc = k, v  # unused placeholders unless the copy engine reads K/V
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        k_desc = TensorDescriptor(k, [k.shape[0], hkv * d], [k.stride(0), 1], [cfg["BLOCK_N"], d])
+        v_desc = TensorDescriptor(v, [v.shape[0], hkv * d], [v.stride(0), 1], [cfg["BLOCK_N"], d])
     grid = (hq, triton.cdiv(max_query_len, cfg["BLOCK_M"]), num_seqs)
     _prefill_kernel[grid](
-        q, k, v, out, block_tables, cu_q, seq_lens, cu_k,
+        q, k, v, out, k_desc, v_desc, block_tables, cu_q, seq_lens, cu_k,
         float(scale) * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
@@ -274,6 +319,8 @@ def _launch(q, k, v, out, block_tables, cu_q, seq_lens, cu_k, scale, max_query_l
         CAUSAL=bool(causal),
         DOT_PREC="ieee" if q.dtype == torch.float32 or upcast else "tf32",
         UPCAST=upcast,
+        USE_TMA=use_tma,
+        BT_PREFETCH=bool(cfg.get("BT_PREFETCH", False)) and paged,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

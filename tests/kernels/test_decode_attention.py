@@ -7,7 +7,7 @@ import torch
 
 from kernels.decode_attention import choose_num_splits, decode_attention, decode_scratch
 from kernels.reference import decode_attention_ref
-from test_prefill_attention import TOL, make_paged, rel_err
+from .test_prefill_attention import TOL, make_paged, rel_err
 
 CASES = [
     # seq_lens, Hq, Hkv, D, block_size, dtype, num_splits
@@ -49,14 +49,15 @@ def test_decode_matches_reference(device, seq_lens, hq, hkv, d, block_size, dtyp
 
 
 def test_choose_num_splits():
-    # small batch, long context: split until the GPU is full, keeping >= 256 keys per split
-    assert choose_num_splits(1, 8, 4096, 132) == 16
+    # small batch, long context: split until the GPU is full, keeping >= 128 keys per split
+    assert choose_num_splits(1, 8, 4096, 132) == 32
     assert choose_num_splits(1, 8, 100_000, 132) == 33
     # a large batch fills the GPU by itself
     assert choose_num_splits(64, 8, 4096, 132) == 1
     assert choose_num_splits(256, 8, 1024, 132) == 1
     # short contexts are not split
     assert choose_num_splits(1, 8, 200, 132) == 1
+    assert choose_num_splits(2, 8, 300, 132) == 2
     assert 1 <= choose_num_splits(0, 8, 0, 132) <= 64
     with pytest.raises(ValueError):
         choose_num_splits(1, 0, 10, 132)
