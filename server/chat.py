@@ -89,6 +89,8 @@ class ChatCompletions:
         if req.model is not None and req.model != ctx.model_name:
             raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{ctx.model_name}'.",
                            "model", "model_not_found")
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         prompt = render_prompt(ctx.tokenizer, req)
         prompt_ids = ctx.tokenizer.encode(prompt)
         limit = ctx.max_prompt_tokens
@@ -101,21 +103,24 @@ class ChatCompletions:
             vocab_size=ctx.vocab_size, defaults=ctx.defaults,
         )
         try:
-            return Generation(ctx.engine, ctx.tokenizer, new_id("chatcmpl"), prompt_ids, params, req.n,
-                              on_finished=ctx.metrics.on_request_finished)
+            gen = Generation(ctx.engine, ctx.tokenizer, new_id("chatcmpl"), prompt_ids, params, req.n,
+                             on_finished=ctx.metrics.on_request_finished)
+            gen.prompt_opens_thinking = prompt.rstrip(" ").endswith("<think>\n")
+            return gen
         except RequestRejected as exc:
             raise APIError(400, str(exc), "messages", "context_length_exceeded") from None
 
-    def _processor(self, req: ChatCompletionRequest) -> ChatOutputProcessor:
+    def _processor(self, req: ChatCompletionRequest, gen: Generation) -> ChatOutputProcessor:
         return ChatOutputProcessor(reasoning=self.ctx.reasoning_parser == "qwen3",
-                                   tools=bool(req.tools) and req.tool_choice != "none")
+                                   tools=bool(req.tools) and req.tool_choice != "none",
+                                   in_reasoning=gen.prompt_opens_thinking)
 
     async def complete(self, req: ChatCompletionRequest, gen: Generation) -> ChatCompletionResponse:
         """Non-streamed response. Raises EngineError when the engine failed the request."""
         results = await gen.collect()
         choices = []
         for r in results:
-            proc = self._processor(req)
+            proc = self._processor(req, gen)
             r1, c1, t1 = proc.feed(r.text)
             r2, c2, t2 = proc.finish()
             reasoning, content, calls = r1 + r2, c1 + c2, t1 + t2
@@ -143,7 +148,7 @@ class ChatCompletions:
         created = int(time.time())
         model = self.ctx.model_name
         n = len(gen.streams)
-        procs = [self._processor(req) for _ in range(n)]
+        procs = [self._processor(req, gen) for _ in range(n)]
         completion = 0
 
         def chunk(index: int, delta: Delta, finish: str | None = None, logprobs=None) -> str:

@@ -71,6 +71,7 @@ class Generation:
         self.prompt_ids = prompt_ids
         self.params = params
         self.on_finished = on_finished
+        self.prompt_opens_thinking = False  # set by the chat endpoint for the reasoning parser
         self.streams: list[RequestStream] = []
         self.finished: list[bool] = [False] * n
         self.num_tokens: list[int] = [0] * n

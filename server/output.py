@@ -14,11 +14,12 @@ class ChatOutputProcessor:
 
     Args:
         reasoning: use the Qwen3 reasoning parser (``--reasoning-parser qwen3``).
+        in_reasoning: the prompt already opened ``<think>`` (the template pre-filled it).
         tools: parse ``<tool_call>`` blocks (the request offered tools and tool_choice allows them).
     """
 
-    def __init__(self, reasoning: bool, tools: bool):
-        self.reasoning = Qwen3ReasoningParser() if reasoning else None
+    def __init__(self, reasoning: bool, tools: bool, in_reasoning: bool = False):
+        self.reasoning = Qwen3ReasoningParser(in_reasoning=in_reasoning) if reasoning else None
         self.tools = Qwen3ToolParser() if tools else None
         self.num_tool_calls = 0
 
