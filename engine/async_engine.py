@@ -141,7 +141,8 @@ class AsyncEngine:
         self._wakeup.set()
 
     # ------------------------------------------------------------ engine thread
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> bool:
+        """Apply queued adds and aborts; True when anything changed."""
         with self._inbox_lock:
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
@@ -155,13 +156,16 @@ class AsyncEngine:
                 self._emit([RequestOutput(rid, [], finished=True, finish_reason=FinishReason.ERROR, error=str(exc))], None)
         for rid in aborts:
             self.engine.abort(rid)
+        return bool(adds or aborts)
 
     def _run(self) -> None:
         last_log = time.monotonic()
         tokens_since = [0, 0]
         while not self._stop.is_set():
-            self._drain_inbox()
+            changed = self._drain_inbox()
             if not self.engine.has_unfinished():
+                if changed:  # e.g. the last requests were aborted: publish the emptied state
+                    self._emit([], self.engine.idle_stats())
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
                 continue

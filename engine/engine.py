@@ -189,6 +189,11 @@ class LLMEngine:
                     self._finish(req, reason)
         return outputs, self._stats(t0, n_prompt, n_gen, batch.num_preemptions, q0, h0)
 
+    def idle_stats(self) -> StepStats:
+        """Queue and cache state without a step (after aborts emptied the engine)."""
+        bm = self.block_manager
+        return self._stats(time.perf_counter(), 0, 0, 0, bm.prefix_queries, bm.prefix_hits)
+
     def _stats(self, t0, n_prompt, n_gen, n_preempt, q0, h0) -> StepStats:
         bm = self.block_manager
         return StepStats(

@@ -10,9 +10,15 @@ DONE = "data: [DONE]\n\n"
 
 
 def sse(payload: BaseModel | dict) -> str:
-    """One SSE event carrying a JSON payload (a pydantic model drops its None fields)."""
+    """One SSE event carrying a JSON payload.
+
+    A pydantic payload drops its None fields, except each choice's ``finish_reason``, which
+    OpenAI always sends (null until the last chunk of the choice).
+    """
     if isinstance(payload, BaseModel):
-        body = payload.model_dump_json(exclude_none=True)
+        data = payload.model_dump(exclude_none=True)
+        for choice in data.get("choices", ()):
+            choice.setdefault("finish_reason", None)
     else:
-        body = json.dumps(payload, ensure_ascii=False)
-    return f"data: {body}\n\n"
+        data = payload
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
