@@ -115,7 +115,7 @@ class BlockManager:
             request.block_table.append(b)
         if cached_blocks:
             request.num_computed_tokens = num_computed
-            request.num_cached_tokens = num_computed
+            request.num_cached_tokens = min(num_computed, request.num_prompt_tokens)
         new_blocks = [self._pop_free() for _ in range(max(need, 0))]
         request.block_table.extend(new_blocks)
         return new_blocks

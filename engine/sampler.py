@@ -150,9 +150,25 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Temperature, top-k, top-p and min-p filtering, then one draw per row."""
+        params = [r.sampling_params for r in requests]
+        probs = self._filtered_probs(logits, params)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            noise.exponential_()
+        for row, r in enumerate(requests):
+            if r.sampling_params.seed is not None and not r.sampling_params.greedy:
+                noise[row].exponential_(generator=self._generator(r))
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+        """Temperature, top-k, top-p and min-p: the probabilities each row is drawn from.
+
+        Rows are not renormalised after min-p (the draw does not need it).
+        """
         dev = logits.device
         n, vocab = logits.shape
-        params = [r.sampling_params for r in requests]
         temp = torch.tensor([max(p.temperature, 1e-5) for p in params], device=dev)[:, None]
         logits = logits / temp
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
@@ -175,11 +191,4 @@ class Sampler:
         if any(m > 0 for m in min_p):
             m_t = torch.tensor(min_p, device=dev)[:, None]
             probs = probs.masked_fill(probs < m_t * probs.max(dim=-1, keepdim=True).values, 0.0)
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
-        if unseeded:
-            noise.exponential_()
-        for row, r in enumerate(requests):
-            if r.sampling_params.seed is not None and not r.sampling_params.greedy:
-                noise[row].exponential_(generator=self._generator(r))
-        return (probs / noise).argmax(dim=-1)
+        return probs

@@ -102,8 +102,11 @@ class Scheduler:
         kept: list[Request] = []
         while queue and budget > 0:
             req = queue.pop(0)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.enable_chunked_prefill and n < req.num_tokens - req.num_computed_tokens:
+            left = req.num_tokens - req.num_computed_tokens
+            n = min(left, budget)
+            # without chunked prefill a prefill is taken whole; only the recompute of a
+            # preempted request (prompt + outputs) may exceed the budget and go in chunks
+            if not self.enable_chunked_prefill and n < left <= self.max_num_batched_tokens:
                 kept.append(req)  # cannot take a partial prefill; wait for a later step
                 continue
             while bm.allocate_slots(req, n) is None:
@@ -131,7 +134,7 @@ class Scheduler:
             cached = bm.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
             remaining = req.num_tokens - req.num_computed_tokens - len(cached) * bm.block_size
             n = min(remaining, budget)
-            if not self.enable_chunked_prefill and n < remaining:
+            if not self.enable_chunked_prefill and n < remaining <= self.max_num_batched_tokens:
                 break
             if bm.allocate_slots(req, n, cached) is None:
                 break
