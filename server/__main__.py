@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
+
+import uvicorn
 
 log = logging.getLogger("server")
 
@@ -14,6 +17,22 @@ ENV_PREFIX = "QWEN_SERVE_"
 
 def _env(name: str, default=None):
     return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, except that a SIGTERM/SIGINT ending in a graceful shutdown exits 0.
+
+    uvicorn re-raises the captured signal after shutting down, which ends the process with
+    -SIGTERM; by then in-flight requests have finished (or were aborted after
+    --graceful-timeout), so it is a normal exit.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            yield
+            if hasattr(self, "_captured_signals"):
+                self._captured_signals.clear()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,16 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import uvicorn
-
     from server.factory import build_context
     from server.app import create_app
 
     ctx = build_context(args)
     app = create_app(ctx)
     log.info("serving %s on http://%s:%d", ctx.model_name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=int(args.graceful_timeout))
+    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                            timeout_graceful_shutdown=int(args.graceful_timeout)))
+    server.run()
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,68 @@
+"""An exception inside a model step fails only that step's requests; the engine loop keeps serving.
+
+Runs the real app in-process (httpx ASGI transport) so the test can inject the fault into the
+model runner of the live engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from server.__main__ import build_parser
+from server.app import create_app
+from server.factory import build_context
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    return build_context(build_parser().parse_args(["--max-model-len", "512"]))
+
+
+def test_model_step_exception_fails_only_that_step(ctx):
+    runner = ctx.engine.engine.runner
+    real_execute = runner.execute
+    calls = {"n": 0}
+
+    def flaky(batch, eos_ids):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+        return real_execute(batch, eos_ids)
+
+    async def scenario():
+        app = create_app(ctx)
+        ctx.engine.start()
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
+                body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+                runner.execute = flaky
+                failed = await c.post("/v1/chat/completions", json=body)
+                ok = await c.post("/v1/chat/completions", json=body)
+                stream_body = {**body, "stream": True}
+                calls["n"] = 0  # fail the first step of the streamed request too
+                async with c.stream("POST", "/v1/chat/completions", json=stream_body) as r:
+                    events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+                after = await c.post("/v1/chat/completions", json=body)
+                health = await c.get("/health")
+                metrics = (await c.get("/metrics")).text
+            return failed, ok, events, after, health, metrics
+        finally:
+            runner.execute = real_execute
+            await ctx.engine.shutdown()
+
+    failed, ok, events, after, health, metrics = asyncio.run(scenario())
+    assert failed.status_code == 500
+    assert "injected fault" in failed.json()["error"]["message"]
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert events[-1] == "data: [DONE]"
+    assert any("error" in json.loads(e[6:]) for e in events[:-1])
+    assert after.status_code == 200 and after.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert health.status_code == 200
+    assert 'qwen_serve:request_success_total{finished_reason="error"' in metrics
+    bm = ctx.engine.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
