@@ -181,8 +181,9 @@ class Sampler:
             probs_sorted = sorted_logits.softmax(dim=-1)
             cum = probs_sorted.cumsum(dim=-1)
             p_t = torch.tensor(top_p, device=dev)[:, None]
-            # drop a token when the mass before it already reaches top_p (always keep rank 0)
-            drop = (cum - probs_sorted) >= p_t
+            # drop a token when the mass before it already reaches top_p (always keep rank 0);
+            # rows with top_p = 1 keep everything (float32 sums reach 1.0 before the tail)
+            drop = ((cum - probs_sorted) >= p_t) & (p_t < 1.0)
             drop[:, 0] = False
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter_(1, sorted_idx, sorted_logits)

@@ -294,7 +294,8 @@ def test_freed_cached_blocks_reused_in_lru_order_until_evicted():
     bm.check_integrity()
     assert list(bm.free_queue)[-3:] == a2_blocks[::-1]
     order = list(bm.free_queue)
-    assert order == never_used[1:] + [a_blocks[2]] + b_blocks[::-1] + [never_used[0], a_blocks[1], a_blocks[0]]
+    assert order == (never_used[1:] + [a_blocks[2]] + b_blocks[::-1]
+                     + [never_used[0], a_blocks[1], a_blocks[0]])
 
     # allocate 4 blocks: evicts the never used one, a's old tail, b's tail and b1
     filler = make_req("f", rand_tokens(rng, 4 * bs))

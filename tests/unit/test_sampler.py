@@ -87,7 +87,9 @@ def make_req(rid, params, prompt=None, output=None, rng=None, vocab=64):
     rng = rng or random.Random(0)
     prompt = prompt if prompt is not None else [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
     req = Request(rid, list(prompt), params, max_len=1 << 20)
-    req.output_token_ids = list(output) if output is not None else [rng.randrange(vocab) for _ in range(rng.randint(0, 12))]
+    if output is None:
+        output = [rng.randrange(vocab) for _ in range(rng.randint(0, 12))]
+    req.output_token_ids = list(output)
     return req
 
 
@@ -148,6 +150,26 @@ def test_filtered_distribution_matches_reference(seed):
     for row, p in enumerate(params):
         ref = ref_probs(logits[row], p)
         torch.testing.assert_close(got[row], ref, atol=2e-6, rtol=1e-4, msg=f"row {row}: {p}")
+
+
+def test_unfiltered_row_keeps_its_whole_distribution_next_to_filtered_rows():
+    """top_p=1 / top_k=-1 means no filtering, also when other rows of the batch filter.
+
+    (float32 cumulative sums reach 1.0 before the tail of a large vocabulary; a row that asked
+    for no top-p must not lose its tail because a neighbour asked for top-k.)
+    """
+    vocab = 20000
+    gen = torch.Generator().manual_seed(17)
+    logits = torch.randn(3, vocab, generator=gen) * 4
+    params = [SamplingParams(), SamplingParams(top_k=5), SamplingParams(top_p=0.9)]
+    batch = normalised(Sampler._filtered_probs(logits.clone(), params))
+    alone = normalised(Sampler._filtered_probs(logits[:1].clone(), params[:1]))[0]
+    full = torch.softmax(logits[0].double(), dim=0)
+    assert int((batch[0] == 0).sum()) == 0, "tokens dropped from a row without top-k/top-p"
+    torch.testing.assert_close(batch[0], alone, atol=1e-9, rtol=1e-5)
+    torch.testing.assert_close(batch[0], full, atol=1e-9, rtol=1e-4)
+    assert int((batch[1] > 0).sum()) == 5
+    torch.testing.assert_close(batch[2], ref_probs(logits[2], params[2]), atol=2e-6, rtol=1e-4)
 
 
 def test_each_filter_alone_keeps_the_expected_tokens():
@@ -267,7 +289,8 @@ def test_logit_bias_matches_reference_per_row():
     vocab = 16
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(3, vocab, generator=gen)
-    params = [SamplingParams(logit_bias={1: 2.0, 5: -100.0}), SamplingParams(), SamplingParams(logit_bias={1: -0.5})]
+    params = [SamplingParams(logit_bias={1: 2.0, 5: -100.0}), SamplingParams(),
+              SamplingParams(logit_bias={1: -0.5})]
     got = logits.clone()
     Sampler(CPU)._apply_logit_bias(got, params, vocab)
     expect = logits.clone()
@@ -297,8 +320,9 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     # random sampling below min_tokens never draws them, mixed with rows that may
     torch.manual_seed(0)
     flat = torch.zeros(400, vocab)
-    reqs = [make_req(f"r{i}", SamplingParams(temperature=1.0, min_tokens=2 if i % 2 else 0, stop_token_ids=[8]),
-                     prompt=[1], output=[0]) for i in range(400)]
+    reqs = [make_req(f"r{i}", SamplingParams(temperature=1.0, min_tokens=2 if i % 2 else 0,
+                                             stop_token_ids=[8]), prompt=[1], output=[0])
+            for i in range(400)]
     toks = Sampler(CPU)(flat, reqs, eos).token_ids
     masked = Counter(t for i, t in enumerate(toks) if i % 2)
     free = Counter(t for i, t in enumerate(toks) if not i % 2)

@@ -30,7 +30,8 @@ def _one_thread():
 
 def make_sched(num_blocks=64, block_size=4, max_num_seqs=256, budget=1024, chunked=True, caching=False):
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
-    return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+    return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                     enable_chunked_prefill=chunked)
 
 
 def make_req(rid, n_prompt, max_tokens=16, rng=None, tokens=None):
@@ -409,7 +410,8 @@ def test_request_that_can_never_fit_is_rejected_and_does_not_block_others(tiny_c
     gen = torch.Generator().manual_seed(12)
     eng = _engine(path, num_kv_blocks=6)  # 48 tokens of KV: max_model_len lowered to 48
     assert eng.max_model_len == 48
-    ok1 = eng.add_request("ok1", torch.randint(0, 384, (20,), generator=gen).tolist(), SamplingParams(max_tokens=5))
+    ok1 = eng.add_request("ok1", torch.randint(0, 384, (20,), generator=gen).tolist(),
+                          SamplingParams(max_tokens=5))
     for n in (48, 60, 300):
         with pytest.raises(RequestRejected):
             eng.add_request(f"big{n}", torch.randint(0, 384, (n,), generator=gen).tolist(), SamplingParams())
@@ -420,7 +422,8 @@ def test_request_that_can_never_fit_is_rejected_and_does_not_block_others(tiny_c
         eng.add_request("oov", [1, 384], SamplingParams())
     with pytest.raises(RequestRejected):
         eng.add_request("ok1", [1, 2], SamplingParams())  # duplicate id
-    ok2 = eng.add_request("ok2", torch.randint(0, 384, (47,), generator=gen).tolist(), SamplingParams(max_tokens=5))
+    ok2 = eng.add_request("ok2", torch.randint(0, 384, (47,), generator=gen).tolist(),
+                          SamplingParams(max_tokens=5))
     assert ids(eng.scheduler.waiting) == ["ok1", "ok2"]
     finished = {}
     for _ in range(100):
@@ -447,12 +450,14 @@ def test_request_that_can_never_fit_is_rejected_and_does_not_block_others(tiny_c
 @pytest.mark.parametrize("caching,chunked", [(False, True), (True, True), (False, False), (True, False)],
                          ids=["no-cache", "prefix-cache", "no-cache-unchunked", "prefix-cache-unchunked"])
 def test_block_accounting_after_finish_abort_preempt(tiny_checkpoint, caching, chunked):
-    """Block accounting: after any mix of finished, aborted and preempted requests every block is free again."""
+    """Block accounting: after any mix of finished, aborted and preempted requests every block
+    is free again."""
     path, _ = tiny_checkpoint
     rng = random.Random(20 + caching + 2 * chunked)
     bs, num_blocks = 8, (14 if chunked else 9)
     budget = 40 if chunked else 24  # unchunked: recomputes (prompt + outputs) exceed the budget
-    eng = _engine(path, block_size=bs, num_kv_blocks=num_blocks, max_num_seqs=6, max_num_batched_tokens=budget,
+    eng = _engine(path, block_size=bs, num_kv_blocks=num_blocks, max_num_seqs=6,
+                  max_num_batched_tokens=budget,
                   enable_prefix_caching=caching, enable_chunked_prefill=chunked)
     bm = eng.block_manager
     max_len = eng.max_model_len
@@ -467,8 +472,9 @@ def test_block_accounting_after_finish_abort_preempt(tiny_checkpoint, caching, c
     pending = []
     for i in range(N):
         temp = rng.choice([0.0, 0.8])
-        pending.append((f"q{i}", new_prompt(), SamplingParams(temperature=temp, max_tokens=rng.randint(1, 24 if chunked else 40),
-                                                              seed=rng.choice([None, i]))))
+        max_tokens = rng.randint(1, 24 if chunked else 40)
+        params = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=rng.choice([None, i]))
+        pending.append((f"q{i}", new_prompt(), params))
     all_requests = list(pending)
     aborted, finished, n_steps = set(), {}, 0
     outputs: dict[str, list[int]] = {}
