@@ -489,7 +489,7 @@ def main() -> int:
             dcfg = sweep_decode(device, g, args.quick, num_sms)
         except Exception:
             log(traceback.format_exc())
-    default_p = {c: prefill_config(D, torch.bfloat16, device, c) for c in (True, False)}
+    default_p = {k: prefill_config(D, torch.bfloat16, device, True, k == "paged") for k in ("paged", "dense")}
     log(f"## configs: prefill {({str(k): v for k, v in best.items()} or default_p)}; decode {dcfg}")
     result["configs"] = {"prefill": {str(k): v for k, v in best.items()}, "decode": dcfg}
 

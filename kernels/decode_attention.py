@@ -161,6 +161,12 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> di
     static); ``BT_PREFETCH`` loads the next tile's block ids one iteration ahead.
 
     Values for bf16/fp16 on CUDA were chosen by the sweep in ``bench/kernels.py`` on an H200.
+
+    Args:
+        head_dim: D; dtype: q's dtype; device: q's device (CPU means the Triton interpreter).
+
+    Returns:
+        A new dict; raises nothing.
     """
     if device.type != "cuda":
         return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "BT_PREFETCH": True}

@@ -245,6 +245,13 @@ def prefill_config(
 
     Host-side and static (no autotuning at launch, so launches can be captured in a CUDA graph).
     Values for bf16/fp16 on CUDA were chosen by the sweep in ``bench/kernels.py`` on an H200.
+
+    Args:
+        head_dim: D; dtype: q's dtype; device: q's device (CPU means the Triton interpreter);
+        causal: the mask mode; paged: paged-cache launcher (True) or dense fast path (False).
+
+    Returns:
+        A new dict; raises nothing.
     """
     if device.type != "cuda":
         # Triton interpreter: small tiles exercise the tile boundaries in the tests.
