@@ -14,12 +14,23 @@ QWEN3_06B = dict(
 )
 
 
-def random_qwen3_checkpoint(path: str | Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
-    """Write a Qwen3-0.6B-architecture checkpoint with random weights (transformers' init), once."""
+def random_qwen3_checkpoint(path: str | Path, dtype: str = "bfloat16", seed: int = 0,
+                            tokenizer_from: str | Path | None = None) -> Path:
+    """Write a Qwen3-0.6B-architecture checkpoint with random weights (transformers' init), once.
+
+    ``tokenizer_from``: a directory whose tokenizer.json / tokenizer_config.json are copied in
+    (the serving benchmarks need a tokenizer; the embedded model's is the real Qwen3 one).
+    """
+    import shutil
+
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     path = Path(path)
+    if tokenizer_from is not None:
+        path.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(tokenizer_from) / name, path / name)
     if (path / "config.json").exists():
         return path
     torch.manual_seed(seed)

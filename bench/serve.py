@@ -111,11 +111,12 @@ def wait_health(base: str, proc: subprocess.Popen, timeout: float = 600) -> None
     while time.time() - t0 < timeout:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        for path in ("/health", "/v1/models"):
+            try:
+                if httpx.get(base + path, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
         time.sleep(1)
     raise TimeoutError("server did not become healthy")
 
@@ -156,19 +157,24 @@ def main() -> None:
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--peer-time-cap", type=float, default=60)
     ap.add_argument("--out", default="/tmp")
+    ap.add_argument("--tokenizer-from", default=None, help="copy tokenizer files from this directory")
     args = ap.parse_args()
+    from bench.common import random_qwen3_checkpoint
+
+    random_qwen3_checkpoint(args.ckpt, tokenizer_from=args.tokenizer_from)
     n = max(args.min_requests, max(args.concurrency) * args.requests_per_concurrency)
     prompts = make_prompts(args.ckpt, n, args.prompt_tokens)
     rows = bench_server("qwen-serve", [sys.executable, "-m", "server", "--model", args.ckpt, "--port", "8100",
                                        "--dtype", "bfloat16", "--max-model-len", "4096", "--served-model-name", "bench",
                                        "--log-level", "warning"], 8100, "bench", args, prompts, f"{args.out}/ours.log")
     if not args.skip_peer:
-        try:
-            rows += bench_server("transformers serve", ["transformers", "serve", args.ckpt, "--continuous-batching",
-                                                        "--cb-use-cuda-graph", "--port", "8200", "--dtype", "bfloat16"],
-                                 8200, args.ckpt, args, prompts, f"{args.out}/peer.log")
-        except Exception as exc:  # noqa: BLE001 - report our numbers anyway
-            print(f"peer failed: {type(exc).__name__}: {exc}")
+        peer = ["transformers", "serve", "--continuous-batching", "--cb-use-cuda-graph", "--port", "8200"]
+        for i, cmd in enumerate([peer[:2] + [args.ckpt] + peer[2:], peer]):  # newer CLIs take the model first
+            try:
+                rows += bench_server("transformers serve", cmd, 8200, args.ckpt, args, prompts, f"{args.out}/peer{i}.log")
+                break
+            except Exception as exc:  # noqa: BLE001 - report our numbers anyway
+                print(f"peer command {cmd} failed: {type(exc).__name__}: {exc}")
     print("\n| server | conc | done | req/s | out tok/s | TTFT mean/med/p99 ms | TPOT mean/med/p99 ms | ITL mean/med/p99 ms |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

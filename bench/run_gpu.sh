@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call: engine correctness on the GPU, offline throughput, online serving.
+# Usage: bash bench/run_gpu.sh [stages...]   (stages: check offline serve peer; default: check offline serve)
+# Expects carried wheels in .whl (fastapi, uvicorn, pydantic, ...) and .benchassets/tokenizer.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONUNBUFFERED=1
+CKPT=/tmp/qwen3-0.6b-random
+stages=${*:-check offline serve}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+for s in $stages; do
+  case $s in
+    check) timeout 240 python3 bench/engine_check.py --ckpt $CKPT 2>&1 | tee "$OUT/check.log" ;;
+    offline) timeout 300 python3 bench/offline.py --ckpt $CKPT --hf-seconds ${HF_SECONDS:-90} 2>&1 | grep -v Warning | tee "$OUT/offline.log" ;;
+    serve) timeout 400 python3 bench/serve.py --ckpt $CKPT --tokenizer-from .benchassets/tokenizer --skip-peer --out "$OUT" 2>&1 | tee "$OUT/serve.log" ;;
+    peer) timeout 500 python3 bench/serve.py --ckpt $CKPT --tokenizer-from .benchassets/tokenizer --concurrency ${PEER_CONC:-1 16 64} --peer-time-cap 60 --out "$OUT" ${PEER_ONLY:+--skip-ours} 2>&1 | tee "$OUT/peer.log" ;;
+  esac
+done
