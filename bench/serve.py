@@ -155,6 +155,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--skip-ours", action="store_true")
     ap.add_argument("--peer-time-cap", type=float, default=60)
     ap.add_argument("--out", default="/tmp")
     ap.add_argument("--tokenizer-from", default=None, help="copy tokenizer files from this directory")
@@ -164,7 +165,7 @@ def main() -> None:
     random_qwen3_checkpoint(args.ckpt, tokenizer_from=args.tokenizer_from)
     n = max(args.min_requests, max(args.concurrency) * args.requests_per_concurrency)
     prompts = make_prompts(args.ckpt, n, args.prompt_tokens)
-    rows = bench_server("qwen-serve", [sys.executable, "-m", "server", "--model", args.ckpt, "--port", "8100",
+    rows = [] if args.skip_ours else bench_server("qwen-serve", [sys.executable, "-m", "server", "--model", args.ckpt, "--port", "8100",
                                        "--dtype", "bfloat16", "--max-model-len", "4096", "--served-model-name", "bench",
                                        "--log-level", "warning"], 8100, "bench", args, prompts, f"{args.out}/ours.log")
     if not args.skip_peer:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+from engine.embedded import bytes_to_unicode
 from engine.engine import RequestRejected
 from engine.tokenizer import Tokenizer
 from server.context import ServerContext
@@ -39,6 +40,26 @@ def messages_to_dicts(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
+#: template variables the endpoint itself sets (passing them again would be a TypeError -> 500)
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+#: byte-level BPE: vocabulary character -> byte (GPT-2's table, used by Qwen's tokenizer)
+_BYTE_OF_CHAR = {c: b for b, c in bytes_to_unicode().items()}
+
+
+def token_bytes(tokenizer: Tokenizer, token_id: int, text: str) -> list[int]:
+    """The UTF-8 bytes a token stands for. A token holding part of a character decodes to U+FFFD
+    alone; its vocabulary string (byte-level form) still gives its real bytes, which is what
+    OpenAI's ``bytes`` field is for. Falls back to the decoded text's bytes."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if piece:
+        try:
+            return [_BYTE_OF_CHAR[c] for c in piece]
+        except KeyError:
+            pass
+    return list(text.encode())
+
+
 def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> str:
     """Render the chat template (sandboxed jinja2) for this request.
 
@@ -48,6 +69,9 @@ def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> str:
     tools = None
     if req.tools and req.tool_choice != "none":
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    reserved = _RESERVED_TEMPLATE_KWARGS.intersection(req.chat_template_kwargs or {})
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs cannot set {sorted(reserved)}", "chat_template_kwargs")
     try:
         return tokenizer.apply_chat_template(
             messages_to_dicts(req), tools=tools, add_generation_prompt=req.add_generation_prompt,
@@ -68,8 +92,8 @@ def token_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list) ->
         tops = []
         for alt_id, alt_lp in alts:
             t = tokenizer.decode([alt_id], skip_special_tokens=False)
-            tops.append(TopLogprob(token=t, logprob=alt_lp, bytes=list(t.encode())))
-        out.append(TokenLogprob(token=text, logprob=lp, bytes=list(text.encode()), top_logprobs=tops))
+            tops.append(TopLogprob(token=t, logprob=alt_lp, bytes=token_bytes(tokenizer, alt_id, t)))
+        out.append(TokenLogprob(token=text, logprob=lp, bytes=token_bytes(tokenizer, tok, text), top_logprobs=tops))
     return out
 
 
@@ -101,6 +125,7 @@ class ChatCompletions:
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             num_prompt_tokens=len(prompt_ids), max_model_len=ctx.max_model_len,
             vocab_size=ctx.vocab_size, defaults=ctx.defaults,
+            max_tokens_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
         )
         try:
             gen = Generation(ctx.engine, ctx.tokenizer, new_id("chatcmpl"), prompt_ids, params, req.n,

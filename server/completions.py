@@ -57,7 +57,7 @@ class Completions:
                 params = to_sampling_params(
                     req, max_tokens=req.max_tokens if req.max_tokens is not None else 16, logprobs=req.logprobs,
                     num_prompt_tokens=len(ids), max_model_len=ctx.max_model_len, vocab_size=ctx.vocab_size,
-                    defaults=ctx.defaults,
+                    defaults=ctx.defaults, prompt_param="prompt",
                 )
                 gens.append(Generation(ctx.engine, ctx.tokenizer, f"{rid}-p{i}", ids, params, req.n,
                                        on_finished=ctx.metrics.on_request_finished))

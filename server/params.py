@@ -28,12 +28,16 @@ def to_sampling_params(
     max_model_len: int,
     vocab_size: int,
     defaults: dict,
+    max_tokens_param: str = "max_tokens",
+    prompt_param: str = "messages",
 ) -> SamplingParams:
     """Build SamplingParams, applying checkpoint defaults to the fields the request left out.
 
     Args:
         max_tokens: the request's limit (None = up to the model length).
         logprobs: number of top alternatives to report (None = no logprobs).
+        max_tokens_param, prompt_param: the request fields that errors name ("max_completion_tokens"
+            when the chat request used it; "prompt" for text completions).
 
     Raises:
         APIError: 400 when prompt + max_tokens exceed the model length or a logit_bias /
@@ -43,11 +47,11 @@ def to_sampling_params(
     if room < 1:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
                        f"prompt has {num_prompt_tokens} tokens, which leaves no room for the completion.",
-                       "messages", "context_length_exceeded")
+                       prompt_param, "context_length_exceeded")
     if max_tokens is not None and max_tokens > room:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
                        f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
-                       f"{max_tokens} for the completion).", "max_tokens", "context_length_exceeded")
+                       f"{max_tokens} for the completion).", max_tokens_param, "context_length_exceeded")
     bias = None
     if req.logit_bias:
         bias = {}

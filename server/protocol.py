@@ -16,6 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_N = 16
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
+#: seeds are 64-bit signed integers (as in vLLM); the n choices use seed, seed + 1, ... which torch
+#: still accepts (its generators take [-2**63, 2**64 - 1]). Larger values used to fail the whole
+#: engine step, i.e. every request batched with them.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class _Lenient(BaseModel):
@@ -88,7 +92,7 @@ class SamplingFields(_Lenient):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
