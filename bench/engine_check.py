@@ -69,6 +69,20 @@ def main() -> int:
     print(f"greedy 8x32 tokens: triton vs torch {match(out_tri, out_torch):.3f}, "
           f"CUDA graph vs eager triton {match(out_graph, out_tri):.3f}")
     ok &= match(out_graph, out_tri) >= 0.9
+    # engine-only latency at batch 1 (no HTTP): prefill of 1024 tokens, then decode steps
+    import time
+
+    prompt = torch.randint(0, 150000, (1024,), generator=gen).tolist()
+    for trial in range(3):
+        graph_eng.add_request(f"lat{trial}", prompt, SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph_eng.step()
+        t1 = time.perf_counter()
+        while graph_eng.has_unfinished():
+            graph_eng.step()
+        t2 = time.perf_counter()
+    print(f"engine-only batch 1: prefill 1024 tokens {1e3 * (t1 - t0):.2f} ms, decode {1e3 * (t2 - t1) / 64:.2f} ms/token")
     print("engine check:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +20,9 @@ from engine.request import FinishReason, SamplingParams
 from engine.stats import StepStats
 
 log = logging.getLogger(__name__)
+
+#: GIL switch interval while the engine thread runs (seconds)
+SWITCH_INTERVAL_S = 0.0005
 
 
 class RequestStream:
@@ -91,7 +95,13 @@ class AsyncEngine:
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Start the engine thread; must be called from the running event loop."""
+        """Start the engine thread; must be called from the running event loop.
+
+        Lowers the interpreter's thread switch interval (default 5 ms) to 0.5 ms: the engine
+        thread and the event loop hand the GIL back and forth every step, and a 5 ms wait for
+        it would add directly to the time per output token.
+        """
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()

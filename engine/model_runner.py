@@ -138,6 +138,7 @@ class ModelRunner:
             log.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, max_len)
             max_len = capacity
         self.cache_info = CacheInfo(num_blocks, config.block_size, max_len, per_block)
+        self._staging: dict[str, torch.Tensor] = {}
         self.graphs = None
         if config.cuda_graph and self.device.type == "cuda" and self.backend.name == "triton":
             from engine.cuda_graph import DecodeGraphs
@@ -164,23 +165,35 @@ class ModelRunner:
             raise ValueError(f"KV cache budget of {budget / (1 << 30):.3f} GiB holds no block of {bytes_per_block} bytes")
         return blocks
 
-    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+    def _to_device(self, a: np.ndarray, name: str) -> torch.Tensor:
+        """Move a step array to the device through a reused pinned staging buffer per ``name``.
+
+        Reuse is safe because every step ends with a host sync (reading the sampled ids), so the
+        previous step's copies out of the buffer have completed.
+        """
         t = torch.from_numpy(a)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        if self.device.type != "cuda":
+            return t
+        buf = self._staging.get(name)
+        if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
+            buf = torch.empty(max(t.numel(), 2 * (buf.numel() if buf is not None else 1024)), dtype=t.dtype,
+                              pin_memory=True)
+            self._staging[name] = buf
+        staged = buf[: t.numel()].view(t.shape)
+        staged.copy_(t)
+        return staged.to(self.device, non_blocking=True)
 
     def _forward(self, inp: StepInputs) -> torch.Tensor:
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(inp.slot_mapping),
-            block_tables=self._to_device(inp.block_tables),
-            seq_lens=self._to_device(inp.seq_lens),
-            cu_seqlens_q=self._to_device(inp.cu_seqlens_q),
+            slot_mapping=self._to_device(inp.slot_mapping, "slot_mapping"),
+            block_tables=self._to_device(inp.block_tables, "block_tables"),
+            seq_lens=self._to_device(inp.seq_lens, "seq_lens"),
+            cu_seqlens_q=self._to_device(inp.cu_seqlens_q, "cu_seqlens_q"),
             max_query_len=inp.max_query_len,
             max_seq_len=inp.max_seq_len,
             is_decode=inp.max_query_len == 1,
         )
-        ids, pos = self._to_device(inp.input_ids), self._to_device(inp.positions)
+        ids, pos = self._to_device(inp.input_ids, "input_ids"), self._to_device(inp.positions, "positions")
         return self.model(ids, pos, self.kv_caches, meta, self.backend)
 
     @torch.inference_mode()
@@ -193,14 +206,15 @@ class ModelRunner:
         inp = prepare_inputs(batch, self.config.block_size)
         if self.graphs is not None and inp.max_query_len == 1 and self.graphs.can_run(len(batch), inp.max_seq_len):
             logits = self.graphs.run(
-                self._to_device(inp.input_ids), self._to_device(inp.positions), self._to_device(inp.slot_mapping),
-                self._to_device(inp.block_tables), self._to_device(inp.seq_lens),
+                self._to_device(inp.input_ids, "input_ids"), self._to_device(inp.positions, "positions"),
+                self._to_device(inp.slot_mapping, "slot_mapping"), self._to_device(inp.block_tables, "block_tables"),
+                self._to_device(inp.seq_lens, "seq_lens"),
             )
             return inp.sample_requests, self.sampler(logits, inp.sample_requests, eos_ids)
         hidden = self._forward(inp)
         if not inp.sample_requests:
             return [], SampleOutput([], [])
-        logits = self.model.compute_logits(hidden[self._to_device(inp.logits_indices)])
+        logits = self.model.compute_logits(hidden[self._to_device(inp.logits_indices, "logits_indices")])
         return inp.sample_requests, self.sampler(logits, inp.sample_requests, eos_ids)
 
     @torch.inference_mode()
