@@ -119,6 +119,7 @@ class EngineConfig:
         enable_prefix_caching: share full KV blocks between requests with the same prefix.
         enable_chunked_prefill: split long prompts over several steps within the token budget.
         cuda_graph: capture decode steps in CUDA graphs (CUDA only).
+        compile_ops: fuse the model's elementwise ops with torch.compile; None = on CUDA only.
     """
 
     model: str
@@ -135,6 +136,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     cuda_graph: bool = True
+    compile_ops: bool | None = None
     seed: int = 0
     extra: dict = field(default_factory=dict)
 

@@ -111,8 +111,9 @@ class ModelRunner:
         self.dtype = config.dtype or default_dtype
         max_len = min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
 
+        compile_ops = config.compile_ops if config.compile_ops is not None else self.device.type == "cuda"
         with torch.device(self.device):
-            model = Qwen3ForCausalLM(model_config, max_positions=max_len)
+            model = Qwen3ForCausalLM(model_config, max_positions=max_len, compile_ops=compile_ops)
         model.to(self.dtype)
         model.model.rotary_emb.cos = model.model.rotary_emb.cos.float()
         model.model.rotary_emb.sin = model.model.rotary_emb.sin.float()

@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="default: triton on CUDA, torch on CPU")
     a("--no-prefix-caching", action="store_true", default=bool(_env("no_prefix_caching")), help="disable automatic prefix caching")
     a("--no-cuda-graph", action="store_true", default=bool(_env("no_cuda_graph")), help="disable CUDA graphs for decode")
+    a("--no-compile", action="store_true", default=bool(_env("no_compile")),
+      help="do not fuse elementwise ops with torch.compile (on by default on CUDA)")
     a("--reasoning-parser", default=_env("reasoning_parser"), choices=["qwen3"],
       help="split <think>...</think> into reasoning_content")
     a("--api-key", default=_env("api_key"), help="require 'Authorization: Bearer KEY' on /v1 routes")

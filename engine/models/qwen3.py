@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+from engine.models.ops import PointwiseOps
 
 #: checkpoint name fragment -> (fused module fragment, shard index)
 PACKED_MODULES = {
@@ -30,18 +31,12 @@ PACKED_MODULES = {
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32 like the HF reference."""
+    """Holds an RMSNorm weight and epsilon; the math is :func:`engine.models.ops.rms_norm`."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -61,19 +56,10 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, H, D]`` by precomputed ``cos``/``sin`` ``[T, 1, D]`` (rotate-half layout)."""
-    return x * cos + _rotate_half(x) * sin
-
-
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: PointwiseOps):
         super().__init__()
+        self.ops = ops
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -94,45 +80,54 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
         cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.q_norm is not None:
+            q, k = self.ops.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
+        else:
+            q, k = self.ops.rope(q, k, cos, sin)
         o = backend.forward(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: PointwiseOps):
         super().__init__()
-        self.intermediate = cfg.intermediate_size
+        self.ops = ops
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: PointwiseOps):
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.ops = ops
+        self.self_attn = Attention(cfg, ops)
+        self.mlp = MLP(cfg, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, rope, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, kv_cache, meta, backend):
+        """``x``: the previous layer's output (not yet added to ``residual``; None residual for
+        the first layer). Returns (this layer's MLP output, residual stream)."""
+        ln = self.input_layernorm
+        if residual is None:
+            h, residual = self.ops.rms_norm(x, ln.weight, ln.eps), x
+        else:
+            h, residual = self.ops.add_rms_norm(x, residual, ln.weight, ln.eps)
+        h = self.self_attn(h, rope, kv_cache, meta, backend)
+        ln = self.post_attention_layernorm
+        h, residual = self.ops.add_rms_norm(h, residual, ln.weight, ln.eps)
+        return self.mlp(h), residual
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, ops: PointwiseOps):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta)
 
@@ -143,12 +138,14 @@ class Qwen3ForCausalLM(nn.Module):
     Args:
         cfg: the architecture.
         max_positions: size of the rotary table (the engine's max_model_len).
+        compile_ops: fuse the elementwise pieces with torch.compile (see ``engine.models.ops``).
     """
 
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, compile_ops: bool = False):
         super().__init__()
         self.config = cfg
-        self.model = Qwen3Model(cfg, max_positions)
+        self.ops = PointwiseOps(compile_ops)
+        self.model = Qwen3Model(cfg, max_positions, self.ops)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -171,9 +168,11 @@ class Qwen3ForCausalLM(nn.Module):
         """
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb.lookup(positions, x.dtype)
+        residual = None
         for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, rope, kv, meta, backend)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, kv, meta, backend)
+        norm = self.model.norm
+        return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab]`` for hidden states ``[N, hidden]``."""
