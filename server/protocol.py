@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_N = 16
 MAX_STOP = 16
@@ -44,17 +44,21 @@ class ToolCall(_Lenient):
 
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ToolCall] | None = None  # before content: its validator reads role and tool_calls
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
 
-    @model_validator(mode="after")
-    def _content_required(self):
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, v, info):
+        """content may be null or absent only on an assistant message with tool_calls; the error
+        names ``messages.<i>.content``."""
+        data = info.data
+        if v is None and not (data.get("role") == "assistant" and data.get("tool_calls")):
             raise ValueError("content must be a string or a list of text parts")
-        return self
+        return v
 
     def text(self) -> str | None:
         """The content as one string (text parts joined)."""
