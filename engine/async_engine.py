@@ -61,9 +61,20 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
+        """The next output; when the consumer fell behind, all queued outputs merged into one
+        (their tokens concatenated), so a busy server does its per-chunk work once per batch of
+        tokens instead of once per token."""
         if self.finished:
             raise StopAsyncIteration
         out = await self.queue.get()
+        while not out.finished and out.error is None and not self.queue.empty():
+            nxt = self.queue.get_nowait()
+            out = RequestOutput(
+                out.request_id, out.new_token_ids + nxt.new_token_ids, out.logprobs + nxt.logprobs,
+                finished=nxt.finished, finish_reason=nxt.finish_reason, num_prompt_tokens=nxt.num_prompt_tokens,
+                num_cached_tokens=nxt.num_cached_tokens, error=nxt.error,
+                scheduled_time=out.scheduled_time if out.scheduled_time is not None else nxt.scheduled_time,
+            )
         if out.finished:
             self.finished = True
         return out
