@@ -64,7 +64,8 @@ class ScriptedSampler:
     def _script_of(self, req) -> list[int] | None:
         if req.request_id not in self._assigned:
             prompt = self.tokenizer.decode(req.prompt_token_ids, skip_special_tokens=False)
-            self._assigned[req.request_id] = next((ids for m, ids in self.scripts.items() if m in prompt), None)
+            scripts = list(self.scripts.items())  # a snapshot: the test thread may register more
+            self._assigned[req.request_id] = next((ids for m, ids in scripts if m in prompt), None)
         return self._assigned[req.request_id]
 
     def __call__(self, logits, requests, eos_ids) -> SampleOutput:
