@@ -17,7 +17,16 @@ log = logging.getLogger(__name__)
 
 
 class RequestRejected(ValueError):
-    """A request that can never be served (too long for the model or the KV cache)."""
+    """A request that can never be served.
+
+    Attributes:
+        reason: "too_long" (over the model length or the KV cache), "invalid_token" (an id
+            outside the vocabulary), "empty" or "duplicate".
+    """
+
+    def __init__(self, message: str, reason: str = "too_long"):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -90,10 +99,10 @@ class LLMEngine:
                 max_model_len, or a prompt that the KV cache can never hold.
         """
         if not prompt_token_ids:
-            raise RequestRejected("the prompt is empty")
+            raise RequestRejected("the prompt is empty", "empty")
         vocab = self.model_config.vocab_size
         if any(not (0 <= t < vocab) for t in prompt_token_ids):
-            raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab})", "invalid_token")
         if len(prompt_token_ids) >= self.max_model_len:
             raise RequestRejected(
                 f"prompt has {len(prompt_token_ids)} tokens; this model's maximum context length is "
@@ -110,7 +119,7 @@ class LLMEngine:
             RequestRejected: see :meth:`validate`, or a duplicate id.
         """
         if request_id in self.requests:
-            raise RequestRejected(f"duplicate request id {request_id!r}")
+            raise RequestRejected(f"duplicate request id {request_id!r}", "duplicate")
         self.validate(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, max_len=self.max_model_len)
         self.requests[request_id] = req

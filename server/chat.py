@@ -9,7 +9,7 @@ from engine.embedded import bytes_to_unicode
 from engine.engine import RequestRejected
 from engine.tokenizer import Tokenizer
 from server.context import ServerContext
-from server.errors import APIError, error_body
+from server.errors import APIError, error_body, rejected
 from server.generation import EngineError, Generation
 from server.output import ChatOutputProcessor
 from server.params import to_sampling_params
@@ -129,11 +129,11 @@ class ChatCompletions:
         )
         try:
             gen = Generation(ctx.engine, ctx.tokenizer, new_id("chatcmpl"), prompt_ids, params, req.n,
-                             on_finished=ctx.metrics.on_request_finished)
+                             on_finished=ctx.request_finished)
             gen.prompt_opens_thinking = prompt.rstrip(" ").endswith("<think>\n")
             return gen
         except RequestRejected as exc:
-            raise APIError(400, str(exc), "messages", "context_length_exceeded") from None
+            raise rejected(exc, "messages") from None
 
     def _processor(self, req: ChatCompletionRequest, gen: Generation) -> ChatOutputProcessor:
         return ChatOutputProcessor(reasoning=self.ctx.reasoning_parser == "qwen3",

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from engine.engine import RequestRejected
 from server.context import ServerContext
-from server.errors import APIError, error_body
+from server.errors import APIError, error_body, rejected
 from server.generation import ChoiceEvent, EngineError, Generation
 from server.params import to_sampling_params
 from server.protocol import (
@@ -60,11 +60,11 @@ class Completions:
                     defaults=ctx.defaults, prompt_param="prompt",
                 )
                 gens.append(Generation(ctx.engine, ctx.tokenizer, f"{rid}-p{i}", ids, params, req.n,
-                                       on_finished=ctx.metrics.on_request_finished))
+                                       on_finished=ctx.request_finished))
         except RequestRejected as exc:
             for g in gens:
                 g.abort()
-            raise APIError(400, str(exc), "prompt", "context_length_exceeded") from None
+            raise rejected(exc, "prompt") from None
         except APIError:
             for g in gens:
                 g.abort()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from engine.async_engine import AsyncEngine
 from engine.tokenizer import Tokenizer
+from engine.stats import RequestStats
 from server.metrics import ServerMetrics
+
+log = logging.getLogger("server.requests")
 
 
 @dataclass
@@ -31,6 +35,14 @@ class ServerContext:
     max_body_bytes: int = 4 << 20
     max_prompt_tokens: int | None = None
     protect_metrics: bool = False
+
+    def request_finished(self, stats: RequestStats, itls: list[float]) -> None:
+        """Record a finished engine request in the metrics and log one line for it."""
+        self.metrics.on_request_finished(stats, itls)
+        ttft = f"{1e3 * stats.ttft:.1f}ms" if stats.ttft is not None else "-"
+        log.info("finished %s: prompt %d tokens, generated %d, TTFT %s, total %.1fms, reason %s",
+                 stats.request_id, stats.num_prompt_tokens, stats.num_generation_tokens, ttft,
+                 1e3 * stats.e2e_latency, stats.finish_reason)
 
     @property
     def max_model_len(self) -> int:

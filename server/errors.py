@@ -19,6 +19,12 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+def rejected(exc, param: str) -> APIError:
+    """A 400 for an engine ``RequestRejected``, with OpenAI's code for a too-long prompt."""
+    code = "context_length_exceeded" if exc.reason == "too_long" else "invalid_value"
+    return APIError(400, str(exc), param, code)
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     """``{"error": {"message", "type", "param", "code"}}`` as OpenAI returns it."""
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),

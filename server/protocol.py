@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 MAX_N = 16
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 #: seeds are 64-bit signed integers (as in vLLM); the n choices use seed, seed + 1, ... which torch
 #: still accepts (its generators take [-2**63, 2**64 - 1]). Larger values used to fail the whole
 #: engine step, i.e. every request batched with them.
@@ -124,6 +125,8 @@ class SamplingFields(_Lenient):
     def _bias(cls, v):
         if v is None:
             return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(v)}")
         for key, val in v.items():
             try:
                 int(key)
