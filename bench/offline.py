@@ -92,7 +92,7 @@ def main() -> None:
             rows.append(run_hf(ckpt, prompts, out_lens, args.hf_seconds))
         except Exception as exc:  # noqa: BLE001 - report and keep our numbers
             print(f"transformers run failed: {type(exc).__name__}: {exc}")
-    print(f"\n| engine | output tokens | seconds | output tok/s | ratio |\n|---|---|---|---|---|")
+    print("\n| engine | output tokens | seconds | output tok/s | ratio |\n|---|---|---|---|---|")
     for r in rows:
         extra = f" ({r['finished']}/{r['of']} finished)" if "finished" in r else ""
         print(f"| {r['name']}{extra} | {r['tokens']} | {r['seconds']:.2f} | {r['tok_s']:.0f} | "

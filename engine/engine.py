@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, read_generation_config
 from engine.model_runner import ModelRunner
-from engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import StepStats
 

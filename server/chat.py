@@ -14,11 +14,11 @@ from server.generation import EngineError, Generation
 from server.output import ChatOutputProcessor
 from server.params import to_sampling_params
 from server.protocol import (
-    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChoiceLogprobs, Delta, DeltaToolCall, ResponseMessage, ResponseToolCall, TokenLogprob, TopLogprob, Usage,
+    ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
+    ChoiceLogprobs, ResponseMessage, ResponseToolCall, TokenLogprob, TopLogprob, Usage,
     new_id,
 )
-from server.stream import DONE, sse
+from server.stream import DONE, ChunkWriter, sse
 
 
 def messages_to_dicts(req: ChatCompletionRequest) -> list[dict]:
@@ -176,12 +176,16 @@ class ChatCompletions:
         procs = [self._processor(req, gen) for _ in range(n)]
         completion = 0
 
-        def chunk(index: int, delta: Delta, finish: str | None = None, logprobs=None) -> str:
-            return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
-                ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)]))
+        writer = ChunkWriter(rid, "chat.completion.chunk", created, model)
+
+        def chunk(index: int, delta: dict, finish: str | None = None, logprobs=None) -> str:
+            choice = {"index": index, "delta": delta, "finish_reason": finish}
+            if logprobs is not None:
+                choice["logprobs"] = logprobs.model_dump(exclude_none=True)
+            return writer.choice(choice)
 
         for i in range(n):
-            yield chunk(i, Delta(role="assistant", content=""))
+            yield chunk(i, {"role": "assistant", "content": ""})
         try:
             async for ev in gen.events():
                 completion += len(ev.token_ids)
@@ -194,20 +198,23 @@ class ChatCompletions:
                 if req.logprobs and ev.logprobs:
                     lps = ChoiceLogprobs(content=token_logprobs(self.ctx.tokenizer, ev.token_ids, ev.logprobs))
                 if r or c or calls or lps:
-                    yield chunk(ev.index, Delta(
-                        content=c or None, reasoning_content=r or None,
-                        tool_calls=[DeltaToolCall(index=tc["index"], id=tc["id"], type="function",
-                                                  function=tc["function"]) for tc in calls] or None,
-                    ), logprobs=lps)
+                    delta: dict = {}
+                    if c:
+                        delta["content"] = c
+                    if r:
+                        delta["reasoning_content"] = r
+                    if calls:
+                        delta["tool_calls"] = [{"index": tc["index"], "id": tc["id"], "type": "function",
+                                                "function": tc["function"]} for tc in calls]
+                    yield chunk(ev.index, delta, logprobs=lps)
                 if ev.finish_reason is not None:
                     finish = "tool_calls" if proc.num_tool_calls and ev.finish_reason == "stop" else ev.finish_reason
-                    yield chunk(ev.index, Delta(), finish)
+                    yield chunk(ev.index, {}, finish)
         except EngineError as exc:
             yield sse(error_body(500, f"engine error: {exc}"))
             yield DONE
             return
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=Usage(
-                prompt_tokens=gen.num_prompt_tokens, completion_tokens=completion,
-                total_tokens=gen.num_prompt_tokens + completion)))
+            yield writer.usage({"prompt_tokens": gen.num_prompt_tokens, "completion_tokens": completion,
+                                "total_tokens": gen.num_prompt_tokens + completion})
         yield DONE

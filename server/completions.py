@@ -9,12 +9,12 @@ from collections.abc import AsyncIterator
 from engine.engine import RequestRejected
 from server.context import ServerContext
 from server.errors import APIError, error_body, rejected
-from server.generation import ChoiceEvent, EngineError, Generation
+from server.generation import ChoiceEvent, EngineError, Generation, merge
 from server.params import to_sampling_params
 from server.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage, new_id,
 )
-from server.stream import DONE, sse
+from server.stream import DONE, ChunkWriter, sse
 
 
 class Completions:
@@ -104,20 +104,12 @@ class Completions:
     async def stream(self, req: CompletionRequest, gens: list[Generation], rid: str) -> AsyncIterator[str]:
         created = int(time.time())
         model = self.ctx.model_name
-        queue: asyncio.Queue = asyncio.Queue()
         completion = 0
-
-        async def pump(p_idx: int, gen: Generation):
-            try:
-                async for ev in gen.events():
-                    await queue.put((p_idx, ev))
-            except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
-                await queue.put(exc)
-            await queue.put(None)
+        writer = ChunkWriter(rid, "text_completion", created, model)
 
         def chunk(index: int, text: str, finish: str | None, lps=None) -> str:
-            return sse(CompletionResponse(id=rid, created=created, model=model, choices=[
-                CompletionChoice(index=index, text=text, logprobs=lps, finish_reason=finish)]))
+            return writer.choice({"index": index, "text": text,
+                                  "logprobs": lps.model_dump() if lps is not None else None, "finish_reason": finish})
 
         offsets: dict[int, int] = {}
         if req.echo:
@@ -126,21 +118,8 @@ class Completions:
                     text = self._echo(gen)
                     offsets[p_idx * req.n + i] = len(text)
                     yield chunk(p_idx * req.n + i, text, None)
-        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
         try:
-            done = 0
-            while done < len(tasks):
-                item = await queue.get()
-                if item is None:
-                    done += 1
-                    continue
-                if isinstance(item, EngineError):
-                    yield sse(error_body(500, f"engine error: {item}"))
-                    yield DONE
-                    return
-                if isinstance(item, Exception):
-                    raise item
-                p_idx, ev = item
+            async for p_idx, ev in merge([g.events() for g in gens]):
                 ev: ChoiceEvent
                 index = p_idx * req.n + ev.index
                 completion += len(ev.token_ids)
@@ -150,13 +129,15 @@ class Completions:
                 offsets[index] = offsets.get(index, 0) + len(ev.text)
                 if ev.text or ev.finish_reason or lps:
                     yield chunk(index, ev.text, ev.finish_reason, lps)
+        except EngineError as exc:
+            yield sse(error_body(500, f"engine error: {exc}"))
+            yield DONE
+            return
         finally:
-            for t in tasks:
-                t.cancel()
             for g in gens:
                 g.abort()
         if req.stream_options is not None and req.stream_options.include_usage:
             prompt_tokens = sum(g.num_prompt_tokens for g in gens)
-            yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=Usage(
-                prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)))
+            yield writer.usage({"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                                "total_tokens": prompt_tokens + completion})
         yield DONE

@@ -18,6 +18,38 @@ from engine.stats import RequestStats
 from engine.tokenizer import Tokenizer
 
 
+async def merge(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """Interleave async iterators as their items arrive, yielding ``(iterator index, item)``.
+
+    An exception in one iterator is re-raised to the consumer; leaving early cancels the rest.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, it: AsyncIterator):
+        try:
+            async for item in it:
+                await queue.put((i, item))
+        except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((i, exc))
+        await queue.put((i, end))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        done = 0
+        while done < len(tasks):
+            i, item = await queue.get()
+            if item is end:
+                done += 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
 class EngineError(RuntimeError):
     """The engine failed while running a request (HTTP 500 / an error chunk)."""
 
@@ -140,30 +172,8 @@ class Generation:
                 async for ev in self._choice(0):
                     yield ev
                 return
-            queue: asyncio.Queue = asyncio.Queue()
-
-            async def pump(i):
-                try:
-                    async for ev in self._choice(i):
-                        await queue.put(ev)
-                except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
-                    await queue.put(exc)
-                await queue.put(None)
-
-            tasks = [asyncio.create_task(pump(i)) for i in range(len(self.streams))]
-            try:
-                done = 0
-                while done < len(tasks):
-                    item = await queue.get()
-                    if item is None:
-                        done += 1
-                    elif isinstance(item, Exception):
-                        raise item
-                    else:
-                        yield item
-            finally:
-                for t in tasks:
-                    t.cancel()
+            async for _, ev in merge([self._choice(i) for i in range(len(self.streams))]):
+                yield ev
         finally:
             self.abort()
 

@@ -22,3 +22,24 @@ def sse(payload: BaseModel | dict) -> str:
     else:
         data = payload
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class ChunkWriter:
+    """Frames the chunks of one stream; the envelope (id, object, created, model) is encoded once.
+
+    Building each chunk from plain dicts instead of pydantic models keeps the per-token cost of a
+    busy server low. Choice dicts follow OpenAI's chunk shapes (``finish_reason`` always present).
+    """
+
+    def __init__(self, stream_id: str, obj: str, created: int, model: str):
+        dumps = json.dumps
+        self._head = f'data: {{"id":{dumps(stream_id)},"object":{dumps(obj)},"created":{created},"model":{dumps(model)},'
+
+    def choice(self, choice: dict) -> str:
+        """One chunk carrying one choice."""
+        body = json.dumps(choice, ensure_ascii=False, separators=(",", ":"))
+        return f'{self._head}"choices":[{body}]}}\n\n'
+
+    def usage(self, usage: dict) -> str:
+        """The final usage chunk (empty choices)."""
+        return f'{self._head}"choices":[],"usage":{json.dumps(usage)}}}\n\n'

@@ -7,7 +7,6 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.request import SamplingParams
-from engine.scheduler import ScheduledBatch
 
 
 def _engine(path, **kw):

@@ -262,7 +262,6 @@ def test_greedy_and_processed_logits_match_reference(seed):
 
 
 def test_penalties_change_the_greedy_choice():
-    vocab = 8
     base = torch.tensor([[0.0, 3.0, 2.9, 1.0, -1.0, 2.0, 0.5, -2.0]])
     def greedy(**kw):
         prompt = kw.pop("prompt", [0])
@@ -373,7 +372,7 @@ def test_seed_gives_same_tokens_alone_and_in_a_batch():
 
 
 def test_seeded_rows_follow_the_distribution():
-    vocab, n = 6, 6000
+    _vocab, n = 6, 6000
     base = torch.tensor([1.0, 0.2, -0.5, 0.8, 0.0, -1.0])
     params = [SamplingParams(temperature=0.9, seed=i) for i in range(n)]
     reqs = [make_req(f"s{i}", p, output=[]) for i, p in enumerate(params)]

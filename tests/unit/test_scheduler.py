@@ -215,7 +215,6 @@ def test_every_running_request_decodes_each_step_when_budget_allows(seed):
     cap = s.block_manager.num_blocks * bs
     pending = [make_req(f"r{i}", rng.randint(1, min(s.max_num_batched_tokens, cap // 3)),
                         max_tokens=rng.randint(1, 20), rng=rng) for i in range(30)]
-    admitted_order: list[str] = []
     finished = []
     preempted = 0
     for _ in range(2000):
