@@ -1,9 +1,10 @@
 """One engine loop shared by all requests, with a per-request async output stream.
 
-The synchronous :class:`LLMEngine` runs in a dedicated thread (model steps release the GIL, so
-the asyncio event loop stays responsive). Requests and aborts cross into that thread through a
-locked inbox; outputs come back to the event loop with ``call_soon_threadsafe`` into one
-``asyncio.Queue`` per request.
+The engine loop (``engine.engine_loop``) runs in an *engine core*: a thread of this process
+(:class:`ThreadCore`) or a separate process (``engine.engine_process.ProcessCore``, so the
+engine's Python work never competes with the HTTP server for the GIL). Requests and aborts go
+to the core as commands; each step's outputs come back to the event loop with
+``call_soon_threadsafe`` into one ``asyncio.Queue`` per request.
 """
 
 from __future__ import annotations
@@ -14,15 +15,79 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from engine.engine import LLMEngine, RequestOutput
+from engine.engine_loop import Emit, run_engine_loop
+from engine.limits import EngineLimits
 from engine.request import FinishReason, SamplingParams
 from engine.stats import StepStats
 
 log = logging.getLogger(__name__)
 
-#: GIL switch interval while the engine thread runs (seconds)
+#: GIL switch interval while an engine thread runs in this process (seconds)
 SWITCH_INTERVAL_S = 0.0005
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine core is not running (it died or was shut down)."""
+
+
+class EngineCore(Protocol):
+    """Where the engine loop runs. ``engine`` is the in-process LLMEngine, or None."""
+
+    limits: EngineLimits
+    engine: LLMEngine | None
+
+    def start(self, emit: Emit, on_death: Callable[[], None]) -> None: ...
+    def send(self, command: tuple) -> None: ...
+    def shutdown(self, timeout: float) -> None: ...
+    def is_alive(self) -> bool: ...
+
+
+class ThreadCore:
+    """The engine loop in a thread of this process (CPU default; tests can reach ``engine``).
+
+    Lowers the interpreter's thread switch interval to 0.5 ms while running: the engine thread
+    and the event loop hand the GIL back and forth every step, and the default 5 ms wait for it
+    would add directly to the time per output token.
+    """
+
+    def __init__(self, engine: LLMEngine, log_interval: float = 10.0):
+        self.engine = engine
+        self.limits = engine.limits
+        self.log_interval = log_interval
+        self._lock = threading.Lock()
+        self._commands: list[tuple] = []
+        self._wakeup = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _next(self, timeout: float) -> list[tuple]:
+        if timeout and not self._commands:
+            self._wakeup.wait(timeout)
+        self._wakeup.clear()
+        with self._lock:
+            commands, self._commands = self._commands, []
+        return commands
+
+    def start(self, emit: Emit, on_death: Callable[[], None] | None = None) -> None:
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        self._thread = threading.Thread(target=run_engine_loop, args=(self.engine, self._next, emit, self.log_interval),
+                                        name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def send(self, command: tuple) -> None:
+        with self._lock:
+            self._commands.append(command)
+        self._wakeup.set()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        if self._thread is not None:
+            self.send(("shutdown",))
+            self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
 
 class RequestStream:
@@ -81,52 +146,41 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Owns the engine thread.
+    """The front end of an engine core: request streams, validation, aborts.
 
     Args:
-        engine: the synchronous engine (used only from the engine thread after :meth:`start`).
+        core: a :class:`ThreadCore` or ``ProcessCore``; an :class:`LLMEngine` is wrapped in a
+            ThreadCore.
         on_step: called on the event loop with each step's :class:`StepStats`.
-        log_interval: seconds between periodic engine log lines (0 = never).
     """
 
-    def __init__(self, engine: LLMEngine, on_step: Callable[[StepStats], None] | None = None, log_interval: float = 10.0):
-        self.engine = engine
+    def __init__(self, core: EngineCore | LLMEngine, on_step: Callable[[StepStats], None] | None = None):
+        self.core = ThreadCore(core) if isinstance(core, LLMEngine) else core
+        self.limits: EngineLimits = self.core.limits
         self.on_step = on_step
-        self.log_interval = log_interval
-        self._inbox_lock = threading.Lock()
-        self._adds: list[tuple[str, list[int], SamplingParams]] = []
-        self._aborts: list[str] = []
-        self._wakeup = threading.Event()
-        self._stop = threading.Event()
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self.last_stats: StepStats | None = None
-        self.errored: BaseException | None = None
+
+    @property
+    def engine(self) -> LLMEngine | None:
+        """The in-process engine (thread core only; for tests and tools)."""
+        return self.core.engine
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Start the engine thread; must be called from the running event loop.
-
-        Lowers the interpreter's thread switch interval (default 5 ms) to 0.5 ms: the engine
-        thread and the event loop hand the GIL back and forth every step, and a 5 ms wait for
-        it would add directly to the time per output token.
-        """
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        """Start the engine core; must be called from the running event loop."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        loop = self._loop
+        self.core.start(self._emit, lambda: loop.call_soon_threadsafe(self.fail_all, "the engine process died"))
 
     async def shutdown(self) -> None:
-        """Stop the loop thread (in-flight requests get no further output)."""
-        self._stop.set()
-        self._wakeup.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 30)
+        """Stop the engine core (in-flight requests get no further output)."""
+        await asyncio.to_thread(self.core.shutdown, 30.0)
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self.core.is_alive()
 
     @property
     def num_in_flight(self) -> int:
@@ -137,17 +191,18 @@ class AsyncEngine:
         """Validate and queue a request; returns its output stream.
 
         Raises:
-            RequestRejected: the request can never be served (see LLMEngine.validate).
+            RequestRejected: the request can never be served (see EngineLimits.validate).
             ValueError: duplicate id.
+            EngineUnavailable: the engine core is not running.
         """
+        if not self.core.is_alive():
+            raise EngineUnavailable("the engine is not running")
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
-        self.engine.validate(prompt_token_ids, params)
+        self.limits.validate(prompt_token_ids)
         stream = RequestStream(request_id, len(prompt_token_ids))
         self._streams[request_id] = stream
-        with self._inbox_lock:
-            self._adds.append((request_id, list(prompt_token_ids), params))
-        self._wakeup.set()
+        self.core.send(("add", request_id, list(prompt_token_ids), params))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -157,62 +212,16 @@ class AsyncEngine:
         """
         if self._streams.pop(request_id, None) is None:
             return
-        with self._inbox_lock:
-            self._aborts.append(request_id)
-        self._wakeup.set()
+        self.core.send(("abort", request_id))
 
-    # ------------------------------------------------------------ engine thread
-    def _drain_inbox(self) -> bool:
-        """Apply queued adds and aborts; True when anything changed."""
-        with self._inbox_lock:
-            adds, self._adds = self._adds, []
-            aborts, self._aborts = self._aborts, []
-        aborted = set(aborts)
-        for rid, ids, params in adds:
-            if rid in aborted:
-                continue
-            try:
-                self.engine.add_request(rid, ids, params)
-            except ValueError as exc:  # validated already; a race would land here
-                self._emit([RequestOutput(rid, [], finished=True, finish_reason=FinishReason.ERROR, error=str(exc))], None)
-        for rid in aborts:
-            self.engine.abort(rid)
-        return bool(adds or aborts)
+    def fail_all(self, message: str) -> None:
+        """Finish every in-flight stream with an error (the engine core died)."""
+        self._dispatch([RequestOutput(rid, [], finished=True, finish_reason=FinishReason.ERROR, error=message)
+                        for rid in list(self._streams)], None)
 
-    def _run(self) -> None:
-        last_log = time.monotonic()
-        tokens_since = [0, 0]
-        while not self._stop.is_set():
-            changed = self._drain_inbox()
-            if not self.engine.has_unfinished():
-                if changed:  # e.g. the last requests were aborted: publish the emptied state
-                    self._emit([], self.engine.idle_stats())
-                self._wakeup.wait(timeout=0.5)
-                self._wakeup.clear()
-                continue
-            try:
-                outputs, stats = self.engine.step()
-            except Exception as exc:  # noqa: BLE001 - a bug outside the model step: fail everyone, keep serving
-                log.exception("engine step crashed; failing all in-flight requests")
-                outputs = []
-                for rid in list(self.engine.requests):
-                    self.engine.abort(rid)
-                    outputs.append(RequestOutput(rid, [], finished=True, finish_reason=FinishReason.ERROR, error=str(exc)))
-                stats = None
-            tokens_since[0] += stats.num_prompt_tokens if stats else 0
-            tokens_since[1] += stats.num_generation_tokens if stats else 0
-            self._emit(outputs, stats)
-            now = time.monotonic()
-            if stats and self.log_interval and now - last_log >= self.log_interval:
-                dt = now - last_log
-                log.info(
-                    "engine: running %d, waiting %d, KV usage %.1f%%, prompt %.1f tok/s, generation %.1f tok/s",
-                    stats.num_running, stats.num_waiting, 100 * stats.kv_usage,
-                    tokens_since[0] / dt, tokens_since[1] / dt,
-                )
-                last_log, tokens_since = now, [0, 0]
-
+    # ------------------------------------------------------- from the engine core
     def _emit(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
+        """Called on the core's thread: hand a step's results to the event loop."""
         loop = self._loop
         if loop is None or loop.is_closed():
             return

@@ -8,25 +8,13 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, read_generation_config
+from engine.limits import EngineLimits, RequestRejected
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import StepStats
 
 log = logging.getLogger(__name__)
-
-
-class RequestRejected(ValueError):
-    """A request that can never be served.
-
-    Attributes:
-        reason: "too_long" (over the model length or the KV cache), "invalid_token" (an id
-            outside the vocabulary), "empty" or "duplicate".
-    """
-
-    def __init__(self, message: str, reason: str = "too_long"):
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass
@@ -84,6 +72,13 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.requests: dict[str, Request] = {}
+        self.limits = EngineLimits(
+            max_model_len=info.max_model_len, vocab_size=self.model_config.vocab_size,
+            eos_token_ids=frozenset(self.eos_token_ids), num_kv_blocks=info.num_kv_blocks,
+            block_size=info.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+        )
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d, backend %s",
             self.model_config.model_type, config.device, self.runner.dtype, info.num_kv_blocks,
@@ -92,25 +87,8 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- requests
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Reject a request that can never be served; reads only constants (thread-safe).
-
-        Raises:
-            RequestRejected: empty prompt, ids outside the vocabulary, prompt at or over
-                max_model_len, or a prompt that the KV cache can never hold.
-        """
-        if not prompt_token_ids:
-            raise RequestRejected("the prompt is empty", "empty")
-        vocab = self.model_config.vocab_size
-        if any(not (0 <= t < vocab) for t in prompt_token_ids):
-            raise RequestRejected(f"prompt token ids must be in [0, {vocab})", "invalid_token")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise RequestRejected(
-                f"prompt has {len(prompt_token_ids)} tokens; this model's maximum context length is "
-                f"{self.max_model_len} tokens including at least one generated token"
-            )
-        why = self.scheduler.can_ever_fit(len(prompt_token_ids))
-        if why:
-            raise RequestRejected(why)
+        """Reject a request that can never be served (see :meth:`EngineLimits.validate`)."""
+        self.limits.validate(prompt_token_ids)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         """Validate and queue a request.
@@ -217,6 +195,7 @@ class LLMEngine:
             prefix_queries=bm.prefix_queries - q0,
             prefix_hits=bm.prefix_hits - h0,
             step_seconds=time.perf_counter() - t0,
+            **self.runner.memory_stats(),
         )
 
     # ----------------------------------------------------------------- offline

@@ -140,6 +140,7 @@ class ModelRunner:
             max_len = capacity
         self.cache_info = CacheInfo(num_blocks, config.block_size, max_len, per_block)
         self._staging: dict[str, torch.Tensor] = {}
+        self._gpu_total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
         self.graphs = None
         if config.cuda_graph and self.device.type == "cuda" and self.backend.name == "triton":
             from engine.cuda_graph import DecodeGraphs
@@ -165,6 +166,16 @@ class ModelRunner:
         if blocks < 1:
             raise ValueError(f"KV cache budget of {budget / (1 << 30):.3f} GiB holds no block of {bytes_per_block} bytes")
         return blocks
+
+    def memory_stats(self) -> dict[str, int]:
+        """CUDA memory of the engine's device in bytes (empty on the CPU)."""
+        if self.device.type != "cuda":
+            return {}
+        return {
+            "gpu_memory_allocated": torch.cuda.memory_allocated(self.device),
+            "gpu_memory_reserved": torch.cuda.memory_reserved(self.device),
+            "gpu_memory_total": self._gpu_total,
+        }
 
     def _to_device(self, a: np.ndarray, name: str) -> torch.Tensor:
         """Move a step array to the device through a reused pinned staging buffer per ``name``.

@@ -60,22 +60,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
 
-    def can_ever_fit(self, num_prompt_tokens: int) -> str | None:
-        """Why a prompt of this length can never run (a message), or None when it can."""
-        bm = self.block_manager
-        need = num_prompt_tokens + 1
-        if bm.blocks_needed(need) > bm.num_blocks:
-            return (
-                f"prompt of {num_prompt_tokens} tokens needs {bm.blocks_needed(need)} KV blocks; "
-                f"the cache has {bm.num_blocks}"
-            )
-        if not self.enable_chunked_prefill and num_prompt_tokens > self.max_num_batched_tokens:
-            return (
-                f"prompt of {num_prompt_tokens} tokens exceeds max_num_batched_tokens="
-                f"{self.max_num_batched_tokens} with chunked prefill off"
-            )
-        return None
-
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)

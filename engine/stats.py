@@ -17,6 +17,8 @@ class StepStats:
         num_preemptions: requests preempted this step.
         prefix_queries, prefix_hits: prompt tokens looked up / found in the prefix cache this step.
         step_seconds: wall time of the step.
+        gpu_memory_allocated, gpu_memory_reserved, gpu_memory_total: bytes on the engine's CUDA
+            device (0 on the CPU).
     """
 
     num_running: int
@@ -30,6 +32,9 @@ class StepStats:
     prefix_queries: int
     prefix_hits: int
     step_seconds: float
+    gpu_memory_allocated: int = 0
+    gpu_memory_reserved: int = 0
+    gpu_memory_total: int = 0
 
 
 @dataclass(frozen=True)

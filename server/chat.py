@@ -6,7 +6,7 @@ import time
 from collections.abc import AsyncIterator
 
 from engine.embedded import bytes_to_unicode
-from engine.engine import RequestRejected
+from engine.limits import RequestRejected
 from engine.tokenizer import Tokenizer
 from server.context import ServerContext
 from server.errors import APIError, error_body, rejected

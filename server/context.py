@@ -46,8 +46,8 @@ class ServerContext:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.limits.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.engine.model_config.vocab_size
+        return self.engine.limits.vocab_size

@@ -7,6 +7,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.async_engine import EngineUnavailable
+
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           413: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
 
@@ -58,6 +60,10 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             msg = f"invalid value for '{param}': {msg}" if param else msg
         return error_response(400, msg, param, first.get("type"))
+
+    @app.exception_handler(EngineUnavailable)
+    async def _unavailable(_: Request, exc: EngineUnavailable):
+        return error_response(503, str(exc), None, "engine_unavailable")
 
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError):

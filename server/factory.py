@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, ThreadCore
 from engine.config import EngineConfig, parse_dtype, read_generation_config
 from engine.engine import LLMEngine
+from engine.engine_process import ProcessCore
 from engine.tokenizer import Tokenizer
 from server.context import ServerContext
 from server.metrics import ServerMetrics
@@ -59,14 +60,19 @@ def build_context(args: argparse.Namespace) -> ServerContext:
         seed=args.seed,
     )
     tokenizer = Tokenizer(model_dir)
-    engine = LLMEngine(config, eos_token_ids=tokenizer.eos_token_ids)
-    info = engine.cache_info
+    mode = args.engine_mode if args.engine_mode != "auto" else ("process" if device.startswith("cuda") else "thread")
+    if mode == "process":
+        core = ProcessCore(config, tokenizer.eos_token_ids)
+    else:
+        core = ThreadCore(LLMEngine(config, eos_token_ids=tokenizer.eos_token_ids))
+    limits = core.limits
     metrics = ServerMetrics(name, {
-        "model": model_dir, "dtype": str(engine.runner.dtype).removeprefix("torch."),
-        "block_size": info.block_size, "num_kv_blocks": info.num_kv_blocks, "max_model_len": info.max_model_len,
-    }, cuda_device=torch.device(device) if device.startswith("cuda") else None)
+        "model": model_dir, "dtype": limits.dtype, "block_size": limits.block_size,
+        "num_kv_blocks": limits.num_kv_blocks, "max_model_len": limits.max_model_len,
+    })
+    log.info("engine core: %s", mode)
     return ServerContext(
-        engine=AsyncEngine(engine, on_step=metrics.on_step),
+        engine=AsyncEngine(core, on_step=metrics.on_step),
         tokenizer=tokenizer,
         model_name=name,
         metrics=metrics,

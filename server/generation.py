@@ -107,7 +107,7 @@ class Generation:
         self.streams: list[RequestStream] = []
         self.finished: list[bool] = [False] * n
         self.num_tokens: list[int] = [0] * n
-        engine.engine.validate(prompt_ids, params)
+        engine.limits.validate(prompt_ids)
         for i in range(n):
             p = params
             if n > 1 and params.seed is not None:
@@ -125,7 +125,7 @@ class Generation:
             self.tokenizer, self.prompt_ids, skip_special_tokens=p.skip_special_tokens,
             stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output,
         )
-        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.engine.engine.eos_token_ids))
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.engine.limits.eos_token_ids))
         async for out in stream:
             if out.error is not None:
                 self._finish(index, "error")

@@ -24,13 +24,11 @@ class ServerMetrics:
     Args:
         model_name: the served model id.
         info: static facts for the info metric (model, dtype, block_size, num_kv_blocks, max_model_len).
-        cuda_device: a torch CUDA device whose memory is reported at each scrape, or None.
     """
 
-    def __init__(self, model_name: str, info: dict[str, str], cuda_device=None):
+    def __init__(self, model_name: str, info: dict[str, str]):
         self.registry = reg = CollectorRegistry()
         ProcessCollector(registry=reg)
-        self.cuda_device = cuda_device
         labels = ["model_name"]
         self._label = {"model_name": model_name}
 
@@ -74,6 +72,9 @@ class ServerMetrics:
         self.waiting.set(s.num_waiting)
         self.kv_usage.set(s.kv_usage)
         self.free_blocks.set(s.num_free_blocks)
+        self.gpu_allocated.set(s.gpu_memory_allocated)
+        self.gpu_reserved.set(s.gpu_memory_reserved)
+        self.gpu_total.set(s.gpu_memory_total)
         self.prompt_tokens.inc(s.num_prompt_tokens)
         self.generation_tokens.inc(s.num_generation_tokens)
         self.preemptions.inc(s.num_preemptions)
@@ -96,11 +97,5 @@ class ServerMetrics:
             self.itl.observe(gap)
 
     def render(self) -> bytes:
-        """The Prometheus text exposition (refreshes the CUDA memory gauges first)."""
-        if self.cuda_device is not None:
-            import torch
-
-            self.gpu_allocated.set(torch.cuda.memory_allocated(self.cuda_device))
-            self.gpu_reserved.set(torch.cuda.memory_reserved(self.cuda_device))
-            self.gpu_total.set(torch.cuda.get_device_properties(self.cuda_device).total_memory)
+        """The Prometheus text exposition."""
         return generate_latest(self.registry)
