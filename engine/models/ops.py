@@ -55,6 +55,12 @@ class PointwiseOps:
     """
 
     def __init__(self, compiled: bool):
+        if compiled:
+            import torch._dynamo
+
+            # a compiler failure falls back to the eager function instead of failing the engine
+            torch._dynamo.config.suppress_errors = True
+
         def wrap(fn):
             return torch.compile(fn, dynamic=True, fullgraph=True) if compiled else fn
 
