@@ -39,9 +39,10 @@ def make_prompts(ckpt: str, n: int, target_tokens: int, seed: int = 0) -> list[s
     return out
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
+                      extra: dict | None = None) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     t0 = time.perf_counter()
     times, usage = [], None
     async with client.stream("POST", url, json=body) as r:
@@ -73,7 +74,8 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-async def run_level(base: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, time_cap: float) -> dict:
+async def run_level(base: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, time_cap: float,
+                    extra: dict | None = None) -> dict:
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -83,7 +85,10 @@ async def run_level(base: str, model: str, prompts: list[str], concurrency: int,
             async with sem:
                 if time.perf_counter() > deadline:
                     return None
-                return await one_request(client, base + "/v1/chat/completions", model, p, max_tokens)
+                try:
+                    return await one_request(client, base + "/v1/chat/completions", model, p, max_tokens, extra)
+                except httpx.HTTPError as exc:
+                    return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
 
         t0 = time.perf_counter()
         results = await asyncio.gather(*(guarded(p) for p in prompts))
@@ -130,10 +135,12 @@ def bench_server(name: str, cmd: list[str], port: int, model: str, args, prompts
             wait_health(base, proc)
             asyncio.run(run_level(base, model, prompts[:4], 2, 16, 120))  # warm-up
             rows = []
-            for c in args.concurrency:
+            levels = args.concurrency if name == "qwen-serve" or not args.peer_concurrency else args.peer_concurrency
+            for c in levels:
                 n = max(args.min_requests, c * args.requests_per_concurrency)
                 cap = args.peer_time_cap if name != "qwen-serve" else 600
-                r = asyncio.run(run_level(base, model, prompts[:n], c, args.max_tokens, cap))
+                extra = {"ignore_eos": True} if name == "qwen-serve" else None  # the peer rejects unknown fields
+                r = asyncio.run(run_level(base, model, prompts[:n], c, args.max_tokens, cap, extra))
                 r["name"] = name
                 rows.append(r)
                 print(json.dumps(r), flush=True)
@@ -156,6 +163,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
+    ap.add_argument("--peer-concurrency", type=int, nargs="+", default=None,
+                    help="concurrency levels for the peer (default: --concurrency)")
     ap.add_argument("--peer-time-cap", type=float, default=60)
     ap.add_argument("--out", default="/tmp")
     ap.add_argument("--tokenizer-from", default=None, help="copy tokenizer files from this directory")
