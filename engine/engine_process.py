@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import queue
 import threading
 
 from engine.config import EngineConfig
@@ -68,8 +67,7 @@ class ProcessCore:
                  startup_timeout: float = 1800.0):
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sender: threading.Thread | None = None
+        self._send_lock = threading.Lock()
         self._proc = ctx.Process(target=_child_main, name="engine-core", daemon=True,
                                  args=(config, eos_token_ids, child_conn, logging.getLogger().level, log_interval))
         self._proc.start()
@@ -105,30 +103,19 @@ class ProcessCore:
                 if msg[0] == "out":
                     emit(msg[1], msg[2])
 
-        def write() -> None:
-            while True:
-                command = self._outbox.get()
-                try:
-                    self._conn.send(command)
-                except (BrokenPipeError, OSError):
-                    log.error("engine process is gone; dropped command %s", command[0])
-                if command[0] == "shutdown":
-                    return
-
         self._reader = threading.Thread(target=read, name="engine-reader", daemon=True)
         self._reader.start()
-        self._sender = threading.Thread(target=write, name="engine-writer", daemon=True)
-        self._sender.start()
 
     def send(self, command: tuple) -> None:
-        """Queue a command; a writer thread sends it, so a full pipe never blocks the event loop."""
-        self._outbox.put(command)
+        with self._send_lock:
+            try:
+                self._conn.send(command)
+            except (BrokenPipeError, OSError):
+                log.error("engine process is gone; dropped command %s", command[0])
 
     def shutdown(self, timeout: float = 30.0) -> None:
         self._stopping = True
         self.send(("shutdown",))
-        if self._sender is None:  # never started: send directly
-            self._conn.send(("shutdown",))
         self._proc.join(timeout)
         if self._proc.is_alive():
             self._proc.kill()
