@@ -72,8 +72,16 @@ class ThreadCore:
 
     def start(self, emit: Emit, on_death: Callable[[], None] | None = None) -> None:
         sys.setswitchinterval(SWITCH_INTERVAL_S)
-        self._thread = threading.Thread(target=run_engine_loop, args=(self.engine, self._next, emit, self.log_interval),
-                                        name="engine-loop", daemon=True)
+
+        def run() -> None:
+            try:
+                run_engine_loop(self.engine, self._next, emit, self.log_interval)
+            except Exception:  # noqa: BLE001 - logged; the front end fails what is in flight
+                log.exception("engine loop died")
+                if on_death is not None:
+                    on_death()
+
+        self._thread = threading.Thread(target=run, name="engine-loop", daemon=True)
         self._thread.start()
 
     def send(self, command: tuple) -> None:
@@ -208,16 +216,18 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request: its blocks are freed at the start of the next engine iteration.
 
-        The stream gets no further output. Unknown or finished ids are ignored.
+        The stream ends with a finished ``abort`` output. Unknown or finished ids are ignored.
         """
-        if self._streams.pop(request_id, None) is None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
             return
         self.core.send(("abort", request_id))
+        # end the stream for anyone still reading it
+        stream._put(RequestOutput(request_id, [], finished=True, finish_reason=FinishReason.ABORT))
 
     def fail_all(self, message: str) -> None:
         """Finish every in-flight stream with an error (the engine core died)."""
-        self._dispatch([RequestOutput(rid, [], finished=True, finish_reason=FinishReason.ERROR, error=message)
-                        for rid in list(self._streams)], None)
+        self._dispatch([RequestOutput.failed(rid, message) for rid in list(self._streams)], None)
 
     # ------------------------------------------------------- from the engine core
     def _emit(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+import torch
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -37,6 +39,20 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     scheduled_time: float | None = None
+
+    @staticmethod
+    def failed(request_id: str, message: str) -> "RequestOutput":
+        """The last output of a request the engine failed."""
+        return RequestOutput(request_id, [], finished=True, finish_reason=FinishReason.ERROR, error=message)
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """A CUDA error (illegal access, launch failure): it poisons the CUDA context, so every
+    later step would fail too. Out-of-memory and ordinary exceptions are not fatal."""
+    accel = getattr(torch, "AcceleratorError", None)
+    if accel is not None and isinstance(exc, accel):
+        return True
+    return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)
 
 
 def eos_ids_from(model_dir: str) -> frozenset[int]:
@@ -138,7 +154,8 @@ class LLMEngine:
         """Schedule, run the model once and apply the sampled tokens.
 
         An exception inside the model fails only the requests of this step (finish reason
-        ``error``); the engine stays usable.
+        ``error``) and the engine stays usable, except for a device error (see
+        :func:`is_fatal`), which is re-raised after failing them: the device is unusable.
         """
         t0 = time.perf_counter()
         bm = self.block_manager
@@ -150,11 +167,12 @@ class LLMEngine:
             try:
                 sampled_reqs, samples = self.runner.execute(batch, self.eos_token_ids)
             except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
+                if is_fatal(exc):
+                    raise
                 log.exception("model step failed; failing %d requests", len(batch))
                 for req in batch.requests:
                     self._finish(req, FinishReason.ERROR)
-                    outputs.append(RequestOutput(req.request_id, [], finished=True,
-                                                 finish_reason=FinishReason.ERROR, error=str(exc)))
+                    outputs.append(RequestOutput.failed(req.request_id, str(exc)))
                 return outputs, self._stats(t0, 0, 0, batch.num_preemptions, q0, h0)
             for req, n in zip(batch.requests, batch.num_new_tokens):
                 n_prompt += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)

@@ -11,8 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from engine.engine import LLMEngine, RequestOutput
-from engine.request import FinishReason
+from engine.engine import LLMEngine, RequestOutput, is_fatal
 from engine.stats import StepStats
 
 log = logging.getLogger(__name__)
@@ -37,7 +36,7 @@ def apply_commands(engine: LLMEngine, commands: list[tuple], emit: Emit) -> tupl
             try:
                 engine.add_request(rid, ids, params)
             except ValueError as exc:  # validated by the front end already; a race lands here
-                emit([RequestOutput(rid, [], finished=True, finish_reason=FinishReason.ERROR, error=str(exc))], None)
+                emit([RequestOutput.failed(rid, str(exc))], None)
         elif kind == "abort":
             engine.abort(cmd[1])
         elif kind == "shutdown":
@@ -68,16 +67,17 @@ def run_engine_loop(engine: LLMEngine, next_commands: Callable[[float | None], l
             continue
         try:
             outputs, stats = engine.step()
-        except Exception as exc:  # noqa: BLE001 - a bug outside the model step: fail everyone, keep serving
+        except Exception as exc:  # noqa: BLE001 - fail everyone; keep serving unless the device is broken
             log.exception("engine step crashed; failing all in-flight requests")
             outputs = []
             for rid in list(engine.requests):
                 engine.abort(rid)
-                outputs.append(RequestOutput(rid, [], finished=True, finish_reason=FinishReason.ERROR, error=str(exc)))
-            stats = None
-        emit(outputs, stats)
-        if stats is None:
+                outputs.append(RequestOutput.failed(rid, str(exc)))
+            emit(outputs, None)
+            if is_fatal(exc):
+                raise  # the core dies; the front end fails what is left and reports 503
             continue
+        emit(outputs, stats)
         tokens[0] += stats.num_prompt_tokens
         tokens[1] += stats.num_generation_tokens
         now = time.monotonic()

@@ -140,6 +140,7 @@ class ModelRunner:
             max_len = capacity
         self.cache_info = CacheInfo(num_blocks, config.block_size, max_len, per_block)
         self._staging: dict[str, torch.Tensor] = {}
+        self._staging_events: dict[str, torch.cuda.Event] = {}
         self._gpu_total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
         self.graphs = None
         if config.cuda_graph and self.device.type == "cuda" and self.backend.name == "triton":
@@ -180,12 +181,16 @@ class ModelRunner:
     def _to_device(self, a: np.ndarray, name: str) -> torch.Tensor:
         """Move a step array to the device through a reused pinned staging buffer per ``name``.
 
-        Reuse is safe because every step ends with a host sync (reading the sampled ids), so the
-        previous step's copies out of the buffer have completed.
+        Before a buffer is refilled, the copy that last read it must have run: a step that
+        samples nothing (a prefill chunk) returns without a host sync, so each buffer's last copy
+        is tracked with a CUDA event and waited for.
         """
         t = torch.from_numpy(a)
         if self.device.type != "cuda":
             return t
+        pending = self._staging_events.get(name)
+        if pending is not None:
+            pending.synchronize()
         buf = self._staging.get(name)
         if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
             buf = torch.empty(max(t.numel(), 2 * (buf.numel() if buf is not None else 1024)), dtype=t.dtype,
@@ -193,7 +198,11 @@ class ModelRunner:
             self._staging[name] = buf
         staged = buf[: t.numel()].view(t.shape)
         staged.copy_(t)
-        return staged.to(self.device, non_blocking=True)
+        out = staged.to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._staging_events[name] = event
+        return out
 
     def _forward(self, inp: StepInputs) -> torch.Tensor:
         meta = AttentionMetadata(
@@ -216,7 +225,9 @@ class ModelRunner:
             The requests that sampled a token this step and their samples (same order).
         """
         inp = prepare_inputs(batch, self.config.block_size)
-        if self.graphs is not None and inp.max_query_len == 1 and self.graphs.can_run(len(batch), inp.max_seq_len):
+        use_graph = (self.graphs is not None and inp.max_query_len == 1 and len(inp.sample_requests) == len(batch)
+                     and self.graphs.can_run(len(batch), inp.max_seq_len))
+        if use_graph:  # a pure decode step: every row samples (a 1-token prefill chunk does not)
             logits = self.graphs.run(
                 self._to_device(inp.input_ids, "input_ids"), self._to_device(inp.positions, "positions"),
                 self._to_device(inp.slot_mapping, "slot_mapping"), self._to_device(inp.block_tables, "block_tables"),

@@ -54,6 +54,21 @@ class BodySizeLimit:
         return await self.app(scope, replay, send)
 
 
+class AbortingStreamingResponse(StreamingResponse):
+    """A streaming response that calls ``on_close`` however it ends: finished, failed, or
+    cancelled because the client went away (also before the first chunk was sent)."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
 async def _until_disconnect(raw: Request, coro):
     """Run ``coro``; if the client disconnects first, cancel it (its finally blocks abort the
     engine requests) and return None."""
@@ -100,15 +115,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", None, "invalid_api_key")
 
     async def stream_response(gen_iter, aborts) -> StreamingResponse:
-        async def body():
-            try:
-                async for item in gen_iter:
-                    yield item
-            finally:
-                aborts()
-
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return AbortingStreamingResponse(gen_iter, aborts, media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(req: ChatCompletionRequest, raw: Request):

@@ -61,13 +61,11 @@ class Completions:
                 )
                 gens.append(Generation(ctx.engine, ctx.tokenizer, f"{rid}-p{i}", ids, params, req.n,
                                        on_finished=ctx.request_finished))
-        except RequestRejected as exc:
-            for g in gens:
+        except BaseException as exc:
+            for g in gens:  # do not leave the prompts already queued running
                 g.abort()
-            raise rejected(exc, "prompt") from None
-        except APIError:
-            for g in gens:
-                g.abort()
+            if isinstance(exc, RequestRejected):
+                raise rejected(exc, "prompt") from None
             raise
         return gens, rid
 

@@ -108,11 +108,16 @@ class Generation:
         self.finished: list[bool] = [False] * n
         self.num_tokens: list[int] = [0] * n
         engine.limits.validate(prompt_ids)
-        for i in range(n):
-            p = params
-            if n > 1 and params.seed is not None:
-                p = dataclasses.replace(params, seed=params.seed + i)
-            self.streams.append(engine.add_request(f"{request_id}-{i}", prompt_ids, p))
+        try:
+            for i in range(n):
+                p = params
+                if n > 1 and params.seed is not None:
+                    p = dataclasses.replace(params, seed=params.seed + i)
+                self.streams.append(engine.add_request(f"{request_id}-{i}", prompt_ids, p))
+        except BaseException:
+            for s in self.streams:  # do not leave the choices already queued running
+                engine.abort(s.request_id)
+            raise
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -130,24 +135,33 @@ class Generation:
             if out.error is not None:
                 self._finish(index, "error")
                 raise EngineError(out.error)
-            ids = out.new_token_ids
-            self.num_tokens[index] += len(ids)
+            ids, logprobs = out.new_token_ids, out.logprobs
             text_ids = ids
             if out.finish_reason == FinishReason.STOP and ids and ids[-1] in stop_ids and not p.include_stop_str_in_output:
                 text_ids = ids[:-1]  # the stop token itself is not part of the text
-            text = detok.step(text_ids) if text_ids else ""
+            if p.stop and len(text_ids) > 1:
+                # several tokens at once (a merged output): feed them one by one so the tokens
+                # after a stop string are neither counted nor reported
+                text = ""
+                for used, tok in enumerate(text_ids, 1):
+                    text += detok.step([tok])
+                    if detok.stop_reason is not None:
+                        ids, logprobs = ids[:used], logprobs[:used]
+                        break
+            else:
+                text = detok.step(text_ids) if text_ids else ""
+            self.num_tokens[index] += len(ids)
             if detok.stop_reason is not None:
                 self.engine.abort(stream.request_id)
                 self._finish(index, "stop")
-                yield ChoiceEvent(index, text, ids, out.logprobs, "stop")
+                yield ChoiceEvent(index, text, ids, logprobs, "stop")
                 return
             reason = None
             if out.finished:
                 text += detok.finish()
                 reason = out.finish_reason.value
                 self._finish(index, reason)
-            yield ChoiceEvent(index, text, ids, out.logprobs, reason)
-        # stream ended without a finished output: aborted elsewhere
+            yield ChoiceEvent(index, text, ids, logprobs, reason)
 
     def _finish(self, index: int, reason: str) -> None:
         if self.finished[index]:

@@ -66,3 +66,36 @@ def test_model_step_exception_fails_only_that_step(ctx):
     assert 'qwen_serve:request_success_total{finished_reason="error"' in metrics
     bm = ctx.engine.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_device_error_stops_the_engine_and_fails_requests():
+    """A CUDA error poisons the device: the engine loop stops, requests fail, /health says 503."""
+    ctx2 = build_context(build_parser().parse_args(["--max-model-len", "512"]))
+    runner = ctx2.engine.engine.runner
+
+    def broken(batch, eos_ids):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    async def scenario():
+        app = create_app(ctx2)
+        ctx2.engine.start()
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
+                runner.execute = broken
+                body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+                failed = await c.post("/v1/chat/completions", json=body)
+                for _ in range(50):
+                    if not ctx2.engine.is_running:
+                        break
+                    await asyncio.sleep(0.05)
+                health = await c.get("/health")
+                refused = await c.post("/v1/chat/completions", json=body)
+            return failed, health, refused
+        finally:
+            await ctx2.engine.shutdown()
+
+    failed, health, refused = asyncio.run(scenario())
+    assert failed.status_code == 500 and "CUDA error" in failed.json()["error"]["message"]
+    assert health.status_code == 503
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable"
