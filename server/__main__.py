@@ -39,14 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
     """The server's flags; defaults come from QWEN_SERVE_* environment variables when set."""
     p = argparse.ArgumentParser(
         prog="python -m server",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="OpenAI-compatible server for Qwen3/Qwen2 checkpoints (paged KV cache, continuous batching). "
         "Every flag can also be set through the environment variable QWEN_SERVE_<FLAG> "
         "(e.g. QWEN_SERVE_PORT=9000).",
     )
     a = p.add_argument
     a("--model", default=_env("model"), help="Hugging Face checkpoint directory (default: the embedded random-weight Qwen3)")
-    a("--host", default=_env("host", "127.0.0.1"))
-    a("--port", type=int, default=int(_env("port", 8000)))
+    a("--host", default=_env("host", "127.0.0.1"), help="address to listen on")
+    a("--port", type=int, default=int(_env("port", 8000)), help="port to listen on")
     a("--dtype", default=_env("dtype", "auto"), choices=["auto", "float32", "bfloat16", "float16"],
       help="weights and activations (auto: float32 on CPU, the checkpoint's dtype on CUDA)")
     a("--device", default=_env("device", "auto"), help="auto, cpu, cuda or cuda:N")
@@ -56,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kv-cache-memory-gb", type=float, default=_env("kv_cache_memory_gb"),
       help="KV-cache budget in GiB (when --num-kv-blocks is not given; default: 1 GiB on CPU, "
       "--gpu-memory-utilization of the GPU)")
-    a("--gpu-memory-utilization", type=float, default=float(_env("gpu_memory_utilization", 0.85)))
+    a("--gpu-memory-utilization", type=float, default=float(_env("gpu_memory_utilization", 0.85)),
+      help="fraction of GPU memory the engine may fill (weights + KV cache) when the KV budget is not given")
     a("--max-num-seqs", type=int, default=int(_env("max_num_seqs", 256)), help="most requests running at once")
     a("--max-num-batched-tokens", type=int, default=int(_env("max_num_batched_tokens", 8192)),
       help="token budget of one engine step (prefill chunks + decodes)")
@@ -75,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--protect-metrics", action="store_true", default=bool(_env("protect_metrics")), help="require the API key on /metrics too")
     a("--max-body-bytes", type=int, default=int(_env("max_body_bytes", 4 << 20)), help="larger request bodies get 413")
     a("--max-prompt-tokens", type=int, default=_env("max_prompt_tokens"), help="longer prompts get 400")
-    a("--seed", type=int, default=int(_env("seed", 0)))
+    a("--seed", type=int, default=int(_env("seed", 0)), help="seed of the random weights in benchmark mode")
     a("--log-level", default=_env("log_level", "info"), choices=["debug", "info", "warning", "error"])
     a("--graceful-timeout", type=float, default=float(_env("graceful_timeout", 30)),
       help="seconds in-flight requests get to finish after SIGTERM")

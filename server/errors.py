@@ -55,6 +55,8 @@ def install_error_handlers(app: FastAPI) -> None:
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             msg, param = "the request body is not valid JSON", None
+        elif first.get("type") == "model_attributes_type" and param is None:
+            msg = "the request body must be a JSON object (send it with Content-Type: application/json)"
         elif first.get("type") == "missing":
             msg = f"missing required parameter '{param}'"
         else:

@@ -35,8 +35,10 @@ def build_context(args: argparse.Namespace) -> ServerContext:
     """
     model_dir = args.model
     if model_dir is None:
-        from engine.embedded import ensure_embedded_checkpoint
+        from engine.embedded import default_cache_root, ensure_embedded_checkpoint
 
+        log.info("no --model: using the embedded random-weight Qwen3 (built on first use under %s, "
+                 "set QWEN_SERVE_CACHE to move it)", default_cache_root())
         model_dir = str(ensure_embedded_checkpoint())
         name = args.served_model_name or "qwen3-embedded"
     else:

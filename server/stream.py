@@ -42,4 +42,4 @@ class ChunkWriter:
 
     def usage(self, usage: dict) -> str:
         """The final usage chunk (empty choices)."""
-        return f'{self._head}"choices":[],"usage":{json.dumps(usage)}}}\n\n'
+        return f'{self._head}"choices":[],"usage":{json.dumps(usage, separators=(",", ":"))}}}\n\n'

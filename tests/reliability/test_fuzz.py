@@ -30,7 +30,7 @@ def test_schemathesis_no_server_errors(fuzz_server, tmp_path):
     base = fuzz_server.base_url
     cmd = [cli, "run", base + "/openapi.json", "--checks", "not_a_server_error", "--include-path-regex", "^/v1/",
            "--max-examples", str(MAX_EXAMPLES), "--seed", "1", "--request-timeout", "120", "--no-color",
-           "--workers", "2", "--report", "junit", "--report-dir", str(tmp_path)]
+           "--workers", "1", "--report", "junit", "--report-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     print(proc.stdout[-3000:])
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:] + fuzz_server.log()
