@@ -110,16 +110,12 @@ class ChatCompletions:
             APIError: 400/404 with an OpenAI error body.
         """
         ctx = self.ctx
-        if req.model is not None and req.model != ctx.model_name:
-            raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{ctx.model_name}'.",
-                           "model", "model_not_found")
+        ctx.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         prompt = render_prompt(ctx.tokenizer, req)
         prompt_ids = ctx.tokenizer.encode(prompt)
-        limit = ctx.max_prompt_tokens
-        if limit is not None and len(prompt_ids) > limit:
-            raise APIError(400, f"prompt has {len(prompt_ids)} tokens; the limit is {limit}", "messages")
+        ctx.check_prompt_length(len(prompt_ids), "messages")
         params = to_sampling_params(
             req, max_tokens=req.max_completion_tokens or req.max_tokens,
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,

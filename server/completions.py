@@ -37,9 +37,7 @@ class Completions:
     def start(self, req: CompletionRequest) -> tuple[list[Generation], str]:
         """Validate and queue every prompt's choices. Raises APIError (400/404)."""
         ctx = self.ctx
-        if req.model is not None and req.model != ctx.model_name:
-            raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{ctx.model_name}'.",
-                           "model", "model_not_found")
+        ctx.check_model(req.model)
         if req.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         rid = new_id("cmpl")
@@ -51,9 +49,7 @@ class Completions:
             for i, ids in enumerate(prompts):
                 if not ids:
                     raise APIError(400, "prompt must not be empty", "prompt")
-                limit = ctx.max_prompt_tokens
-                if limit is not None and len(ids) > limit:
-                    raise APIError(400, f"prompt has {len(ids)} tokens; the limit is {limit}", "prompt")
+                ctx.check_prompt_length(len(ids), "prompt")
                 params = to_sampling_params(
                     req, max_tokens=req.max_tokens if req.max_tokens is not None else 16, logprobs=req.logprobs,
                     num_prompt_tokens=len(ids), max_model_len=ctx.max_model_len, vocab_size=ctx.vocab_size,

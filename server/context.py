@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from engine.async_engine import AsyncEngine
 from engine.tokenizer import Tokenizer
 from engine.stats import RequestStats
+from server.errors import APIError
 from server.metrics import ServerMetrics
 
 log = logging.getLogger("server.requests")
@@ -35,6 +36,18 @@ class ServerContext:
     max_body_bytes: int = 4 << 20
     max_prompt_tokens: int | None = None
     protect_metrics: bool = False
+
+    def check_model(self, model: str | None) -> None:
+        """Raises APIError 404 when a request names a model this server does not serve."""
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
+                           "model", "model_not_found")
+
+    def check_prompt_length(self, num_tokens: int, param: str) -> None:
+        """Raises APIError 400 when a prompt exceeds ``--max-prompt-tokens``."""
+        limit = self.max_prompt_tokens
+        if limit is not None and num_tokens > limit:
+            raise APIError(400, f"prompt has {num_tokens} tokens; the limit is {limit}", param)
 
     def request_finished(self, stats: RequestStats, itls: list[float]) -> None:
         """Record a finished engine request in the metrics and log one line for it."""

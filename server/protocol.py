@@ -216,36 +216,6 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class DeltaToolCall(BaseModel):
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: dict[str, str] | None = None
-
-
-class Delta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: Delta
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
