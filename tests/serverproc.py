@@ -32,7 +32,11 @@ class ServerProcess:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path or f"/tmp/qwen-serve-test-{self.port}.log"
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # the caller's server settings (an exported API key, another model...) would change the
+        # test; only QWEN_SERVE_CACHE (where the embedded model lives) is kept
+        inherited = {k: v for k, v in os.environ.items()
+                     if k == "QWEN_SERVE_CACHE" or not k.startswith("QWEN_SERVE_")}
+        full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
         full_env.pop("TRITON_INTERPRET", None)
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(

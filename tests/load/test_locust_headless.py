@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.serverproc import ServerProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
@@ -39,12 +40,6 @@ E2E_COUNT = "qwen_serve:e2e_request_latency_seconds_count"
 TTFT_COUNT = "qwen_serve:time_to_first_token_seconds_count"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _child_env() -> dict[str, str]:
     """The caller's environment without server/Locust settings that would change the run
     (an API key, another model, ...); QWEN_SERVE_CACHE (where the embedded model lives) stays."""
@@ -56,13 +51,6 @@ def _child_env() -> dict[str, str]:
     }
     env["PYTHONUNBUFFERED"] = "1"
     return env
-
-
-def _tail(path: Path, limit: int = 4000) -> str:
-    try:
-        return path.read_text(errors="replace")[-limit:]
-    except OSError:
-        return "<no log>"
 
 
 def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
@@ -90,38 +78,10 @@ def _scrape(base_url: str) -> tuple[dict[str, float], dict[tuple[str, str], floa
 
 
 @pytest.fixture
-def server_url(tmp_path):
-    port = _free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path / "server.log"
-    cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", "1024"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_child_env(), stdout=log,
-                                stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + HEALTH_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode} before /health:\n"
-                            f"{_tail(log_path)}")
-            try:
-                if _get(base_url + "/health", timeout=2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"/health not 200 within {HEALTH_TIMEOUT_S} s:\n{_tail(log_path)}")
-            time.sleep(0.5)
-        yield base_url
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+def server_url():
+    srv = ServerProcess("--max-model-len", "1024").wait_ready(HEALTH_TIMEOUT_S)
+    yield srv.base_url
+    srv.stop()
 
 
 def _run_locust(base_url: str) -> tuple[list[dict], subprocess.CompletedProcess]:
