@@ -62,11 +62,13 @@ class BlockManager:
             hashes.append(self._block_key(request, len(hashes), parent)[0])
         return hashes[:n_full]
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
+    def find_cached_prefix(self, request: Request, count: bool = True) -> list[int]:
         """Blocks holding the longest cached prefix of the request's tokens.
 
         At least one token is always left to compute (the last one produces the logits).
-        Updates the query/hit counters. Returns [] when prefix caching is off.
+        Updates the query/hit counters unless ``count`` is False (the scheduler counts a lookup
+        only once the request is admitted, see :meth:`count_prefix_lookup`). Returns [] when
+        prefix caching is off.
         """
         if not self.enable_prefix_caching:
             return []
@@ -81,9 +83,15 @@ class BlockManager:
             if key[1] != parent or key[2] != self._block_key(request, i, parent)[2]:
                 break  # hash collision: not the same tokens
             blocks.append(block)
-        self.prefix_queries += request.num_prompt_tokens
-        self.prefix_hits += min(len(blocks) * self.block_size, request.num_prompt_tokens)
+        if count:
+            self.count_prefix_lookup(request, len(blocks))
         return blocks
+
+    def count_prefix_lookup(self, request: Request, num_hit_blocks: int) -> None:
+        """Add one lookup to the counters: the request's prompt tokens queried and found."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += request.num_prompt_tokens
+            self.prefix_hits += min(num_hit_blocks * self.block_size, request.num_prompt_tokens)
 
     # --------------------------------------------------------------- mutations
     def allocate_slots(

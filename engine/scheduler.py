@@ -115,13 +115,14 @@ class Scheduler:
         # 2. admit waiting requests in order, unless someone was preempted this step.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.num_preemptions:
             req = self.waiting[0]
-            cached = bm.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            cached = bm.find_cached_prefix(req, count=False)
             remaining = req.num_tokens - req.num_computed_tokens - len(cached) * bm.block_size
             n = min(remaining, budget)
             if not self.enable_chunked_prefill and n < remaining <= self.max_num_batched_tokens:
                 break
             if bm.allocate_slots(req, n, cached) is None:
-                break
+                break  # retried next step; the lookup is counted once, on admission
+            bm.count_prefix_lookup(req, len(cached))
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
