@@ -7,7 +7,7 @@ model runner returns them in :class:`CacheInfo`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -138,7 +138,6 @@ class EngineConfig:
     cuda_graph: bool = True
     compile_ops: bool | None = None
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def read_generation_config(model_dir: str | Path) -> dict:
