@@ -37,3 +37,13 @@ def tiny_checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(model_type)
     model = write_tiny_checkpoint(path, model_type, seed=1234, tie=tie)
     return str(path), model
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Run a module's small tensor work on one torch thread: faster than two, and the suite
+    shares 2 cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -22,13 +22,7 @@ CPU = torch.device("cpu")
 EOS = 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Small tensors: one thread is faster, and the suite must run on 2 shared cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --------------------------------------------------------------------------- reference

@@ -19,13 +19,7 @@ from engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The tiny model is far faster on one thread (and the suite must run on 2 shared cores)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_sched(num_blocks=64, block_size=4, max_num_seqs=256, budget=1024, chunked=True, caching=False):
