@@ -81,6 +81,8 @@ class Request:
         block_table: physical KV block ids, in order; owned by the BlockManager.
         num_cached_tokens: prompt tokens found in the prefix cache at (last) admission.
         max_len: prompt + output may not exceed this (the engine's max_model_len).
+        num_output_placeholders: tokens sampled by launched steps whose ids are not back on the
+            host yet (0 or 1; async scheduling, see ``engine.engine``).
     """
 
     request_id: str
@@ -97,6 +99,7 @@ class Request:
     finish_reason: FinishReason | None = None
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
+    num_output_placeholders: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -109,6 +112,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def sample_index(self) -> int:
+        """Index in the output of the next token to sample (counts tokens still in flight)."""
+        return len(self.output_token_ids) + self.num_output_placeholders
 
     def token_at(self, i: int) -> int:
         n = len(self.prompt_token_ids)
