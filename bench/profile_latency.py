@@ -36,7 +36,8 @@ def main() -> None:
         eng.add_request(f"p{i}", prompt, SamplingParams(temperature=0.0, max_tokens=33, ignore_eos=True))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        eng.step()
+        while not any(o.new_token_ids for o in eng.step()[0]):  # async scheduling: a step later
+            pass
         t1 = time.perf_counter()
         steps = []
         while eng.has_unfinished():

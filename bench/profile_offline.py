@@ -24,7 +24,6 @@ from bench.common import nano_vllm_workload, random_qwen3_checkpoint  # noqa: E4
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
-from engine.sampler import Sampler  # noqa: E402
 
 
 def timed(acc: dict, key: str, fn, sync: bool = False):
@@ -44,23 +43,25 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", default="/tmp/qwen3-0.6b-random")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--sync", action="store_true", help="turn async scheduling off")
     args = ap.parse_args()
     ckpt = str(random_qwen3_checkpoint(args.ckpt))
     eng = LLMEngine(EngineConfig(model=ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=4096,
                                  max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens,
-                                 enable_prefix_caching=False), eos_token_ids=frozenset())
+                                 enable_prefix_caching=False, async_scheduling=not args.sync),
+                    eos_token_ids=frozenset())
     prompts, out_lens = nano_vllm_workload(256)
     eng.generate([prompts[0][:64]], SamplingParams(max_tokens=8, ignore_eos=True))
 
     acc: dict[str, float] = defaultdict(float)
     runner = eng.runner
-    orig = (eng.scheduler.schedule, mr.prepare_inputs, None, runner.execute)
+    orig = (eng.scheduler.schedule, mr.prepare_inputs, runner.launch, mr.StepHandle.result)
     eng.scheduler.schedule = timed(acc, "schedule", eng.scheduler.schedule)
     mr.prepare_inputs = timed(acc, "prepare_inputs", mr.prepare_inputs)
-    sampler_call = Sampler.__call__
-    Sampler.__call__ = timed(acc, "sample (incl. wait for forward)", sampler_call)
-    runner.execute = timed(acc, "execute", runner.execute)
+    runner.launch = timed(acc, "launch (incl. prepare_inputs)", runner.launch)
+    mr.StepHandle.result = timed(acc, "wait for the GPU (StepHandle.result)", mr.StepHandle.result)
     kinds: dict[str, list] = defaultdict(lambda: [0, 0.0, 0])
+    prefill_ms = []
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
     for i, (p, sp) in enumerate(zip(prompts, params)):
         eng.add_request(f"r{i}", p, sp)
@@ -71,20 +72,22 @@ def main() -> None:
         outs, st = eng.step()
         dt = time.perf_counter() - s
         kind = "decode" if st.num_prompt_tokens == 0 else "prefill/mixed"
+        if st.num_prompt_tokens:
+            prefill_ms.append(round(1e3 * dt, 1))
         kinds[kind][0] += 1
         kinds[kind][1] += dt
         kinds[kind][2] += st.num_running
     total = time.perf_counter() - t0
-    print(f"workload: {sum(out_lens)} output tokens in {total:.2f} s = {sum(out_lens) / total:.0f} tok/s")
+    print(f"workload: {sum(out_lens)} output tokens in {total:.2f} s = {sum(out_lens) / total:.0f} tok/s "
+          f"(async scheduling {eng.async_scheduling})")
     for k, (n, sec, run) in kinds.items():
         print(f"  {k}: {n} steps, {sec:.2f} s, {1e3 * sec / max(n, 1):.2f} ms/step, mean running {run / max(n, 1):.1f}")
-    acc["launch forward (execute - prepare - sample)"] = acc["execute"] - acc["prepare_inputs"] - acc[
-        "sample (incl. wait for forward)"]
-    acc["engine outside execute (stop checks, outputs, stats)"] = total - acc["execute"] - acc["schedule"]
+    print(f"  prefill/mixed step times (ms): {prefill_ms}")
+    acc["engine outside schedule/launch/wait"] = total - acc["schedule"] - acc["launch (incl. prepare_inputs)"] - acc[
+        "wait for the GPU (StepHandle.result)"]
     for k, v in acc.items():
         print(f"  {k:55s} {v:7.2f} s  {100 * v / total:5.1f} %")
-    eng.scheduler.schedule, mr.prepare_inputs, runner.execute = orig[0], orig[1], orig[3]
-    Sampler.__call__ = sampler_call
+    eng.scheduler.schedule, mr.prepare_inputs, runner.launch, mr.StepHandle.result = orig
 
     # steady decode at full batch: 256 requests, 512-token prompts, profile 5 steps
     for i in range(256):

@@ -139,10 +139,14 @@ class BlockManager:
         return block
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's computed full blocks in the prefix cache (no-op when off)."""
+        """Register the request's computed full blocks in the prefix cache (no-op when off).
+
+        Only tokens known on the host count: a computed token still in flight (async
+        scheduling) is hashed on a later call.
+        """
         if not self.enable_prefix_caching:
             return
-        hashes = self._hash_full_blocks(request, request.num_computed_tokens)
+        hashes = self._hash_full_blocks(request, min(request.num_computed_tokens, request.num_tokens))
         for i, h in enumerate(hashes):
             block = request.block_table[i]
             if self.block_keys[block] is not None or h in self.cached:

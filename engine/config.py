@@ -120,6 +120,8 @@ class EngineConfig:
         enable_chunked_prefill: split long prompts over several steps within the token budget.
         cuda_graph: capture decode steps in CUDA graphs (CUDA only).
         compile_ops: fuse the model's elementwise ops with torch.compile; None = on CUDA only.
+        async_scheduling: schedule and launch step N+1 while step N runs on the device
+            (see ``LLMEngine.step``); None = on CUDA only.
     """
 
     model: str
@@ -137,6 +139,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     cuda_graph: bool = True
     compile_ops: bool | None = None
+    async_scheduling: bool | None = None
     seed: int = 0
 
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, read_generation_config
 from engine.limits import EngineLimits, RequestRejected
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, StepHandle
 from engine.request import FinishReason, Request, SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stats import StepStats
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,10 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.requests: dict[str, Request] = {}
+        dev = torch.device(config.device)
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else dev.type == "cuda"
+        self._in_flight: StepHandle | None = None  # launched step whose samples are not applied yet
+        self._sync_requests: set[str] = set()  # live requests whose sampling reads host state
         self.limits = EngineLimits(
             max_model_len=info.max_model_len, vocab_size=self.model_config.vocab_size,
             eos_token_ids=frozenset(self.eos_token_ids), num_kv_blocks=info.num_kv_blocks,
@@ -117,6 +121,8 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, max_len=self.max_model_len)
         self.requests[request_id] = req
+        if params.needs_penalties or params.min_tokens > 0:
+            self._sync_requests.add(request_id)
         self.scheduler.add(req)
         return req
 
@@ -127,10 +133,12 @@ class LLMEngine:
             return False
         self.scheduler.finish(req, FinishReason.ABORT)
         self.runner.sampler.release(request_id)
+        self._sync_requests.discard(request_id)
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests waiting or running, or a launched step not yet applied."""
+        return self.scheduler.has_work() or self._in_flight is not None
 
     # -------------------------------------------------------------------- step
     def _check_stop(self, req: Request, token: int) -> FinishReason | None:
@@ -149,50 +157,87 @@ class LLMEngine:
         self.scheduler.finish(req, reason)
         self.requests.pop(req.request_id, None)
         self.runner.sampler.release(req.request_id)
+        self._sync_requests.discard(req.request_id)
 
     def step(self) -> tuple[list[RequestOutput], StepStats]:
-        """Schedule, run the model once and apply the sampled tokens.
+        """One engine iteration: schedule and launch a step, and apply sampled tokens.
 
-        An exception inside the model fails only the requests of this step (finish reason
+        With async scheduling (the default on CUDA) the step launched here runs on the device
+        while the host processes the previous step's samples and, in the next call, schedules
+        the step after it: the host work overlaps the GPU (vLLM's async scheduling). A running
+        request with a token in flight is scheduled with an output placeholder and reads that
+        token on the device. The outputs returned are those of the previous launch. Requests whose
+        sampling reads host state (penalties, ``min_tokens``) make steps synchronous while they run.
+
+        An exception inside the model fails only the requests of that step (finish reason
         ``error``) and the engine stays usable, except for a device error (see
         :func:`is_fatal`), which is re-raised after failing them: the device is unusable.
         """
         t0 = time.perf_counter()
         bm = self.block_manager
         q0, h0 = bm.prefix_queries, bm.prefix_hits
-        batch = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
-        n_prompt = n_gen = 0
-        if len(batch):
-            try:
-                sampled_reqs, samples = self.runner.execute(batch, self.eos_token_ids)
-            except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
-                if is_fatal(exc):
-                    raise
-                log.exception("model step failed; failing %d requests", len(batch))
-                for req in batch.requests:
-                    self._finish(req, FinishReason.ERROR)
-                    outputs.append(RequestOutput.failed(req.request_id, str(exc)))
-                return outputs, self._stats(t0, 0, 0, batch.num_preemptions, q0, h0)
-            for req, n in zip(batch.requests, batch.num_new_tokens):
-                n_prompt += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
-                req.num_computed_tokens += n
-                bm.cache_full_blocks(req)
-            for i, req in enumerate(sampled_reqs):
-                token = samples.token_ids[i]
-                req.output_token_ids.append(token)
-                n_gen += 1
-                reason = self._check_stop(req, token)
-                lp = samples.logprobs[i]
-                outputs.append(RequestOutput(
-                    req.request_id, [token], [lp] if lp is not None or req.sampling_params.logprobs is not None else [],
-                    finished=reason is not None, finish_reason=reason,
-                    num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
-                    scheduled_time=req.first_scheduled_time,
-                ))
-                if reason is not None:
-                    self._finish(req, reason)
+        overlap = self.async_scheduling and not self._sync_requests
+        if not overlap and self._in_flight is not None:
+            outputs += self._process(self._in_flight)  # drain before a synchronous step
+            self._in_flight = None
+        batch = self.scheduler.schedule()
+        handle, n_prompt = self._launch(batch, outputs)
+        if self._in_flight is not None:
+            outputs += self._process(self._in_flight)
+            self._in_flight = None
+        if handle is not None:
+            if overlap:
+                self._in_flight = handle
+            else:
+                outputs += self._process(handle)
+        n_gen = sum(len(o.new_token_ids) for o in outputs)
         return outputs, self._stats(t0, n_prompt, n_gen, batch.num_preemptions, q0, h0)
+
+    def _launch(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> tuple[StepHandle | None, int]:
+        """Launch the batch and advance its requests' computed tokens; returns (handle, prompt tokens)."""
+        if not len(batch):
+            return None, 0
+        try:
+            handle = self.runner.launch(batch, self.eos_token_ids, self._in_flight)
+        except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
+            if is_fatal(exc):
+                raise
+            log.exception("model step failed; failing %d requests", len(batch))
+            for req in batch.requests:
+                self._finish(req, FinishReason.ERROR)
+                outputs.append(RequestOutput.failed(req.request_id, str(exc)))
+            return None, 0
+        n_prompt = 0
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            n_prompt += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
+            req.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(req)
+        for req in handle.sample_requests:
+            req.num_output_placeholders += 1
+        return handle, n_prompt
+
+    def _process(self, handle: StepHandle) -> list[RequestOutput]:
+        """Wait for a launched step and apply its samples: append tokens, check stops, finish."""
+        sampled_reqs, samples = handle.result()
+        outputs = []
+        for i, req in enumerate(sampled_reqs):
+            req.num_output_placeholders -= 1
+            if req.is_finished:  # aborted, failed or stopped while this step ran
+                continue
+            token = samples.token_ids[i]
+            req.output_token_ids.append(token)
+            reason = self._check_stop(req, token)
+            lp = samples.logprobs[i]
+            outputs.append(RequestOutput(
+                req.request_id, [token], [lp] if lp is not None or req.sampling_params.logprobs is not None else [],
+                finished=reason is not None, finish_reason=reason,
+                num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+                scheduled_time=req.first_scheduled_time,
+            ))
+            if reason is not None:
+                self._finish(req, reason)
+        return outputs
 
     def idle_stats(self) -> StepStats:
         """Queue and cache state without a step (after aborts emptied the engine)."""

@@ -11,8 +11,8 @@ import torch
 from engine.attention import AttentionMetadata, get_attention_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.models.qwen3 import Qwen3ForCausalLM
-from engine.request import Request
-from engine.sampler import SampleOutput, Sampler
+from engine.request import Request, SamplingParams
+from engine.sampler import PendingSamples, SampleOutput, Sampler
 from engine.scheduler import ScheduledBatch
 from engine.weights import load_weights
 
@@ -36,7 +36,9 @@ class StepInputs:
     ``input_ids``/``positions``/``slot_mapping``: ``[T]``; ``block_tables``: ``[B, M]``;
     ``seq_lens``: ``[B]``; ``cu_seqlens_q``: ``[B + 1]``; ``logits_indices``: rows of the
     packed hidden states to sample from (one per request that completes its tokens this step),
-    ``sample_requests``: those requests.
+    ``sample_requests``: those requests. ``gather_dst``/``gather_src``: input tokens still in
+    flight (async scheduling): ``input_ids[gather_dst[i]]`` is the previous step's sampled id
+    in row ``gather_src[i]``; the host holds a 0 there until the device fills it in.
     """
 
     input_ids: np.ndarray
@@ -49,11 +51,22 @@ class StepInputs:
     sample_requests: list[Request]
     max_query_len: int
     max_seq_len: int
+    gather_dst: np.ndarray | None = None
+    gather_src: np.ndarray | None = None
 
 
-def prepare_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
-    """Flatten a scheduled batch into the step's index arrays (host side, numpy)."""
+def prepare_inputs(batch: ScheduledBatch, block_size: int, prev_rows: dict[str, int] | None = None) -> StepInputs:
+    """Flatten a scheduled batch into the step's index arrays (host side, numpy).
+
+    Args:
+        prev_rows: request id -> sample row of the step still in flight; a request with an
+            output placeholder takes its input token from that row on the device.
+
+    Raises:
+        RuntimeError: a request has a token in flight but no row in ``prev_rows``.
+    """
     b = len(batch)
+    gather_dst, gather_src = [], []
     seq_lens = np.empty(b, dtype=np.int32)
     cu = np.zeros(b + 1, dtype=np.int32)
     ids_parts, pos_parts = [], []
@@ -64,13 +77,21 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
         end = start + n
         seq_lens[i] = end
         cu[i + 1] = cu[i] + n
-        if n == 1:
+        if req.num_output_placeholders:
+            # decode of a token sampled by the step in flight: filled in on the device
+            row = (prev_rows or {}).get(req.request_id)
+            if row is None or n != 1 or start != req.num_tokens:
+                raise RuntimeError(f"request {req.request_id} has a token in flight but no sample row")
+            gather_dst.append(cu[i])
+            gather_src.append(row)
+            ids_parts.append([0])
+        elif n == 1:
             ids_parts.append([req.token_at(start)])
         else:
             ids_parts.append(req.all_token_ids[start:end])
         pos_parts.append(np.arange(start, end, dtype=np.int64))
         max_blocks = max(max_blocks, len(req.block_table))
-        if end == req.num_tokens:
+        if end == req.num_tokens + req.num_output_placeholders:  # all its tokens computed: sample
             logits_indices.append(cu[i + 1] - 1)
             sample_requests.append(req)
     block_tables = np.zeros((b, max_blocks), dtype=np.int32)
@@ -92,7 +113,32 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
         sample_requests=sample_requests,
         max_query_len=int(q_lens.max()) if b else 0,
         max_seq_len=int(seq_lens.max()) if b else 0,
+        gather_dst=np.asarray(gather_dst, dtype=np.int64) if gather_dst else None,
+        gather_src=np.asarray(gather_src, dtype=np.int64) if gather_src else None,
     )
+
+
+@dataclass
+class StepHandle:
+    """A step queued on the device.
+
+    Attributes:
+        sample_requests: requests sampling a token in this step, in row order.
+        pending: the samples' copy to the host (None when nothing samples).
+        token_ids: int64 ``[N]`` sampled ids on the device (inputs of the next step).
+        rows: request id -> row in ``token_ids``.
+    """
+
+    sample_requests: list[Request]
+    pending: PendingSamples | None
+    token_ids: torch.Tensor | None
+    rows: dict[str, int]
+
+    def result(self) -> tuple[list[Request], SampleOutput]:
+        """Wait for the step; returns its sampling requests and their samples (same order)."""
+        if self.pending is None:
+            return [], SampleOutput([], [])
+        return self.sample_requests, self.pending.wait()
 
 
 class ModelRunner:
@@ -143,12 +189,46 @@ class ModelRunner:
         self._staging_events: dict[str, torch.cuda.Event] = {}
         self._gpu_total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
         self.graphs = None
+        if self.device.type == "cuda":
+            self.warmup()
         if config.cuda_graph and self.device.type == "cuda" and self.backend.name == "triton":
             from engine.cuda_graph import DecodeGraphs
 
             max_blocks = -(-max_len // config.block_size)
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, config.max_num_seqs, max_blocks, max_len)
             self.graphs.capture()
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run dummy prefill steps of the shapes serving will see, so that kernel compilation
+        (Triton JIT specialisations, torch.compile) happens at start-up and not in the first
+        requests' time to first token (vLLM runs a dummy batch at start-up the same way).
+
+        The dummy tokens store nothing (slot -1) and read only block 0 of the cache.
+        """
+        budget = self.config.max_num_batched_tokens
+        max_len = self.cache_info.max_model_len
+        shapes = [(min(budget, max_len), 1), (min(budget, 32 * max_len), min(32, self.config.max_num_seqs)), (97, 3)]
+        for num_tokens, num_seqs in shapes:
+            num_seqs = max(1, min(num_seqs, num_tokens))
+            q_lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int32)
+            q_lens[: num_tokens % num_seqs] += 1
+            cu = np.zeros(num_seqs + 1, dtype=np.int32)
+            cu[1:] = np.cumsum(q_lens)
+            blocks = -(-int(q_lens.max()) // self.config.block_size)
+            inp = StepInputs(
+                input_ids=np.zeros(num_tokens, dtype=np.int64),
+                positions=np.concatenate([np.arange(n, dtype=np.int64) for n in q_lens]),
+                slot_mapping=np.full(num_tokens, -1, dtype=np.int64),
+                block_tables=np.zeros((num_seqs, blocks), dtype=np.int32),
+                seq_lens=q_lens.copy(), cu_seqlens_q=cu, logits_indices=cu[1:] - 1, sample_requests=[],
+                max_query_len=int(q_lens.max()), max_seq_len=int(q_lens.max()),
+            )
+            hidden = self._forward(inp)
+            logits = self.model.compute_logits(hidden[self._to_device(inp.logits_indices, "logits_indices")])
+            reqs = [Request(f"warmup-{i}", [0], SamplingParams(temperature=float(i % 2), max_tokens=1), max_len)
+                    for i in range(num_seqs)]
+            self.sampler(logits, reqs, frozenset()).to_host().wait()
 
     def _num_kv_blocks(self, bytes_per_block: int) -> int:
         cfg = self.config
@@ -204,7 +284,7 @@ class ModelRunner:
         self._staging_events[name] = event
         return out
 
-    def _forward(self, inp: StepInputs) -> torch.Tensor:
+    def _forward(self, inp: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         meta = AttentionMetadata(
             slot_mapping=self._to_device(inp.slot_mapping, "slot_mapping"),
             block_tables=self._to_device(inp.block_tables, "block_tables"),
@@ -214,31 +294,53 @@ class ModelRunner:
             max_seq_len=inp.max_seq_len,
             is_decode=inp.max_query_len == 1,
         )
-        ids, pos = self._to_device(inp.input_ids, "input_ids"), self._to_device(inp.positions, "positions")
-        return self.model(ids, pos, self.kv_caches, meta, self.backend)
+        if input_ids is None:
+            input_ids = self._to_device(inp.input_ids, "input_ids")
+        return self.model(input_ids, self._to_device(inp.positions, "positions"), self.kv_caches, meta, self.backend)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, eos_ids: frozenset[int]) -> tuple[list[Request], SampleOutput]:
-        """Run one step: forward over all scheduled tokens, sample for requests that reached their end.
+    def launch(self, batch: ScheduledBatch, eos_ids: frozenset[int], prev: "StepHandle | None" = None) -> "StepHandle":
+        """Queue one step on the device without waiting for it: forward over all scheduled
+        tokens, sampling for the requests that reach their end, and the copy of the sampled ids
+        to the host.
+
+        Args:
+            prev: the step still in flight, whose sampled ids are the input tokens of requests
+                with an output placeholder (async scheduling); None when nothing is in flight.
 
         Returns:
-            The requests that sampled a token this step and their samples (same order).
+            A handle; :meth:`StepHandle.result` waits for the samples.
         """
-        inp = prepare_inputs(batch, self.config.block_size)
+        inp = prepare_inputs(batch, self.config.block_size, prev.rows if prev is not None else None)
+        input_ids = self._to_device(inp.input_ids, "input_ids")
+        if inp.gather_dst is not None:
+            dst = self._to_device(inp.gather_dst, "gather_dst")
+            src = self._to_device(inp.gather_src, "gather_src")
+            input_ids.index_copy_(0, dst, prev.token_ids.index_select(0, src))
         use_graph = (self.graphs is not None and inp.max_query_len == 1 and len(inp.sample_requests) == len(batch)
                      and self.graphs.can_run(len(batch), inp.max_seq_len))
         if use_graph:  # a pure decode step: every row samples (a 1-token prefill chunk does not)
             logits = self.graphs.run(
-                self._to_device(inp.input_ids, "input_ids"), self._to_device(inp.positions, "positions"),
+                input_ids, self._to_device(inp.positions, "positions"),
                 self._to_device(inp.slot_mapping, "slot_mapping"), self._to_device(inp.block_tables, "block_tables"),
                 self._to_device(inp.seq_lens, "seq_lens"),
             )
-            return inp.sample_requests, self.sampler(logits, inp.sample_requests, eos_ids)
-        hidden = self._forward(inp)
-        if not inp.sample_requests:
-            return [], SampleOutput([], [])
-        logits = self.model.compute_logits(hidden[self._to_device(inp.logits_indices, "logits_indices")])
-        return inp.sample_requests, self.sampler(logits, inp.sample_requests, eos_ids)
+        else:
+            hidden = self._forward(inp, input_ids)
+            if not inp.sample_requests:
+                return StepHandle([], None, None, {})
+            logits = self.model.compute_logits(hidden[self._to_device(inp.logits_indices, "logits_indices")])
+        samples = self.sampler(logits, inp.sample_requests, eos_ids)
+        rows = {r.request_id: i for i, r in enumerate(inp.sample_requests)}
+        return StepHandle(inp.sample_requests, samples.to_host(), samples.token_ids, rows)
+
+    def execute(self, batch: ScheduledBatch, eos_ids: frozenset[int]) -> tuple[list[Request], SampleOutput]:
+        """Run one step and wait for it (no step in flight); see :meth:`launch`.
+
+        Returns:
+            The requests that sampled a token this step and their samples (same order).
+        """
+        return self.launch(batch, eos_ids).result()
 
     @torch.inference_mode()
     def logits_for(self, batch: ScheduledBatch) -> torch.Tensor:

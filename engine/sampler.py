@@ -30,6 +30,27 @@ class SampleOutput:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
 
 
+class PendingSamples:
+    """Samples on their way to the host (temporary: already on the host)."""
+
+    def __init__(self, out: SampleOutput):
+        self._out = out
+
+    def wait(self) -> SampleOutput:
+        return self._out
+
+
+@dataclass
+class DeviceSamples:
+    """One step's samples: ``token_ids`` int64 ``[N]`` on the device."""
+
+    token_ids: torch.Tensor
+    host: SampleOutput
+
+    def to_host(self) -> PendingSamples:
+        return PendingSamples(self.host)
+
+
 class Sampler:
     """Samples the next token of each request; owns the per-request seeded generators."""
 
@@ -49,8 +70,12 @@ class Sampler:
             self._generators[req.request_id] = gen
         return gen
 
+    def __call__(self, logits: torch.Tensor, requests: list[Request], eos_ids: frozenset[int]) -> DeviceSamples:
+        out = self._sample(logits, requests, eos_ids)
+        return DeviceSamples(torch.tensor(out.token_ids, dtype=torch.int64, device=logits.device), out)
+
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, requests: list[Request], eos_ids: frozenset[int]) -> SampleOutput:
+    def _sample(self, logits: torch.Tensor, requests: list[Request], eos_ids: frozenset[int]) -> SampleOutput:
         """Sample one token per row.
 
         Args:

@@ -7,6 +7,10 @@ allow. Prefill and decode are one mechanism: a request computes tokens
 ``num_computed_tokens .. num_tokens`` of its sequence, as in vLLM v1 and Sarathi-Serve
 (Agrawal et al., OSDI 2024). When blocks run out, the newest running request is preempted:
 its blocks are freed and it returns to the front of the waiting queue to be recomputed.
+
+With async scheduling a running request may have an output placeholder: a token sampled by the
+step still in flight. It counts as a token to compute (its id reaches the step on the device);
+a request whose token in flight is its last by length is not scheduled again.
 """
 
 from __future__ import annotations
@@ -33,6 +37,12 @@ class ScheduledBatch:
 
     def __len__(self) -> int:
         return len(self.requests)
+
+
+def _last_token_in_flight(req: Request) -> bool:
+    """Whether the token in flight is the request's last by length (max_tokens or max_len)."""
+    return (req.sample_index >= req.sampling_params.max_tokens
+            or req.num_tokens + req.num_output_placeholders >= req.max_len)
 
 
 class Scheduler:
@@ -86,7 +96,10 @@ class Scheduler:
         kept: list[Request] = []
         while queue and budget > 0:
             req = queue.pop(0)
-            left = req.num_tokens - req.num_computed_tokens
+            left = req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
+            if left <= 0 or (req.num_output_placeholders and _last_token_in_flight(req)):
+                kept.append(req)  # its last token is in flight: it finishes when that arrives
+                continue
             n = min(left, budget)
             # without chunked prefill a prefill is taken whole; only the recompute of a
             # preempted request (prompt + outputs) may exceed the budget and go in chunks
@@ -115,6 +128,8 @@ class Scheduler:
         # 2. admit waiting requests in order, unless someone was preempted this step.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.num_preemptions:
             req = self.waiting[0]
+            if req.num_output_placeholders:
+                break  # preempted with a token in flight: admitted once the token is back
             cached = bm.find_cached_prefix(req, count=False)
             remaining = req.num_tokens - req.num_computed_tokens - len(cached) * bm.block_size
             n = min(remaining, budget)

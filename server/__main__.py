@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="default: triton on CUDA, torch on CPU")
     a("--no-prefix-caching", action="store_true", default=bool(_env("no_prefix_caching")), help="disable automatic prefix caching")
     a("--no-cuda-graph", action="store_true", default=bool(_env("no_cuda_graph")), help="disable CUDA graphs for decode")
+    a("--async-scheduling", choices=["auto", "on", "off"], default=_env("async_scheduling") or "auto",
+      help="schedule and launch the next step while the current one runs on the device; auto = on with CUDA")
     a("--engine-mode", default=_env("engine_mode", "auto"), choices=["auto", "thread", "process"],
       help="run the engine loop in a thread of the server or in its own process (auto: process on CUDA)")
     a("--no-compile", action="store_true", default=bool(_env("no_compile")),

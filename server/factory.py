@@ -58,6 +58,7 @@ def build_context(args: argparse.Namespace) -> ServerContext:
         attention_backend=args.attention_backend,
         enable_prefix_caching=not args.no_prefix_caching,
         cuda_graph=not args.no_cuda_graph,
+        async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         compile_ops=False if args.no_compile else None,
         seed=args.seed,
     )

@@ -17,21 +17,21 @@ from server.app import create_app
 from server.factory import build_context
 
 
-@pytest.fixture(scope="module")
-def ctx():
-    return build_context(build_parser().parse_args(["--max-model-len", "512"]))
+@pytest.fixture(scope="module", params=["off", "on"], ids=["sync", "async"])
+def ctx(request):
+    return build_context(build_parser().parse_args(["--max-model-len", "512", "--async-scheduling", request.param]))
 
 
 def test_model_step_exception_fails_only_that_step(ctx):
     runner = ctx.engine.engine.runner
-    real_execute = runner.execute
+    real_launch = runner.launch
     calls = {"n": 0}
 
-    def flaky(batch, eos_ids):
+    def flaky(batch, eos_ids, prev=None):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected fault")
-        return real_execute(batch, eos_ids)
+        return real_launch(batch, eos_ids, prev)
 
     async def scenario():
         app = create_app(ctx)
@@ -40,7 +40,7 @@ def test_model_step_exception_fails_only_that_step(ctx):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
                 body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
-                runner.execute = flaky
+                runner.launch = flaky
                 failed = await c.post("/v1/chat/completions", json=body)
                 ok = await c.post("/v1/chat/completions", json=body)
                 stream_body = {**body, "stream": True}
@@ -52,7 +52,7 @@ def test_model_step_exception_fails_only_that_step(ctx):
                 metrics = (await c.get("/metrics")).text
             return failed, ok, events, after, health, metrics
         finally:
-            runner.execute = real_execute
+            runner.launch = real_launch
             await ctx.engine.shutdown()
 
     failed, ok, events, after, health, metrics = asyncio.run(scenario())
@@ -73,7 +73,7 @@ def test_device_error_stops_the_engine_and_fails_requests():
     ctx2 = build_context(build_parser().parse_args(["--max-model-len", "512"]))
     runner = ctx2.engine.engine.runner
 
-    def broken(batch, eos_ids):
+    def broken(batch, eos_ids, prev=None):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     async def scenario():
@@ -82,7 +82,7 @@ def test_device_error_stops_the_engine_and_fails_requests():
         try:
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
-                runner.execute = broken
+                runner.launch = broken
                 body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
                 failed = await c.post("/v1/chat/completions", json=body)
                 for _ in range(50):

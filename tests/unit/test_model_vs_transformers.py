@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.config import EngineConfig
@@ -56,14 +57,18 @@ def test_chunked_prefill_and_decode_logits_match(tiny_checkpoint):
     assert ((got - ref).norm() / ref.norm()) < 1e-4
 
 
-def test_greedy_generation_with_preemption_matches_transformers(tiny_checkpoint):
-    """8 concurrent prompts, 32 greedy tokens, a cache too small for all: ids equal HF generate."""
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_generation_with_preemption_matches_transformers(tiny_checkpoint, async_scheduling):
+    """8 concurrent prompts, 32 greedy tokens, a cache too small for all: ids equal HF generate
+    (also with async scheduling: inputs in flight come from the device, preemption with a
+    token in flight)."""
     path, hf = tiny_checkpoint
     gen = torch.Generator().manual_seed(11)
     lengths = [3, 9, 17, 24, 31, 40, 12, 5]
     prompts = [torch.randint(0, 384, (n,), generator=gen).tolist() for n in lengths]
     # 8 requests need up to ceil((40 + 32) / 16) = 5 blocks each; 16 blocks force preemption
-    eng = _engine(path, num_kv_blocks=16, max_num_batched_tokens=64, enable_prefix_caching=False)
+    eng = _engine(path, num_kv_blocks=16, max_num_batched_tokens=64, enable_prefix_caching=False,
+                  async_scheduling=async_scheduling)
     outs = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32))
     assert eng.scheduler.num_preemptions >= 1
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
@@ -75,14 +80,15 @@ def test_greedy_generation_with_preemption_matches_transformers(tiny_checkpoint)
         assert out == ref
 
 
-def test_generation_equal_with_and_without_prefix_cache(tiny_checkpoint):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_generation_equal_with_and_without_prefix_cache(tiny_checkpoint, async_scheduling):
     path, _ = tiny_checkpoint
     gen = torch.Generator().manual_seed(5)
     shared = torch.randint(0, 384, (37,), generator=gen).tolist()
     prompts = [shared + torch.randint(0, 384, (n,), generator=gen).tolist() for n in (1, 6, 20)] + [shared]
     params = SamplingParams(temperature=0.0, max_tokens=12)
     base = _engine(path, enable_prefix_caching=False).generate(prompts, params)
-    eng = _engine(path, enable_prefix_caching=True)
+    eng = _engine(path, enable_prefix_caching=True, async_scheduling=async_scheduling)
     first = eng.generate(prompts[:1], params)
     rest = eng.generate(prompts[1:], params)
     assert first + rest == base

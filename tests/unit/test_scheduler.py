@@ -440,18 +440,21 @@ def test_request_that_can_never_fit_is_rejected_and_does_not_block_others(tiny_c
     assert [o.request_id for o in outs if o.finished] == ["fits"]
 
 
-@pytest.mark.parametrize("caching,chunked", [(False, True), (True, True), (False, False), (True, False)],
-                         ids=["no-cache", "prefix-cache", "no-cache-unchunked", "prefix-cache-unchunked"])
-def test_block_accounting_after_finish_abort_preempt(tiny_checkpoint, caching, chunked):
+@pytest.mark.parametrize("caching,chunked,async_scheduling",
+                         [(False, True, False), (True, True, False), (False, False, False), (True, False, False),
+                          (False, True, True), (True, True, True)],
+                         ids=["no-cache", "prefix-cache", "no-cache-unchunked", "prefix-cache-unchunked",
+                              "no-cache-async", "prefix-cache-async"])
+def test_block_accounting_after_finish_abort_preempt(tiny_checkpoint, caching, chunked, async_scheduling):
     """Block accounting: after any mix of finished, aborted and preempted requests every block
-    is free again."""
+    is free again (with async scheduling too: aborts and preemptions with a token in flight)."""
     path, _ = tiny_checkpoint
     rng = random.Random(20 + caching + 2 * chunked)
     bs, num_blocks = 8, (14 if chunked else 9)
     budget = 40 if chunked else 24  # unchunked: recomputes (prompt + outputs) exceed the budget
     eng = _engine(path, block_size=bs, num_kv_blocks=num_blocks, max_num_seqs=6,
                   max_num_batched_tokens=budget,
-                  enable_prefix_caching=caching, enable_chunked_prefill=chunked)
+                  enable_prefix_caching=caching, enable_chunked_prefill=chunked, async_scheduling=async_scheduling)
     bm = eng.block_manager
     max_len = eng.max_model_len
     N = 40
