@@ -44,6 +44,27 @@ def run_ours(ckpt: str, prompts, out_lens, args) -> dict:
     return res
 
 
+def run_ours_serve_shape(ckpt: str, args) -> dict:
+    """Engine only, the shape of the HTTP benchmark at concurrency 64: 128 requests of 1,024 random
+    prompt ids and 128 output tokens, at most 64 running (the 80 % comparison of issue 7)."""
+    import random
+
+    rng = random.Random(1)
+    prompts = [[rng.randint(1000, 30000) for _ in range(1024)] for _ in range(128)]
+    engine = LLMEngine(EngineConfig(
+        model=ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=4096, max_num_seqs=64,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+    ), eos_token_ids=frozenset())
+    engine.generate([prompts[0][:64]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    with Timer() as t:
+        outs = engine.generate(prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=128))
+    total = sum(len(o) for o in outs)
+    del engine
+    torch.cuda.empty_cache()
+    return dict(name="qwen-serve, 128 x (1024 in, 128 out), max 64 running", tokens=total, seconds=t.seconds,
+                tok_s=total / t.seconds)
+
+
 def run_hf(ckpt: str, prompts, out_lens, budget_s: float) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -82,11 +103,13 @@ def main() -> None:
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--hf-seconds", type=float, default=120)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--serve-shape", action="store_true", help="also run the HTTP benchmark's c=64 shape engine-only")
     args = ap.parse_args()
     ckpt = str(random_qwen3_checkpoint(args.ckpt))
     prompts, out_lens = nano_vllm_workload(args.num_seqs)
     print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(out_lens)} output tokens")
     rows = [run_ours(ckpt, prompts, out_lens, args)]
+    shape_row = run_ours_serve_shape(ckpt, args) if args.serve_shape else None
     if not args.skip_hf:
         try:
             rows.append(run_hf(ckpt, prompts, out_lens, args.hf_seconds))
@@ -97,6 +120,9 @@ def main() -> None:
         extra = f" ({r['finished']}/{r['of']} finished)" if "finished" in r else ""
         print(f"| {r['name']}{extra} | {r['tokens']} | {r['seconds']:.2f} | {r['tok_s']:.0f} | "
               f"{rows[0]['tok_s'] / r['tok_s']:.2f}x |")
+    if shape_row:
+        r = shape_row
+        print(f"| {r['name']} | {r['tokens']} | {r['seconds']:.2f} | {r['tok_s']:.0f} | |")
     print(f"\nqwen-serve: {rows[0]['kv_blocks']} KV blocks, {rows[0]['preemptions']} preemptions; "
           f"GPU: {torch.cuda.get_device_name()}")
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: engine correctness on the GPU, offline throughput, online serving.
-# Usage: bash bench/run_gpu.sh [stages...]   (stages: check offline serve peer both; default: check offline serve)
+# Usage: bash bench/run_gpu.sh [stages...]   (stages: check offline profile serve peer both; default: check offline serve)
 # Expects carried wheels in .whl (fastapi, uvicorn, pydantic, ...) and .benchassets/tokenizer.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -17,7 +17,8 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 for s in $stages; do
   case $s in
     check) timeout 240 python3 bench/engine_check.py --ckpt $CKPT 2>&1 | tee "$OUT/check.log" ;;
-    offline) timeout 300 python3 bench/offline.py --ckpt $CKPT --hf-seconds ${HF_SECONDS:-90} 2>&1 | grep -v Warning | tee "$OUT/offline.log" ;;
+    offline) timeout 300 python3 bench/offline.py --ckpt $CKPT --hf-seconds ${HF_SECONDS:-90} --serve-shape 2>&1 | grep -v Warning | tee "$OUT/offline.log" ;;
+    profile) timeout 300 python3 bench/profile_offline.py --ckpt $CKPT 2>&1 | grep -v Warning | tee "$OUT/profile.log" ;;
     serve) timeout 400 python3 bench/serve.py --ckpt $CKPT --tokenizer-from .benchassets/tokenizer --skip-peer --out "$OUT" 2>&1 | tee "$OUT/serve.log" ;;
     both) timeout 560 python3 bench/serve.py --ckpt $CKPT --tokenizer-from .benchassets/tokenizer --peer-concurrency ${PEER_CONC:-1 16 64} --peer-time-cap 40 --out "$OUT" 2>&1 | tee "$OUT/both.log" ;;
     peer) timeout 500 python3 bench/serve.py --ckpt $CKPT --tokenizer-from .benchassets/tokenizer --concurrency ${PEER_CONC:-1 16 64} --peer-time-cap 60 --out "$OUT" --skip-ours 2>&1 | tee "$OUT/peer.log" ;;
