@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
+  export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 fi
 export PYTHONUNBUFFERED=1
 CKPT=/tmp/qwen3-0.6b-random
@@ -19,7 +19,9 @@ for s in $stages; do
     check) timeout 240 python3 bench/engine_check.py --ckpt $CKPT 2>&1 | tee "$OUT/check.log" ;;
     offline) timeout 300 python3 bench/offline.py --ckpt $CKPT --hf-seconds ${HF_SECONDS:-90} --serve-shape 2>&1 | grep -v Warning | tee "$OUT/offline.log" ;;
     profile) timeout 300 python3 bench/profile_offline.py --ckpt $CKPT 2>&1 | grep -v Warning | tee "$OUT/profile.log" ;;
-    serve) timeout 400 python3 bench/serve.py --ckpt $CKPT --tokenizer-from .benchassets/tokenizer --skip-peer --out "$OUT" 2>&1 | tee "$OUT/serve.log" ;;
+    serve) timeout 400 python3 bench/serve.py --ckpt $CKPT --tokenizer-from .benchassets/tokenizer --skip-peer --out "$OUT" \
+             --py-spy-level ${SPY_LEVEL:-64} 2>&1 | tee "$OUT/serve.log"
+           [ -f "$OUT/pyspy_c${SPY_LEVEL:-64}.txt" ] && python3 bench/pyspy_top.py "$OUT/pyspy_c${SPY_LEVEL:-64}.txt" > "$OUT/pyspy_top.txt" ;;
     both) timeout 560 python3 bench/serve.py --ckpt $CKPT --tokenizer-from .benchassets/tokenizer --peer-concurrency ${PEER_CONC:-1 16 64} --peer-time-cap 40 --out "$OUT" 2>&1 | tee "$OUT/both.log" ;;
     peer) timeout 500 python3 bench/serve.py --ckpt $CKPT --tokenizer-from .benchassets/tokenizer --concurrency ${PEER_CONC:-1 16 64} --peer-time-cap 60 --out "$OUT" --skip-ours 2>&1 | tee "$OUT/peer.log" ;;
   esac

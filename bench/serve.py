@@ -140,7 +140,17 @@ def bench_server(name: str, cmd: list[str], port: int, model: str, args, prompts
                 n = max(args.min_requests, c * args.requests_per_concurrency)
                 cap = args.peer_time_cap if name != "qwen-serve" else 600
                 extra = {"ignore_eos": True} if name == "qwen-serve" else None  # the peer rejects unknown fields
+                spy = None
+                if name == "qwen-serve" and c == args.py_spy_level:  # sample the server's Python stacks
+                    spy = subprocess.Popen(["py-spy", "record", "-d", str(args.py_spy_seconds), "--subprocesses",
+                                            "--nonblocking", "-f", "raw", "-o", f"{args.out}/pyspy_c{c}.txt",
+                                            "-p", str(proc.pid)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
                 r = asyncio.run(run_level(base, model, prompts[:n], c, args.max_tokens, cap, extra))
+                if spy is not None:
+                    try:
+                        spy.wait(args.py_spy_seconds + 30)
+                    except subprocess.TimeoutExpired:
+                        spy.kill()
                 r["name"] = name
                 rows.append(r)
                 print(json.dumps(r), flush=True)
@@ -168,6 +178,8 @@ def main() -> None:
     ap.add_argument("--peer-time-cap", type=float, default=60)
     ap.add_argument("--out", default="/tmp")
     ap.add_argument("--tokenizer-from", default=None, help="copy tokenizer files from this directory")
+    ap.add_argument("--py-spy-level", type=int, default=None, help="record py-spy stacks of the server at this concurrency")
+    ap.add_argument("--py-spy-seconds", type=int, default=8)
     args = ap.parse_args()
     from bench.common import random_qwen3_checkpoint
 
