@@ -92,6 +92,7 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else dev.type == "cuda"
         self._in_flight: StepHandle | None = None  # launched step whose samples are not applied yet
         self._sync_requests: set[str] = set()  # live requests whose sampling reads host state
+        self._undelivered: list[RequestOutput] = []
         self.limits = EngineLimits(
             max_model_len=info.max_model_len, vocab_size=self.model_config.vocab_size,
             eos_token_ids=frozenset(self.eos_token_ids), num_kv_blocks=info.num_kv_blocks,
@@ -177,29 +178,41 @@ class LLMEngine:
         bm = self.block_manager
         q0, h0 = bm.prefix_queries, bm.prefix_hits
         outputs: list[RequestOutput] = []
+        self._undelivered = outputs  # what this call has produced, should it raise (take_undelivered)
         overlap = self.async_scheduling and not self._sync_requests
-        if not overlap and self._in_flight is not None:
-            outputs += self._process(self._in_flight)  # drain before a synchronous step
-            self._in_flight = None
+        if not overlap and self._in_flight is not None:  # drain before a synchronous step
+            prev, self._in_flight = self._in_flight, None
+            outputs += self._process(prev)
         batch = self.scheduler.schedule()
-        handle, n_prompt = self._launch(batch, outputs)
-        if self._in_flight is not None:
-            outputs += self._process(self._in_flight)
-            self._in_flight = None
-        if handle is not None:
-            if overlap:
-                self._in_flight = handle
-            else:
-                outputs += self._process(handle)
+        prev, self._in_flight = self._in_flight, None
+        handle, n_prompt = self._launch(batch, outputs, prev)
+        if overlap:
+            self._in_flight = handle
+        if prev is not None:
+            outputs += self._process(prev)
+        if handle is not None and not overlap:
+            outputs += self._process(handle)
+        self._undelivered = []
         n_gen = sum(len(o.new_token_ids) for o in outputs)
         return outputs, self._stats(t0, n_prompt, n_gen, batch.num_preemptions, q0, h0)
 
-    def _launch(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> tuple[StepHandle | None, int]:
-        """Launch the batch and advance its requests' computed tokens; returns (handle, prompt tokens)."""
+    def take_undelivered(self) -> list[RequestOutput]:
+        """Outputs produced by a :meth:`step` call that then raised (e.g. finished requests
+        drained before a device error); the engine loop emits them before failing the rest."""
+        outputs, self._undelivered = self._undelivered, []
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch, outputs: list[RequestOutput],
+                prev: StepHandle | None) -> tuple[StepHandle | None, int]:
+        """Launch the batch and advance its requests' computed tokens; returns (handle, prompt tokens).
+
+        ``prev``: the step in flight, whose sampled ids feed requests with a placeholder. A
+        non-fatal launch failure fails the batch's requests (appended to ``outputs``).
+        """
         if not len(batch):
             return None, 0
         try:
-            handle = self.runner.launch(batch, self.eos_token_ids, self._in_flight)
+            handle = self.runner.launch(batch, self.eos_token_ids, prev)
         except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
             if is_fatal(exc):
                 raise
@@ -218,9 +231,23 @@ class LLMEngine:
         return handle, n_prompt
 
     def _process(self, handle: StepHandle) -> list[RequestOutput]:
-        """Wait for a launched step and apply its samples: append tokens, check stops, finish."""
-        sampled_reqs, samples = handle.result()
+        """Wait for a launched step and apply its samples: append tokens, check stops, finish.
+
+        A non-fatal error while waiting fails the step's requests (a device error is re-raised).
+        """
         outputs = []
+        try:
+            sampled_reqs, samples = handle.result()
+        except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
+            if is_fatal(exc):
+                raise
+            log.exception("model step failed; failing %d requests", len(handle.sample_requests))
+            for req in handle.sample_requests:
+                req.num_output_placeholders -= 1
+                if not req.is_finished:
+                    self._finish(req, FinishReason.ERROR)
+                    outputs.append(RequestOutput.failed(req.request_id, str(exc)))
+            return outputs
         for i, req in enumerate(sampled_reqs):
             req.num_output_placeholders -= 1
             if req.is_finished:  # aborted, failed or stopped while this step ran

@@ -69,7 +69,7 @@ def run_engine_loop(engine: LLMEngine, next_commands: Callable[[float | None], l
             outputs, stats = engine.step()
         except Exception as exc:  # noqa: BLE001 - fail everyone; keep serving unless the device is broken
             log.exception("engine step crashed; failing all in-flight requests")
-            outputs = []
+            outputs = engine.take_undelivered()  # e.g. requests that finished before the crash
             for rid in list(engine.requests):
                 engine.abort(rid)
                 outputs.append(RequestOutput.failed(rid, str(exc)))

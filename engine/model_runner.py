@@ -185,8 +185,9 @@ class ModelRunner:
             log.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, max_len)
             max_len = capacity
         self.cache_info = CacheInfo(num_blocks, config.block_size, max_len, per_block)
-        self._staging: dict[str, torch.Tensor] = {}
-        self._staging_events: dict[str, torch.cuda.Event] = {}
+        self._staging: dict[tuple[str, int], torch.Tensor] = {}
+        self._staging_events: dict[tuple[str, int], torch.cuda.Event] = {}
+        self._staging_parity = 0
         self._gpu_total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
         self.graphs = None
         if self.device.type == "cuda":
@@ -208,9 +209,10 @@ class ModelRunner:
         """
         budget = self.config.max_num_batched_tokens
         max_len = self.cache_info.max_model_len
-        shapes = [(min(budget, max_len), 1), (min(budget, 32 * max_len), min(32, self.config.max_num_seqs)), (97, 3)]
-        for num_tokens, num_seqs in shapes:
-            num_seqs = max(1, min(num_seqs, num_tokens))
+        for num_tokens, num_seqs in ((budget, 1), (budget, 32), (97, 3)):
+            num_seqs = max(1, min(num_seqs, self.config.max_num_seqs))
+            num_tokens = max(1, min(num_tokens, budget, num_seqs * max_len))  # no sequence beyond max_len
+            num_seqs = min(num_seqs, num_tokens)
             q_lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int32)
             q_lens[: num_tokens % num_seqs] += 1
             cu = np.zeros(num_seqs + 1, dtype=np.int32)
@@ -261,27 +263,30 @@ class ModelRunner:
     def _to_device(self, a: np.ndarray, name: str) -> torch.Tensor:
         """Move a step array to the device through a reused pinned staging buffer per ``name``.
 
-        Before a buffer is refilled, the copy that last read it must have run: a step that
-        samples nothing (a prefill chunk) returns without a host sync, so each buffer's last copy
-        is tracked with a CUDA event and waited for.
+        Before a buffer is refilled, the copy that last read it must have run, so each buffer's
+        last copy is tracked with a CUDA event and waited for. Consecutive steps alternate
+        between two sets of buffers (``_staging_parity``): with a step in flight, the copy being
+        waited for belongs to the step before it, which has finished, so the host never waits
+        for the running step (a copy queued after its forward would otherwise hold it up).
         """
         t = torch.from_numpy(a)
         if self.device.type != "cuda":
             return t
-        pending = self._staging_events.get(name)
+        key = (name, self._staging_parity)
+        pending = self._staging_events.get(key)
         if pending is not None:
             pending.synchronize()
-        buf = self._staging.get(name)
+        buf = self._staging.get(key)
         if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
             buf = torch.empty(max(t.numel(), 2 * (buf.numel() if buf is not None else 1024)), dtype=t.dtype,
                               pin_memory=True)
-            self._staging[name] = buf
+            self._staging[key] = buf
         staged = buf[: t.numel()].view(t.shape)
         staged.copy_(t)
         out = staged.to(self.device, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._staging_events[name] = event
+        self._staging_events[key] = event
         return out
 
     def _forward(self, inp: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -312,6 +317,7 @@ class ModelRunner:
             A handle; :meth:`StepHandle.result` waits for the samples.
         """
         inp = prepare_inputs(batch, self.config.block_size, prev.rows if prev is not None else None)
+        self._staging_parity ^= 1
         input_ids = self._to_device(inp.input_ids, "input_ids")
         if inp.gather_dst is not None:
             dst = self._to_device(inp.gather_dst, "gather_dst")

@@ -82,7 +82,8 @@ class Request:
         num_cached_tokens: prompt tokens found in the prefix cache at (last) admission.
         max_len: prompt + output may not exceed this (the engine's max_model_len).
         num_output_placeholders: tokens sampled by launched steps whose ids are not back on the
-            host yet (0 or 1; async scheduling, see ``engine.engine``).
+            host yet (async scheduling, see ``engine.engine``): 0 or 1 between steps, 2 for a
+            moment while a step is launched before the previous one's samples are applied.
     """
 
     request_id: str

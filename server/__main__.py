@@ -35,9 +35,24 @@ class GracefulServer(uvicorn.Server):
                 self._captured_signals.clear()
 
 
+class _EnvCheckedParser(argparse.ArgumentParser):
+    """argparse does not check ``choices`` against defaults; defaults here come from the
+    environment, so a bad QWEN_SERVE_* value would pass unchecked. This parser checks them."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extra = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            value = getattr(ns, action.dest, None)
+            if action.choices is not None and value is not None and value not in action.choices:
+                env = ENV_PREFIX + action.dest.upper()
+                self.error(f"argument {'/'.join(action.option_strings)} (or {env}): invalid choice {value!r} "
+                           f"(choose from {', '.join(map(str, action.choices))})")
+        return ns, extra
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The server's flags; defaults come from QWEN_SERVE_* environment variables when set."""
-    p = argparse.ArgumentParser(
+    p = _EnvCheckedParser(
         prog="python -m server",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="OpenAI-compatible server for Qwen3/Qwen2 checkpoints (paged KV cache, continuous batching). "

@@ -107,3 +107,77 @@ def test_penalties_and_min_tokens_run_synchronously(tiny_checkpoint, async_sched
     ref = _run(_engine(path, False, eos=frozenset([7])), reqs)
     got = _run(_engine(path, async_scheduling, eos=frozenset([7])), reqs)
     assert got[:2] == ref[:2]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_error_while_waiting_for_samples_fails_only_that_step(tiny_checkpoint, async_scheduling):
+    """An exception at the host sync (StepHandle.result) fails the requests of that step; the
+    engine keeps serving, later requests finish and every block is freed."""
+    import engine.model_runner as mr
+
+    path, _ = tiny_checkpoint
+    eng = _engine(path, async_scheduling)
+    real = mr.StepHandle.result
+    calls = {"n": 0}
+
+    def flaky(self):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected sync failure")
+        return real(self)
+
+    eng.add_request("a", list(range(12)), SamplingParams(temperature=0.0, max_tokens=10))
+    outs = []
+    mr.StepHandle.result = flaky
+    try:
+        while calls["n"] < 3:
+            outs += eng.step()[0]
+    finally:
+        mr.StepHandle.result = real
+    failed = [o for o in outs if o.error]
+    assert [o.request_id for o in failed] == ["a"] and failed[0].finish_reason == FinishReason.ERROR
+    tokens, reasons, _ = _run(eng, [("b", list(range(20, 30)), SamplingParams(temperature=0.0, max_tokens=5))])
+    assert len(tokens["b"]) == 5 and reasons["b"] == FinishReason.LENGTH
+
+
+def test_outputs_produced_before_a_device_error_are_delivered(tiny_checkpoint):
+    """A synchronous drain finishes a request, then the launch hits a device error: the engine
+    loop emits the finished request's last output, and fails only the others."""
+    from engine.engine_loop import run_engine_loop
+
+    path, _ = tiny_checkpoint
+    eng = _engine(path, True)
+    runner = eng.runner
+    real_launch = runner.launch
+    launches = {"n": 0}
+
+    def launch(batch, eos_ids, prev=None):
+        launches["n"] += 1
+        if launches["n"] == 2:  # "done" (max_tokens 1) finished in the drain of this very step
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_launch(batch, eos_ids, prev)
+
+    runner.launch = launch
+    commands = [[("add", "done", list(range(8)), SamplingParams(temperature=0.0, max_tokens=1)),
+                 ("add", "long", list(range(9)), SamplingParams(temperature=0.0, max_tokens=50))],
+                [("add", "pen", list(range(7)), SamplingParams(temperature=0.0, max_tokens=5,
+                                                                 presence_penalty=0.5))]]
+    emitted = []
+
+    def next_commands(timeout):
+        return commands.pop(0) if commands else []
+
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        run_engine_loop(eng, next_commands, lambda outs, stats: emitted.extend(outs), log_interval=0)
+    last = {o.request_id: o for o in emitted if o.finished}
+    assert last["done"].finish_reason == FinishReason.LENGTH and last["done"].error is None
+    assert last["long"].error and last["pen"].error
+
+
+def test_warmup_shapes_respect_max_model_len_and_max_num_seqs(tiny_checkpoint):
+    path, _ = tiny_checkpoint
+    for kw in (dict(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=128),
+               dict(max_num_seqs=64, max_num_batched_tokens=256, max_model_len=16),
+               dict(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=8)):
+        eng = _engine(path, True, **kw)
+        eng.runner.warmup()
