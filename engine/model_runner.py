@@ -233,12 +233,12 @@ class ModelRunner:
                 self._to_device(inp.slot_mapping, "slot_mapping"), self._to_device(inp.block_tables, "block_tables"),
                 self._to_device(inp.seq_lens, "seq_lens"),
             )
-            return inp.sample_requests, self.sampler(logits, inp.sample_requests, eos_ids)
+            return inp.sample_requests, self.sampler(logits, inp.sample_requests, eos_ids).to_host().wait()
         hidden = self._forward(inp)
         if not inp.sample_requests:
             return [], SampleOutput([], [])
         logits = self.model.compute_logits(hidden[self._to_device(inp.logits_indices, "logits_indices")])
-        return inp.sample_requests, self.sampler(logits, inp.sample_requests, eos_ids)
+        return inp.sample_requests, self.sampler(logits, inp.sample_requests, eos_ids).to_host().wait()
 
     @torch.inference_mode()
     def logits_for(self, batch: ScheduledBatch) -> torch.Tensor:
