@@ -165,9 +165,10 @@ def sampling_uniforms_ref(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int
     dev = seeds.device
     seeds = seeds.to(torch.int64)[:, None]
     offsets = offsets.to(torch.int64)[:, None]
-    cols = torch.arange(vocab, dtype=torch.int64, device=dev)[None, :]
+    counters = torch.arange((vocab + 3) // 4, dtype=torch.int64, device=dev)[None, :]
     zero = torch.zeros((), dtype=torch.int64, device=dev)
-    r, _, _, _ = philox4x32_ref(cols, offsets & _M32, (offsets >> 32) & _M32, zero, seeds & _M32, (seeds >> 32) & _M32)
+    words = philox4x32_ref(counters, offsets & _M32, (offsets >> 32) & _M32, zero, seeds & _M32, (seeds >> 32) & _M32)
+    r = torch.stack(words, dim=-1).reshape(seeds.shape[0], -1)[:, :vocab]  # column j: word j % 4 of j // 4
     return ((r >> 9).to(torch.float32) + 0.5) * 2.0**-23
 
 

@@ -11,8 +11,9 @@ Each row of ``logits`` ``[N, V]`` yields one token id:
 
 The uniforms are counter-based: ``u_j`` is a pure function of ``(seed, offset, j)``, computed with
 Philox-4x32-10 (Salmon, Moraes, Dror, Shaw, "Parallel random numbers: as easy as 1, 2, 3", SC 2011)
-keyed by the 64-bit ``seed`` with counter ``(j, offset_lo, offset_hi, 0)``. The top 23 bits of the
-first output word give ``u = (r + 0.5) * 2^-23``, in ``[2^-24, 1 - 2^-24]``, so the logs are finite.
+keyed by the 64-bit ``seed`` with counter ``(j // 4, offset_lo, offset_hi, 0)``: column ``j`` takes
+output word ``j % 4`` (one Philox evaluation per 4 columns). The word's top 23 bits give
+``u = (r + 0.5) * 2^-23``, in ``[2^-24, 1 - 2^-24]``, so the logs are finite.
 A row's draw therefore depends only on its own logits, temperature, seed and offset, never on the
 other rows of the batch, the row's position, the grid or the block sizes.
 :func:`kernels.reference.sample_tokens_ref` computes the same uniforms in plain torch.
@@ -58,9 +59,11 @@ def _scan_split(
         ok = cols < end
         x = tl.load(row_ptr + cols, mask=ok, other=float("-inf")).to(tl.float32)
         if RANDOM:
-            c0 = cols.to(tl.uint32)
+            # one Philox call gives 4 words: column j uses word j % 4 of counter j // 4
+            c0 = (base // 4 + tl.arange(0, BLOCK_V // 4)).to(tl.uint32)
             zero = c0 * 0
-            r, _, _, _ = tl.philox(seed, c0, zero + off_lo, zero + off_hi, zero)
+            r0, r1, r2, r3 = tl.philox(seed, c0, zero + off_lo, zero + off_hi, zero)
+            r = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))
             u = ((r >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
             x = x * inv_t - tl.log(-tl.log(u))
         x = tl.where(x == x, x, float("-inf"))  # NaN counts as -inf
