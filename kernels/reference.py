@@ -130,3 +130,65 @@ def decode_attention_ref(
         k, v = gather_kv_ref(k_cache, v_cache, block_tables[b], lens[b])
         out[b : b + 1] = _attend(q[b : b + 1], k, v, scale, causal=False)
     return out
+
+
+# --------------------------------------------------------------------------- sampling
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(a: torch.Tensor | int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit words of the 64-bit product of two uint32 values held in int64
+    (split into 16-bit halves so that no intermediate overflows int64)."""
+    a_t = torch.as_tensor(a, dtype=torch.int64)
+    t1 = (a_t & 0xFFFF) * b
+    t2 = (a_t >> 16) * b
+    lo = (((t2 & 0xFFFF) << 16) + t1) & _M32
+    hi = ((t2 + (t1 >> 16)) >> 16) & _M32
+    return hi, lo
+
+
+def philox4x32_ref(c0, c1, c2, c3, k0, k1, rounds: int = 10):
+    """Philox-4x32 (Salmon et al., SC 2011) on uint32 words held in int64 tensors (broadcast);
+    the same rounds and constants as ``triton.language.philox``. Returns the four output words."""
+    for _ in range(rounds):
+        hi_b, lo_b = _mul32(0xCD9E8D57, c2)
+        hi_a, lo_a = _mul32(0xD2511F53, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + 0x9E3779B9) & _M32
+        k1 = (k1 + 0xBB67AE85) & _M32
+    return c0, c1, c2, c3
+
+
+def sampling_uniforms_ref(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The uniforms of :func:`kernels.sampling.sample_tokens`: float32 ``[N, vocab]`` in
+    ``[2^-24, 1 - 2^-24]``, ``u[i, j]`` a function of ``(seeds[i], offsets[i], j)`` only."""
+    dev = seeds.device
+    seeds = seeds.to(torch.int64)[:, None]
+    offsets = offsets.to(torch.int64)[:, None]
+    counters = torch.arange((vocab + 3) // 4, dtype=torch.int64, device=dev)[None, :]
+    zero = torch.zeros((), dtype=torch.int64, device=dev)
+    words = philox4x32_ref(counters, offsets & _M32, (offsets >> 32) & _M32, zero, seeds & _M32, (seeds >> 32) & _M32)
+    r = torch.stack(words, dim=-1).reshape(seeds.shape[0], -1)[:, :vocab]  # column j: word j % 4 of j // 4
+    return ((r >> 9).to(torch.float32) + 0.5) * 2.0**-23
+
+
+def sample_tokens_ref(
+    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """Pure-torch :func:`kernels.sampling.sample_tokens`: int64 ``[N]``.
+
+    Greedy rows (``temperature <= 1e-5``) take ``argmax logits``; the others
+    ``argmax(logits * (1 / T) - log(-log(u)))`` with the kernel's Philox uniforms (Gumbel-max).
+    NaN scores count as -inf. Only the rows that sample compute noise.
+    """
+    x = logits.float()
+    x = torch.where(torch.isnan(x), float("-inf"), x)
+    out = x.argmax(dim=-1)
+    rand = (temperature > 1e-5).nonzero().flatten()
+    if rand.numel():
+        inv_t = (1.0 / temperature[rand].float())[:, None]
+        u = sampling_uniforms_ref(seeds[rand], offsets[rand], x.shape[1])
+        score = x[rand] * inv_t - torch.log(-torch.log(u))
+        score = torch.where(torch.isnan(score), float("-inf"), score)
+        out[rand] = score.argmax(dim=-1)
+    return out

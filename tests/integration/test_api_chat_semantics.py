@@ -25,7 +25,7 @@ import pytest
 import uvicorn
 
 from engine.embedded import ensure_embedded_checkpoint
-from engine.sampler import SampleOutput
+from engine.sampler import DeviceSamples
 from server.__main__ import build_parser
 from server.app import create_app
 from server.chat import render_prompt
@@ -68,7 +68,7 @@ class ScriptedSampler:
             self._assigned[req.request_id] = next((ids for m, ids in scripts if m in prompt), None)
         return self._assigned[req.request_id]
 
-    def __call__(self, logits, requests, eos_ids) -> SampleOutput:
+    def __call__(self, logits, requests, eos_ids) -> DeviceSamples:
         out = self.real(logits, requests, eos_ids)
         for row, req in enumerate(requests):
             script = self._script_of(req)

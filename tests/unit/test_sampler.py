@@ -4,6 +4,9 @@ The reference processes one row at a time: logit bias, min_tokens masking, repet
 presence/frequency penalties, then temperature, top-k, top-p (smallest set of most likely
 tokens reaching the mass, computed in float64) and min-p, each renormalising. Batches mix
 rows of different parameters, so the vectorised per-row parameters are checked too.
+
+Most tests run the default CPU backend (torch); the cheap ones also run the Triton kernel under
+the interpreter (``backend`` fixture), where each sampled row costs milliseconds.
 """
 
 from __future__ import annotations
@@ -16,13 +19,27 @@ import pytest
 import torch
 
 from engine.request import Request, SamplingParams
-from engine.sampler import Sampler
+from engine.sampler import DeviceSamples, PendingSamples, SampleOutput, Sampler
 
 CPU = torch.device("cpu")
 EOS = 3
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request):
+    return request.param
+
+
+def sample(sampler: Sampler, logits, reqs, eos_ids) -> SampleOutput:
+    """Launch, copy to the host and wait, as the model runner does."""
+    dev = sampler(logits, reqs, eos_ids)
+    assert isinstance(dev, DeviceSamples) and dev.token_ids.dtype == torch.int64
+    pending = dev.to_host()
+    assert isinstance(pending, PendingSamples)
+    return pending.wait()
 
 
 # --------------------------------------------------------------------------- reference
@@ -209,7 +226,7 @@ def test_sample_frequencies_match_reference(case):
     expected = ref_probs(ref_process(base, req, frozenset()), params)
     logits = base.repeat(n, 1)
     reqs = [make_req(f"r{i}", params, prompt=[0, 1, 2, 1], output=[2, 5, 5, 7]) for i in range(n)]
-    out = Sampler(CPU)(logits, reqs, frozenset())
+    out = sample(Sampler(CPU), logits, reqs, frozenset())
     assert len(out.token_ids) == n
     assert_chi_square_ok(Counter(out.token_ids), expected, n)
 
@@ -220,7 +237,7 @@ def test_chi_square_check_detects_a_wrong_distribution():
     vocab, n = 12, 20000
     base = torch.randn(vocab, generator=torch.Generator().manual_seed(99)) * 1.5
     reqs = [make_req(f"r{i}", SamplingParams(temperature=1.0), output=[]) for i in range(n)]
-    out = Sampler(CPU)(base.repeat(n, 1), reqs, frozenset())
+    out = sample(Sampler(CPU), base.repeat(n, 1), reqs, frozenset())
     wrong = ref_probs(base, SamplingParams(temperature=1.2))
     stat, df = chi_square(Counter(out.token_ids), wrong, n)
     assert stat > df + 8 * math.sqrt(2 * df) + 25
@@ -228,7 +245,7 @@ def test_chi_square_check_detects_a_wrong_distribution():
 
 # --------------------------------------------------------------------------- processors
 @pytest.mark.parametrize("seed", range(4))
-def test_greedy_and_processed_logits_match_reference(seed):
+def test_greedy_and_processed_logits_match_reference(seed, backend):
     """Bias, min_tokens, penalties: processed logits equal the reference; greedy takes their argmax."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(100 + seed)
@@ -240,7 +257,7 @@ def test_greedy_and_processed_logits_match_reference(seed):
         r.sampling_params.temperature = 0.0
     ref = torch.stack([ref_process(logits[i], r, eos) for i, r in enumerate(reqs)])
 
-    s = Sampler(CPU)
+    s = Sampler(CPU, backend)
     got = logits.clone()
     params = [r.sampling_params for r in reqs]
     s._apply_logit_bias(got, params, vocab)
@@ -248,20 +265,20 @@ def test_greedy_and_processed_logits_match_reference(seed):
     s._apply_penalties(got, reqs, vocab)
     torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
 
-    out = s(logits.clone(), reqs, eos)
+    out = sample(s, logits.clone(), reqs, eos)
     for i, r in enumerate(reqs[: n // 2]):
         assert out.token_ids[i] == int(ref[i].argmax()), f"greedy row {i}"
     for i, r in enumerate(reqs):  # sampled tokens are always allowed by the reference
         assert ref_probs(ref[i], r.sampling_params)[out.token_ids[i]] > 0, f"row {i}"
 
 
-def test_penalties_change_the_greedy_choice():
+def test_penalties_change_the_greedy_choice(backend):
     base = torch.tensor([[0.0, 3.0, 2.9, 1.0, -1.0, 2.0, 0.5, -2.0]])
     def greedy(**kw):
         prompt = kw.pop("prompt", [0])
         output = kw.pop("output", [])
         req = make_req("r", SamplingParams(temperature=0.0, **kw), prompt=prompt, output=output)
-        return Sampler(CPU)(base.clone(), [req], frozenset()).token_ids[0]
+        return sample(Sampler(CPU, backend), base.clone(), [req], frozenset()).token_ids[0]
     assert greedy() == 1
     assert greedy(output=[1]) == 1  # no penalty configured
     assert greedy(output=[1], presence_penalty=0.2) == 2  # 3.0 - 0.2 < 2.9
@@ -303,20 +320,20 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[8])
     for n_out, expect in [(0, 2), (1, 2), (2, 2), (3, EOS), (7, EOS)]:
         req = make_req("r", params, prompt=[1], output=[0] * n_out)
-        assert Sampler(CPU)(base.clone(), [req], eos).token_ids[0] == expect, n_out
+        assert sample(Sampler(CPU), base.clone(), [req], eos).token_ids[0] == expect, n_out
     # ignore_eos: EOS is not masked (it does not end the request anyway), stop ids still are
     p2 = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[8], ignore_eos=True)
-    assert Sampler(CPU)(base.clone(), [make_req("r", p2, prompt=[1], output=[])], eos).token_ids[0] == EOS
+    assert sample(Sampler(CPU), base.clone(), [make_req("r", p2, prompt=[1], output=[])], eos).token_ids[0] == EOS
     base2 = base.clone()
     base2[0, EOS] = -1.0
-    assert Sampler(CPU)(base2, [make_req("r", p2, prompt=[1], output=[])], eos).token_ids[0] == 2
+    assert sample(Sampler(CPU), base2, [make_req("r", p2, prompt=[1], output=[])], eos).token_ids[0] == 2
     # random sampling below min_tokens never draws them, mixed with rows that may
     torch.manual_seed(0)
     flat = torch.zeros(400, vocab)
     reqs = [make_req(f"r{i}", SamplingParams(temperature=1.0, min_tokens=2 if i % 2 else 0,
                                              stop_token_ids=[8]), prompt=[1], output=[0])
             for i in range(400)]
-    toks = Sampler(CPU)(flat, reqs, eos).token_ids
+    toks = sample(Sampler(CPU), flat, reqs, eos).token_ids
     masked = Counter(t for i, t in enumerate(toks) if i % 2)
     free = Counter(t for i, t in enumerate(toks) if not i % 2)
     assert EOS not in masked and 8 not in masked
@@ -324,11 +341,13 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
 
 
 # --------------------------------------------------------------------------- seeds
-def test_seed_gives_same_tokens_alone_and_in_a_batch():
+def test_seed_gives_same_tokens_alone_and_in_a_batch(backend):
+    """The draw of a seeded request depends on its seed and the index of the token in its output
+    (``Request.sample_index``), not on the batch, the row position or the sampler instance."""
     vocab, steps = 50, 25
     gen = torch.Generator().manual_seed(8)
     params = SamplingParams(temperature=1.0, top_k=30, top_p=0.95, seed=1234)
-    alone_s, batch_s = Sampler(CPU), Sampler(CPU)
+    alone_s, batch_s = Sampler(CPU, backend), Sampler(CPU, backend)
     rng = random.Random(1)
     others = [random_params(rng, vocab) for _ in range(5)]
     others[0].seed = 99
@@ -341,26 +360,28 @@ def test_seed_gives_same_tokens_alone_and_in_a_batch():
         logits = torch.randn(6, vocab, generator=gen)
         row = logits[3:4].clone()  # the seeded request's row
         req_a = make_req("x", params, prompt=[1, 2], output=alone)
-        alone.append(alone_s(row.clone(), [req_a], frozenset()).token_ids[0])
+        alone.append(sample(alone_s, row.clone(), [req_a], frozenset()).token_ids[0])
         reqs = [make_req(f"o{i}", p, prompt=[1], output=[]) for i, p in enumerate(others)]
         reqs.insert(3, make_req("x", params, prompt=[1, 2], output=batched))
         # a different position in the batch every step, other rows and params around it
         order = list(range(6))
         random.Random(step).shuffle(order)
-        out = batch_s(logits[order].clone(), [reqs[i] for i in order], frozenset())
+        out = sample(batch_s, logits[order].clone(), [reqs[i] for i in order], frozenset())
         batched.append(out.token_ids[order.index(3)])
         other_seeded.append(out.token_ids[order.index(0)])
     assert alone == batched
     assert len(set(alone)) > 5  # really sampling
     # a second sampler with the same seed reproduces the sequence; another seed does not
-    again, other = Sampler(CPU), Sampler(CPU)
+    again, other = Sampler(CPU, backend), Sampler(CPU, backend)
     gen = torch.Generator().manual_seed(8)
     seq_again, seq_other = [], []
     for _ in range(steps):
         row = torch.randn(6, vocab, generator=gen)[3:4]
-        seq_again.append(again(row.clone(), [make_req("y", params, output=[])], frozenset()).token_ids[0])
+        seq_again.append(sample(again, row.clone(), [make_req("y", params, output=seq_again)], frozenset())
+                         .token_ids[0])
         p2 = SamplingParams(temperature=1.0, top_k=30, top_p=0.95, seed=4321)
-        seq_other.append(other(row.clone(), [make_req("z", p2, output=[])], frozenset()).token_ids[0])
+        seq_other.append(sample(other, row.clone(), [make_req("z", p2, output=seq_other)], frozenset())
+                         .token_ids[0])
     assert seq_again == alone
     assert seq_other != alone
 
@@ -370,12 +391,12 @@ def test_seeded_rows_follow_the_distribution():
     base = torch.tensor([1.0, 0.2, -0.5, 0.8, 0.0, -1.0])
     params = [SamplingParams(temperature=0.9, seed=i) for i in range(n)]
     reqs = [make_req(f"s{i}", p, output=[]) for i, p in enumerate(params)]
-    out = Sampler(CPU)(base.repeat(n, 1), reqs, frozenset())
+    out = sample(Sampler(CPU), base.repeat(n, 1), reqs, frozenset())
     assert_chi_square_ok(Counter(out.token_ids), ref_probs(base, params[0]), n)
 
 
 # --------------------------------------------------------------------------- logprobs
-def test_logprobs_from_raw_distribution_and_sorted():
+def test_logprobs_from_raw_distribution_and_sorted(backend):
     vocab, n = 30, 8
     gen = torch.Generator().manual_seed(21)
     logits = torch.randn(n, vocab, generator=gen) * 2
@@ -388,7 +409,7 @@ def test_logprobs_from_raw_distribution_and_sorted():
         p.temperature = [0.0, 0.6, 1.4][i % 3]
         reqs.append(make_req(f"r{i}", p, rng=rng, vocab=vocab))
     torch.manual_seed(3)
-    out = Sampler(CPU)(logits.clone(), reqs, frozenset({EOS}))
+    out = sample(Sampler(CPU, backend), logits.clone(), reqs, frozenset({EOS}))
     for i, r in enumerate(reqs):
         k = r.sampling_params.logprobs
         if k is None:
@@ -407,17 +428,73 @@ def test_logprobs_from_raw_distribution_and_sorted():
         assert vals == pytest.approx(ref_v.tolist(), abs=1e-5)
 
 
-def test_no_logprobs_requested_gives_none_and_processing_does_not_leak():
+def test_no_logprobs_requested_gives_none_and_processing_does_not_leak(backend):
     """Raw logprobs are unaffected by a huge bias that decides the sampled token."""
     vocab = 10
     logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(4))
     reqs = [make_req("a", SamplingParams(temperature=0.0, logit_bias={9: 50.0}, logprobs=2), output=[]),
             make_req("b", SamplingParams(temperature=0.0), output=[])]
-    out = Sampler(CPU)(logits.clone(), reqs, frozenset())
+    out = sample(Sampler(CPU, backend), logits.clone(), reqs, frozenset())
     assert out.token_ids[0] == 9
     raw = torch.log_softmax(logits.double(), dim=-1)
     assert out.logprobs[0][0] == pytest.approx(float(raw[0, 9]), abs=1e-6)
     assert out.logprobs[0][0] < -0.5
     assert out.logprobs[1] is None
-    out2 = Sampler(CPU)(logits[1:].clone(), [reqs[1]], frozenset())
+    out2 = sample(Sampler(CPU, backend), logits[1:].clone(), [reqs[1]], frozenset())
     assert out2.logprobs == [None]
+
+
+# --------------------------------------------------------------------------- API, backends
+def test_bf16_logits_and_unprocessed_fast_path(backend):
+    """bf16 logits are accepted (with and without processing) and are not modified."""
+    vocab, n = 300, 4
+    logits = (torch.randn(n, vocab, generator=torch.Generator().manual_seed(6)) * 3).bfloat16()
+    before = logits.clone()
+    plain = [make_req(f"p{i}", SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i), output=[])
+             for i in range(n)]
+    out = sample(Sampler(CPU, backend), logits, plain, frozenset())
+    assert torch.equal(logits, before)
+    assert out.token_ids[1] == int(logits[1].float().argmax()) and out.token_ids[3] == int(logits[3].float().argmax())
+    processed = [make_req("q0", SamplingParams(temperature=0.0, logit_bias={7: 100.0}), output=[]),
+                 make_req("q1", SamplingParams(temperature=0.7, top_k=1, logprobs=2), output=[])]
+    out = sample(Sampler(CPU, backend), logits[:2], processed, frozenset())
+    assert out.token_ids == [7, int(logits[1].float().argmax())]
+    raw = torch.log_softmax(logits[1].double(), dim=-1)
+    assert out.logprobs[1][0] == pytest.approx(float(raw[out.token_ids[1]]), abs=1e-4)
+
+
+def test_unseeded_rows_reproducible_under_torch_manual_seed(backend):
+    vocab, n = 40, 6
+    logits = torch.zeros(n, vocab)
+    reqs = [make_req(f"u{i}", SamplingParams(temperature=1.0), output=[]) for i in range(n)]
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(77)
+        s = Sampler(CPU, backend)
+        runs.append([sample(s, logits.clone(), reqs, frozenset()).token_ids for _ in range(3)])
+    assert runs[0] == runs[1]
+    assert runs[0][0] != runs[0][1], "unseeded rows get fresh noise every call"
+    assert len(set(runs[0][0])) > 1, "unseeded rows of one call do not share their noise"
+
+
+def test_pending_samples_on_cpu():
+    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(1))
+    reqs = [make_req(f"r{i}", SamplingParams(temperature=0.0), output=[]) for i in range(2)]
+    dev = Sampler(CPU)(logits, reqs, frozenset())
+    assert dev.chosen_logprobs is None and dev.top_ids is None
+    pending = dev.to_host()
+    assert pending.ready()
+    out = pending.wait()
+    assert out is pending.wait()
+    assert out.token_ids == logits.argmax(dim=-1).tolist() and out.logprobs == [None, None]
+
+
+def test_backend_selection(monkeypatch):
+    assert Sampler(CPU).backend == "torch"
+    with pytest.raises(ValueError):
+        Sampler(CPU, "cuda-magic")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError):
+        Sampler(CPU, "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert Sampler(CPU, "triton").backend == "triton"

@@ -502,7 +502,6 @@ def test_block_accounting_after_finish_abort_preempt(tiny_checkpoint, caching, c
     assert bm.num_free_blocks == num_blocks and all(rc == 0 for rc in bm.ref_counts)
     bm.check_integrity()
     assert eng.requests == {} and not eng.scheduler.running and not eng.scheduler.waiting
-    assert eng.runner.sampler._generators == {}
     if caching:
         assert bm.prefix_hits > 0
     # finished requests have all their tokens; greedy and seeded ones equal a run without
