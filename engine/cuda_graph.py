@@ -82,7 +82,7 @@ class DecodeGraphs:
         return batch <= self.sizes[-1] and max_seq_len <= self.max_seq_len
 
     def run(self, input_ids, positions, slot_mapping, block_tables, seq_lens) -> torch.Tensor:
-        """Replay the graph for a decode batch of B sequences; returns float32 logits ``[B, vocab]``.
+        """Replay the graph for a decode batch of B sequences; returns logits ``[B, vocab]`` (model dtype).
 
         Args: device tensors of one decode step (``[B]`` each, block_tables ``[B, M]``).
         """

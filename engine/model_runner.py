@@ -351,4 +351,4 @@ class ModelRunner:
     @torch.inference_mode()
     def logits_for(self, batch: ScheduledBatch) -> torch.Tensor:
         """Float32 logits of every scheduled token ``[T, vocab]`` (tests compare these with transformers)."""
-        return self.model.compute_logits(self._forward(prepare_inputs(batch, self.config.block_size)))
+        return self.model.compute_logits(self._forward(prepare_inputs(batch, self.config.block_size))).float()

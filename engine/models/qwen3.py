@@ -175,9 +175,10 @@ class Qwen3ForCausalLM(nn.Module):
         return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[N, vocab]`` for hidden states ``[N, hidden]``."""
+        """Logits ``[N, vocab]`` in the model dtype for hidden states ``[N, hidden]`` (the
+        sampler upcasts what it processes; a float32 copy of every row would cost a pass)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, weight)
 
     @torch.no_grad()
     def init_random_weights(self, seed: int, std: float = 0.02) -> None:
