@@ -133,7 +133,7 @@ class LLMEngine:
         if req is None:
             return False
         self.scheduler.finish(req, FinishReason.ABORT)
-        self.runner.sampler.release(request_id)
+        self.runner.release(request_id)
         self._sync_requests.discard(request_id)
         return True
 
@@ -157,7 +157,7 @@ class LLMEngine:
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.scheduler.finish(req, reason)
         self.requests.pop(req.request_id, None)
-        self.runner.sampler.release(req.request_id)
+        self.runner.release(req.request_id)
         self._sync_requests.discard(req.request_id)
 
     def step(self) -> tuple[list[RequestOutput], StepStats]:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, get_attention_backend
+from engine.block_table import PersistentBlockTables
 from engine.config import EngineConfig, ModelConfig
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.request import Request, SamplingParams
@@ -55,58 +56,59 @@ class StepInputs:
     gather_src: np.ndarray | None = None
 
 
-def prepare_inputs(batch: ScheduledBatch, block_size: int, prev_rows: dict[str, int] | None = None) -> StepInputs:
+def prepare_inputs(batch: ScheduledBatch, block_size: int, block_tables: PersistentBlockTables,
+                   prev_rows: dict[str, int] | None = None) -> StepInputs:
     """Flatten a scheduled batch into the step's index arrays (host side, numpy).
 
     Args:
+        block_tables: the runner's persistent block-table mirror (synced here).
         prev_rows: request id -> sample row of the step still in flight; a request with an
             output placeholder takes its input token from that row on the device.
 
     Raises:
         RuntimeError: a request has a token in flight but no row in ``prev_rows``.
     """
-    b = len(batch)
-    gather_dst, gather_src = [], []
-    seq_lens = np.empty(b, dtype=np.int32)
+    reqs = batch.requests
+    b = len(reqs)
+    q_lens = np.fromiter(batch.num_new_tokens, dtype=np.int32, count=b)
+    starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int32, count=b)
+    seq_lens = starts + q_lens
     cu = np.zeros(b + 1, dtype=np.int32)
-    ids_parts, pos_parts = [], []
-    max_blocks = 1
+    np.cumsum(q_lens, out=cu[1:])
+    gather_dst, gather_src = [], []
+    ids: list[int] = []
     logits_indices, sample_requests = [], []
-    for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+    for i, req in enumerate(reqs):
+        n = int(q_lens[i])
         start = req.num_computed_tokens
-        end = start + n
-        seq_lens[i] = end
-        cu[i + 1] = cu[i] + n
         if req.num_output_placeholders:
             # decode of a token sampled by the step in flight: filled in on the device
             row = (prev_rows or {}).get(req.request_id)
             if row is None or n != 1 or start != req.num_tokens:
                 raise RuntimeError(f"request {req.request_id} has a token in flight but no sample row")
-            gather_dst.append(cu[i])
+            gather_dst.append(len(ids))
             gather_src.append(row)
-            ids_parts.append([0])
+            ids.append(0)
         elif n == 1:
-            ids_parts.append([req.token_at(start)])
+            ids.append(req.token_at(start))
         else:
-            ids_parts.append(req.all_token_ids[start:end])
-        pos_parts.append(np.arange(start, end, dtype=np.int64))
-        max_blocks = max(max_blocks, len(req.block_table))
-        if end == req.num_tokens + req.num_output_placeholders:  # all its tokens computed: sample
-            logits_indices.append(cu[i + 1] - 1)
+            ids.extend(req.all_token_ids[start:start + n])
+        if start + n == req.num_tokens + req.num_output_placeholders:  # all its tokens computed: sample
+            logits_indices.append(len(ids) - 1)
             sample_requests.append(req)
-    block_tables = np.zeros((b, max_blocks), dtype=np.int32)
-    for i, req in enumerate(batch.requests):
-        block_tables[i, : len(req.block_table)] = req.block_table
-    positions = np.concatenate(pos_parts)
-    input_ids = np.fromiter((t for part in ids_parts for t in part), dtype=np.int64, count=len(positions))
-    row = np.repeat(np.arange(b), np.diff(cu))
-    slot_mapping = block_tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    q_lens = np.diff(cu)
+    rows = block_tables.rows_for(reqs)
+    max_blocks = max(1, -(-int(seq_lens.max()) // block_size)) if b else 1
+    tables = block_tables.gather(rows, max_blocks)
+    total = int(cu[-1])
+    seq_of_token = np.repeat(np.arange(b), q_lens)
+    positions = (np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], q_lens) + np.repeat(starts, q_lens)).astype(
+        np.int64)
+    slot_mapping = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
     return StepInputs(
-        input_ids=input_ids,
+        input_ids=np.asarray(ids, dtype=np.int64),
         positions=positions,
         slot_mapping=slot_mapping,
-        block_tables=block_tables,
+        block_tables=tables,
         seq_lens=seq_lens,
         cu_seqlens_q=cu,
         logits_indices=np.asarray(logits_indices, dtype=np.int64),
@@ -188,6 +190,7 @@ class ModelRunner:
         self._staging: dict[tuple[str, int], torch.Tensor] = {}
         self._staging_events: dict[tuple[str, int], torch.cuda.Event] = {}
         self._staging_parity = 0
+        self.block_tables = PersistentBlockTables(-(-max_len // config.block_size), max(64, config.max_num_seqs))
         self._gpu_total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
         self.graphs = None
         if self.device.type == "cuda":
@@ -198,6 +201,11 @@ class ModelRunner:
             max_blocks = -(-max_len // config.block_size)
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, config.max_num_seqs, max_blocks, max_len)
             self.graphs.capture()
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's per-request state (block-table row, sampler state)."""
+        self.block_tables.release(request_id)
+        self.sampler.release(request_id)
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -316,7 +324,7 @@ class ModelRunner:
         Returns:
             A handle; :meth:`StepHandle.result` waits for the samples.
         """
-        inp = prepare_inputs(batch, self.config.block_size, prev.rows if prev is not None else None)
+        inp = prepare_inputs(batch, self.config.block_size, self.block_tables, prev.rows if prev is not None else None)
         self._staging_parity ^= 1
         input_ids = self._to_device(inp.input_ids, "input_ids")
         if inp.gather_dst is not None:
@@ -351,4 +359,5 @@ class ModelRunner:
     @torch.inference_mode()
     def logits_for(self, batch: ScheduledBatch) -> torch.Tensor:
         """Float32 logits of every scheduled token ``[T, vocab]`` (tests compare these with transformers)."""
-        return self.model.compute_logits(self._forward(prepare_inputs(batch, self.config.block_size))).float()
+        inp = prepare_inputs(batch, self.config.block_size, self.block_tables)
+        return self.model.compute_logits(self._forward(inp)).float()
