@@ -1,7 +1,8 @@
 """Profile batch-1 latency of the engine (prefill of 1024 tokens, then decode) with torch.profiler.
 
-Usage (on the GPU): ``python bench/profile_latency.py [--ckpt DIR]``; prints step times and the
-top operators by CUDA and by CPU time.
+Usage (on the GPU): ``python bench/profile_latency.py [--ckpt DIR] [--compile-mode model|ops|none]``;
+prints step times, the number of graphs compiled for the whole-model forward (any compiled
+during the measured runs is a recompile) and the top operators by CUDA and by CPU time.
 """
 
 from __future__ import annotations
@@ -19,16 +20,20 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from bench.common import random_qwen3_checkpoint  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
+from engine.models.qwen3 import compiled_graph_count  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", default="/tmp/qwen3-0.6b-random")
+    ap.add_argument("--compile-mode", choices=["model", "ops", "none"], default=None,
+                    help="EngineConfig.compile_mode (default: the engine's, model on CUDA)")
     args = ap.parse_args()
     ckpt = str(random_qwen3_checkpoint(args.ckpt))
     eng = LLMEngine(EngineConfig(model=ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=4096,
-                                 num_kv_blocks=4096, max_num_seqs=64, enable_prefix_caching=False),
+                                 num_kv_blocks=4096, max_num_seqs=64, enable_prefix_caching=False,
+                                 compile_mode=args.compile_mode),
                     eos_token_ids=frozenset())
     prompt = torch.randint(0, 150000, (1024,)).tolist()
 
@@ -48,6 +53,8 @@ def main() -> None:
 
     for i in range(3):
         print("warm-up prefill %.2f ms, decode %.2f ms/step" % run(i))
+    graphs = compiled_graph_count()
+    print(f"compile_mode={eng.runner.model.compile_mode}: {graphs} whole-model graphs compiled so far")
     # keep the GPU clocks up, then measure again
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(20):
@@ -55,6 +62,7 @@ def main() -> None:
     print("after busy GPU: prefill %.2f ms, decode %.2f ms/step" % run(10))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run(20)
+    print(f"graphs compiled during the measured runs (recompiles): {compiled_graph_count() - graphs}")
     ka = prof.key_averages()
     print(ka.table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
     print(ka.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))

@@ -119,7 +119,10 @@ class EngineConfig:
         enable_prefix_caching: share full KV blocks between requests with the same prefix.
         enable_chunked_prefill: split long prompts over several steps within the token budget.
         cuda_graph: capture decode steps in CUDA graphs (CUDA only).
-        compile_ops: fuse the model's elementwise ops with torch.compile; None = on CUDA only.
+        compile_mode: use of torch.compile (``Qwen3ForCausalLM``): "model" compiles the whole
+            forward into one graph with attention as a custom op, "ops" compiles only the
+            elementwise functions one by one, "none" runs eagerly; None = "model" on CUDA,
+            "none" elsewhere.
         async_scheduling: schedule and launch step N+1 while step N runs on the device
             (see ``LLMEngine.step``); None = on CUDA only.
     """
@@ -138,7 +141,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     cuda_graph: bool = True
-    compile_ops: bool | None = None
+    compile_mode: str | None = None
     async_scheduling: bool | None = None
     seed: int = 0
 

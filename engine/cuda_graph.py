@@ -32,7 +32,11 @@ class DecodeGraphs:
 
     Args:
         model: the engine's model; kv_caches: its cache tensors; backend: must be graph-safe
-            (the Triton backend: no host syncs, scratch reused).
+            (the Triton backend: no host syncs, scratch reused). With ``compile_mode="model"``
+            the warm-up run of each size compiles (or reuses) the model's decode graph -- one
+            for batch 1, one for every larger size -- before capture, and the capture records
+            the Inductor kernels, cuBLAS calls and the attention op's Triton launches; Python
+            (guards, wrapper) runs only at capture, not at replay.
         max_batch: largest decode batch; max_blocks_per_seq: block-table width;
         max_seq_len: the engine's max_model_len (sizes the decode split count at capture).
     """
@@ -67,7 +71,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every batch size, largest first so smaller graphs share its memory pool."""
         for bs in reversed(self.sizes):
-            self._run(bs)  # warm up (Triton compilation, allocator)
+            self._run(bs)  # warm up (Triton and torch.compile compilation, allocator)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):

@@ -159,9 +159,9 @@ class ModelRunner:
         self.dtype = config.dtype or default_dtype
         max_len = min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
 
-        compile_ops = config.compile_ops if config.compile_ops is not None else self.device.type == "cuda"
+        compile_mode = config.compile_mode or ("model" if self.device.type == "cuda" else "none")
         with torch.device(self.device):
-            model = Qwen3ForCausalLM(model_config, max_positions=max_len, compile_ops=compile_ops)
+            model = Qwen3ForCausalLM(model_config, max_positions=max_len, compile_mode=compile_mode)
         model.to(self.dtype)
         model.model.rotary_emb.cos = model.model.rotary_emb.cos.float()
         model.model.rotary_emb.sin = model.model.rotary_emb.sin.float()

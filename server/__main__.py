@@ -86,8 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
       help="schedule and launch the next step while the current one runs on the device; auto = on with CUDA")
     a("--engine-mode", default=_env("engine_mode", "auto"), choices=["auto", "thread", "process"],
       help="run the engine loop in a thread of the server or in its own process (auto: process on CUDA)")
+    a("--compile-mode", default=_env("compile_mode", "auto"), choices=["auto", "model", "ops", "none"],
+      help="torch.compile: model = the whole forward as one graph (attention a custom op), ops = only the "
+      "elementwise functions, none = eager (auto: model on CUDA, none on CPU)")
     a("--no-compile", action="store_true", default=bool(_env("no_compile")),
-      help="do not fuse elementwise ops with torch.compile (on by default on CUDA)")
+      help="same as --compile-mode none")
     a("--reasoning-parser", default=_env("reasoning_parser"), choices=["qwen3"],
       help="split <think>...</think> into reasoning_content")
     a("--api-key", default=_env("api_key"), help="require 'Authorization: Bearer KEY' on /v1 routes")

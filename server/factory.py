@@ -59,7 +59,7 @@ def build_context(args: argparse.Namespace) -> ServerContext:
         enable_prefix_caching=not args.no_prefix_caching,
         cuda_graph=not args.no_cuda_graph,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
-        compile_ops=False if args.no_compile else None,
+        compile_mode="none" if args.no_compile else (None if args.compile_mode == "auto" else args.compile_mode),
         seed=args.seed,
     )
     tokenizer = Tokenizer(model_dir)

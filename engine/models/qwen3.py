@@ -12,13 +12,50 @@ Parameter names are Hugging Face's, except two fused projections: ``qkv_proj``
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention import AttentionBackend, AttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from engine.models.ops import PointwiseOps
+
+log = logging.getLogger(__name__)
+
+#: values of ``Qwen3ForCausalLM(compile_mode=...)`` / ``EngineConfig.compile_mode``
+COMPILE_MODES = ("model", "ops", "none")
+
+#: Graphs a healthy engine compiles for the whole-model forward: prefill/mixed steps, decode steps
+#: of 2+ sequences, and T == 1 (one decode or a 1-token prompt; 0/1 sizes are specialised), plus
+#: one spare. More than this means something recompiles per step; each one is logged at WARNING.
+EXPECTED_GRAPHS = 4
+
+_graphs_compiled = 0
+
+
+def compiled_graph_count() -> int:
+    """Graphs Inductor compiled for :class:`Qwen3ForCausalLM`'s whole-model forward in this process.
+
+    Process-wide, like Dynamo's cache: compiled code is cached per Python code object, so model
+    instances of one architecture share it (the weights are graph inputs, not constants). A GPU
+    benchmark can read it before and after its timed steps: any increase is a recompile.
+    """
+    return _graphs_compiled
+
+
+def _inductor_counting(gm: torch.fx.GraphModule, example_inputs):
+    """The Inductor backend, counting and logging each graph it compiles (runs only at compile time)."""
+    global _graphs_compiled
+    from torch._inductor.compile_fx import compile_fx
+
+    _graphs_compiled += 1
+    level = logging.INFO if _graphs_compiled <= EXPECTED_GRAPHS else logging.WARNING
+    log.log(level, "torch.compile: model forward graph %d (expected at most %d; TORCH_LOGS=recompiles "
+            "names the guard that failed)", _graphs_compiled, EXPECTED_GRAPHS)
+    return compile_fx(gm, example_inputs)
+
 
 #: checkpoint name fragment -> (fused module fragment, shard index)
 PACKED_MODULES = {
@@ -85,7 +122,10 @@ class Attention(nn.Module):
             q, k = self.ops.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
         else:
             q, k = self.ops.rope(q, k, cos, sin)
-        o = backend.forward(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, self.scale)
+        if isinstance(backend, str):  # whole-model compile: attention is an opaque custom op
+            o = paged_attention(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, self.scale, backend)
+        else:
+            o = backend.forward(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -138,18 +178,43 @@ class Qwen3ForCausalLM(nn.Module):
     Args:
         cfg: the architecture.
         max_positions: size of the rotary table (the engine's max_model_len).
-        compile_ops: fuse the elementwise pieces with torch.compile (see ``engine.models.ops``).
+        compile_mode: how ``torch.compile`` is used (see :data:`COMPILE_MODES`):
+
+            * ``"model"``: the whole :meth:`forward` is one Dynamo frame compiled by Inductor
+              (``dynamic=True, fullgraph=True``) with attention as the opaque custom op
+              ``qwen_serve::paged_attention`` (:mod:`engine.attention`) -- vLLM's approach. One
+              guard check and one compiled call per step instead of one per fused function;
+              Inductor fuses norms, rotary, SwiGLU and residual adds and calls the GEMMs
+              directly. If compilation fails the model logs a warning and runs eagerly.
+            * ``"ops"``: only the elementwise functions of :mod:`engine.models.ops` are compiled,
+              each separately (the previous behaviour; kept for comparison).
+            * ``"none"``: eager.
+
+    Raises:
+        ValueError: unknown ``compile_mode``.
     """
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, compile_ops: bool = False):
+    def __init__(self, cfg: ModelConfig, max_positions: int, compile_mode: str = "none"):
         super().__init__()
+        if compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {compile_mode!r}")
         self.config = cfg
-        self.ops = PointwiseOps(compile_ops)
+        self.compile_mode = compile_mode
+        self.ops = PointwiseOps(compile_mode == "ops")
         self.model = Qwen3Model(cfg, max_positions, self.ops)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._compiled_forward = None
+        self._marked_caches = None
+        if compile_mode == "model":
+            # dynamic=True: the token count T and the metadata ints (max_query_len, max_seq_len)
+            # are symbolic from the first compile; values 0/1 are still specialised, so T == 1
+            # and max_query_len == 1 (decode) get their own graphs. B and the block-table width
+            # are unbacked (see _mark_shapes). The weights are graph inputs, not constants.
+            self._compiled_forward = torch.compile(self._forward_impl, backend=_inductor_counting, dynamic=True,
+                                                   fullgraph=True)
 
     def forward(
         self,
@@ -159,13 +224,56 @@ class Qwen3ForCausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` for packed tokens.
+        """Hidden states ``[T, hidden]`` (model dtype) for packed tokens.
 
         Args:
             input_ids, positions: int64 ``[T]``.
-            kv_caches: per layer (k_cache, v_cache), each ``[num_blocks, block_size, H_kv, D]``.
-            meta: the step's attention metadata; backend: the attention implementation.
+            kv_caches: per layer (k_cache, v_cache), each ``[num_blocks, block_size, H_kv, D]``,
+                updated in place with this step's keys/values.
+            meta: the step's attention metadata; backend: the attention implementation (in
+                ``"model"`` mode only its ``name`` reaches the compiled graph; the custom op
+                finds the instance through :func:`engine.attention.get_attention_backend`).
+
+        Raises:
+            Whatever the backend raises (e.g. ValueError for Triton on a CPU without the
+            interpreter). Compilation errors are not raised: they switch the model to eager.
         """
+        if self._compiled_forward is not None:
+            self._mark_shapes(kv_caches, meta)
+            try:
+                return self._compiled_forward(input_ids, positions, kv_caches, meta, backend.name)
+            except torch._dynamo.exc.TorchDynamoException as e:  # compile failure: nothing ran yet
+                log.warning("torch.compile of the model failed, running eagerly from now on: %s", e)
+                self._compiled_forward = None
+        return self._forward_impl(input_ids, positions, kv_caches, meta, backend)
+
+    def _mark_shapes(self, kv_caches, meta: AttentionMetadata) -> None:
+        """Shape hints for Dynamo that keep the number of compiled graphs small (about 1 us each).
+
+        * The KV caches never change shape: ``mark_static`` makes their sizes constants instead
+          of symbols (no duck-sizing coincidence such as ``block_size == T`` can specialise a
+          graph). Done once per cache list.
+        * The batch size B and the block-table width only reach the attention op, so they are
+          marked *unbacked*: no 0/1 specialisation, hence no extra graph for one sequence or one
+          KV block. The marks live on the step's tensors, so they are set on every call.
+
+        The token count T stays an ordinary (backed) dynamic size: its value guides Inductor,
+        and T == 1 (a batch-1 decode) gets its own graph.
+        """
+        if self._marked_caches is not kv_caches:
+            for k_cache, v_cache in kv_caches:
+                torch._dynamo.mark_static(k_cache)
+                torch._dynamo.mark_static(v_cache)
+            self._marked_caches = kv_caches
+        mark_unbacked = torch._dynamo.decorators.mark_unbacked
+        mark_unbacked(meta.block_tables, 0)
+        mark_unbacked(meta.block_tables, 1)
+        mark_unbacked(meta.seq_lens, 0)
+        mark_unbacked(meta.cu_seqlens_q, 0)
+
+    def _forward_impl(self, input_ids, positions, kv_caches, meta, backend) -> torch.Tensor:
+        """The forward pass; ``backend`` is a backend object (eager attention calls) or a backend
+        name (attention through the ``qwen_serve::paged_attention`` custom op, traceable)."""
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb.lookup(positions, x.dtype)
         residual = None
