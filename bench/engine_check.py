@@ -1,4 +1,4 @@
-"""GPU correctness of the engine: Triton backend vs torch backend logits, CUDA graphs vs eager.
+"""GPU correctness of the engine: the production configuration against torch attention run eagerly.
 
 Usage (on the GPU): ``python bench/engine_check.py [--ckpt DIR]`` (Qwen3-0.6B architecture,
 random bf16 weights). Prints relative errors; exits non-zero when a check fails.
@@ -20,11 +20,11 @@ from engine.engine import LLMEngine  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 
 
-def engine(ckpt, backend, graphs=False, async_scheduling=True):
+def engine(ckpt, backend, graphs=False, async_scheduling=True, compile_mode=None):
     return LLMEngine(EngineConfig(model=ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=4096,
                                   num_kv_blocks=2048, attention_backend=backend, cuda_graph=graphs, max_num_seqs=64,
-                                  enable_prefix_caching=False, async_scheduling=async_scheduling),
-                     eos_token_ids=frozenset())
+                                  enable_prefix_caching=False, async_scheduling=async_scheduling,
+                                  compile_mode=compile_mode), eos_token_ids=frozenset())
 
 
 def prefill_logits(eng, prompts):
@@ -45,24 +45,21 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 150000, (n,), generator=gen).tolist() for n in (1, 17, 100, 515, 1024)]
     ok = True
-    ref_eng = engine(ckpt, "torch")
+    # reference: torch attention, eager, no graphs, synchronous steps; against the production
+    # configuration: Triton kernels, whole-model torch.compile, CUDA graphs, async scheduling
+    ref_eng = engine(ckpt, "torch", compile_mode="none", async_scheduling=False)
     ref = prefill_logits(ref_eng, prompts)
-    tri_eng = engine(ckpt, "triton")
-    got = prefill_logits(tri_eng, prompts)
+    graph_eng = engine(ckpt, "triton", graphs=True)
+    got = prefill_logits(graph_eng, prompts)
     rel = ((got - ref).norm() / ref.norm()).item()
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    print(f"prefill logits triton vs torch (bf16): rel err {rel:.2e}, argmax agreement {agree:.3f}")
+    print(f"prefill logits, production engine vs torch eager (bf16): rel err {rel:.2e}, argmax agreement {agree:.3f}")
     ok &= rel < 2e-2
 
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     dec_prompts = [torch.randint(0, 150000, (n,), generator=gen).tolist() for n in (5, 33, 64, 200, 300, 31, 7, 128)]
     out_torch = ref_eng.generate(dec_prompts, params)
-    out_tri = tri_eng.generate(dec_prompts, params)
-    del ref_eng, tri_eng
-    sync_eng = engine(ckpt, "triton", graphs=True, async_scheduling=False)
-    out_sync = sync_eng.generate(dec_prompts, params)
-    del sync_eng
-    graph_eng = engine(ckpt, "triton", graphs=True)
+    del ref_eng
     out_graph = graph_eng.generate(dec_prompts, params)
 
     def match(a, b):
@@ -70,16 +67,13 @@ def main() -> int:
         return same / sum(len(o) for o in a)
 
     # Greedy decoding in bf16 may diverge after a near-tie; report the prefix agreement.
-    print(f"greedy 8x32 tokens: triton vs torch {match(out_tri, out_torch):.3f}, "
-          f"CUDA graph vs eager triton {match(out_graph, out_tri):.3f}")
-    ok &= match(out_graph, out_tri) >= 0.9
-    print(f"greedy 8x32 tokens, CUDA graphs: async vs synchronous scheduling {match(out_graph, out_sync):.3f}")
-    ok &= match(out_graph, out_sync) >= 0.9
+    print(f"greedy 8x32 tokens, production engine vs torch eager: agreement {match(out_graph, out_torch):.3f}")
+    ok &= match(out_graph, out_torch) >= 0.8
     # engine-only latency at batch 1 (no HTTP): prefill of 1024 tokens, then decode steps
     import time
 
     prompt = torch.randint(0, 150000, (1024,), generator=gen).tolist()
-    for trial in range(3):
+    for trial in range(5):
         graph_eng.add_request(f"lat{trial}", prompt, SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -89,6 +83,8 @@ def main() -> int:
         while graph_eng.has_unfinished():
             graph_eng.step()
         t2 = time.perf_counter()
+        print(f"engine-only batch 1, trial {trial}: first token {1e3 * (t1 - t0):.2f} ms, "
+              f"decode {1e3 * (t2 - t1) / 64:.2f} ms/token")
     print(f"engine-only batch 1: first token after a 1024-token prompt {1e3 * (t1 - t0):.2f} ms, "
           f"decode {1e3 * (t2 - t1) / 64:.2f} ms/token")
     print("engine check:", "PASS" if ok else "FAIL")
