@@ -159,7 +159,7 @@ class ModelRunner:
         self.dtype = config.dtype or default_dtype
         max_len = min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
 
-        compile_mode = config.compile_mode or ("model" if self.device.type == "cuda" else "none")
+        compile_mode = config.compile_mode or ("ops" if self.device.type == "cuda" else "none")
         with torch.device(self.device):
             model = Qwen3ForCausalLM(model_config, max_positions=max_len, compile_mode=compile_mode)
         model.to(self.dtype)

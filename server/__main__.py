@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="run the engine loop in a thread of the server or in its own process (auto: process on CUDA)")
     a("--compile-mode", default=_env("compile_mode", "auto"), choices=["auto", "model", "ops", "none"],
       help="torch.compile: model = the whole forward as one graph (attention a custom op), ops = only the "
-      "elementwise functions, none = eager (auto: model on CUDA, none on CPU)")
+      "elementwise functions, none = eager (auto: ops on CUDA, none on CPU)")
     a("--no-compile", action="store_true", default=bool(_env("no_compile")),
       help="same as --compile-mode none")
     a("--reasoning-parser", default=_env("reasoning_parser"), choices=["qwen3"],
