@@ -72,7 +72,11 @@ class TorchAttentionBackend:
     name = "torch"
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        from kernels.reference import decode_attention_ref, prefill_attention_ref, store_kv_cache_ref
+        from kernels.reference import (
+            decode_attention_ref,
+            prefill_attention_ref,
+            store_kv_cache_ref,
+        )
 
         store_kv_cache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
-from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, read_generation_config

@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 def _child_main(config: EngineConfig, eos_token_ids, conn, log_level: int, log_interval: float) -> None:
     """Entry point of the engine process: build the engine, report its limits, serve commands."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
-    from engine.engine import LLMEngine  # imported here: the parent need not load torch's CUDA state
+    from engine.engine import (
+        LLMEngine,  # imported here: the parent need not load torch's CUDA state
+    )
 
     try:
         engine = LLMEngine(config, eos_token_ids=eos_token_ids)

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import sys
 
 import uvicorn
@@ -35,18 +36,62 @@ class GracefulServer(uvicorn.Server):
                 self._captured_signals.clear()
 
 
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"", "0", "false", "no", "off"}
+
+#: (flag dest, lowest allowed, highest allowed or None) checked after parsing
+_RANGES = [("port", 0, 65535), ("max_model_len", 1, None), ("block_size", 1, None), ("num_kv_blocks", 1, None),
+           ("max_num_seqs", 1, None), ("max_num_batched_tokens", 1, None), ("max_body_bytes", 1, None),
+           ("max_prompt_tokens", 1, None), ("graceful_timeout", 0, None), ("gpu_memory_utilization", 0.01, 1.0),
+           ("kv_cache_memory_gb", 0.001, None)]
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` only where there is a default to show (not for unset flags)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool) and not action.default:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _EnvCheckedParser(argparse.ArgumentParser):
-    """argparse does not check ``choices`` against defaults; defaults here come from the
-    environment, so a bad QWEN_SERVE_* value would pass unchecked. This parser checks them."""
+    """Checks values that come from QWEN_SERVE_* variables as strictly as command-line ones.
+
+    argparse does not check ``choices`` against defaults, and the defaults here come from the
+    environment; switches (``--no-...``) read 1/true/yes/on or 0/false/no/off from it; numbers
+    are checked against their ranges. Errors name the flag and its variable.
+    """
+
+    def error(self, message):
+        m = re.match(r"argument (--[a-z0-9-]+)", message)
+        if m and "QWEN_SERVE_" not in message:
+            env = ENV_PREFIX + m.group(1)[2:].upper().replace("-", "_")
+            message = message.replace(m.group(1), f"{m.group(1)} (or {env})", 1)
+        super().error(message)
 
     def parse_known_args(self, args=None, namespace=None):
         ns, extra = super().parse_known_args(args, namespace)
         for action in self._actions:
             value = getattr(ns, action.dest, None)
-            if action.choices is not None and value is not None and value not in action.choices:
-                env = ENV_PREFIX + action.dest.upper()
-                self.error(f"argument {'/'.join(action.option_strings)} (or {env}): invalid choice {value!r} "
-                           f"(choose from {', '.join(map(str, action.choices))})")
+            flag = "/".join(action.option_strings)
+            if isinstance(action, argparse._StoreTrueAction) and isinstance(value, str):
+                if value.strip().lower() not in _TRUE | _FALSE:
+                    self.error(f"argument {flag}: invalid switch value {value!r} (use 1/true/yes/on or 0/false/no/off)")
+                setattr(ns, action.dest, value.strip().lower() in _TRUE)
+            elif action.choices is not None and value is not None and value not in action.choices:
+                self.error(f"argument {flag}: invalid choice {value!r} (choose from {', '.join(map(str, action.choices))})")
+        for dest, low, high in _RANGES:
+            value = getattr(ns, dest, None)
+            if value is not None and (value < low or (high is not None and value > high)):
+                bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+                self.error(f"argument --{dest.replace('_', '-')}: {value} is out of range (must be {bound})")
+        device = getattr(ns, "device", None)
+        if device is not None and not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+            self.error(f"argument --device: invalid device {device!r} (auto, cpu, cuda or cuda:N)")
+        model = getattr(ns, "model", None)
+        if model is not None and not os.path.isdir(model):
+            self.error(f"argument --model: {model!r} is not a local directory; give a checkpoint directory "
+                       "(hub names are not downloaded), or leave it unset for the embedded model")
         return ns, extra
 
 
@@ -54,34 +99,34 @@ def build_parser() -> argparse.ArgumentParser:
     """The server's flags; defaults come from QWEN_SERVE_* environment variables when set."""
     p = _EnvCheckedParser(
         prog="python -m server",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
         description="OpenAI-compatible server for Qwen3/Qwen2 checkpoints (paged KV cache, continuous batching). "
         "Every flag can also be set through the environment variable QWEN_SERVE_<FLAG> "
-        "(e.g. QWEN_SERVE_PORT=9000).",
+        "(e.g. QWEN_SERVE_PORT=9000; switches such as --no-prefix-caching take 1/true/yes/on or 0/false/no/off).",
     )
     a = p.add_argument
-    a("--model", default=_env("model"), help="Hugging Face checkpoint directory (default: the embedded random-weight Qwen3)")
+    a("--model", default=_env("model"), help="local Hugging Face checkpoint directory (config.json, tokenizer.json, *.safetensors; hub names are not downloaded); unset: the embedded random-weight Qwen3")
     a("--host", default=_env("host", "127.0.0.1"), help="address to listen on")
-    a("--port", type=int, default=int(_env("port", 8000)), help="port to listen on")
+    a("--port", type=int, default=_env("port", 8000), help="port to listen on")
     a("--dtype", default=_env("dtype", "auto"), choices=["auto", "float32", "bfloat16", "float16"],
       help="weights and activations (auto: float32 on CPU, the checkpoint's dtype on CUDA)")
     a("--device", default=_env("device", "auto"), help="auto, cpu, cuda or cuda:N")
-    a("--max-model-len", type=int, default=_env("max_model_len"), help="longest prompt + completion in tokens")
-    a("--block-size", type=int, default=int(_env("block_size", 16)), help="tokens per KV-cache block")
-    a("--num-kv-blocks", type=int, default=_env("num_kv_blocks"), help="KV-cache blocks to allocate")
+    a("--max-model-len", type=int, default=_env("max_model_len"), help="longest prompt + completion in tokens; unset: the model's limit, capped by the KV cache")
+    a("--block-size", type=int, default=_env("block_size", 16), help="tokens per KV-cache block")
+    a("--num-kv-blocks", type=int, default=_env("num_kv_blocks"), help="KV-cache blocks to allocate; unset: from --kv-cache-memory-gb or free GPU memory")
     a("--kv-cache-memory-gb", type=float, default=_env("kv_cache_memory_gb"),
-      help="KV-cache budget in GiB (when --num-kv-blocks is not given; default: 1 GiB on CPU, "
-      "--gpu-memory-utilization of the GPU)")
-    a("--gpu-memory-utilization", type=float, default=float(_env("gpu_memory_utilization", 0.85)),
+      help="KV-cache budget in GiB when --num-kv-blocks is not given; unset: 1 GiB on CPU, "
+      "--gpu-memory-utilization of the GPU")
+    a("--gpu-memory-utilization", type=float, default=_env("gpu_memory_utilization", 0.85),
       help="fraction of GPU memory the engine may fill (weights + KV cache) when the KV budget is not given")
-    a("--max-num-seqs", type=int, default=int(_env("max_num_seqs", 256)), help="most requests running at once")
-    a("--max-num-batched-tokens", type=int, default=int(_env("max_num_batched_tokens", 8192)),
+    a("--max-num-seqs", type=int, default=_env("max_num_seqs", 256), help="most requests running at once")
+    a("--max-num-batched-tokens", type=int, default=_env("max_num_batched_tokens", 8192),
       help="token budget of one engine step (prefill chunks + decodes)")
-    a("--served-model-name", default=_env("served_model_name"), help="model id in the API (default: the directory name)")
+    a("--served-model-name", default=_env("served_model_name"), help="model id in the API; unset: the checkpoint directory's name (qwen3-embedded for the embedded model)")
     a("--attention-backend", default=_env("attention_backend"), choices=["triton", "torch"],
       help="default: triton on CUDA, torch on CPU")
-    a("--no-prefix-caching", action="store_true", default=bool(_env("no_prefix_caching")), help="disable automatic prefix caching")
-    a("--no-cuda-graph", action="store_true", default=bool(_env("no_cuda_graph")), help="disable CUDA graphs for decode")
+    a("--no-prefix-caching", action="store_true", default=_env("no_prefix_caching", False), help="disable automatic prefix caching")
+    a("--no-cuda-graph", action="store_true", default=_env("no_cuda_graph", False), help="disable CUDA graphs for decode")
     a("--async-scheduling", choices=["auto", "on", "off"], default=_env("async_scheduling") or "auto",
       help="schedule and launch the next step while the current one runs on the device; auto = on with CUDA")
     a("--engine-mode", default=_env("engine_mode", "auto"), choices=["auto", "thread", "process"],
@@ -89,17 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
     a("--compile-mode", default=_env("compile_mode", "auto"), choices=["auto", "model", "ops", "none"],
       help="torch.compile: model = the whole forward as one graph (attention a custom op), ops = only the "
       "elementwise functions, none = eager (auto: ops on CUDA, none on CPU)")
-    a("--no-compile", action="store_true", default=bool(_env("no_compile")),
+    a("--no-compile", action="store_true", default=_env("no_compile", False),
       help="same as --compile-mode none")
     a("--reasoning-parser", default=_env("reasoning_parser"), choices=["qwen3"],
       help="split <think>...</think> into reasoning_content")
     a("--api-key", default=_env("api_key"), help="require 'Authorization: Bearer KEY' on /v1 routes")
-    a("--protect-metrics", action="store_true", default=bool(_env("protect_metrics")), help="require the API key on /metrics too")
-    a("--max-body-bytes", type=int, default=int(_env("max_body_bytes", 4 << 20)), help="larger request bodies get 413")
-    a("--max-prompt-tokens", type=int, default=_env("max_prompt_tokens"), help="longer prompts get 400")
-    a("--seed", type=int, default=int(_env("seed", 0)), help="seed of the random weights in benchmark mode")
-    a("--log-level", default=_env("log_level", "info"), choices=["debug", "info", "warning", "error"])
-    a("--graceful-timeout", type=float, default=float(_env("graceful_timeout", 30)),
+    a("--protect-metrics", action="store_true", default=_env("protect_metrics", False), help="require the API key on /metrics too")
+    a("--max-body-bytes", type=int, default=_env("max_body_bytes", 4 << 20), help="larger request bodies get 413")
+    a("--max-prompt-tokens", type=int, default=_env("max_prompt_tokens"), help="longer prompts get 400; unset: only the context length limits them")
+    a("--seed", type=int, default=_env("seed", 0), help="seed of the embedded model's random weights (sampling seeds are per request)")
+    a("--log-level", type=str.lower, default=_env("log_level", "info"), choices=["debug", "info", "warning", "error"],
+      help="server log level")
+    a("--graceful-timeout", type=float, default=_env("graceful_timeout", 30),
       help="seconds in-flight requests get to finish after SIGTERM")
     return p
 
@@ -107,8 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from server.factory import build_context
     from server.app import create_app
+    from server.factory import build_context
 
     ctx = build_context(args)
     app = create_app(ctx)

@@ -57,9 +57,12 @@ def install_error_handlers(app: FastAPI) -> None:
             msg, param = "the request body is not valid JSON", None
         elif first.get("type") == "model_attributes_type" and param is None:
             msg = "the request body must be a JSON object (send it with Content-Type: application/json)"
+        elif first.get("type") == "missing" and param is None:
+            msg = "the request body is empty; send a JSON object"
         elif first.get("type") == "missing":
             msg = f"missing required parameter '{param}'"
         else:
+            msg = msg.removeprefix("Value error, ")
             msg = f"invalid value for '{param}': {msg}" if param else msg
         return error_response(400, msg, param, first.get("type"))
 

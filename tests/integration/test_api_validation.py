@@ -149,6 +149,12 @@ def test_invalid_json_is_400(server):
         assert r.status_code == 400 and set(r.json()["error"]) == ERROR_KEYS
 
 
+def test_empty_body_gets_a_clear_message(server):
+    for endpoint in ("/v1/chat/completions", "/v1/completions"):
+        r = httpx.post(server.base_url + endpoint, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400 and "body is empty" in r.json()["error"]["message"]
+
+
 def test_unknown_model_is_404(client):
     for call in (lambda: client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=1),
                  lambda: client.completions.create(model="gpt-4o", prompt="hi", max_tokens=1)):

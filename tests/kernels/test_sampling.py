@@ -80,7 +80,7 @@ def test_row_draw_independent_of_batch(device):
 
 
 def test_offsets_and_seeds_change_the_draw():
-    vocab, n = 64, 1
+    vocab = 64
     u0 = sampling_uniforms_ref(torch.tensor([5]), torch.tensor([0]), vocab)
     u1 = sampling_uniforms_ref(torch.tensor([5]), torch.tensor([1]), vocab)
     u2 = sampling_uniforms_ref(torch.tensor([6]), torch.tensor([0]), vocab)

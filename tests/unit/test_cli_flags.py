@@ -22,3 +22,37 @@ def test_env_value_outside_the_choices_is_a_clear_error(monkeypatch, capsys, nam
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"QWEN_SERVE_{name}" in err and repr(value) in err
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), ("true", True), ("YES", True), ("on", True),
+                                            ("0", False), ("false", False), ("no", False), ("off", False), ("", False)])
+def test_switches_read_true_and_false_from_the_environment(monkeypatch, value, expected):
+    monkeypatch.setenv("QWEN_SERVE_NO_PREFIX_CACHING", value)
+    assert build_parser().parse_args([]).no_prefix_caching is expected
+    assert build_parser().parse_args(["--no-prefix-caching"]).no_prefix_caching is True
+
+
+@pytest.mark.parametrize("env,value,fragment", [
+    ("NO_PREFIX_CACHING", "maybe", "invalid switch value"),
+    ("PORT", "abc", "invalid int value"),
+    ("PORT", "99999", "out of range"),
+    ("MAX_MODEL_LEN", "-5", "out of range"),
+    ("GPU_MEMORY_UTILIZATION", "1.5", "out of range"),
+    ("DEVICE", "gpu", "invalid device"),
+    ("MODEL", "Qwen/Qwen3-0.6B", "not a local directory"),
+])
+def test_bad_environment_values_are_one_line_errors_naming_the_variable(monkeypatch, capsys, env, value, fragment):
+    monkeypatch.setenv(f"QWEN_SERVE_{env}", value)
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and f"QWEN_SERVE_{env}" in err and "Traceback" not in err
+
+
+def test_log_level_is_case_insensitive_and_help_has_no_empty_defaults(monkeypatch, capsys):
+    monkeypatch.setenv("QWEN_SERVE_LOG_LEVEL", "INFO")
+    assert build_parser().parse_args([]).log_level == "info"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    assert "(default: None)" not in capsys.readouterr().out

@@ -18,7 +18,6 @@ from engine.engine import LLMEngine, RequestRejected
 from engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
