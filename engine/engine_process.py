@@ -8,7 +8,6 @@ message. This is the split vLLM's V1 engine makes (its EngineCore process), for 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import multiprocessing as mp
 import threading
@@ -86,33 +85,28 @@ class ProcessCore:
             self._proc.join(10)
             raise RuntimeError(f"engine process failed: {payload}")
         self.limits: EngineLimits = payload
-        self._loop = None
+        self._reader: threading.Thread | None = None
         self._stopping = False
 
     def start(self, emit: Emit, on_death) -> None:
-        """Forward the child's step outputs to ``emit`` from the running event loop (must be
-        called on it): the loop reads the pipe when it is readable (``add_reader``). A reader
-        thread would have to win the GIL from the busy event loop for every step (up to the
-        5 ms switch interval), which delayed outputs and delivered them in bursts.
-        ``on_death()`` is called if the child goes away without being asked to."""
-        loop = asyncio.get_running_loop()
-        fd = self._conn.fileno()
+        """Forward the child's step outputs to ``emit`` from a reader thread; ``on_death()`` is
+        called if the child goes away without being asked to."""
 
-        def on_readable() -> None:
-            try:
-                while self._conn.poll(0):
+        def read() -> None:
+            while True:
+                try:
                     msg = self._conn.recv()
-                    if msg[0] == "out":
-                        emit(msg[1], msg[2])
-            except (EOFError, OSError):
-                loop.remove_reader(fd)
-                if not self._stopping:
-                    self._proc.join(5)
-                    log.error("engine process died (exit code %s)", self._proc.exitcode)
-                    on_death()
+                except (EOFError, OSError):
+                    if not self._stopping:
+                        self._proc.join(5)
+                        log.error("engine process died (exit code %s)", self._proc.exitcode)
+                        on_death()
+                    return
+                if msg[0] == "out":
+                    emit(msg[1], msg[2])
 
-        loop.add_reader(fd, on_readable)
-        self._loop = loop
+        self._reader = threading.Thread(target=read, name="engine-reader", daemon=True)
+        self._reader.start()
 
     def send(self, command: tuple) -> None:
         with self._send_lock:
@@ -123,20 +117,12 @@ class ProcessCore:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         self._stopping = True
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._remove_reader)
         self.send(("shutdown",))
         self._proc.join(timeout)
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
         self._conn.close()
-
-    def _remove_reader(self) -> None:
-        try:
-            self._loop.remove_reader(self._conn.fileno())
-        except (OSError, ValueError):  # already closed
-            pass
 
     def is_alive(self) -> bool:
         return self._proc.is_alive()
