@@ -46,7 +46,7 @@ def main() -> int:
     prompts = [torch.randint(0, 150000, (n,), generator=gen).tolist() for n in (1, 17, 100, 515, 1024)]
     ok = True
     # reference: torch attention, eager, no graphs, synchronous steps; against the production
-    # configuration: Triton kernels, whole-model torch.compile, CUDA graphs, async scheduling
+    # configuration: Triton kernels, the default torch.compile mode, CUDA graphs, async scheduling
     ref_eng = engine(ckpt, "torch", compile_mode="none", async_scheduling=False)
     ref = prefill_logits(ref_eng, prompts)
     graph_eng = engine(ckpt, "triton", graphs=True)

@@ -28,7 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", default="/tmp/qwen3-0.6b-random")
     ap.add_argument("--compile-mode", choices=["model", "ops", "none"], default=None,
-                    help="EngineConfig.compile_mode (default: the engine's, model on CUDA)")
+                    help="EngineConfig.compile_mode (default: the engine's, ops on CUDA)")
     args = ap.parse_args()
     ckpt = str(random_qwen3_checkpoint(args.ckpt))
     eng = LLMEngine(EngineConfig(model=ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=4096,

@@ -4,8 +4,10 @@ In eager mode every RMSNorm, rotary embedding and SwiGLU is a chain of 5-10 tiny
 batch 1 a Qwen3-0.6B decode step then runs about 1,700 kernels of 1-2 us each. Compiling these
 functions fuses each into one kernel (as nano-vllm and gpt-fast do); but each compiled call
 costs a Dynamo guard check and a Python wrapper on the host (about 100 us on an H200 host, 113
-of them per forward), so the engine's CUDA default is ``compile_mode="model"``: the whole forward
-as one graph (``engine.models.qwen3``), where Inductor fuses these same functions. The math is
+of them per forward). ``compile_mode="model"`` compiles the whole forward as one graph instead
+(``engine.models.qwen3``); measured on an H200 it shortens a 1024-token prefill by ~5 ms but
+slows decode under CUDA graphs (1.80 vs 1.56 ms/token) and compiles for minutes at start-up, so
+the CUDA default stays ``"ops"`` (docs/benchmarks.md). The math is
 the Hugging Face reference's: RMSNorm in float32, residual adds in the model dtype, rotate-half
 rotary.
 """

@@ -61,3 +61,47 @@ def test_engine_process_death_fails_requests_and_health():
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
     finally:
         srv.stop()
+
+
+@pytest.mark.timeout(120)
+def test_no_deadlock_when_outputs_pile_up_and_a_large_command_is_sent():
+    """The event loop busy while step outputs fill the pipe, then a command larger than the pipe
+    buffer: the parent's reader thread keeps draining outputs, so neither process blocks the other
+    (an event-loop reader would deadlock here: both sides blocked in send)."""
+    import asyncio
+    import threading
+
+    from engine.config import EngineConfig
+    from engine.embedded import ensure_embedded_checkpoint
+    from engine.engine_process import ProcessCore
+    from engine.request import SamplingParams
+
+    cfg = EngineConfig(model=str(ensure_embedded_checkpoint()), device="cpu", max_model_len=1024,
+                       max_num_seqs=256, num_kv_blocks=2048)
+    core = ProcessCore(cfg, frozenset())
+    got = {"msgs": 0}
+
+    async def scenario():
+        core.start(lambda outs, stats: got.__setitem__("msgs", got["msgs"] + 1), lambda: None)
+        params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True, logprobs=20)
+        for i in range(256):
+            core.send(("add", f"r{i}", [1, 2, 3, 4], params))
+        await asyncio.sleep(1.0)
+        time.sleep(6.0)  # the loop busy elsewhere: outputs back up in the pipe
+        sender = threading.Thread(
+            target=core.send, args=(("add", "big", list(range(1, 120000)), SamplingParams(max_tokens=1)),),
+            daemon=True)
+        sender.start()
+        sender.join(30)
+        sent = not sender.is_alive()
+        for i in range(256):
+            core.send(("abort", f"r{i}"))
+        await asyncio.to_thread(core.shutdown, 10)
+        return sent
+
+    try:
+        assert asyncio.run(scenario()), "the large command never left: parent and engine blocked each other"
+        assert got["msgs"] > 0
+    finally:
+        if core.is_alive():
+            core._proc.kill()
