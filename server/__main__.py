@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
         description="OpenAI-compatible server for Qwen3/Qwen2 checkpoints (paged KV cache, continuous batching). "
         "Every flag can also be set through the environment variable QWEN_SERVE_<FLAG> "
-        "(e.g. QWEN_SERVE_PORT=9000; switches such as --no-prefix-caching take 1/true/yes/on or 0/false/no/off).",
+        "(e.g. QWEN_SERVE_PORT=9000); a switch takes 1/true/yes/on or 0/false/no/off (QWEN_SERVE_NO_COMPILE=1).",
     )
     a = p.add_argument
     a("--model", default=_env("model"), help="local Hugging Face checkpoint directory (config.json, tokenizer.json, *.safetensors; hub names are not downloaded); unset: the embedded random-weight Qwen3")
@@ -113,10 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", default=_env("device", "auto"), help="auto, cpu, cuda or cuda:N")
     a("--max-model-len", type=int, default=_env("max_model_len"), help="longest prompt + completion in tokens; unset: the model's limit, capped by the KV cache")
     a("--block-size", type=int, default=_env("block_size", 16), help="tokens per KV-cache block")
-    a("--num-kv-blocks", type=int, default=_env("num_kv_blocks"), help="KV-cache blocks to allocate; unset: from --kv-cache-memory-gb or free GPU memory")
+    a("--num-kv-blocks", type=int, default=_env("num_kv_blocks"), help="KV-cache blocks to allocate; unset: from the KV-cache budget in GiB or from free GPU memory")
     a("--kv-cache-memory-gb", type=float, default=_env("kv_cache_memory_gb"),
-      help="KV-cache budget in GiB when --num-kv-blocks is not given; unset: 1 GiB on CPU, "
-      "--gpu-memory-utilization of the GPU")
+      help="KV-cache budget in GiB when the number of blocks is not given; unset: 1 GiB on CPU, "
+      "and on a GPU what the memory-utilization fraction leaves after the weights")
     a("--gpu-memory-utilization", type=float, default=_env("gpu_memory_utilization", 0.85),
       help="fraction of GPU memory the engine may fill (weights + KV cache) when the KV budget is not given")
     a("--max-num-seqs", type=int, default=_env("max_num_seqs", 256), help="most requests running at once")
