@@ -129,12 +129,10 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Finish a request at once and free its blocks. Returns False for an unknown id."""
-        req = self.requests.pop(request_id, None)
+        req = self.requests.get(request_id)
         if req is None:
             return False
-        self.scheduler.finish(req, FinishReason.ABORT)
-        self.runner.release(request_id)
-        self._sync_requests.discard(request_id)
+        self._finish(req, FinishReason.ABORT)
         return True
 
     def has_unfinished(self) -> bool:
@@ -216,10 +214,7 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
             if is_fatal(exc):
                 raise
-            log.exception("model step failed; failing %d requests", len(batch))
-            for req in batch.requests:
-                self._finish(req, FinishReason.ERROR)
-                outputs.append(RequestOutput.failed(req.request_id, str(exc)))
+            outputs += self._fail(batch.requests, exc)
             return None, 0
         n_prompt = 0
         for req, n in zip(batch.requests, batch.num_new_tokens):
@@ -229,6 +224,16 @@ class LLMEngine:
         for req in handle.sample_requests:
             req.num_output_placeholders += 1
         return handle, n_prompt
+
+    def _fail(self, requests: list[Request], exc: Exception) -> list[RequestOutput]:
+        """Finish the step's still-live requests with finish reason ``error``; returns their outputs."""
+        log.error("model step failed; failing %d requests", len(requests), exc_info=exc)
+        outputs = []
+        for req in requests:
+            if not req.is_finished:
+                self._finish(req, FinishReason.ERROR)
+                outputs.append(RequestOutput.failed(req.request_id, str(exc)))
+        return outputs
 
     def _process(self, handle: StepHandle) -> list[RequestOutput]:
         """Wait for a launched step and apply its samples: append tokens, check stops, finish.
@@ -241,13 +246,9 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
             if is_fatal(exc):
                 raise
-            log.exception("model step failed; failing %d requests", len(handle.sample_requests))
             for req in handle.sample_requests:
                 req.num_output_placeholders -= 1
-                if not req.is_finished:
-                    self._finish(req, FinishReason.ERROR)
-                    outputs.append(RequestOutput.failed(req.request_id, str(exc)))
-            return outputs
+            return self._fail(handle.sample_requests, exc)
         for i, req in enumerate(sampled_reqs):
             req.num_output_placeholders -= 1
             if req.is_finished:  # aborted, failed or stopped while this step ran

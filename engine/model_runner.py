@@ -93,7 +93,7 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, block_tables: Persist
             ids.append(req.token_at(start))
         else:
             ids.extend(req.all_token_ids[start:start + n])
-        if start + n == req.num_tokens + req.num_output_placeholders:  # all its tokens computed: sample
+        if start + n == req.num_tokens_with_placeholders:  # all its tokens computed: sample
             logits_indices.append(len(ids) - 1)
             sample_requests.append(req)
     rows = block_tables.rows_for(reqs)
@@ -347,14 +347,6 @@ class ModelRunner:
         samples = self.sampler(logits, inp.sample_requests, eos_ids)
         rows = {r.request_id: i for i, r in enumerate(inp.sample_requests)}
         return StepHandle(inp.sample_requests, samples.to_host(), samples.token_ids, rows)
-
-    def execute(self, batch: ScheduledBatch, eos_ids: frozenset[int]) -> tuple[list[Request], SampleOutput]:
-        """Run one step and wait for it (no step in flight); see :meth:`launch`.
-
-        Returns:
-            The requests that sampled a token this step and their samples (same order).
-        """
-        return self.launch(batch, eos_ids).result()
 
     @torch.inference_mode()
     def logits_for(self, batch: ScheduledBatch) -> torch.Tensor:

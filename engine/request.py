@@ -115,6 +115,11 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Tokens of the sequence once the tokens in flight are back (``num_tokens`` plus them)."""
+        return self.num_tokens + self.num_output_placeholders
+
+    @property
     def sample_index(self) -> int:
         """Index in the output of the next token to sample (counts tokens still in flight)."""
         return len(self.output_token_ids) + self.num_output_placeholders

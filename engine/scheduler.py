@@ -42,7 +42,7 @@ class ScheduledBatch:
 def _last_token_in_flight(req: Request) -> bool:
     """Whether the token in flight is the request's last by length (max_tokens or max_len)."""
     return (req.sample_index >= req.sampling_params.max_tokens
-            or req.num_tokens + req.num_output_placeholders >= req.max_len)
+            or req.num_tokens_with_placeholders >= req.max_len)
 
 
 class Scheduler:
@@ -96,7 +96,7 @@ class Scheduler:
         kept: list[Request] = []
         while queue and budget > 0:
             req = queue.pop(0)
-            left = req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
+            left = req.num_tokens_with_placeholders - req.num_computed_tokens
             if left <= 0 or (req.num_output_placeholders and _last_token_in_flight(req)):
                 kept.append(req)  # its last token is in flight: it finishes when that arrives
                 continue
