@@ -20,7 +20,6 @@ import torch
 
 from engine.config import read_generation_config
 from engine.embedded import ensure_embedded_checkpoint
-from engine.tokenizer import Tokenizer
 from server.params import generation_defaults, to_sampling_params
 from server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -30,16 +29,6 @@ MESSAGES = [{"role": "user", "content": "Tell me a short story."}]
 EOS = 151645  # <|im_end|>
 APPLE = 23268  # " apple", one token
 FFFD = "\ufffd"
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return Tokenizer(ensure_embedded_checkpoint())
 
 
 def aclient(server) -> openai.AsyncOpenAI:

@@ -24,11 +24,6 @@ EXTRA_FIELDS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eo
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
 def baseline(client):
     """The greedy reference text, taken before any bad request."""
     return client.chat.completions.create(**GREEDY).choices[0].message.content

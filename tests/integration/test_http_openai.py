@@ -6,20 +6,8 @@ import httpx
 import openai
 import pytest
 
-from engine.embedded import ensure_embedded_checkpoint
-from engine.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello in three words."}]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return Tokenizer(ensure_embedded_checkpoint())
 
 
 def test_models_and_health(server, client):
