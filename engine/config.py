@@ -118,7 +118,10 @@ class EngineConfig:
         attention_backend: "triton", "torch" or None (triton on CUDA, torch on CPU).
         enable_prefix_caching: share full KV blocks between requests with the same prefix.
         enable_chunked_prefill: split long prompts over several steps within the token budget.
-        cuda_graph: capture decode steps in CUDA graphs (CUDA only).
+        cuda_graph: run steps as CUDA graphs (CUDA with the Triton backend only): decode
+            steps by batch size, prefill and mixed steps by padded token count.
+        prefill_graph_max_tokens: largest prefill/mixed step captured in a graph (larger steps
+            run eagerly); None = ``max_num_batched_tokens``; 0 = prefill/mixed steps eager.
         compile_mode: use of torch.compile (``Qwen3ForCausalLM``): "model" compiles the whole
             forward into one graph with attention as a custom op, "ops" compiles only the
             elementwise functions one by one, "none" runs eagerly; None = "ops" on CUDA,
@@ -143,6 +146,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     cuda_graph: bool = True
+    prefill_graph_max_tokens: int | None = None
     compile_mode: str | None = None
     async_scheduling: bool | None = None
     seed: int = 0

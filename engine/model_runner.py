@@ -193,13 +193,22 @@ class ModelRunner:
         self.block_tables = PersistentBlockTables(-(-max_len // config.block_size), max(64, config.max_num_seqs))
         self._gpu_total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
         self.graphs = None
+        self.prefill_graphs = None
         if self.device.type == "cuda":
             self.warmup()
+            torch.cuda.empty_cache()  # the graphs' private pool cannot reuse the allocator's cache
         if config.cuda_graph and self.device.type == "cuda" and self.backend.name == "triton":
-            from engine.cuda_graph import DecodeGraphs
+            from engine.cuda_graph import DecodeGraphs, PrefillGraphs
 
             max_blocks = -(-max_len // config.block_size)
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, config.max_num_seqs, max_blocks, max_len)
+            graph_tokens = config.max_num_batched_tokens if config.prefill_graph_max_tokens is None \
+                else config.prefill_graph_max_tokens
+            if graph_tokens > 0:
+                self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, self.backend, graph_tokens,
+                                                    config.max_num_seqs, max_blocks, max_len, self.device)
+                self.prefill_graphs.capture()
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, config.max_num_seqs, max_blocks, max_len,
+                                       pool=self.prefill_graphs.pool if self.prefill_graphs is not None else None)
             self.graphs.capture()
 
     def release(self, request_id: str) -> None:
@@ -340,10 +349,19 @@ class ModelRunner:
                 self._to_device(inp.seq_lens, "seq_lens"),
             )
         else:
-            hidden = self._forward(inp, input_ids)
+            logits_indices = self._to_device(inp.logits_indices, "logits_indices")
+            if self.prefill_graphs is not None and self.prefill_graphs.can_run(len(inp.input_ids), inp.max_seq_len):
+                hidden = self.prefill_graphs.run(
+                    input_ids, self._to_device(inp.positions, "positions"),
+                    self._to_device(inp.slot_mapping, "slot_mapping"), self._to_device(inp.block_tables, "block_tables"),
+                    self._to_device(inp.seq_lens, "seq_lens"), self._to_device(inp.cu_seqlens_q, "cu_seqlens_q"),
+                    logits_indices,
+                )
+            else:
+                hidden = self._forward(inp, input_ids)[logits_indices]
             if not inp.sample_requests:
                 return StepHandle([], None, None, {})
-            logits = self.model.compute_logits(hidden[self._to_device(inp.logits_indices, "logits_indices")])
+            logits = self.model.compute_logits(hidden)
         samples = self.sampler(logits, inp.sample_requests, eos_ids)
         rows = {r.request_id: i for i, r in enumerate(inp.sample_requests)}
         return StepHandle(inp.sample_requests, samples.to_host(), samples.token_ids, rows)

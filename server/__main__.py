@@ -42,7 +42,7 @@ _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"", "0", "false", "no", "off"}
 _RANGES = [("port", 0, 65535), ("max_model_len", 1, None), ("block_size", 1, None), ("num_kv_blocks", 1, None),
            ("max_num_seqs", 1, None), ("max_num_batched_tokens", 1, None), ("max_body_bytes", 1, None),
            ("max_prompt_tokens", 1, None), ("graceful_timeout", 0, None), ("gpu_memory_utilization", 0.01, 1.0),
-           ("kv_cache_memory_gb", 0.001, None)]
+           ("kv_cache_memory_gb", 0.001, None), ("prefill_graph_max_tokens", 0, None)]
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -126,7 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--attention-backend", default=_env("attention_backend"), choices=["triton", "torch"],
       help="default: triton on CUDA, torch on CPU")
     a("--no-prefix-caching", action="store_true", default=_env("no_prefix_caching", False), help="disable automatic prefix caching")
-    a("--no-cuda-graph", action="store_true", default=_env("no_cuda_graph", False), help="disable CUDA graphs for decode")
+    a("--no-cuda-graph", action="store_true", default=_env("no_cuda_graph", False),
+      help="run every step eagerly (no CUDA graphs for decode, prefill or mixed steps)")
+    a("--prefill-graph-max-tokens", type=int, default=_env("prefill_graph_max_tokens"),
+      help="largest prefill/mixed step replayed as a CUDA graph; unset: the step token budget; 0: only decode steps")
     a("--async-scheduling", choices=["auto", "on", "off"], default=_env("async_scheduling") or "auto",
       help="schedule and launch the next step while the current one runs on the device; auto = on with CUDA")
     a("--engine-mode", default=_env("engine_mode", "auto"), choices=["auto", "thread", "process"],

@@ -58,6 +58,7 @@ def build_context(args: argparse.Namespace) -> ServerContext:
         attention_backend=args.attention_backend,
         enable_prefix_caching=not args.no_prefix_caching,
         cuda_graph=not args.no_cuda_graph,
+        prefill_graph_max_tokens=args.prefill_graph_max_tokens,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         compile_mode="none" if args.no_compile else (None if args.compile_mode == "auto" else args.compile_mode),
         seed=args.seed,

@@ -1,0 +1,105 @@
+"""Prefill/mixed-step CUDA graphs (engine/cuda_graph.py): the capture sizes, and the padded
+forward a graph replays -- run eagerly on the CPU -- giving the same tokens, logprobs and block
+accounting as unpadded steps, with chunked prefill, prefix-cache hits and async scheduling."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.cuda_graph import PrefillGraphs, prefill_capture_sizes
+from engine.engine import LLMEngine
+from engine.request import SamplingParams
+
+
+@pytest.mark.parametrize("max_tokens", [1, 16, 17, 100, 512, 2048, 3000, 8192, 20000])
+def test_capture_sizes_cover_every_step_with_bounded_padding(max_tokens):
+    sizes = prefill_capture_sizes(max_tokens)
+    assert sizes == sorted(set(sizes)) and all(s % 16 == 0 for s in sizes)
+    assert sizes[-1] >= max_tokens and sizes[-1] - max_tokens < 16
+    for t in range(1, max_tokens + 1, 7):
+        padded = next(s for s in sizes if s >= t)
+        assert padded <= max(64, 1.25 * t + 16), (t, padded)
+
+
+def _engine(path, async_scheduling, graphs: bool, budget: int):
+    cfg = EngineConfig(model=path, block_size=8, num_kv_blocks=96, max_num_seqs=6, max_num_batched_tokens=budget,
+                       async_scheduling=async_scheduling)
+    eng = LLMEngine(cfg, eos_token_ids=frozenset())
+    if graphs:  # what the runner builds on CUDA; without CUDA, run() executes the padded forward eagerly
+        r = eng.runner
+        g = PrefillGraphs(r.model, r.kv_caches, r.backend, budget, cfg.max_num_seqs,
+                          r.block_tables.width, r.cache_info.max_model_len, r.device)
+        # stale values from "earlier steps" everywhere: a step must overwrite all it relies on
+        gen = torch.Generator().manual_seed(0)
+        g.input_ids.random_(0, 384, generator=gen)
+        g.slot_mapping.random_(0, cfg.num_kv_blocks * cfg.block_size, generator=gen)
+        g.block_tables.random_(0, cfg.num_kv_blocks, generator=gen)
+        g.seq_lens.random_(1, 40, generator=gen)
+        g.cu_seqlens_q.copy_(torch.arange(g.cu_seqlens_q.numel()) * 3)
+        g.logits_indices.random_(0, g.sizes[0], generator=gen)
+        r.prefill_graphs = g
+    return eng
+
+
+def _run(eng, requests):
+    for rid, prompt, params in requests:
+        eng.add_request(rid, prompt, params)
+    tokens = {rid: [] for rid, _, _ in requests}
+    logprobs = {rid: [] for rid, _, _ in requests}
+    steps = 0
+    while eng.has_unfinished():
+        outs, _ = eng.step()
+        steps += 1
+        eng.block_manager.check_integrity()
+        for o in outs:
+            tokens[o.request_id] += o.new_token_ids
+            logprobs[o.request_id] += o.logprobs
+        assert steps < 2000
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_padded_graph_steps_equal_eager_steps(tiny_checkpoint, one_torch_thread, async_scheduling):
+    path, _ = tiny_checkpoint
+    rng = random.Random(11)
+    shared = [rng.randrange(384) for _ in range(40)]  # a prefix several prompts share (cache hits)
+    requests = []
+    for i in range(10):
+        tail = [rng.randrange(384) for _ in range(rng.randint(1, 70))]
+        prompt = shared + tail if i % 3 == 0 else tail
+        params = SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=i, max_tokens=rng.randint(1, 12), logprobs=2)
+        requests.append((f"r{i}", prompt, params))
+    # budget 40: long prompts are chunked and chunks mix with decodes; 40 is not a capture size
+    eager = _run(_engine(path, async_scheduling, graphs=False, budget=40), requests)
+    eng = _engine(path, async_scheduling, graphs=True, budget=40)
+    calls = []
+    run = eng.runner.prefill_graphs.run
+    eng.runner.prefill_graphs.run = lambda *a: calls.append(a[0].shape[0]) or run(*a)
+    got = _run(eng, requests)
+    assert got[0] == eager[0]
+    for rid in got[1]:
+        for a, b in zip(got[1][rid], eager[1][rid], strict=True):
+            assert a[0] == pytest.approx(b[0], abs=1e-4)  # the sampled token's logprob
+            assert [i for i, _ in a[1]] == [i for i, _ in b[1]]  # the top alternatives
+            assert [x for _, x in a[1]] == pytest.approx([x for _, x in b[1]], abs=1e-4)
+    assert calls and max(calls) > 16 and min(calls) < 16  # several padded sizes were replayed
+    assert eng.block_manager.prefix_hits > 0  # some steps attended to a cached prefix
+
+
+def test_padding_rows_store_nothing(tiny_checkpoint, one_torch_thread):
+    """A step padded from 5 to 16 tokens writes exactly its 5 slots of the KV cache."""
+    path, _ = tiny_checkpoint
+    eng = _engine(path, False, graphs=True, budget=64)
+    r = eng.runner
+    before = [k.clone() for k, _ in r.kv_caches]
+    eng.add_request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1))
+    while eng.has_unfinished():
+        eng.step()
+    for (k, _), k0 in zip(r.kv_caches, before):
+        changed = (k != k0).reshape(k.shape[0] * k.shape[1], -1).any(-1)  # per cache slot
+        assert int(changed.sum()) == 5
