@@ -78,7 +78,7 @@ def test_prefill_matches_reference(device, q_lens, ctx_lens, hq, hkv, d, block_s
     out = torch.full((t, hq, d), float("nan"), dtype=dtype, device=device)
     res = prefill_attention(
         q.to(device), k_cache.to(device), v_cache.to(device), block_tables.to(device), cu.to(device),
-        sl.to(device), out, scale, max(q_lens), causal,
+        sl.to(device), out, scale, causal,
     )
     assert res is out
     assert torch.isfinite(out).all(), f"unwritten or NaN output (seed={seed})"
@@ -110,7 +110,7 @@ def test_prefill_dense_matches_reference(device, q_lens, ctx_lens, hq, hkv, d, d
     prefill_attention_ref(q.float(), k_cache.float(), v_cache.float(), block_tables, cu_q, sl, ref, 0.1, causal)
     out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)
     prefill_attention_dense(
-        q.to(device), k.to(device), v.to(device), cu_q.to(device), cu_k.to(device), out, 0.1, max(q_lens), causal
+        q.to(device), k.to(device), v.to(device), cu_q.to(device), cu_k.to(device), out, 0.1, causal
     )
     assert torch.isfinite(out).all(), f"seed={seed}"
     err = rel_err(out.cpu(), ref)
@@ -124,14 +124,14 @@ def test_prefill_rejects_bad_inputs(device):
     cu = torch.tensor([0, 5], dtype=torch.int32, device=device)
     sl = torch.tensor([5], dtype=torch.int32, device=device)
     with pytest.raises(ValueError):
-        prefill_attention(q, kc, kc, bt, cu, sl, torch.empty_like(q), 0.1, 5)
+        prefill_attention(q, kc, kc, bt, cu, sl, torch.empty_like(q), 0.1)
     q = torch.zeros(5, 8, 48, device=device)  # head_dim not a power of two
     kc = torch.zeros(4, 16, 4, 48, device=device)
     with pytest.raises(ValueError):
-        prefill_attention(q, kc, kc, bt, cu, sl, torch.empty_like(q), 0.1, 5)
+        prefill_attention(q, kc, kc, bt, cu, sl, torch.empty_like(q), 0.1)
     q = torch.zeros(5, 8, 64, device=device)
     kc = torch.zeros(4, 16, 4, 64, device=device)
     with pytest.raises(ValueError):  # int64 block table
-        prefill_attention(q, kc, kc, bt.long(), cu, sl, torch.empty_like(q), 0.1, 5)
+        prefill_attention(q, kc, kc, bt.long(), cu, sl, torch.empty_like(q), 0.1)
     with pytest.raises(ValueError):  # output dtype
-        prefill_attention(q, kc, kc, bt, cu, sl, torch.empty_like(q).half(), 0.1, 5)
+        prefill_attention(q, kc, kc, bt, cu, sl, torch.empty_like(q).half(), 0.1)
