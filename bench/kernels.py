@@ -155,13 +155,13 @@ def check_correctness(device, g) -> list[tuple[str, float, float]]:
             ref = torch.empty(q.shape, device=device)
             prefill_attention_ref(q.float(), kc.float(), vc.float(), bt, cu, sl, ref, D**-0.5, causal)
             out = torch.full_like(q, float("nan"))
-            prefill_attention(q, kc, vc, bt, cu, sl, out, D**-0.5, max(qlens), causal)
+            prefill_attention(q, kc, vc, bt, cu, sl, out, D**-0.5, causal)
             e = rel(out, ref) if torch.isfinite(out).all() else float("inf")
             rows.append((f"prefill paged {dtype} causal={causal}", e, tol))
             kd, vd = gather_dense(kc, vc, bt, lens)
             cuk = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)
             out = torch.full_like(q, float("nan"))
-            prefill_attention_dense(q, kd, vd, cu, cuk, out, D**-0.5, max(qlens), causal)
+            prefill_attention_dense(q, kd, vd, cu, cuk, out, D**-0.5, causal)
             e = rel(out, ref) if torch.isfinite(out).all() else float("inf")
             rows.append((f"prefill dense {dtype} causal={causal}", e, tol))
         # decode with several split counts
@@ -196,11 +196,11 @@ def prefill_fns(inp, causal, cfg_paged=None, cfg_dense=None):
     scale = D**-0.5
 
     def paged():
-        prefill_attention(q, inp["kc"], inp["vc"], inp["bt"], inp["cu"], inp["sl"], out, scale, s, causal, config=cfg_paged)
+        prefill_attention(q, inp["kc"], inp["vc"], inp["bt"], inp["cu"], inp["sl"], out, scale, causal, config=cfg_paged)
         return out
 
     def dense():
-        prefill_attention_dense(q, inp["kd"], inp["vd"], inp["cu"], inp["cu"], out, scale, s, causal, config=cfg_dense)
+        prefill_attention_dense(q, inp["kd"], inp["vd"], inp["cu"], inp["cu"], out, scale, causal, config=cfg_dense)
         return out
 
     qs = q.view(b, s, HQ, D).transpose(1, 2)
@@ -438,7 +438,7 @@ def run_memory(device, g, quick, best):
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         out = torch.empty_like(inp["q"])
-        prefill_attention(inp["q"], inp["kc"], inp["vc"], inp["bt"], inp["cu"], inp["sl"], out, D**-0.5, s, True,
+        prefill_attention(inp["q"], inp["kc"], inp["vc"], inp["bt"], inp["cu"], inp["sl"], out, D**-0.5, True,
                           config=best.get(("paged", True)))
         extra = 0
         if torch.cuda.is_available():

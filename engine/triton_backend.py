@@ -77,6 +77,5 @@ class TritonAttentionBackend:
             po, plse = self.scratch(num_seqs, num_heads, head_dim, splits, q.device)
             return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, scale, po, plse, splits)
         return prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, out, scale,
-            int(meta.max_query_len), causal=True,
+            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, out, scale, causal=True
         )

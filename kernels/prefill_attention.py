@@ -8,9 +8,16 @@ position ``seq_lens[b] - q_len[b] + j``.
 
 Algorithm: FlashAttention-2 (Dao, "FlashAttention-2: Faster Attention with Better Parallelism
 and Work Partitioning", 2023) as written in Triton's fused-attention tutorial
-(``python/tutorials/06-fused-attention.py``): one program per (query head, BLOCK_M query rows,
-sequence), online softmax in base 2 with fp32 running max / sum / accumulator, the KV loop split
-into a mask-free part and a masked diagonal/tail part. Imports only torch and triton.
+(``python/tutorials/06-fused-attention.py``): one program per (query head, BLOCK_M query rows
+of one sequence), online softmax in base 2 with fp32 running max / sum / accumulator, the KV loop
+split into a mask-free part and a masked diagonal/tail part. Imports only torch and triton.
+
+Grid: ``(H_q, T // BLOCK_M + B)`` with ``T = q.shape[0]`` and ``B = cu_seqlens_q.shape[0] - 1``,
+shapes only, so one launch can be captured in a CUDA graph at a padded token count and batch
+size and replayed for any step that fits. The query tiles of all sequences are laid on one flat
+axis, and each program finds its sequence by a binary search over ``cu_seqlens_q``, the scheme
+of vLLM's Triton unified attention (``find_seq_idx`` in
+``vllm/v1/attention/ops/triton_unified_attention.py``); see :func:`_find_seq`.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import triton.language as tl
 __all__ = ["prefill_attention", "prefill_attention_dense", "prefill_config"]
 
 _LOG2E = 1.4426950408889634
+# CUDA's limit on gridDim.y, the query-tile axis of the launch
+_MAX_GRID_Y = 65535
 
 
 def _interpreter_upcast(q: torch.Tensor) -> bool:
@@ -133,6 +142,32 @@ def _attn_tile(
 
 
 @triton.jit
+def _find_seq(cu_q_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
+    """Last sequence ``s < num_seqs`` with ``cu_q[s] // BLOCK_M + s <= tile`` (binary search).
+
+    Sequence ``s`` owns the flat tile slots ``cu_q[s] // BLOCK_M + s .. cu_q[s+1] // BLOCK_M + s``:
+    that start is strictly increasing in ``s`` (``cu_q`` is non-decreasing and ``s`` grows by
+    one), and the ``cu_q[s+1] // BLOCK_M - cu_q[s] // BLOCK_M + 1`` slots are at least
+    ``cdiv(q_len, BLOCK_M)``, so every query tile has a slot and the last slot ends at
+    ``cu_q[B] // BLOCK_M + B - 1 < T // BLOCK_M + B``. Empty (padding) sequences own one slot
+    that does no work. After vLLM's ``find_seq_idx`` (triton_unified_attention.py).
+    """
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(cu_q_ptr + mid) // BLOCK_M + mid
+        if start <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    # slot 0 is sequence 0's first, so lo >= 1 here
+    return lo - 1
+
+
+# num_seqs is not specialized (== 1, % 16) so that a new batch size never compiles another
+# variant; it only bounds the tile search.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     q_ptr,
     k_ptr,
@@ -144,6 +179,7 @@ def _prefill_kernel(
     cu_q_ptr,
     seq_lens_ptr,
     cu_k_ptr,
+    num_seqs,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -173,11 +209,16 @@ def _prefill_kernel(
     BT_PREFETCH: tl.constexpr,
 ):
     head = tl.program_id(0)
-    # Heaviest (last) query tiles first: better tail balance under the causal mask.
-    m_blk = tl.num_programs(1) - 1 - tl.program_id(1)
-    seq = tl.program_id(2)
+    # The flat slot axis is walked in reverse: within a sequence its last (heaviest under the
+    # causal mask) query tiles start first, which balances the tail of the launch.
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    seq = _find_seq(cu_q_ptr, tile, num_seqs, BLOCK_M)
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    m_blk = tile - (q_start // BLOCK_M + seq)
+    # Spare slots have no rows: a sequence owns up to one more slot than cdiv(q_len, BLOCK_M)
+    # (a padding sequence, q_len 0, owns just that one), and the slots that padding tokens past
+    # cu_q[B] add to the grid all fall to the last sequence, past its q_len.
     if m_blk * BLOCK_M >= q_len:
         return
     if PAGED:
@@ -267,7 +308,7 @@ def prefill_config(
     return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True}
 
 
-def _check_common(q: torch.Tensor, out: torch.Tensor, cu_seqlens_q: torch.Tensor, max_query_len: int) -> None:
+def _check_common(q: torch.Tensor, out: torch.Tensor, cu_seqlens_q: torch.Tensor) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [T, H_q, D], got {tuple(q.shape)}")
     if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
@@ -279,8 +320,6 @@ def _check_common(q: torch.Tensor, out: torch.Tensor, cu_seqlens_q: torch.Tensor
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {d}")
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.device != q.device:
         raise ValueError("cu_seqlens_q must be an int32 [B + 1] tensor on q's device")
-    if not isinstance(max_query_len, int) or max_query_len < 0:
-        raise ValueError(f"max_query_len must be a non-negative int, got {max_query_len!r}")
 
 
 def _tma_ok(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -294,17 +333,24 @@ def _tma_ok(k: torch.Tensor, v: torch.Tensor) -> bool:
     return True
 
 
-def _launch(q, k, v, out, block_tables, cu_q, seq_lens, cu_k, scale, max_query_len, causal,
+def _launch(q, k, v, out, block_tables, cu_q, seq_lens, cu_k, scale, causal,
             paged, page_size, stride_kb, stride_vb, stride_bt, config):
     t, hq, d = q.shape
     hkv = k.shape[-2]
     num_seqs = cu_q.shape[0] - 1
-    if t == 0 or num_seqs == 0 or max_query_len == 0:
+    if t == 0 or num_seqs == 0:
         return out
     upcast = _interpreter_upcast(q)
     cfg = dict(prefill_config(d, q.dtype, q.device, causal, paged))
     if config:
         cfg.update(config)
+    # Shapes only (never a per-step value such as the longest q_len), so the launch can be
+    # captured in a CUDA graph at a padded T and B; see _find_seq for why this covers every tile.
+    num_slots = t // cfg["BLOCK_M"] + num_seqs
+    if num_slots > _MAX_GRID_Y:
+        raise ValueError(
+            f"T // BLOCK_M + B = {num_slots} query-tile slots exceed the grid's second axis ({_MAX_GRID_Y})"
+        )
     use_tma = bool(cfg.get("TMA", False)) and not paged and _tma_ok(k, v)
     k_desc, v_desc = k, v  # unused placeholders unless the copy engine reads K/V
     if use_tma:
@@ -312,9 +358,8 @@ def _launch(q, k, v, out, block_tables, cu_q, seq_lens, cu_k, scale, max_query_l
 
         k_desc = TensorDescriptor(k, [k.shape[0], hkv * d], [k.stride(0), 1], [cfg["BLOCK_N"], d])
         v_desc = TensorDescriptor(v, [v.shape[0], hkv * d], [v.stride(0), 1], [cfg["BLOCK_N"], d])
-    grid = (hq, triton.cdiv(max_query_len, cfg["BLOCK_M"]), num_seqs)
-    _prefill_kernel[grid](
-        q, k, v, out, k_desc, v_desc, block_tables, cu_q, seq_lens, cu_k,
+    _prefill_kernel[(hq, num_slots)](
+        q, k, v, out, k_desc, v_desc, block_tables, cu_q, seq_lens, cu_k, num_seqs,
         float(scale) * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
@@ -347,7 +392,6 @@ def prefill_attention(
     seq_lens: torch.Tensor,
     out: torch.Tensor,
     scale: float,
-    max_query_len: int,
     causal: bool = True,
     *,
     config: dict | None = None,
@@ -361,12 +405,14 @@ def prefill_attention(
         k_cache, v_cache: ``[num_blocks, block_size, H_kv, D]``, q's dtype, already holding this
             step's keys/values; ``H_q % H_kv == 0`` (MHA, GQA, MQA); D a power of two in [16, 256].
         block_tables: int32 ``[B, max_blocks]``; entries past a sequence's last block are ignored.
-        cu_seqlens_q: int32 ``[B + 1]`` offsets of each sequence's new tokens in ``q``.
+        cu_seqlens_q: int32 ``[B + 1]``, non-decreasing, offsets of each sequence's new tokens in
+            ``q``, ``cu_seqlens_q[B] <= T`` (not checked: it lives on the device). Padding is
+            allowed: rows ``cu_seqlens_q[B]:`` of ``q`` are never read and those of ``out`` never
+            written, and sequences with ``q_len == 0`` do no work (their block-table rows and
+            ``seq_lens`` are not read).
         seq_lens: int32 ``[B]`` cached + new tokens per sequence (``>= q_len``).
-        out: ``[T, H_q, D]`` like ``q``; written in place (rows of every sequence) and returned.
+        out: ``[T, H_q, D]`` like ``q``; rows of every sequence written in place, returned.
         scale: softmax scale (usually ``D ** -0.5``).
-        max_query_len: host int, an upper bound of ``cu_seqlens_q[b+1] - cu_seqlens_q[b]``; sizes
-            the grid, so the launch needs no device-to-host sync and can be graph-captured.
         causal: bottom-right aligned causal mask (query j at position ``seq_len - q_len + j``).
         config: optional tile override ``{BLOCK_M, BLOCK_N, num_warps, num_stages}`` (benchmarks).
 
@@ -374,12 +420,19 @@ def prefill_attention(
         ``out``.
 
     Raises:
-        ValueError: on inconsistent shapes, dtypes, devices, head counts or head_dim.
+        ValueError: on inconsistent shapes, dtypes, devices, head counts or head_dim, or when
+            ``T // BLOCK_M + B`` exceeds CUDA's 65535 limit on the grid's second axis.
+
+    Grid: ``(H_q, T // BLOCK_M + B)``, from the shapes of ``q`` and ``cu_seqlens_q`` only (no
+    host int, no device-to-host sync), so a launch can be captured in a CUDA graph at a padded
+    ``T`` and ``B`` and replayed for every step that fits. Each program finds its sequence and
+    query tile by a binary search over ``cu_seqlens_q`` (after vLLM's Triton unified attention,
+    ``find_seq_idx`` in ``vllm/v1/attention/ops/triton_unified_attention.py``).
 
     Algorithm: FlashAttention-2 (Dao 2023) after Triton's fused-attention tutorial; K/V rows are
     gathered through the block table tile by tile (``block = block_tables[b, pos // block_size]``).
     """
-    _check_common(q, out, cu_seqlens_q, max_query_len)
+    _check_common(q, out, cu_seqlens_q)
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError("k_cache/v_cache must be [num_blocks, block_size, H_kv, D] of equal shape")
     t, hq, d = q.shape
@@ -402,7 +455,7 @@ def prefill_attention(
         raise ValueError("all tensors must be on q's device")
     return _launch(
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, cu_seqlens_q, scale,
-        max_query_len, causal, True, page_size, k_cache.stride(0), v_cache.stride(0),
+        causal, True, page_size, k_cache.stride(0), v_cache.stride(0),
         block_tables.stride(0), config,
     )
 
@@ -415,7 +468,6 @@ def prefill_attention_dense(
     cu_seqlens_k: torch.Tensor,
     out: torch.Tensor,
     scale: float,
-    max_query_len: int,
     causal: bool = True,
     *,
     config: dict | None = None,
@@ -426,19 +478,22 @@ def prefill_attention_dense(
         q, out: ``[T, H_q, D]`` as in :func:`prefill_attention`.
         k, v: ``[T_k, H_kv, D]`` packed keys/values of all sequences, q's dtype.
         cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]`` offsets of each sequence's queries / keys;
-            ``k_len >= q_len`` (queries are the last ``q_len`` key positions when causal).
-        scale, max_query_len, causal, config: as in :func:`prefill_attention`.
+            ``k_len >= q_len`` (queries are the last ``q_len`` key positions when causal); padding
+            of ``q``/``out`` rows and of empty sequences as in :func:`prefill_attention`.
+        scale, causal, config: as in :func:`prefill_attention`.
 
     Returns:
         ``out``.
 
     Raises:
-        ValueError: on inconsistent shapes, dtypes or devices.
+        ValueError: on inconsistent shapes, dtypes or devices, or a grid too large (as in
+            :func:`prefill_attention`).
 
-    Algorithm: the same FlashAttention-2 kernel as :func:`prefill_attention`, addressing K/V
+    Algorithm: the same FlashAttention-2 kernel and shape-only grid ``(H_q, T // BLOCK_M + B)``
+    as :func:`prefill_attention` (tile search after vLLM's ``find_seq_idx``), addressing K/V
     rows as ``cu_seqlens_k[b] + pos`` instead of through a block table.
     """
-    _check_common(q, out, cu_seqlens_q, max_query_len)
+    _check_common(q, out, cu_seqlens_q)
     if k.dim() != 3 or v.shape != k.shape or k.shape[2] != q.shape[2]:
         raise ValueError(f"k/v must be [T_k, H_kv, D] with q's D, got {tuple(k.shape)}, {tuple(v.shape)}")
     hq, hkv = q.shape[1], k.shape[1]
@@ -452,5 +507,5 @@ def prefill_attention_dense(
         raise ValueError("all tensors must be on q's device")
     return _launch(
         q, k, v, out, cu_seqlens_q, cu_seqlens_q, cu_seqlens_q, cu_seqlens_k, scale,
-        max_query_len, causal, False, 1, 0, 0, 0, config,
+        causal, False, 1, 0, 0, 0, config,
     )

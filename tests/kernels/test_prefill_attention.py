@@ -3,7 +3,10 @@
 Random non-contiguous block tables, unused cache slots and block-table padding poisoned with
 NaN, outputs NaN-filled before each launch, cached prefixes plus new tokens, the
 Hq/Hkv ratios 1, 2, 4, 8, head_dim 64/128, block sizes 16/32, fp32/bf16/fp16. The parameter
-grid is sampled (the interpreter is slow), every case draws fresh random inputs.
+grid is sampled (the interpreter is slow), every case draws fresh random inputs. The flat
+query-tile grid (T // BLOCK_M + B slots) is checked for padding (tokens past cu_seqlens_q[B],
+empty sequences: real rows as unpadded, padding rows of ``out`` untouched) and for mixed
+decode-like / multi-tile / cached-prefix batches at several BLOCK_M.
 """
 
 import os
@@ -78,7 +81,7 @@ def test_prefill_matches_reference(device, q_lens, ctx_lens, hq, hkv, d, block_s
     out = torch.full((t, hq, d), float("nan"), dtype=dtype, device=device)
     res = prefill_attention(
         q.to(device), k_cache.to(device), v_cache.to(device), block_tables.to(device), cu.to(device),
-        sl.to(device), out, scale, max(q_lens), causal,
+        sl.to(device), out, scale, causal,
     )
     assert res is out
     assert torch.isfinite(out).all(), f"unwritten or NaN output (seed={seed})"
@@ -110,7 +113,7 @@ def test_prefill_dense_matches_reference(device, q_lens, ctx_lens, hq, hkv, d, d
     prefill_attention_ref(q.float(), k_cache.float(), v_cache.float(), block_tables, cu_q, sl, ref, 0.1, causal)
     out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)
     prefill_attention_dense(
-        q.to(device), k.to(device), v.to(device), cu_q.to(device), cu_k.to(device), out, 0.1, max(q_lens), causal
+        q.to(device), k.to(device), v.to(device), cu_q.to(device), cu_k.to(device), out, 0.1, causal
     )
     assert torch.isfinite(out).all(), f"seed={seed}"
     err = rel_err(out.cpu(), ref)
@@ -124,14 +127,112 @@ def test_prefill_rejects_bad_inputs(device):
     cu = torch.tensor([0, 5], dtype=torch.int32, device=device)
     sl = torch.tensor([5], dtype=torch.int32, device=device)
     with pytest.raises(ValueError):
-        prefill_attention(q, kc, kc, bt, cu, sl, torch.empty_like(q), 0.1, 5)
+        prefill_attention(q, kc, kc, bt, cu, sl, torch.empty_like(q), 0.1)
     q = torch.zeros(5, 8, 48, device=device)  # head_dim not a power of two
     kc = torch.zeros(4, 16, 4, 48, device=device)
     with pytest.raises(ValueError):
-        prefill_attention(q, kc, kc, bt, cu, sl, torch.empty_like(q), 0.1, 5)
+        prefill_attention(q, kc, kc, bt, cu, sl, torch.empty_like(q), 0.1)
     q = torch.zeros(5, 8, 64, device=device)
     kc = torch.zeros(4, 16, 4, 64, device=device)
     with pytest.raises(ValueError):  # int64 block table
-        prefill_attention(q, kc, kc, bt.long(), cu, sl, torch.empty_like(q), 0.1, 5)
+        prefill_attention(q, kc, kc, bt.long(), cu, sl, torch.empty_like(q), 0.1)
     with pytest.raises(ValueError):  # output dtype
-        prefill_attention(q, kc, kc, bt, cu, sl, torch.empty_like(q).half(), 0.1, 5)
+        prefill_attention(q, kc, kc, bt, cu, sl, torch.empty_like(q).half(), 0.1)
+
+
+def _cu(q_lens):
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int64), 0)
+    return cu
+
+
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens,pad_tokens,pad_seq_lens,hq,hkv,d,dtype,causal",
+    [
+        # padding tokens alone, enough of them to add whole spare tile slots past cu_seqlens_q[B]
+        ([17, 40], [5, 0], 75, [], 4, 2, 64, torch.float32, True),
+        # padding sequences (seq_lens 0 and 1) and padding tokens, as a captured graph would pad
+        ([1, 33, 64], [20, 0, 7], 30, [0, 1, 1], 4, 1, 64, torch.bfloat16, True),
+        ([50, 1], [0, 40], 14, [1, 0], 2, 2, 128, torch.float32, False),
+    ],
+)
+def test_prefill_padding_matches_unpadded(
+    device, q_lens, ctx_lens, pad_tokens, pad_seq_lens, hq, hkv, d, dtype, causal
+):
+    """Rows past cu_seqlens_q[B] and sequences with q_len 0 (the padding of a CUDA graph captured
+    at a bucketed T and B) change no real row and leave their own rows of ``out`` untouched."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    k_cache, v_cache, block_tables = make_paged(seq_lens, hkv, d, 16, dtype, g)
+    t = sum(q_lens)
+    q = torch.randn(t, hq, d, generator=g).to(dtype)
+    cu, sl = _cu(q_lens), torch.tensor(seq_lens, dtype=torch.int32)
+    scale = d**-0.5
+
+    def dev(*xs):
+        return [x.to(device) for x in xs]
+
+    out = torch.full((t, hq, d), float("nan"), dtype=dtype, device=device)
+    prefill_attention(*dev(q, k_cache, v_cache, block_tables, cu, sl), out, scale, causal)
+    ref = torch.empty(t, hq, d)
+    prefill_attention_ref(q.float(), k_cache.float(), v_cache.float(), block_tables, cu, sl, ref, scale, causal)
+    assert rel_err(out.cpu(), ref) <= TOL[dtype], f"seed={seed}"
+
+    # padded: NaN query rows past the real tokens, empty sequences with zero block-table rows
+    q_pad = torch.cat([q, torch.full((pad_tokens, hq, d), float("nan"), dtype=dtype)])
+    cu_pad = torch.cat([cu, cu[-1:].repeat(len(pad_seq_lens))])
+    sl_pad = torch.cat([sl, torch.tensor(pad_seq_lens, dtype=torch.int32)])
+    bt_pad = torch.cat([block_tables, torch.zeros(len(pad_seq_lens), block_tables.shape[1], dtype=torch.int32)])
+    sentinel = 7.0
+    out_pad = torch.full((t + pad_tokens, hq, d), sentinel, dtype=dtype, device=device)
+    prefill_attention(*dev(q_pad, k_cache, v_cache, bt_pad, cu_pad, sl_pad), out_pad, scale, causal)
+    assert torch.equal(out_pad[:t], out), f"real rows differ from the unpadded launch (seed={seed})"
+    assert (out_pad[t:] == sentinel).all(), f"padding rows of out were written (seed={seed})"
+
+    # the dense path over the same keys, padded the same way (empty sequences have no keys)
+    ks, vs = zip(*(gather_kv_ref(k_cache, v_cache, block_tables[i], n) for i, n in enumerate(seq_lens)))
+    k, v = torch.cat(ks), torch.cat(vs)
+    cu_k_pad = torch.cat([_cu(seq_lens), torch.full((len(pad_seq_lens),), sum(seq_lens), dtype=torch.int32)])
+    out_dense = torch.full((t + pad_tokens, hq, d), sentinel, dtype=dtype, device=device)
+    prefill_attention_dense(*dev(q_pad, k, v, cu_pad, cu_k_pad), out_dense, scale, causal)
+    assert (out_dense[t:] == sentinel).all(), f"padding rows of out were written (dense, seed={seed})"
+    assert rel_err(out_dense[:t].cpu(), ref) <= TOL[dtype], f"dense, seed={seed}"
+
+
+def test_prefill_all_padding_writes_nothing(device):
+    """Every sequence empty (a graph replayed with no prefill work): no row of ``out`` changes."""
+    q = torch.randn(40, 4, 64, device=device)
+    kc = torch.randn(3, 16, 2, 64, device=device)
+    cu = torch.zeros(4, dtype=torch.int32, device=device)
+    sl = torch.tensor([0, 1, 0], dtype=torch.int32, device=device)
+    bt = torch.zeros(3, 2, dtype=torch.int32, device=device)
+    out = torch.full_like(q, 7.0)
+    prefill_attention(q, kc, kc, bt, cu, sl, out, 0.125)
+    assert (out == 7.0).all()
+
+
+@pytest.mark.parametrize("block_m,causal", [(16, True), (32, False), (64, True)])
+def test_prefill_mixed_batch_matches_reference(device, block_m, causal):
+    """Decode-like rows (q_len 1), rows crossing several query tiles and rows with a cached
+    prefix in one launch, each sequence starting at an arbitrary offset of the flat tile axis."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    q_lens = [1, 70, 1, 33, 1, 100, 5, 1]
+    ctx_lens = [40, 0, 0, 20, 129, 10, 3, 16]
+    hq, hkv, d, dtype = 4, 2, 64, torch.float32
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    k_cache, v_cache, block_tables = make_paged(seq_lens, hkv, d, 16, dtype, g)
+    q = torch.randn(sum(q_lens), hq, d, generator=g)
+    cu, sl = _cu(q_lens), torch.tensor(seq_lens, dtype=torch.int32)
+    ref = torch.empty(q.shape)
+    prefill_attention_ref(q, k_cache, v_cache, block_tables, cu, sl, ref, d**-0.5, causal)
+    out = torch.full(q.shape, float("nan"), device=device)
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    prefill_attention(
+        q.to(device), k_cache.to(device), v_cache.to(device), block_tables.to(device), cu.to(device),
+        sl.to(device), out, d**-0.5, causal, config=cfg,
+    )
+    assert torch.isfinite(out).all(), f"unwritten or NaN output (seed={seed})"
+    err = rel_err(out.cpu(), ref)
+    assert err <= TOL[dtype], f"rel err {err:.2e} (seed={seed})"
