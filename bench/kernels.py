@@ -456,6 +456,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test; CPU interpreter too)")
     ap.add_argument("--sweep", action="store_true", help="sweep tile configs and split counts first")
     ap.add_argument("--out", default=None, help="directory for bench.json and bench.log")
+    ap.add_argument("--only", choices=["all", "prefill", "decode"], default="all",
+                    help="time only the prefill or only the decode kernels (correctness checks always run)")
     args = ap.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -493,12 +495,16 @@ def main() -> int:
     log(f"## configs: prefill {({str(k): v for k, v in best.items()} or default_p)}; decode {dcfg}")
     result["configs"] = {"prefill": {str(k): v for k, v in best.items()}, "decode": dcfg}
 
-    log(f"## prefill ({time.time() - t0:.0f}s)")
-    pre = run_prefill(device, g, args.quick, best)
-    log(f"## decode ({time.time() - t0:.0f}s)")
-    dec = run_decode(device, g, args.quick, num_sms, dcfg, args.sweep)
-    log(f"## memory ({time.time() - t0:.0f}s)")
-    mem = run_memory(device, g, args.quick, best)
+    pre, dec, mem = [], [], []
+    if args.only in ("all", "prefill"):
+        log(f"## prefill ({time.time() - t0:.0f}s)")
+        pre = run_prefill(device, g, args.quick, best)
+    if args.only in ("all", "decode"):
+        log(f"## decode ({time.time() - t0:.0f}s)")
+        dec = run_decode(device, g, args.quick, num_sms, dcfg, args.sweep)
+    if args.only == "all":
+        log(f"## memory ({time.time() - t0:.0f}s)")
+        mem = run_memory(device, g, args.quick, best)
     result.update(prefill=pre, decode=dec, memory=mem)
 
     for r in pre + dec:

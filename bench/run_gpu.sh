@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: engine correctness on the GPU, offline throughput, online serving.
-# Usage: bash bench/run_gpu.sh [stages...]   (stages: check offline profile serve peer both; default: check offline serve)
+# Usage: bash bench/run_gpu.sh [stages...]   (stages: kernels check offline profile serve peer both; default: check offline serve)
+# Env: SERVE_CONC (serve levels, default 1 16 64), HF_SECONDS (0 = skip transformers offline), QWEN_SERVE_* (server flags).
 # Expects carried wheels in .whl (fastapi, uvicorn, pydantic, ...) and .benchassets/tokenizer.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -16,11 +17,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 for s in $stages; do
   case $s in
+    kernels) timeout 150 python3 bench/kernels.py --only prefill --out "$OUT/kernels" 2>&1 | grep -v Warning | tail -14 ;;
     check) timeout 240 python3 bench/engine_check.py --ckpt $CKPT 2>&1 | tee "$OUT/check.log" ;;
-    offline) timeout 300 python3 bench/offline.py --ckpt $CKPT --hf-seconds ${HF_SECONDS:-90} --serve-shape 2>&1 | grep -v Warning | tee "$OUT/offline.log" ;;
+    offline) hf="--hf-seconds ${HF_SECONDS:-90}"; [ "${HF_SECONDS:-90}" = 0 ] && hf=--skip-hf
+             timeout 300 python3 bench/offline.py --ckpt $CKPT $hf --serve-shape 2>&1 | grep -v Warning | tee "$OUT/offline.log" ;;
     profile) timeout 300 python3 bench/profile_offline.py --ckpt $CKPT 2>&1 | grep -v Warning | tee "$OUT/profile.log" ;;
     serve) timeout 400 python3 bench/serve.py --ckpt $CKPT --tokenizer-from .benchassets/tokenizer --skip-peer --out "$OUT" \
-             --py-spy-level ${SPY_LEVEL:-64} 2>&1 | tee "$OUT/serve.log"
+             --concurrency ${SERVE_CONC:-1 16 64} --py-spy-level ${SPY_LEVEL:-64} 2>&1 | tee "$OUT/serve.log"
            [ -f "$OUT/pyspy_c${SPY_LEVEL:-64}.txt" ] && python3 bench/pyspy_top.py "$OUT/pyspy_c${SPY_LEVEL:-64}.txt" > "$OUT/pyspy_top.txt" ;;
     both) timeout 560 python3 bench/serve.py --ckpt $CKPT --tokenizer-from .benchassets/tokenizer --peer-concurrency ${PEER_CONC:-1 16 64} --peer-time-cap 40 --out "$OUT" 2>&1 | tee "$OUT/both.log" ;;
     peer) timeout 500 python3 bench/serve.py --ckpt $CKPT --tokenizer-from .benchassets/tokenizer --concurrency ${PEER_CONC:-1 16 64} --peer-time-cap 60 --out "$OUT" --skip-ours 2>&1 | tee "$OUT/peer.log" ;;
