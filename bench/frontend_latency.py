@@ -12,7 +12,7 @@ Stages of one request (milliseconds, median and p90 over the measured requests):
 
 - client send -> ASGI app called: the request crossing the socket and uvicorn's HTTP parsing
 - ASGI -> handler: body read, routing, pydantic validation, the API-key dependency
-- template, tokenize: ``render_prompt`` and ``Tokenizer.encode``
+- template, tokenize: ``render_prompt`` and ``ServerContext.encode_prompt``
 - to engine core: sampling params, ``Generation``, limits check, the command handed to the core
 - core wake-up: until the engine loop holds the command (thread inbox or process pipe)
 - ENGINE: from the engine loop holding the command to the engine emitting the first token
@@ -143,17 +143,16 @@ def install_probes(ctx) -> None:
         return out
 
     chat.render_prompt = render_prompt
-    tok = ctx.tokenizer
-    encode = tok.encode
+    encode = ctx.encode_prompt
 
-    def traced_encode(text, *a, **kw):
-        ids = encode(text, *a, **kw)
+    def traced_encode(text):
+        ids = encode(text)
         rec = _CURRENT.get()
         if rec is not None:
             rec.setdefault("tokenized", clock())
         return ids
 
-    tok.encode = traced_encode
+    ctx.encode_prompt = traced_encode
     core = ctx.engine.core
     send = core.send
 
@@ -213,7 +212,7 @@ def traced_asgi(app):
 
 
 # ------------------------------------------------------------------ client (second process)
-def _client(port: int, model: str, prompts: list[str], max_tokens: int, warmup: int, results) -> None:
+def _client(port: int, model: str, prompts: list[str], max_tokens: int, warmup: int, gap: float, results) -> None:
     """Send streamed chat requests one at a time; put ``[(id, t_send, t_first_content), ...]``."""
     deadline = time.time() + 600
     while time.time() < deadline:
@@ -230,7 +229,7 @@ def _client(port: int, model: str, prompts: list[str], max_tokens: int, warmup: 
     for i, prompt in enumerate(prompts):
         body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                            "temperature": 0.0, "stream": True, "ignore_eos": True}).encode()
-        time.sleep(0.05)  # let the engine go idle, as between requests at concurrency 1
+        time.sleep(gap)  # let the engine go idle (and torch's CPU threads stop spinning)
         t_send = clock()
         conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
         resp = conn.getresponse()
@@ -305,6 +304,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=1, help="1: no decode step runs while the first chunk is handled")
     ap.add_argument("--port", type=int, default=8400)
+    ap.add_argument("--gap", type=float, default=0.3, help="seconds between requests")
+    ap.add_argument("--tokenizers-encode", action="store_true",
+                    help="encode prompts with tokenizers instead of the server's PromptEncoder (for comparison)")
     ap.add_argument("--json", default=None, help="write the per-request stamps and the table here")
     ap.add_argument("server_args", nargs=argparse.REMAINDER, help="after --: flags of python -m server")
     args = ap.parse_args()
@@ -323,13 +325,16 @@ def main() -> None:
     os.environ[_TRACE_FILE_ENV] = trace_file
     install_engine_probes()
     ctx = build_context(sargs)
+    if args.tokenizers_encode:
+        ctx.encoder = None
     install_probes(ctx)
     server = make_server(traced_asgi(create_app(ctx)), sargs)
 
     mpc = mp.get_context("spawn")
     results = mpc.Queue()
     prompts = make_prompts(ctx.tokenizer, args.warmup + args.requests, args.prompt_tokens)
-    client = mpc.Process(target=_client, args=(args.port, ctx.model_name, prompts, args.max_tokens, args.warmup, results))
+    client = mpc.Process(target=_client, args=(args.port, ctx.model_name, prompts, args.max_tokens, args.warmup,
+                                                 args.gap, results))
     client.start()
     got: list = []
 
@@ -349,7 +354,8 @@ def main() -> None:
     for rid, t_send, t_first in got:
         r = dict(EVENTS.get(rid, {}), client_send=t_send, client_first=t_first)
         records.append(r)
-    print(f"engine mode: {ctx.engine.core.__class__.__name__}, {len(records)} requests, "
+    encoder = ctx.encoder.backend if ctx.encoder is not None else "tokenizers"
+    print(f"engine mode: {ctx.engine.core.__class__.__name__}, prompt encoder: {encoder}, {len(records)} requests, "
           f"prompt ~{args.prompt_tokens} tokens, server flags: {' '.join(flags) or '(defaults)'}")
     rows = report(records)
     if args.json:
