@@ -145,7 +145,7 @@ def main() -> None:
                                               "tokens_per_chunk", "client_cpu_max", "server_cpu_s", "wall_s")}))
     print(f"server CPU: {1e6 * result['server_cpu_s'] / tokens:.1f} us per output token, "
           f"{1e6 * result['server_cpu_s'] / chunks:.1f} us per chunk with choices, "
-          f"{100 * result['server_cpu_s'] / result['wall_s']:.0f}% of one core "
+          f"{100 * result['server_cpu_s'] / result['duration']:.0f}% of one core over the level "
           f"(concurrency {args.concurrency}, {args.max_tokens} tokens each, a step every {args.step_ms} ms)")
 
 
