@@ -34,7 +34,6 @@ import http.client
 import json
 import multiprocessing as mp
 import os
-import random
 import statistics
 import sys
 import threading
@@ -131,7 +130,7 @@ def install_engine_probes() -> None:
 
 def install_probes(ctx) -> None:
     """Patch timing probes around the stages of the server (see the module docstring)."""
-    import server.chat as chat
+    from server import chat
 
     render = chat.render_prompt
 
@@ -281,20 +280,10 @@ def report(records: list[dict]) -> dict:
     if outside:
         rows["TTFT minus ENGINE"] = {"median": statistics.median(outside), "p90": outside[int(0.9 * (len(outside) - 1))],
                                      "n": len(outside)}
-    print(f"\n| stage | median ms | p90 ms |\n|---|---|---|")
+    print("\n| stage | median ms | p90 ms |\n|---|---|---|")
     for name, v in rows.items():
         print(f"| {name} | {v['median']:.3f} | {v['p90']:.3f} |")
     return rows
-
-
-def make_prompts(tokenizer, n: int, target_tokens: int, seed: int = 0) -> list[str]:
-    """Texts of about ``target_tokens`` tokens (random ordinary tokens, as bench/serve.py builds them)."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        text = tokenizer.decode([rng.randint(1000, 30000) for _ in range(target_tokens)])
-        out.append(tokenizer.decode(tokenizer.encode(text)[: target_tokens - 20]))
-    return out
 
 
 def main() -> None:
@@ -314,6 +303,7 @@ def main() -> None:
 
     import logging
 
+    from bench.serve import make_prompts
     from server.__main__ import build_parser, make_server
     from server.app import create_app
     from server.factory import build_context
@@ -332,7 +322,7 @@ def main() -> None:
 
     mpc = mp.get_context("spawn")
     results = mpc.Queue()
-    prompts = make_prompts(ctx.tokenizer, args.warmup + args.requests, args.prompt_tokens)
+    prompts = make_prompts(str(ctx.tokenizer.path), args.warmup + args.requests, args.prompt_tokens)
     client = mpc.Process(target=_client, args=(args.port, ctx.model_name, prompts, args.max_tokens, args.warmup,
                                                  args.gap, results))
     client.start()

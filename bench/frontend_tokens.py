@@ -23,10 +23,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from engine.engine import RequestOutput  # noqa: E402
-from engine.limits import EngineLimits  # noqa: E402
-from engine.request import FinishReason  # noqa: E402
-from engine.stats import StepStats  # noqa: E402
+from engine.engine import RequestOutput
+from engine.limits import EngineLimits
+from engine.request import FinishReason
+from engine.stats import StepStats
 
 
 class ScriptedCore:
@@ -92,8 +92,7 @@ def main() -> None:
 
     import logging
 
-    from bench.frontend_latency import make_prompts
-    from bench.serve import run_level
+    from bench.serve import make_prompts, run_level
     from engine.async_engine import AsyncEngine
     from engine.embedded import ensure_embedded_checkpoint
     from engine.tokenizer import Tokenizer
@@ -114,7 +113,7 @@ def main() -> None:
                         tokenizer=tokenizer, model_name="scripted", metrics=metrics, encoder=PromptEncoder(tokenizer))
     server = make_server(create_app(ctx), sargs)
     n = args.requests or 2 * args.concurrency
-    prompts = make_prompts(tokenizer, n, args.prompt_tokens)
+    prompts = make_prompts(str(tokenizer.path), n, args.prompt_tokens)
     result: dict = {}
 
     def drive():

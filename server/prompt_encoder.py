@@ -16,11 +16,13 @@ without tiktoken, it calls ``Tokenizer.encode``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import random
 import re
 import unicodedata
+from pathlib import Path
 
 from engine.embedded import bytes_to_unicode
 from engine.tokenizer import Tokenizer
@@ -112,7 +114,7 @@ class _TiktokenBPE:
         self._split = re.compile(alternation) if added else None
 
     @classmethod
-    def from_tokenizer_json(cls, path) -> "_TiktokenBPE | None":
+    def from_tokenizer_json(cls, path) -> _TiktokenBPE | None:
         """The encoder, or None when the file's tokenizer is not of the shape tiktoken reproduces.
 
         Raises:
@@ -120,7 +122,7 @@ class _TiktokenBPE:
         """
         import tiktoken
 
-        spec = json.loads(open(path, encoding="utf-8").read())
+        spec = json.loads(Path(path).read_text(encoding="utf-8"))
         normalizer = spec.get("normalizer")
         if normalizer not in (None, {"type": "NFC"}):
             return None
@@ -156,7 +158,7 @@ class _TiktokenBPE:
         merges = [m.split(" ") if isinstance(m, str) else m for m in model.get("merges", [])]
         results = [vocab.get(a + b) for a, b in merges]
         if (len(results) != len(vocab) - 256 or None in results
-                or any(x >= y for x, y in zip(results, results[1:]))):
+                or any(x >= y for x, y in itertools.pairwise(results))):
             return None
         encoding = tiktoken.Encoding("checkpoint", pat_str=split["pattern"]["Regex"], mergeable_ranks=ranks,
                                      special_tokens={})
