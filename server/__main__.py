@@ -162,10 +162,14 @@ def main(argv: list[str] | None = None) -> None:
     ctx = build_context(args)
     app = create_app(ctx)
     log.info("serving %s on http://%s:%d", ctx.model_name, args.host, args.port)
-    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                            timeout_graceful_shutdown=int(args.graceful_timeout)))
-    server.run()
+    make_server(app, args).run()
     return 0
+
+
+def make_server(app, args: argparse.Namespace) -> GracefulServer:
+    """The uvicorn server for ``app`` with the parsed flags (also used by bench/frontend_latency.py)."""
+    return GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                         timeout_graceful_shutdown=int(args.graceful_timeout)))
 
 
 if __name__ == "__main__":

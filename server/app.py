@@ -106,7 +106,9 @@ def create_app(ctx: ServerContext) -> FastAPI:
     chat = ChatCompletions(ctx)
     completions = Completions(ctx)
 
-    def check_key(request: Request) -> None:
+    async def check_key(request: Request) -> None:
+        """The API-key dependency (async: FastAPI would run a plain function in its thread pool,
+        a thread hop on every request)."""
         if ctx.api_key is None:
             return
         header = request.headers.get("authorization", "")
@@ -162,7 +164,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: Request):
         if ctx.protect_metrics:
-            check_key(request)
+            await check_key(request)
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return BodySizeLimit(app, ctx.max_body_bytes) if ctx.max_body_bytes else app

@@ -114,7 +114,7 @@ class ChatCompletions:
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         prompt = render_prompt(ctx.tokenizer, req)
-        prompt_ids = ctx.tokenizer.encode(prompt)
+        prompt_ids = ctx.encode_prompt(prompt)
         ctx.check_prompt_length(len(prompt_ids), "messages")
         params = to_sampling_params(
             req, max_tokens=req.max_completion_tokens or req.max_tokens,

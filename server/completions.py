@@ -25,13 +25,13 @@ class Completions:
 
     def _prompts(self, req: CompletionRequest) -> list[list[int]]:
         p = req.prompt
-        tok = self.ctx.tokenizer
+        encode = self.ctx.encode_prompt
         if isinstance(p, str):
-            return [tok.encode(p)]
+            return [encode(p)]
         if all(isinstance(x, int) for x in p):
             return [list(p)]
         if all(isinstance(x, str) for x in p):
-            return [tok.encode(x) for x in p]
+            return [encode(x) for x in p]
         return [list(x) for x in p]
 
     def start(self, req: CompletionRequest) -> tuple[list[Generation], str]:

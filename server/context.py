@@ -10,6 +10,7 @@ from engine.tokenizer import Tokenizer
 from engine.stats import RequestStats
 from server.errors import APIError
 from server.metrics import ServerMetrics
+from server.prompt_encoder import PromptEncoder
 
 log = logging.getLogger("server.requests")
 
@@ -24,6 +25,8 @@ class ServerContext:
         api_key: bearer token required on /v1 routes, or None.
         max_body_bytes: request bodies above this get 413.
         max_prompt_tokens: prompts above this get 400 (defaults to the model length).
+        encoder: encodes prompts (tiktoken where exact, see :mod:`server.prompt_encoder`);
+            None: ``tokenizer.encode``.
     """
 
     engine: AsyncEngine
@@ -36,6 +39,13 @@ class ServerContext:
     max_body_bytes: int = 4 << 20
     max_prompt_tokens: int | None = None
     protect_metrics: bool = False
+    encoder: PromptEncoder | None = None
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt text (no special tokens added; those written in it are kept)."""
+        if self.encoder is not None:
+            return self.encoder.encode(text)
+        return self.tokenizer.encode(text)
 
     def check_model(self, model: str | None) -> None:
         """Raises APIError 404 when a request names a model this server does not serve."""

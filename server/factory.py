@@ -16,6 +16,7 @@ from engine.tokenizer import Tokenizer
 from server.context import ServerContext
 from server.metrics import ServerMetrics
 from server.params import generation_defaults
+from server.prompt_encoder import PromptEncoder
 
 log = logging.getLogger(__name__)
 
@@ -86,4 +87,5 @@ def build_context(args: argparse.Namespace) -> ServerContext:
         max_body_bytes=args.max_body_bytes,
         max_prompt_tokens=args.max_prompt_tokens and int(args.max_prompt_tokens),
         protect_metrics=args.protect_metrics,
+        encoder=PromptEncoder(tokenizer),
     )

@@ -330,3 +330,26 @@ def test_stop_strings_inside_multibyte_tokens(live, stop):
     deltas = [c.choices[0].delta.content or "" for c in chat(live, "[[utf8]]", stop=stop, stream=True, **NO_THINK)
               if c.choices]
     assert "".join(deltas) == expected and not any(FFFD in d for d in deltas)
+
+
+def test_request_path_makes_no_thread_pool_hop(live, monkeypatch):
+    """FastAPI runs plain-function dependencies and endpoints in its thread pool: a thread hop
+    (and a wait for the GIL) before every request reaches the handler. None is on our path."""
+    import fastapi.dependencies.utils
+    import fastapi.routing
+
+    hops = []
+    for module in (fastapi.dependencies.utils, fastapi.routing):
+        original = module.run_in_threadpool
+
+        async def counting(func, *args, _original=original, **kwargs):
+            hops.append(getattr(func, "__name__", repr(func)))
+            return await _original(func, *args, **kwargs)
+
+        monkeypatch.setattr(module, "run_in_threadpool", counting)
+    chat(live, "Hi", max_tokens=1)
+    with live.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=2, stream=True) as stream:
+        assert list(stream)
+    live.client.models.list()
+    assert hops == []

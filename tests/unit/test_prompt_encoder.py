@@ -1,0 +1,70 @@
+"""PromptEncoder: tiktoken's BPE on the request path gives exactly the ids of tokenizers, or is not used."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+
+from engine.embedded import ensure_embedded_checkpoint
+from engine.tokenizer import Tokenizer
+from server.prompt_encoder import CHECK_TEXTS, PromptEncoder
+from tests.unit.test_tokenizer import SAMPLES, _random_text
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer(ensure_embedded_checkpoint())
+
+
+@pytest.fixture(scope="module")
+def encoder(tok) -> PromptEncoder:
+    return PromptEncoder(tok)
+
+
+def test_qwen_tokenizer_takes_the_tiktoken_path(encoder):
+    assert encoder.backend == "tiktoken"
+
+
+def test_same_ids_as_tokenizers(tok, encoder):
+    rng = random.Random(7)
+    texts = list(SAMPLES) + list(CHECK_TEXTS) + [_random_text(rng) for _ in range(300)]
+    # NFD text around added tokens: NFC must not join a mark with the token's last character
+    texts += ["<think>\u0338x", "e\u0301<|im_end|>\u0301", "<|im_start|>>\u0338", "a\u0308<tool_call>\u0308"]
+    # decodings of random ids, added tokens included: words tokenizers has never cached
+    texts += [tok.decode([rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 400))],
+                         skip_special_tokens=False) for _ in range(100)]
+    for text in texts:
+        assert encoder.encode(text) == tok.encode(text), repr(text)
+
+
+def test_lone_surrogates_fail_as_in_tokenizers(tok, encoder):
+    with pytest.raises(Exception) as ref:
+        tok.encode("a\ud800b")
+    with pytest.raises(type(ref.value)):
+        encoder.encode("a\ud800b")
+
+
+def _edited_copy(tmp_path, edit) -> Tokenizer:
+    src = ensure_embedded_checkpoint()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, tmp_path / name)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    edit(spec)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    return Tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda s: s.update(normalizer={"type": "NFKC"}),
+    lambda s: s["added_tokens"][0].update(lstrip=True),
+    lambda s: s["model"]["merges"].reverse(),
+], ids=["nfkc-normalizer", "lstrip-added-token", "merges-not-in-rank-order"])
+def test_other_shapes_fall_back_to_tokenizers(tmp_path, edit):
+    tok = _edited_copy(tmp_path, edit)
+    enc = PromptEncoder(tok)
+    assert enc.backend == "tokenizers"
+    text = "Ｆｕｌｌ width <|endoftext|> text"
+    assert enc.encode(text) == tok.encode(text)
