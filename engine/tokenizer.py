@@ -107,8 +107,11 @@ class Tokenizer:
 
         Added tokens written in the text (e.g. ``<|im_start|>``) map to their ids.
         `add_special_tokens` applies the tokenizer's post-processor (for Qwen it adds nothing).
+        Runs through ``encode_batch``, which releases the GIL while it works (``encode`` holds
+        it), so the server can encode long prompts in a worker thread without stalling its
+        event loop; the ids are the same.
         """
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; invalid UTF-8 byte sequences become U+FFFD; unknown ids are skipped.

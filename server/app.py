@@ -122,7 +122,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
-        gen = chat.start(req)
+        gen = await chat.start(req)
         if req.stream:
             return await stream_response(chat.stream(req, gen), gen.abort)
         try:
@@ -135,7 +135,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=[Depends(check_key)])
     async def text_completions(req: CompletionRequest, raw: Request):
-        gens, rid = completions.start(req)
+        gens, rid = await completions.start(req)
 
         def abort_all():
             for g in gens:

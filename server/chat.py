@@ -103,7 +103,7 @@ class ChatCompletions:
     def __init__(self, ctx: ServerContext):
         self.ctx = ctx
 
-    def start(self, req: ChatCompletionRequest) -> Generation:
+    async def start(self, req: ChatCompletionRequest) -> Generation:
         """Validate, render and tokenize, then queue the request's choices.
 
         Raises:
@@ -114,7 +114,7 @@ class ChatCompletions:
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         prompt = render_prompt(ctx.tokenizer, req)
-        prompt_ids = ctx.encode_prompt(prompt)
+        prompt_ids = await ctx.encode_prompt_async(prompt)
         ctx.check_prompt_length(len(prompt_ids), "messages")
         params = to_sampling_params(
             req, max_tokens=req.max_completion_tokens or req.max_tokens,

@@ -23,25 +23,25 @@ class Completions:
     def __init__(self, ctx: ServerContext):
         self.ctx = ctx
 
-    def _prompts(self, req: CompletionRequest) -> list[list[int]]:
+    async def _prompts(self, req: CompletionRequest) -> list[list[int]]:
         p = req.prompt
-        encode = self.ctx.encode_prompt
+        encode = self.ctx.encode_prompt_async
         if isinstance(p, str):
-            return [encode(p)]
+            return [await encode(p)]
         if all(isinstance(x, int) for x in p):
             return [list(p)]
         if all(isinstance(x, str) for x in p):
-            return [encode(x) for x in p]
+            return [await encode(x) for x in p]
         return [list(x) for x in p]
 
-    def start(self, req: CompletionRequest) -> tuple[list[Generation], str]:
+    async def start(self, req: CompletionRequest) -> tuple[list[Generation], str]:
         """Validate and queue every prompt's choices. Raises APIError (400/404)."""
         ctx = self.ctx
         ctx.check_model(req.model)
         if req.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         rid = new_id("cmpl")
-        prompts = self._prompts(req)
+        prompts = await self._prompts(req)
         if len(prompts) * req.n > 64:
             raise APIError(400, "at most 64 choices (prompts x n) per request", "prompt")
         gens: list[Generation] = []

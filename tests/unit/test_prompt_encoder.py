@@ -68,3 +68,56 @@ def test_other_shapes_fall_back_to_tokenizers(tmp_path, edit):
     assert enc.backend == "tokenizers"
     text = "Ｆｕｌｌ width <|endoftext|> text"
     assert enc.encode(text) == tok.encode(text)
+
+
+def test_long_prompts_are_encoded_off_the_event_loop(tok, encoder):
+    """A long prompt is encoded in a worker thread (the encoders release the GIL), a short one inline."""
+    import asyncio
+    import threading
+
+    from server.context import ServerContext
+
+    ctx = ServerContext(engine=None, tokenizer=tok, model_name="m", metrics=None, encoder=encoder)
+    threads = []
+    real = ctx.encode_prompt
+    ctx.encode_prompt = lambda text: threads.append(threading.get_ident()) or real(text)
+    long_text = "word " * (ServerContext.ENCODE_IN_THREAD_CHARS // 5 + 1)
+
+    async def main():
+        loop_thread = threading.get_ident()
+        ids_long = await ctx.encode_prompt_async(long_text)
+        ids_short = await ctx.encode_prompt_async("short prompt")
+        return loop_thread, ids_long, ids_short
+
+    loop_thread, ids_long, ids_short = asyncio.run(main())
+    assert ids_long == tok.encode(long_text) and ids_short == tok.encode("short prompt")
+    assert threads[0] != loop_thread and threads[1] == loop_thread
+
+
+def test_tokenizers_encode_releases_the_gil(tok):
+    """Tokenizer.encode lets other Python threads run meanwhile (encode_batch drops the GIL)."""
+    import threading
+    import time
+
+    text = tok.decode(list(range(1000, 1000 + 3000)), skip_special_tokens=False) * 4
+    done = threading.Event()
+    ticks = []
+
+    def ticker():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0)
+
+    t = threading.Thread(target=ticker)
+    t.start()
+    time.sleep(0.01)
+    start = time.perf_counter()
+    for _ in range(5):
+        tok.encode(text)
+    end = time.perf_counter()
+    done.set()
+    t.join()
+    inside = [x for x in ticks if start <= x <= end]
+    gaps = [b - a for a, b in zip(inside, inside[1:])]
+    # with the GIL held for a whole encode call the other thread would stall for the call's length
+    assert inside and max(gaps) < 0.5 * (end - start) / 5
