@@ -55,14 +55,15 @@ def run_ours(ckpt: str, prompts, out_lens, args) -> dict:
 
 def run_ours_serve_shape(ckpt: str, args) -> dict:
     """Engine only, the shape of the HTTP benchmark at concurrency 64: 128 requests of 1,024 random
-    prompt ids and 128 output tokens, at most 64 running (the 80 % comparison of issue 7)."""
+    prompt ids and 128 output tokens, at most 64 running (the 80 % comparison of issue 7), with the
+    server's default engine settings (its token budget, not ``--max-num-batched-tokens``)."""
     import random
 
     rng = random.Random(1)
     prompts = [[rng.randint(1000, 30000) for _ in range(1024)] for _ in range(128)]
     engine = LLMEngine(EngineConfig(
         model=ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=4096, max_num_seqs=64,
-        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+        enable_prefix_caching=False,
     ), eos_token_ids=frozenset())
     engine.generate([prompts[0][:64]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     with Timer() as t:
