@@ -12,6 +12,10 @@ optionally sweeps tile configurations and split counts, and prints one table:
 * decode effective bandwidth (bytes of K and V read / time) at (batch, context) in (1, 4096),
   (64, 4096), (256, 1024), (32, 16384), block size 16, next to dense SDPA decode on contiguous
   KV; timed as CUDA-graph replays cycling over enough copies of the inputs to exceed the L2;
+* mixed steps (``--only mixed``): one layer's attention of decode rows plus one prompt chunk, as
+  the prefill kernel for every row against the split-KV decode kernel on the decode rows
+  (``cu_seqlens_q``) plus the prefill kernel skipping them (``skip_decode_rows``), what
+  ``engine/triton_backend.py`` runs; CUDA-graph timed, with the max abs difference of the outputs;
 * relative error ||out - ref|| / ||ref|| against an fp32 reference for each row (sampled query
   rows for prefill);
 * peak extra memory of one prefill launch as S grows.
@@ -426,6 +430,77 @@ def run_decode(device, g, quick, num_sms, cfg, sweep_splits):
     return rows
 
 
+# ----------------------------------------------------------------------------- mixed steps
+# (decode rows, their context, prompt-chunk tokens): decodes of running requests plus one chunk of
+# a new prompt (no cached prefix), in the scheduler's order (running requests first)
+MIXED_SHAPES = [(64, 1100, 2048), (64, 1100, 1024), (256, 600, 512), (4, 1100, 2048), (0, 1100, 1024)]
+MIXED_SHAPES_QUICK = [(3, 40, 40), (0, 40, 24)]
+
+
+def mixed_setup(n_dec, ctx, chunk, device, g, block_size=16, min_bytes=256 << 20):
+    """Copies of one mixed step's attention inputs (enough to exceed the L2 on a GPU)."""
+    lens, q_lens = [ctx + 1] * n_dec + [chunk], [1] * n_dec + [chunk]
+    kv_bytes = 2 * sum(lens) * HKV * D * 2
+    copies = max(1, min(32, triton.cdiv(min_bytes, kv_bytes))) if torch.cuda.is_available() else 1
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32, device=device)
+    cu[1:] = torch.tensor(q_lens, device=device).cumsum(0)
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    sets = []
+    for _ in range(copies):
+        kc, vc, bt = paged_kv(lens, block_size, torch.bfloat16, device, g)
+        q = torch.randn(sum(q_lens), HQ, D, device=device, dtype=torch.bfloat16, generator=g)
+        sets.append({"q": q, "kc": kc, "vc": vc, "bt": bt, "cu": cu, "sl": sl, "out": torch.empty_like(q)})
+    return sets, max(lens)
+
+
+def mixed_fns(sets, num_splits):
+    """(old, new) callables per input copy: the prefill kernel for every row, or the split-KV decode
+    kernel on the decode rows plus the prefill kernel skipping them (the engine's mixed step)."""
+    old, new = [], []
+    for st in sets:
+        b = st["sl"].shape[0]
+        po, pl = decode_scratch(b, HQ, D, num_splits, st["q"].device)
+        args = (st["q"], st["kc"], st["vc"], st["bt"])
+
+        def f_old(st=st, args=args):
+            prefill_attention(*args, st["cu"], st["sl"], st["out"], D**-0.5, True)
+            return st["out"]
+
+        def f_new(st=st, args=args, po=po, pl=pl):
+            decode_attention(*args, st["sl"], st["out"], D**-0.5, po, pl, num_splits, cu_seqlens_q=st["cu"])
+            prefill_attention(*args, st["cu"], st["sl"], st["out"], D**-0.5, True, skip_decode_rows=True)
+            return st["out"]
+
+        old.append(f_old)
+        new.append(f_new)
+    return old, new
+
+
+def run_mixed(device, g, quick, num_sms):
+    """One layer's attention of a mixed step, timed both ways (CUDA-graph replays on a GPU)."""
+    rows = []
+    for n_dec, ctx, chunk in MIXED_SHAPES_QUICK if quick else MIXED_SHAPES:
+        sets, max_len = mixed_setup(n_dec, ctx, chunk, device, g)
+        ns = choose_num_splits(n_dec + 1, HKV, max_len, num_sms)
+        old, new = mixed_fns(sets, ns)
+        st = sets[0]
+        st["out"].fill_(float("nan"))
+        out_old = old[0]().clone()
+        st["out"].fill_(float("nan"))
+        out_new = new[0]().clone()
+        diff = (out_old.float() - out_new.float()).abs().max().item()
+        if not (torch.isfinite(out_old).all() and torch.isfinite(out_new).all()):
+            diff = float("inf")
+        ms_old, ms_new = graph_ms(old), graph_ms(new)
+        rows.append({"decode_rows": n_dec, "ctx": ctx, "chunk": chunk, "splits": ns, "ms_old": ms_old,
+                     "ms_new": ms_new, "max_abs_diff": diff})
+        log(f"  mixed {n_dec} decode rows ctx {ctx} + {chunk}-token chunk (splits {ns}): prefill only "
+            f"{ms_old:.3f} ms, decode + prefill {ms_new:.3f} ms ({ms_old / ms_new:.2f}x); max abs diff {diff:.1e}")
+        del sets, old, new
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return rows
+
+
 # ----------------------------------------------------------------------------- memory
 def run_memory(device, g, quick, best):
     shapes = [256, 512] if quick else [1024, 4096, 16384, 65536]
@@ -456,8 +531,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test; CPU interpreter too)")
     ap.add_argument("--sweep", action="store_true", help="sweep tile configs and split counts first")
     ap.add_argument("--out", default=None, help="directory for bench.json and bench.log")
-    ap.add_argument("--only", choices=["all", "prefill", "decode"], default="all",
-                    help="time only the prefill or only the decode kernels (correctness checks always run)")
+    ap.add_argument("--only", choices=["all", "prefill", "decode", "mixed"], default="all",
+                    help="time only the prefill, the decode kernels or mixed steps (correctness checks always run)")
     args = ap.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -495,21 +570,26 @@ def main() -> int:
     log(f"## configs: prefill {({str(k): v for k, v in best.items()} or default_p)}; decode {dcfg}")
     result["configs"] = {"prefill": {str(k): v for k, v in best.items()}, "decode": dcfg}
 
-    pre, dec, mem = [], [], []
+    pre, dec, mix, mem = [], [], [], []
     if args.only in ("all", "prefill"):
         log(f"## prefill ({time.time() - t0:.0f}s)")
         pre = run_prefill(device, g, args.quick, best)
     if args.only in ("all", "decode"):
         log(f"## decode ({time.time() - t0:.0f}s)")
         dec = run_decode(device, g, args.quick, num_sms, dcfg, args.sweep)
+    if args.only in ("all", "mixed"):
+        log(f"## mixed steps ({time.time() - t0:.0f}s)")
+        mix = run_mixed(device, g, args.quick, num_sms)
     if args.only == "all":
         log(f"## memory ({time.time() - t0:.0f}s)")
         mem = run_memory(device, g, args.quick, best)
-    result.update(prefill=pre, decode=dec, memory=mem)
+    result.update(prefill=pre, decode=dec, mixed=mix, memory=mem)
 
     for r in pre + dec:
         bad = not (r["err"]["paged"] <= 1e-2 and r["err"]["dense"] <= 1e-2) if "tflops" in r else not (r["err"] <= 1e-2)
         failed |= bad
+    for r in mix:  # the same rows from two kernels: bf16 rounding of differently ordered fp32 sums
+        failed |= not (r["max_abs_diff"] <= 2e-2)
 
     lines = []
     lines.append(f"Kernels bench: {gpu}, torch {torch.__version__}, triton {triton.__version__}, bf16, Hq={HQ} Hkv={HKV} D={D}")
@@ -532,6 +612,15 @@ def main() -> int:
             f"| | {r['batch']} | {r['ctx']} | {r['splits']} | {r['tbps']:.2f} | {r['us']:.1f} | {r['sdpa_tbps']:.2f} | "
             f"{r['sdpa_us']:.1f} | {r['tbps'] / r['sdpa_tbps']:.2f}x | {r['eager_tbps']:.2f} / {r['sdpa_eager_tbps']:.2f} | "
             f"{r['err']:.1e} / {r['sdpa_err']:.1e} |"
+        )
+    lines.append("")
+    lines.append("| mixed step, one layer (CUDA graph) | ms old: prefill kernel for all rows | ms new: decode kernel + "
+                 "prefill kernel skipping decode rows | ratio old/new | decode splits | max abs diff |")
+    lines.append("|---|---|---|---|---|---|")
+    for r in mix:
+        lines.append(
+            f"| {r['decode_rows']} decode rows ctx {r['ctx']} + {r['chunk']}-token chunk | {r['ms_old']:.3f} | "
+            f"{r['ms_new']:.3f} | {r['ms_old'] / r['ms_new']:.2f}x | {r['splits']} | {r['max_abs_diff']:.1e} |"
         )
     lines.append("")
     lines.append("| prefill memory (B=1, causal, paged) | S | peak extra MiB (incl. output) | output MiB | S^2 fp32 score matrix MiB |")

@@ -9,9 +9,12 @@ captured size, replays, and reads the rows of its real tokens.
   rows store nothing (slot -1) and attend to one token of block 0.
 * :class:`PrefillGraphs`: one graph per padded token count for every other step (prefills,
   prompt chunks, decodes mixed with chunks) -- vLLM's "full" CUDA-graph mode for mixed batches.
-  This works because the prefill attention kernel's grid depends only on tensor shapes (the
-  padded token count and sequence count), never on the step's lengths; padding tokens belong to
-  no sequence and store nothing, padding sequences have no tokens.
+  This works because the attention kernels' grids depend only on tensor shapes (the padded token
+  count and sequence count) and host ints fixed per graph (the decode kernel's split count, from
+  the padded sequence count and max_model_len), never on the step's lengths; padding tokens
+  belong to no sequence and store nothing, padding sequences have no tokens. The Triton backend
+  runs the decode rows of such a step through the decode kernel (``cu_seqlens_q`` mode) and the
+  rest through the prefill kernel, both in the graph.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
 """Triton attention backend: the engine's backend on CUDA (see ``engine.attention``).
 
 Stores the step's keys/values with :func:`kernels.kv_cache.store_kv_cache`, then runs the
-split-KV paged decode kernel when every sequence has one new token, else the varlen paged
-prefill kernel. Off CUDA it runs only under the Triton interpreter (``TRITON_INTERPRET=1``).
+split-KV paged decode kernel when every sequence has one new token. Any other step (prefill, or
+a mixed step of decodes and prompt chunks) runs the decode kernel in its varlen mode on the
+sequences with one new token and the varlen paged prefill kernel on the others
+(``split_mixed_steps``; otherwise the prefill kernel computes every row). Off CUDA it runs only
+under the Triton interpreter (``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -23,11 +26,20 @@ class TritonAttentionBackend:
     The decode scratch (``partial_out``, ``partial_lse``) is allocated on first use for each
     (batch, heads, head_dim, num_splits, device) and reused by later steps and layers, so
     repeated steps allocate nothing but their outputs.
+
+    Args:
+        split_mixed_steps: in steps that are not pure decode, compute the rows of sequences with
+            one new token with the split-KV decode kernel (GQA-packed, each KV block read once
+            per KV head) and only the others with the prefill kernel, instead of a whole
+            ``BLOCK_M``-row query tile per query head for each of them. Both launches have
+            shape-only grids, so the step stays capturable in a CUDA graph. False restores the
+            single prefill launch (benchmarks).
     """
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, split_mixed_steps: bool = True) -> None:
+        self.split_mixed_steps = split_mixed_steps
         self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._num_sms: dict[torch.device, int] = {}
 
@@ -71,11 +83,18 @@ class TritonAttentionBackend:
         store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         num_seqs = meta.block_tables.shape[0]
-        if meta.is_decode and q.shape[0] == num_seqs:
+        decode = meta.is_decode and q.shape[0] == num_seqs
+        if decode or (self.split_mixed_steps and num_seqs > 0):
+            # pure decode: one row per sequence; mixed step: the rows of sequences with one new
+            # token (row cu_seqlens_q[b]), the others left to the prefill launch below
             _, num_heads, head_dim = q.shape
             splits = choose_num_splits(num_seqs, k_cache.shape[2], meta.max_seq_len, self._sm_count(q.device))
             po, plse = self.scratch(num_seqs, num_heads, head_dim, splits, q.device)
-            return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, scale, po, plse, splits)
+            decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, scale, po, plse, splits,
+                             cu_seqlens_q=None if decode else meta.cu_seqlens_q)
+            if decode:
+                return out
         return prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, out, scale, causal=True
+            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, out, scale, causal=True,
+            skip_decode_rows=self.split_mixed_steps,
         )

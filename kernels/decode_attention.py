@@ -11,7 +11,14 @@ rows of one ``[BLOCK_G, D]`` tile, so each KV block is read from memory once, an
 keys are swept with the FlashAttention-2 online softmax (fp32 running max / sum / accumulator).
 Each split writes its normalised partial output and its log-sum-exp; stage 2 merges the splits
 with weights ``exp(lse_s - max lse)``. With one split, stage 1 writes ``out`` directly and stage 2
-is skipped. Imports only torch and triton.
+is skipped.
+
+Mixed steps (``cu_seqlens_q`` given, constexpr ``VARLEN``): ``q``/``out`` are the packed
+``[T, H_q, D]`` tensors of a step that also carries prompt chunks; each program of both stages
+reads ``cu_seqlens_q[b]``, ``cu_seqlens_q[b + 1]`` and returns at once unless sequence ``b`` has
+exactly one new token, whose query and output are row ``cu_seqlens_q[b]``. The scratch stays
+indexed by ``b``. The prefill kernel (``skip_decode_rows=True``) computes the other rows. Imports
+only torch and triton.
 """
 
 from __future__ import annotations
@@ -28,6 +35,13 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _packed_row(cu_q_ptr, seq):
+    """First row ``cu_q[seq]`` (int64) of sequence ``seq`` in a packed batch and its new-token count."""
+    start = tl.load(cu_q_ptr + seq)
+    return start.to(tl.int64), tl.load(cu_q_ptr + seq + 1) - start
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -37,6 +51,7 @@ def _decode_split_kernel(
     plse_ptr,
     block_tables_ptr,
     seq_lens_ptr,
+    cu_q_ptr,
     qk_scale,
     num_splits,
     stride_qb,
@@ -68,10 +83,17 @@ def _decode_split_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     BT_PREFETCH: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
+    seq64 = seq.to(tl.int64)
+    row64 = seq64
+    if VARLEN:  # mixed step: packed q/out rows, only sequences with one new token computed here
+        row64, q_len = _packed_row(cu_q_ptr, seq)
+        if q_len != 1:
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
     # Split s covers keys [s * split_len, (s + 1) * split_len), split_len a multiple of BLOCK_N.
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -83,9 +105,8 @@ def _decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     g_ok = offs_g < NUM_GROUPS
     heads = kv_head * NUM_GROUPS + offs_g
-    seq64 = seq.to(tl.int64)
     q = tl.load(
-        q_ptr + seq64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        q_ptr + row64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
         mask=g_ok[:, None],
         other=0.0,
     )
@@ -118,7 +139,7 @@ def _decode_split_kernel(
         tl.store(po_ptrs, acc, mask=g_ok[:, None])
         tl.store(plse_ptr + seq64 * stride_plb + heads * stride_plh + split, lse, mask=g_ok)
     else:
-        o_ptrs = out_ptr + seq64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+        o_ptrs = out_ptr + row64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
@@ -127,6 +148,7 @@ def _decode_reduce_kernel(
     out_ptr,
     po_ptr,
     plse_ptr,
+    cu_q_ptr,
     num_splits,
     stride_ob,
     stride_oh,
@@ -138,9 +160,15 @@ def _decode_reduce_kernel(
     stride_plh,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
+    row = seq
+    if VARLEN:  # as in stage 1
+        row, q_len = _packed_row(cu_q_ptr, seq)
+        if q_len != 1:
+            return
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     s_ok = offs_s < num_splits
@@ -153,7 +181,7 @@ def _decode_reduce_kernel(
         other=0.0,
     )
     o = tl.sum(po * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d * stride_od, o.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d * stride_od, o.to(out_ptr.dtype.element_ty))
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -244,24 +272,34 @@ def decode_attention(
     num_splits: int,
     *,
     config: dict | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged decode attention, one query token per sequence, split-KV (Triton).
 
-    Same semantics as :func:`kernels.reference.decode_attention_ref`.
+    Same semantics as :func:`kernels.reference.decode_attention_ref`. With ``cu_seqlens_q``
+    (a mixed step), the same for the decode rows of a packed batch only: sequence ``b``'s query
+    is row ``cu_seqlens_q[b]`` of ``q`` when it has exactly one new token
+    (``cu_seqlens_q[b + 1] - cu_seqlens_q[b] == 1``); sequences with 0 or more than 1 new tokens
+    are skipped, their rows of ``out`` (and rows past ``cu_seqlens_q[B]``) left untouched, their
+    ``block_tables`` rows and ``seq_lens`` not read. Pair it with
+    ``prefill_attention(..., skip_decode_rows=True)`` for the other rows.
 
     Args:
-        q: ``[B, H_q, D]`` float16 / bfloat16 / float32, any strides.
+        q: ``[B, H_q, D]`` (``[T, H_q, D]`` packed with ``cu_seqlens_q``) float16 / bfloat16 /
+            float32, any strides.
         k_cache, v_cache: ``[num_blocks, block_size, H_kv, D]`` of q's dtype; ``H_q % H_kv == 0``;
             D a power of two in [16, 256].
         block_tables: int32 ``[B, max_blocks]`` (rows contiguous); seq_lens: int32 ``[B]``, each
-            ``>= 1``.
-        out: ``[B, H_q, D]`` like ``q``; written in place and returned.
+            ``>= 1`` (for the computed sequences).
+        out: like ``q``; written in place and returned.
         scale: softmax scale.
         partial_out: float32 ``[B, H_q, S, D]`` with ``S >= num_splits``, last dim contiguous;
             partial_lse: float32 ``[B, H_q, S]`` (log2-domain log-sum-exp), last dim contiguous.
             Scratch from :func:`decode_scratch`; unused when ``num_splits == 1``.
         num_splits: host int >= 1, e.g. from :func:`choose_num_splits`; sizes the grid.
         config: optional stage-1 tile override ``{BLOCK_N, num_warps, num_stages}`` (benchmarks).
+        cu_seqlens_q: optional int32 ``[B + 1]`` on q's device, non-decreasing, with
+            ``cu_seqlens_q[B] <= T`` (not checked: it lives on the device).
 
     Returns:
         ``out``.
@@ -269,12 +307,23 @@ def decode_attention(
     Raises:
         ValueError: on inconsistent shapes, dtypes, devices, strides or ``num_splits < 1``.
 
+    Grid: ``(H_kv, B, num_splits)`` and ``(H_q, B)`` for the reduction, from shapes and the host
+    int ``num_splits`` only (with ``cu_seqlens_q``, skipped sequences' programs return at once),
+    so a launch can be captured in a CUDA graph at a padded ``T`` and ``B``.
+
     Algorithm: Flash-Decoding (Dao et al. 2023 blog) with FlashAttention-2's online softmax;
     the query heads of one KV head form one tile so each KV block is read once.
     """
+    varlen = cu_seqlens_q is not None
     if q.dim() != 3:
-        raise ValueError(f"q must be [B, H_q, D], got {tuple(q.shape)}")
-    b, hq, d = q.shape
+        raise ValueError(f"q must be [{'T' if varlen else 'B'}, H_q, D], got {tuple(q.shape)}")
+    t, hq, d = q.shape
+    b = t
+    if varlen:
+        if (cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1 or cu_seqlens_q.dtype != torch.int32
+                or cu_seqlens_q.device != q.device):
+            raise ValueError("cu_seqlens_q must be an int32 [B + 1] tensor on q's device")
+        b = cu_seqlens_q.shape[0] - 1
     if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
         raise ValueError("out must match q's shape, dtype and device")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -316,7 +365,7 @@ def decode_attention(
     devs = {k_cache.device, v_cache.device, block_tables.device, seq_lens.device, partial_out.device, partial_lse.device}
     if devs != {q.device}:
         raise ValueError("all tensors must be on q's device")
-    if b == 0:
+    if b == 0 or t == 0:
         return out
     # Triton's CPU interpreter multiplies bf16 as raw uint16 in tl.dot: compute 16-bit in fp32 there.
     upcast = q.device.type != "cuda" and q.dtype != torch.float32
@@ -325,8 +374,9 @@ def decode_attention(
         cfg.update(config)
     group = hq // hkv
     split = num_splits > 1
+    cu_q = cu_seqlens_q if varlen else seq_lens  # unused placeholder without VARLEN
     _decode_split_kernel[(hkv, b, num_splits)](
-        q, k_cache, v_cache, out, partial_out, partial_lse, block_tables, seq_lens,
+        q, k_cache, v_cache, out, partial_out, partial_lse, block_tables, seq_lens, cu_q,
         float(scale) * _LOG2E, num_splits,
         q.stride(0), q.stride(1), q.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
@@ -344,17 +394,19 @@ def decode_attention(
         DOT_PREC="ieee" if q.dtype == torch.float32 or upcast else "tf32",
         UPCAST=upcast,
         BT_PREFETCH=bool(cfg.get("BT_PREFETCH", False)),
+        VARLEN=varlen,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
     if split:
         _decode_reduce_kernel[(hq, b)](
-            out, partial_out, partial_lse, num_splits,
+            out, partial_out, partial_lse, cu_q, num_splits,
             out.stride(0), out.stride(1), out.stride(2),
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
             partial_lse.stride(0), partial_lse.stride(1),
             HEAD_DIM=d,
             BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
+            VARLEN=varlen,
             num_warps=4,
         )
     return out

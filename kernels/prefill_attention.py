@@ -207,6 +207,7 @@ def _prefill_kernel(
     UPCAST: tl.constexpr,
     USE_TMA: tl.constexpr,
     BT_PREFETCH: tl.constexpr,
+    SKIP_DECODE: tl.constexpr,
 ):
     head = tl.program_id(0)
     # The flat slot axis is walked in reverse: within a sequence its last (heaviest under the
@@ -221,6 +222,11 @@ def _prefill_kernel(
     # cu_q[B] add to the grid all fall to the last sequence, past its q_len.
     if m_blk * BLOCK_M >= q_len:
         return
+    # mixed step: decode rows (one new token) are computed by the split-KV decode kernel; the
+    # constexpr test stays outside so that the flag off compiles no comparison at all
+    if SKIP_DECODE:  # noqa: SIM102
+        if q_len == 1:
+            return
     if PAGED:
         seq_len = tl.load(seq_lens_ptr + seq)
         k_start = 0
@@ -334,7 +340,7 @@ def _tma_ok(k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _launch(q, k, v, out, block_tables, cu_q, seq_lens, cu_k, scale, causal,
-            paged, page_size, stride_kb, stride_vb, stride_bt, config):
+            paged, page_size, stride_kb, stride_vb, stride_bt, config, skip_decode=False):
     t, hq, d = q.shape
     hkv = k.shape[-2]
     num_seqs = cu_q.shape[0] - 1
@@ -377,6 +383,7 @@ def _launch(q, k, v, out, block_tables, cu_q, seq_lens, cu_k, scale, causal,
         UPCAST=upcast,
         USE_TMA=use_tma,
         BT_PREFETCH=bool(cfg.get("BT_PREFETCH", False)) and paged,
+        SKIP_DECODE=bool(skip_decode),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -395,6 +402,7 @@ def prefill_attention(
     causal: bool = True,
     *,
     config: dict | None = None,
+    skip_decode_rows: bool = False,
 ) -> torch.Tensor:
     """Varlen (packed) attention of new query tokens over the paged KV cache (Triton).
 
@@ -415,6 +423,9 @@ def prefill_attention(
         scale: softmax scale (usually ``D ** -0.5``).
         causal: bottom-right aligned causal mask (query j at position ``seq_len - q_len + j``).
         config: optional tile override ``{BLOCK_M, BLOCK_N, num_warps, num_stages}`` (benchmarks).
+        skip_decode_rows: when True (a compile-time flag of the kernel), sequences with exactly
+            one new token are skipped like padding: their rows of ``out`` are left untouched for
+            ``decode_attention(..., cu_seqlens_q=cu_seqlens_q)`` to fill (mixed steps).
 
     Returns:
         ``out``.
@@ -456,7 +467,7 @@ def prefill_attention(
     return _launch(
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, cu_seqlens_q, scale,
         causal, True, page_size, k_cache.stride(0), v_cache.stride(0),
-        block_tables.stride(0), config,
+        block_tables.stride(0), config, skip_decode_rows,
     )
 
 

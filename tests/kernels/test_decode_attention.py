@@ -83,3 +83,57 @@ def test_decode_rejects_bad_inputs(device):
         decode_attention(q, kc, kc, bt, sl.long(), torch.empty_like(q), 0.1, po, plse, 2)
     with pytest.raises(ValueError):  # fp16 scratch
         decode_attention(q, kc, kc, bt, sl, torch.empty_like(q), 0.1, po.half(), plse, 2)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError):  # int64 cu_seqlens_q
+        decode_attention(q, kc, kc, bt, sl, torch.empty_like(q), 0.1, po, plse, 2, cu_seqlens_q=cu.long())
+    with pytest.raises(ValueError):  # B + 1 = 4 entries against 2 block-table rows
+        decode_attention(q, kc, kc, bt, sl, torch.empty_like(q), 0.1, po, plse, 2, cu_seqlens_q=cu[[0, 1, 2, 2]])
+
+
+VARLEN_CASES = [
+    # q_lens (0: padding sequence, 1: decode row, > 1: prompt chunk), cached prefix lens, Hq, Hkv, D,
+    # block_size, dtype, num_splits, padding tokens past cu_seqlens_q[B]
+    ([1, 0, 5, 1, 1, 17, 0, 0], [40, 0, 10, 0, 100, 7, 0, 0], 8, 2, 64, 16, torch.float32, 1, 6),
+    ([3, 1, 0, 1, 1, 0], [0, 300, 0, 15, 64, 0], 8, 2, 128, 32, torch.bfloat16, 4, 3),
+    ([0, 1, 40, 1], [0, 129, 33, 16], 4, 1, 64, 16, torch.float16, 3, 0),
+]
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens,hq,hkv,d,block_size,dtype,num_splits,pad", VARLEN_CASES)
+def test_decode_varlen_computes_decode_rows_only(device, q_lens, ctx_lens, hq, hkv, d, block_size, dtype,
+                                                 num_splits, pad):
+    """Mixed-step mode (cu_seqlens_q): the row cu_seqlens_q[b] of every sequence with one new token
+    matches decode_attention_ref; rows of other sequences and padding rows keep their sentinel."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    k_cache, v_cache, block_tables = make_paged(seq_lens, hkv, d, block_size, dtype, g)
+    b, t = len(q_lens), sum(q_lens) + pad
+    qkv = torch.randn(t, hq + 2 * hkv, d, generator=g).to(dtype)
+    q = qkv[:, :hq]  # non-contiguous, like the model's view
+    cu = torch.zeros(b + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    dec = [i for i, n in enumerate(q_lens) if n == 1]
+    rows = cu[dec].long()
+    scale = d**-0.5
+    ref = torch.empty(len(dec), hq, d)
+    decode_attention_ref(q[rows].float(), k_cache.float(), v_cache.float(), block_tables[dec], sl[dec], ref, scale)
+
+    sentinel = 7.0
+    out = torch.full((t, hq, d), sentinel, dtype=dtype, device=device)
+    po, plse = decode_scratch(b, hq, d, num_splits, device)
+    po.fill_(float("nan"))
+    plse.fill_(float("nan"))
+    res = decode_attention(
+        q.to(device), k_cache.to(device), v_cache.to(device), block_tables.to(device), sl.to(device),
+        out, scale, po, plse, num_splits, cu_seqlens_q=cu.to(device),
+    )
+    assert res is out
+    out = out.cpu()
+    err = rel_err(out[rows], ref)
+    assert err <= TOL[dtype], f"rel err {err:.2e} (seed={seed})"
+    untouched = torch.ones(t, dtype=torch.bool)
+    untouched[rows] = False
+    assert (out[untouched] == sentinel).all(), f"rows of skipped sequences or padding written (seed={seed})"
+

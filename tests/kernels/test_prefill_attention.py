@@ -236,3 +236,39 @@ def test_prefill_mixed_batch_matches_reference(device, block_m, causal):
     assert torch.isfinite(out).all(), f"unwritten or NaN output (seed={seed})"
     err = rel_err(out.cpu(), ref)
     assert err <= TOL[dtype], f"rel err {err:.2e} (seed={seed})"
+
+
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens,pad,hq,hkv,d,dtype,block_m",
+    [
+        ([1, 70, 1, 0, 33, 1, 0], [40, 0, 0, 0, 20, 129, 0], 5, 4, 2, 64, torch.float32, 32),
+        ([2, 1, 1, 17], [30, 15, 0, 3], 0, 8, 2, 128, torch.bfloat16, 16),
+    ],
+)
+def test_prefill_skip_decode_rows(device, q_lens, ctx_lens, pad, hq, hkv, d, dtype, block_m):
+    """skip_decode_rows: rows of sequences with one new token (left to the decode kernel) and
+    padding rows keep their sentinel; every other row matches the reference."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    k_cache, v_cache, block_tables = make_paged(seq_lens, hkv, d, 16, dtype, g)
+    t = sum(q_lens)
+    q = torch.randn(t + pad, hq, d, generator=g).to(dtype)
+    cu, sl = _cu(q_lens), torch.tensor(seq_lens, dtype=torch.int32)
+    ref = torch.empty(t + pad, hq, d)
+    prefill_attention_ref(q.float(), k_cache.float(), v_cache.float(), block_tables, cu, sl, ref, d**-0.5)
+    sentinel = 7.0
+    out = torch.full(q.shape, sentinel, dtype=dtype, device=device)
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    prefill_attention(
+        q.to(device), k_cache.to(device), v_cache.to(device), block_tables.to(device), cu.to(device),
+        sl.to(device), out, d**-0.5, config=cfg, skip_decode_rows=True,
+    )
+    out = out.cpu()
+    computed = torch.zeros(t + pad, dtype=torch.bool)
+    for i, n in enumerate(q_lens):
+        if n > 1:
+            computed[int(cu[i]) : int(cu[i + 1])] = True
+    assert (out[~computed] == sentinel).all(), f"decode or padding rows written (seed={seed})"
+    err = rel_err(out[computed], ref[computed])
+    assert err <= TOL[dtype], f"rel err {err:.2e} (seed={seed})"

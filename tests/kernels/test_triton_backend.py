@@ -1,4 +1,5 @@
-"""TritonAttentionBackend against the torch backend over a chunked-prefill + decode sequence."""
+"""TritonAttentionBackend against the torch backend over a chunked-prefill + decode sequence, and
+against the reference on padded mixed steps (decode rows through the decode kernel)."""
 
 import os
 
@@ -7,6 +8,10 @@ import torch
 
 from engine.attention import AttentionMetadata, TorchAttentionBackend, get_attention_backend
 from engine.triton_backend import TritonAttentionBackend
+from kernels.decode_attention import choose_num_splits
+from kernels.reference import prefill_attention_ref, store_kv_cache_ref
+
+from .test_prefill_attention import make_paged, rel_err
 
 
 def _meta(block_tables, ctx_lens, q_lens, block_size, device, pad=0):
@@ -65,3 +70,58 @@ def test_triton_backend_matches_torch_backend(device, dtype):
         assert torch.equal(k_cache.cpu(), ref_k.to(dtype)) and torch.equal(v_cache.cpu(), ref_v.to(dtype))
         scratch_ids |= {id(buf[0]) for buf in triton_be._scratch.values()}
     assert len(scratch_ids) <= 1  # decode scratch allocated once and reused
+
+
+@pytest.mark.parametrize(
+    "dtype,num_sms,max_seq_len,split_mixed",
+    [
+        (torch.float32, 4, None, True),  # one decode split
+        (torch.bfloat16, 64, 1024, True),  # several splits (max_seq_len as a captured graph passes it)
+        (torch.float32, 4, None, False),  # the single prefill launch
+    ],
+)
+def test_triton_backend_mixed_step_matches_reference(device, dtype, num_sms, max_seq_len, split_mixed):
+    """A mixed step (decodes + prompt chunks, cached prefixes, padding tokens past cu_seqlens_q[B]
+    and padding sequences with stale block tables) equals prefill_attention_ref on every real row,
+    whether the decode rows go through the decode kernel or the prefill kernel."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    hq, hkv, d, bs = 8, 2, 64, 16
+    q_lens = [1, 20, 1, 1, 3, 1, 0, 0]  # the last two: padding sequences
+    ctx_lens = [137, 5, 0, 60, 0, 16, 0, 0]
+    pad_tokens = 7
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    k_cache, v_cache, block_tables = make_paged(seq_lens, hkv, d, bs, dtype, g)
+    num_blocks = k_cache.shape[0]
+    pad_seqs = [i for i, n in enumerate(q_lens) if not n]
+    # stale values of earlier steps in the padding sequences' rows (a graph's static buffers)
+    block_tables[pad_seqs] = torch.randint(0, num_blocks, (len(pad_seqs), block_tables.shape[1]), generator=g,
+                                           dtype=torch.int32)
+    t = sum(q_lens)
+    q = torch.randn(t + pad_tokens, hq, d, generator=g).to(dtype)
+    k = torch.randn(t + pad_tokens, hkv, d, generator=g).to(dtype)
+    v = torch.randn(t + pad_tokens, hkv, d, generator=g).to(dtype)
+    meta = _meta(block_tables, ctx_lens, q_lens, bs, "cpu", pad=pad_tokens)
+    meta.seq_lens[pad_seqs] = torch.randint(1, 40, (len(pad_seqs),), generator=g, dtype=torch.int32)
+    if max_seq_len is not None:
+        meta.max_seq_len = max_seq_len
+    if num_sms == 64:
+        assert choose_num_splits(len(q_lens), hkv, meta.max_seq_len, num_sms) > 1
+
+    ref_k, ref_v = k_cache.float(), v_cache.float()
+    store_kv_cache_ref(k.float(), v.float(), ref_k, ref_v, meta.slot_mapping)
+    ref = torch.zeros(t, hq, d)
+    prefill_attention_ref(q[:t].float(), ref_k, ref_v, block_tables, meta.cu_seqlens_q, meta.seq_lens, ref, d**-0.5)
+
+    be = TritonAttentionBackend(split_mixed_steps=split_mixed)
+    be._num_sms[torch.device(device)] = num_sms
+    dev_meta = AttentionMetadata(**{f: (x.to(device) if isinstance(x, torch.Tensor) else x)
+                                    for f, x in vars(meta).items()})
+    k_cache, v_cache = k_cache.to(device), v_cache.to(device)
+    out = be.forward(q.to(device), k.to(device), v.to(device), k_cache, v_cache, dev_meta, d**-0.5).cpu()
+    assert out.shape == q.shape and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    dec_rows = [int(meta.cu_seqlens_q[i]) for i, n in enumerate(q_lens) if n == 1]
+    for name, rows in (("all rows", list(range(t))), ("decode rows", dec_rows)):
+        err = rel_err(out[rows], ref[rows])
+        assert err <= tol, f"{name}: rel err {err:.2e} (seed={seed})"
