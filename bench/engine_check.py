@@ -24,6 +24,7 @@ from engine.request import SamplingParams  # noqa: E402
 def engine(ckpt, backend, graphs=False, async_scheduling=True, compile_mode=None):
     return LLMEngine(EngineConfig(model=ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=4096,
                                   num_kv_blocks=2048, attention_backend=backend, cuda_graph=graphs, max_num_seqs=64,
+                                  max_num_batched_tokens=4096,  # every check batch in one step
                                   enable_prefix_caching=False, async_scheduling=async_scheduling,
                                   compile_mode=compile_mode), eos_token_ids=frozenset())
 
@@ -90,16 +91,32 @@ def main() -> int:
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     dec_prompts = [torch.randint(0, 150000, (n,), generator=gen).tolist() for n in (5, 33, 64, 200, 300, 31, 7, 128)]
     out_torch = ref_eng.generate(dec_prompts, params)
-    del ref_eng
     out_graph = graph_eng.generate(dec_prompts, params)
 
     def match(a, b):
         same = sum(x == y for oa, ob in zip(a, b) for x, y in zip(oa, ob))
         return same / sum(len(o) for o in a)
 
-    # Greedy decoding in bf16 may diverge after a near-tie; report the prefix agreement.
-    print(f"greedy 8x32 tokens, production engine vs torch eager: agreement {match(out_graph, out_torch):.3f}")
-    ok &= match(out_graph, out_torch) >= 0.8
+    # Greedy paths in bf16 part after a near-tie, so positional agreement is only indicative.
+    # The check: score the production engine's greedy tokens with the reference engine
+    # (teacher-forced, every position of prompt + output) -- each chosen token must be the
+    # reference's argmax or within the bf16 logit error of it (3x the 99.9th percentile of
+    # |production - reference| over the prefill logits above).
+    diff = (got - ref).abs().float().flatten()
+    err = diff[torch.randint(0, diff.numel(), (1 << 20,), generator=gen).to(diff.device)].quantile(0.999).item()
+    near, total = 0, 0
+    for prompt, out in zip(dec_prompts, out_graph):
+        seq_logits = prefill_logits(ref_eng, [prompt + out[:-1]])[len(prompt) - 1:]
+        for row, tok in zip(seq_logits, out):
+            total += 1
+            near += bool(row[tok] >= row.max() - 3 * err)
+    consistent = near / total
+    print(f"greedy 8x32 tokens, production engine vs torch eager: positional agreement "
+          f"{match(out_graph, out_torch):.3f}; production tokens within 3x the logit error "
+          f"({3 * err:.3f}) of the reference's top logit: {consistent:.3f}")
+    ok &= consistent >= 0.99
+    del ref_eng
+
     # prefill/mixed-step CUDA graphs against the same engine's eager prefill (same weights)
     lp_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5, ignore_eos=True)
     lp_prompts = [torch.randint(0, 150000, (n,), generator=gen).tolist() for n in (3, 40, 130, 700, 1500)]

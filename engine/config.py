@@ -114,10 +114,11 @@ class EngineConfig:
             CUDA, from free memory (``gpu_memory_utilization``).
         kv_cache_memory_gb: KV cache budget in GiB when ``num_kv_blocks`` is None.
         max_num_seqs: most requests running at once.
-        max_num_batched_tokens: token budget of one step (prefill chunks + decodes). 2048 keeps
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes). 1024 keeps
             a step that mixes prompt chunks with decodes short, so running streams see steady
-            inter-token latency; on the H200 at concurrency 64 it gave the same throughput as
-            8192 with a lower p99 ITL (docs/benchmarks.md, third session).
+            inter-token latency: on the H200 at concurrency 64, p99 ITL 9.5 ms (2.8x the median)
+            against 14.7 ms at 2048, at 11.3k against 12.6k output tok/s
+            (docs/benchmarks.md, third session). Offline batch jobs may prefer 8192 or more.
         attention_backend: "triton", "torch" or None (triton on CUDA, torch on CPU).
         enable_prefix_caching: share full KV blocks between requests with the same prefix.
         enable_chunked_prefill: split long prompts over several steps within the token budget.
@@ -144,7 +145,7 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.85
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 1024
     attention_backend: str | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True

@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--gpu-memory-utilization", type=float, default=_env("gpu_memory_utilization", 0.85),
       help="fraction of GPU memory the engine may fill (weights + KV cache) when the KV budget is not given")
     a("--max-num-seqs", type=int, default=_env("max_num_seqs", 256), help="most requests running at once")
-    a("--max-num-batched-tokens", type=int, default=_env("max_num_batched_tokens", 2048),
+    a("--max-num-batched-tokens", type=int, default=_env("max_num_batched_tokens", 1024),
       help="token budget of one engine step (prefill chunks + decodes)")
     a("--served-model-name", default=_env("served_model_name"), help="model id in the API; unset: the checkpoint directory's name (qwen3-embedded for the embedded model)")
     a("--attention-backend", default=_env("attention_backend"), choices=["triton", "torch"],
