@@ -8,6 +8,7 @@ message. This is the split vLLM's V1 engine makes (its EngineCore process), for 
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import sys
@@ -32,6 +33,10 @@ def _child_main(config: EngineConfig, eos_token_ids, conn, log_level: int, log_i
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails its start-up
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
+    # The model, caches and compiled code are permanent: keep them out of the garbage collector's
+    # full passes, which would otherwise walk them all and pause the engine loop (vLLM does the same).
+    gc.collect()
+    gc.freeze()
     conn.send(("ready", engine.limits))
 
     def next_commands(timeout: float) -> list[tuple]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import os
 import re
@@ -162,6 +163,10 @@ def main(argv: list[str] | None = None) -> None:
     ctx = build_context(args)
     app = create_app(ctx)
     log.info("serving %s on http://%s:%d", ctx.model_name, args.host, args.port)
+    # What start-up built lives as long as the server: keep it out of the garbage collector's full
+    # passes, whose pauses would otherwise stall every stream (vLLM freezes after start-up too).
+    gc.collect()
+    gc.freeze()
     make_server(app, args).run()
     return 0
 
