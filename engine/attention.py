@@ -23,8 +23,11 @@ class AttentionMetadata:
         block_tables: int32 ``[B, max_blocks_per_seq]`` physical block ids per sequence.
         seq_lens: int32 ``[B]`` tokens in the cache per sequence after this step's store.
         cu_seqlens_q: int32 ``[B + 1]`` offsets of each sequence's new tokens in the packed batch.
-        max_query_len: longest run of new tokens of one sequence in this step.
-        max_seq_len: largest ``seq_lens`` entry.
+        max_query_len: an upper bound of the new tokens of one sequence in this step (the
+            padded token count inside a CUDA graph); no kernel reads it (the Triton kernels
+            size their grids from tensor shapes), the runner uses it to tell decode steps apart.
+        max_seq_len: an upper bound of the ``seq_lens`` entries (``max_model_len`` inside a
+            CUDA graph); sizes the decode kernel's KV split count.
         is_decode: True when every sequence contributes exactly one new token; the backend may
             then use the paged-decode path (queries ``[B, H_q, D]``).
     """

@@ -49,6 +49,7 @@ class DecodeGraphs:
             (guards, wrapper) runs only at capture, not at replay.
         max_batch: largest decode batch; max_blocks_per_seq: block-table width;
         max_seq_len: the engine's max_model_len (sizes the decode split count at capture).
+        pool: a CUDA graph memory pool to share (``PrefillGraphs.pool``), or None for a new one.
     """
 
     def __init__(self, model, kv_caches, backend, max_batch: int, max_blocks_per_seq: int, max_seq_len: int,

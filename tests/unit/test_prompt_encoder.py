@@ -61,7 +61,8 @@ def _edited_copy(tmp_path, edit) -> Tokenizer:
     lambda s: s.update(normalizer={"type": "NFKC"}),
     lambda s: s["added_tokens"][0].update(lstrip=True),
     lambda s: s["model"]["merges"].reverse(),
-], ids=["nfkc-normalizer", "lstrip-added-token", "merges-not-in-rank-order"])
+    lambda s: s.update(truncation={"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}),
+], ids=["nfkc-normalizer", "lstrip-added-token", "merges-not-in-rank-order", "truncation"])
 def test_other_shapes_fall_back_to_tokenizers(tmp_path, edit):
     tok = _edited_copy(tmp_path, edit)
     enc = PromptEncoder(tok)
