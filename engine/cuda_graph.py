@@ -28,6 +28,29 @@ from engine.attention import AttentionMetadata
 log = logging.getLogger(__name__)
 
 
+def capture_graphs(sizes: list[int], run, graphs: dict, outputs: dict, pool=None):
+    """Capture ``run(size)`` once per size, largest first so smaller graphs reuse its memory.
+
+    Each size is run once eagerly first (Triton and torch.compile compilation, allocator
+    warm-up), then captured; ``graphs[size]`` gets the graph and ``outputs[size]`` the tensor
+    the captured run returned (overwritten by every replay).
+
+    Returns:
+        The memory pool the graphs share (``pool`` itself when one was given).
+    """
+    for size in reversed(sizes):
+        run(size)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[size] = run(size)
+        if pool is None:
+            pool = graph.pool()
+        graphs[size] = graph
+        torch.cuda.synchronize()
+    return pool
+
+
 def capture_sizes(max_batch: int) -> list[int]:
     """Batch sizes to capture: 1, 2, 4, 8, then every 16 up to ``max_batch`` (at most 512)."""
     sizes = [s for s in (1, 2, 4, 8) if s <= max_batch]
@@ -82,16 +105,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every batch size, largest first so smaller graphs share its memory pool."""
-        for bs in reversed(self.sizes):
-            self._run(bs)  # warm up (Triton and torch.compile compilation, allocator)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[bs] = self._run(bs)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
-            torch.cuda.synchronize()
+        self.pool = capture_graphs(self.sizes, self._run, self.graphs, self.logits, self.pool)
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def can_run(self, batch: int, max_seq_len: int) -> bool:
@@ -192,16 +206,7 @@ class PrefillGraphs:
         self.slot_mapping.fill_(-1)
         self.cu_seqlens_q.zero_()
         self.logits_indices.zero_()
-        for size in reversed(self.sizes):
-            self._run(size)  # warm up (compilation, allocator)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.hidden[size] = self._run(size)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[size] = graph
-            torch.cuda.synchronize()
+        self.pool = capture_graphs(self.sizes, self._run, self.graphs, self.hidden, self.pool)
         log.info("captured prefill/mixed-step CUDA graphs for token counts %s", self.sizes)
 
     def can_run(self, num_tokens: int, max_seq_len: int) -> bool:

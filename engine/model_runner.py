@@ -278,7 +278,7 @@ class ModelRunner:
         ``MEMORY_STATS_INTERVAL_S`` old.
 
         Each ``torch.cuda.memory_allocated``/``memory_reserved`` call builds the allocator's
-        whole statistics dict (~0.2 ms of host time); per step that was ~7 % of the engine
+        whole statistics dict (~0.2 ms of host time); per step that was ~19 % of the engine
         process's samples at concurrency 64 (py-spy, H200 run of 2026-11-29), so the values are
         re-read once a second instead (metrics are scraped every few seconds).
         """
