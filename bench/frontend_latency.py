@@ -111,7 +111,7 @@ def _traced_engine_loop(run_engine_loop, trace_file: str | None = None):
 
 def _traced_child_main(*args) -> None:
     """The engine process's entry point with the engine-loop probes installed."""
-    import engine.engine_process as ep
+    import engine.frontend.process_core as ep
 
     ep.run_engine_loop = _traced_engine_loop(ep.run_engine_loop, os.environ[_TRACE_FILE_ENV])
     ep._child_main(*args)
@@ -121,8 +121,8 @@ def _traced_child_main(*args) -> None:
 def install_engine_probes() -> None:
     """Probe the engine loop: of the thread core in this process, or of the engine process
     (its entry point, looked up when the process core starts: install before building it)."""
-    import engine.async_engine as ae
-    import engine.engine_process as ep
+    import engine.frontend.async_engine as ae
+    import engine.frontend.process_core as ep
 
     ae.run_engine_loop = _traced_engine_loop(ae.run_engine_loop)
     ep._child_main = _traced_child_main

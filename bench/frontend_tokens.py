@@ -23,10 +23,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from engine.engine import RequestOutput
-from engine.limits import EngineLimits
-from engine.request import FinishReason
-from engine.stats import StepStats
+from engine.core.outputs import RequestOutput
+from engine.core.limits import EngineLimits
+from engine.core.request import FinishReason
+from engine.core.stats import StepStats
 
 
 class ScriptedCore:
@@ -93,9 +93,9 @@ def main() -> None:
     import logging
 
     from bench.serve import make_prompts, run_level
-    from engine.async_engine import AsyncEngine
-    from engine.embedded import ensure_embedded_checkpoint
-    from engine.tokenizer import Tokenizer
+    from engine.frontend.async_engine import AsyncEngine
+    from engine.loader.embedded import ensure_embedded_checkpoint
+    from engine.frontend.tokenizer import Tokenizer
     from server.__main__ import build_parser, make_server
     from server.app import create_app
     from server.context import ServerContext

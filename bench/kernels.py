@@ -1,21 +1,21 @@
 """Benchmark of the Triton attention kernels against torch SDPA, with correctness checks.
 
 One command on a CUDA GPU (the lent H200) checks every kernel against the torch reference,
-optionally sweeps tile configurations and split counts, and prints one table:
+optionally sweeps tile configurations and split counts, and prints one table per section:
 
-    python3 bench/kernels.py [--sweep] [--out DIR]
+    python3 bench/kernels.py [--quick] [--sweep] [--only {all,prefill,decode,mixed}] [--out DIR]
 
 * prefill TFLOP/s (causal and non-causal; Hq=16, Hkv=8, D=128, bf16; (batch, S) in (16, 1024),
-  (4, 4096), (1, 16384)) for the paged kernel (block size 16, random block table) and the
-  dense-KV fast path, next to ``torch.nn.functional.scaled_dot_product_attention`` on the same
-  inputs (``enable_gqa=True``); FLOPs = 4 * B * S^2 * Hq * D, halved when causal;
+  (4, 4096), (1, 16384)) for the paged kernel (block size 16, random block table), next to
+  ``torch.nn.functional.scaled_dot_product_attention`` on the same keys/values gathered into
+  contiguous tensors (``enable_gqa=True``); FLOPs = 4 * B * S^2 * Hq * D, halved when causal;
 * decode effective bandwidth (bytes of K and V read / time) at (batch, context) in (1, 4096),
   (64, 4096), (256, 1024), (32, 16384), block size 16, next to dense SDPA decode on contiguous
   KV; timed as CUDA-graph replays cycling over enough copies of the inputs to exceed the L2;
 * mixed steps (``--only mixed``): one layer's attention of decode rows plus one prompt chunk, as
   the prefill kernel for every row against the split-KV decode kernel on the decode rows
   (``cu_seqlens_q``) plus the prefill kernel skipping them (``skip_decode_rows``), what
-  ``engine/triton_backend.py`` runs; CUDA-graph timed, with the max abs difference of the outputs;
+  ``engine/attention/triton_backend.py`` runs; CUDA-graph timed, with the max abs difference of the outputs;
 * relative error ||out - ref|| / ||ref|| against an fp32 reference for each row (sampled query
   rows for prefill);
 * peak extra memory of one prefill launch as S grows.
@@ -46,7 +46,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from kernels.decode_attention import choose_num_splits, decode_attention, decode_config, decode_scratch  # noqa: E402
 from kernels.kv_cache import store_kv_cache  # noqa: E402
-from kernels.prefill_attention import prefill_attention, prefill_attention_dense, prefill_config  # noqa: E402
+from kernels.prefill_attention import prefill_attention, prefill_config  # noqa: E402
 from kernels.reference import decode_attention_ref, prefill_attention_ref, store_kv_cache_ref  # noqa: E402
 
 HQ, HKV, D = 16, 8, 128
@@ -79,7 +79,7 @@ def paged_kv(lens, block_size, dtype, device, g, h_kv=HKV, d=D):
 
 
 def gather_dense(k_cache, v_cache, bt, lens):
-    """Contiguous [sum(lens), H_kv, D] K/V from the paged cache (the dense fast path's input)."""
+    """Contiguous [sum(lens), H_kv, D] K/V from the paged cache (the SDPA baselines' input)."""
     bs = k_cache.shape[1]
     ks, vs = [], []
     for b, n in enumerate(lens):
@@ -162,12 +162,6 @@ def check_correctness(device, g) -> list[tuple[str, float, float]]:
             prefill_attention(q, kc, vc, bt, cu, sl, out, D**-0.5, causal)
             e = rel(out, ref) if torch.isfinite(out).all() else float("inf")
             rows.append((f"prefill paged {dtype} causal={causal}", e, tol))
-            kd, vd = gather_dense(kc, vc, bt, lens)
-            cuk = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)
-            out = torch.full_like(q, float("nan"))
-            prefill_attention_dense(q, kd, vd, cu, cuk, out, D**-0.5, causal)
-            e = rel(out, ref) if torch.isfinite(out).all() else float("inf")
-            rows.append((f"prefill dense {dtype} causal={causal}", e, tol))
         # decode with several split counts
         qd = torch.randn(len(lens), HQ, D, device=device, dtype=dtype, generator=g)
         ref = torch.empty(qd.shape, device=device)
@@ -194,17 +188,13 @@ def prefill_inputs(batch, s, device, g, block_size=16):
     return dict(q=q, kc=kc, vc=vc, bt=bt, cu=cu, sl=sl, kd=kd, vd=vd, batch=batch, s=s)
 
 
-def prefill_fns(inp, causal, cfg_paged=None, cfg_dense=None):
+def prefill_fns(inp, causal, cfg_paged=None):
     q, out = inp["q"], torch.empty_like(inp["q"])
     b, s = inp["batch"], inp["s"]
     scale = D**-0.5
 
     def paged():
         prefill_attention(q, inp["kc"], inp["vc"], inp["bt"], inp["cu"], inp["sl"], out, scale, causal, config=cfg_paged)
-        return out
-
-    def dense():
-        prefill_attention_dense(q, inp["kd"], inp["vd"], inp["cu"], inp["cu"], out, scale, causal, config=cfg_dense)
         return out
 
     qs = q.view(b, s, HQ, D).transpose(1, 2)
@@ -214,7 +204,7 @@ def prefill_fns(inp, causal, cfg_paged=None, cfg_dense=None):
     def sdpa():
         return F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale, enable_gqa=True)
 
-    return paged, dense, sdpa
+    return paged, sdpa
 
 
 def prefill_reference_error(inp, causal, outs: dict, g, rows_per_seq=256):
@@ -248,45 +238,34 @@ def _pc(bm, bn, w, st, **flags):
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st, **flags}
 
 
-PREFILL_CONFIGS = {
-    "paged": [
-        _pc(128, 128, 8, 3),
-        _pc(128, 128, 8, 3, BT_PREFETCH=True),
-        _pc(128, 64, 8, 3, BT_PREFETCH=True),
-        _pc(128, 64, 8, 4, BT_PREFETCH=True),
-        _pc(64, 64, 4, 3, BT_PREFETCH=True),
-        _pc(128, 128, 8, 2, BT_PREFETCH=True),
-    ],
-    "dense": [
-        _pc(128, 128, 8, 3),
-        _pc(128, 128, 8, 3, TMA=True),
-        _pc(128, 64, 8, 3, TMA=True),
-        _pc(128, 128, 8, 2, TMA=True),
-        _pc(64, 64, 4, 3, TMA=True),
-    ],
-}
+PREFILL_CONFIGS = [
+    _pc(128, 128, 8, 3, BT_PREFETCH=False),
+    _pc(128, 128, 8, 3, BT_PREFETCH=True),
+    _pc(128, 64, 8, 3, BT_PREFETCH=True),
+    _pc(128, 64, 8, 4, BT_PREFETCH=True),
+    _pc(64, 64, 4, 3, BT_PREFETCH=True),
+    _pc(128, 128, 8, 2, BT_PREFETCH=True),
+]
 
 
 def sweep_prefill(device, g, quick):
-    """Best config for (paged, causal) and (dense, causal) at (4, 4096); returns a dict."""
+    """Best paged-kernel config per causal mode at (4, 4096); returns {("paged", causal): config}."""
     b, s = (1, 256) if quick else (4, 4096)
     inp = prefill_inputs(b, s, device, g)
     best = {}
     for causal in (True, False):
         flops = 4 * b * s * s * HQ * D * (0.5 if causal else 1.0)
-        for kind in ("paged", "dense"):
-            res = []
-            for cfg in PREFILL_CONFIGS[kind][:2] if quick else PREFILL_CONFIGS[kind]:
-                try:
-                    paged, dense, _ = prefill_fns(inp, causal, cfg, cfg)
-                    fn = paged if kind == "paged" else dense
-                    ms = bench_ms(fn, quick=True)
-                    res.append((flops / ms / 1e9, cfg))
-                    log(f"  sweep prefill {kind} causal={causal} {cfg}: {flops / ms / 1e9:.1f} TFLOP/s")
-                except Exception as e:  # a config that fails to compile is skipped
-                    log(f"  sweep prefill {kind} causal={causal} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
-            if res:
-                best[(kind, causal)] = max(res, key=lambda r: r[0])[1]
+        res = []
+        for cfg in PREFILL_CONFIGS[:2] if quick else PREFILL_CONFIGS:
+            try:
+                paged, _ = prefill_fns(inp, causal, cfg)
+                ms = bench_ms(paged, quick=True)
+                res.append((flops / ms / 1e9, cfg))
+                log(f"  sweep prefill paged causal={causal} {cfg}: {flops / ms / 1e9:.1f} TFLOP/s")
+            except Exception as e:  # a config that fails to compile is skipped
+                log(f"  sweep prefill paged causal={causal} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
+        if res:
+            best[("paged", causal)] = max(res, key=lambda r: r[0])[1]
     return best
 
 
@@ -296,17 +275,16 @@ def run_prefill(device, g, quick, best):
     for b, s in shapes:
         inp = prefill_inputs(b, s, device, g)
         for causal in (True, False):
-            cp, cd = best.get(("paged", causal)), best.get(("dense", causal))
-            paged, dense, sdpa = prefill_fns(inp, causal, cp, cd)
+            paged, sdpa = prefill_fns(inp, causal, best.get(("paged", causal)))
             flops = 4 * b * s * s * HQ * D * (0.5 if causal else 1.0)
-            outs = {"paged": paged().clone(), "dense": dense().clone(), "sdpa": sdpa()}
+            outs = {"paged": paged().clone(), "sdpa": sdpa()}
             errs = prefill_reference_error(inp, causal, outs, g)
-            t = {k: bench_ms(f, quick) for k, f in (("paged", paged), ("dense", dense), ("sdpa", sdpa))}
+            t = {k: bench_ms(f, quick) for k, f in (("paged", paged), ("sdpa", sdpa))}
             tf = {k: flops / ms / 1e9 for k, ms in t.items()}
             rows.append(dict(batch=b, s=s, causal=causal, tflops=tf, ms=t, err=errs))
             log(
-                f"  prefill B={b} S={s} causal={causal}: paged {tf['paged']:.1f} dense {tf['dense']:.1f} "
-                f"sdpa {tf['sdpa']:.1f} TFLOP/s; err paged {errs['paged']:.1e} dense {errs['dense']:.1e} sdpa {errs['sdpa']:.1e}"
+                f"  prefill B={b} S={s} causal={causal}: paged {tf['paged']:.1f} sdpa {tf['sdpa']:.1f} TFLOP/s; "
+                f"err paged {errs['paged']:.1e} sdpa {errs['sdpa']:.1e}"
             )
         del inp
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -566,7 +544,7 @@ def main() -> int:
             dcfg = sweep_decode(device, g, args.quick, num_sms)
         except Exception:
             log(traceback.format_exc())
-    default_p = {k: prefill_config(D, torch.bfloat16, device, True, k == "paged") for k in ("paged", "dense")}
+    default_p = {"paged": prefill_config(D, torch.bfloat16, device, True)}
     log(f"## configs: prefill {({str(k): v for k, v in best.items()} or default_p)}; decode {dcfg}")
     result["configs"] = {"prefill": {str(k): v for k, v in best.items()}, "decode": dcfg}
 
@@ -586,7 +564,7 @@ def main() -> int:
     result.update(prefill=pre, decode=dec, mixed=mix, memory=mem)
 
     for r in pre + dec:
-        bad = not (r["err"]["paged"] <= 1e-2 and r["err"]["dense"] <= 1e-2) if "tflops" in r else not (r["err"] <= 1e-2)
+        bad = not (r["err"]["paged"] <= 1e-2) if "tflops" in r else not (r["err"] <= 1e-2)
         failed |= bad
     for r in mix:  # the same rows from two kernels: bf16 rounding of differently ordered fp32 sums
         failed |= not (r["max_abs_diff"] <= 2e-2)
@@ -594,14 +572,13 @@ def main() -> int:
     lines = []
     lines.append(f"Kernels bench: {gpu}, torch {torch.__version__}, triton {triton.__version__}, bf16, Hq={HQ} Hkv={HKV} D={D}")
     lines.append("")
-    lines.append("| prefill | B | S | Triton paged TFLOP/s | Triton dense TFLOP/s | SDPA TFLOP/s | paged/SDPA | dense/SDPA | rel err paged / dense / SDPA |")
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+    lines.append("| prefill | B | S | Triton paged TFLOP/s | SDPA TFLOP/s | paged/SDPA | rel err paged / SDPA |")
+    lines.append("|---|---|---|---|---|---|---|")
     for r in pre:
         tf, e = r["tflops"], r["err"]
         lines.append(
-            f"| {'causal' if r['causal'] else 'non-causal'} | {r['batch']} | {r['s']} | {tf['paged']:.0f} | {tf['dense']:.0f} | "
-            f"{tf['sdpa']:.0f} | {tf['paged'] / tf['sdpa']:.2f}x | {tf['dense'] / tf['sdpa']:.2f}x | "
-            f"{e['paged']:.1e} / {e['dense']:.1e} / {e['sdpa']:.1e} |"
+            f"| {'causal' if r['causal'] else 'non-causal'} | {r['batch']} | {r['s']} | {tf['paged']:.0f} | "
+            f"{tf['sdpa']:.0f} | {tf['paged'] / tf['sdpa']:.2f}x | {e['paged']:.1e} / {e['sdpa']:.1e} |"
         )
     lines.append("")
     lines.append("| decode (block 16, CUDA graph) | B | context | splits | Triton paged TB/s | us | SDPA dense TB/s | us | ratio | "

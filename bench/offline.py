@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.common import Timer, nano_vllm_workload, random_qwen3_checkpoint  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+from engine.core.config import EngineConfig  # noqa: E402
+from engine.worker.build import build_engine  # noqa: E402
+from engine.core.request import SamplingParams  # noqa: E402
 
 
 def _free_gpu() -> None:
@@ -33,7 +33,7 @@ def _free_gpu() -> None:
 
 
 def run_ours(ckpt: str, prompts, out_lens, args) -> dict:
-    engine = LLMEngine(EngineConfig(
+    engine = build_engine(EngineConfig(
         model=ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=4096, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, cuda_graph=not args.no_cuda_graph,
         enable_prefix_caching=False,
@@ -44,7 +44,7 @@ def run_ours(ckpt: str, prompts, out_lens, args) -> dict:
         outs = engine.generate(prompts, params)
     total = sum(len(o) for o in outs)
     assert total == sum(out_lens), (total, sum(out_lens))
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
     info = engine.cache_info
     res = dict(name="qwen-serve", tokens=total, seconds=t.seconds, tok_s=total / t.seconds,
                kv_blocks=info.num_kv_blocks, preemptions=engine.scheduler.num_preemptions)
@@ -61,7 +61,7 @@ def run_ours_serve_shape(ckpt: str, args) -> dict:
 
     rng = random.Random(1)
     prompts = [[rng.randint(1000, 30000) for _ in range(1024)] for _ in range(128)]
-    engine = LLMEngine(EngineConfig(
+    engine = build_engine(EngineConfig(
         model=ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=4096, max_num_seqs=64,
         enable_prefix_caching=False,
     ), eos_token_ids=frozenset())

@@ -18,10 +18,10 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from bench.common import random_qwen3_checkpoint  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
-from engine.models.qwen3 import compiled_graph_count  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+from engine.core.config import EngineConfig  # noqa: E402
+from engine.worker.build import build_engine  # noqa: E402
+from engine.models.compile import compiled_graph_count  # noqa: E402
+from engine.core.request import SamplingParams  # noqa: E402
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
                     help="EngineConfig.compile_mode (default: the engine's, ops on CUDA)")
     args = ap.parse_args()
     ckpt = str(random_qwen3_checkpoint(args.ckpt))
-    eng = LLMEngine(EngineConfig(model=ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=4096,
+    eng = build_engine(EngineConfig(model=ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=4096,
                                  num_kv_blocks=4096, max_num_seqs=64, enable_prefix_caching=False,
                                  compile_mode=args.compile_mode),
                     eos_token_ids=frozenset())
@@ -54,7 +54,7 @@ def main() -> None:
     for i in range(3):
         print("warm-up prefill %.2f ms, decode %.2f ms/step" % run(i))
     graphs = compiled_graph_count()
-    print(f"compile_mode={eng.runner.model.compile_mode}: {graphs} whole-model graphs compiled so far")
+    print(f"compile_mode={eng.executor.model.compile_mode}: {graphs} whole-model graphs compiled so far")
     # keep the GPU clocks up, then measure again
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(20):

@@ -19,11 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-import engine.model_runner as mr  # noqa: E402
+import engine.worker.model_runner as mr  # noqa: E402
 from bench.common import nano_vllm_workload, random_qwen3_checkpoint  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+from engine.core.config import EngineConfig  # noqa: E402
+from engine.worker.build import build_engine  # noqa: E402
+from engine.core.request import SamplingParams  # noqa: E402
 
 
 def timed(acc: dict, key: str, fn, sync: bool = False):
@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--sync", action="store_true", help="turn async scheduling off")
     args = ap.parse_args()
     ckpt = str(random_qwen3_checkpoint(args.ckpt))
-    eng = LLMEngine(EngineConfig(model=ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=4096,
+    eng = build_engine(EngineConfig(model=ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=4096,
                                  max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens,
                                  enable_prefix_caching=False, async_scheduling=not args.sync),
                     eos_token_ids=frozenset())
@@ -54,7 +54,7 @@ def main() -> None:
     eng.generate([prompts[0][:64]], SamplingParams(max_tokens=8, ignore_eos=True))
 
     acc: dict[str, float] = defaultdict(float)
-    runner = eng.runner
+    runner = eng.executor
     orig = (eng.scheduler.schedule, mr.prepare_inputs, runner.launch, mr.StepHandle.result)
     eng.scheduler.schedule = timed(acc, "schedule", eng.scheduler.schedule)
     mr.prepare_inputs = timed(acc, "prepare_inputs", mr.prepare_inputs)

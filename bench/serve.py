@@ -302,12 +302,15 @@ def run_levels(name: str, base: str, model: str, args, prompts: list[str], pid: 
     return rows
 
 
-def bench_server(name: str, cmd: list[str], port: int, model: str, args, prompts, log_path: str) -> list[dict]:
-    """Start a server with ``cmd``, run the levels against it, stop it."""
+def bench_server(name: str, cmd: list[str], port: int, model: str, args, prompts, log_path: str,
+                 root: Path = REPO) -> list[dict]:
+    """Start a server with ``cmd`` in source tree ``root``, run the levels against it, stop it."""
     base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if root != REPO:
+        env["PYTHONPATH"] = f"{root}:{env.get('PYTHONPATH', '')}"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root, env=env)
         try:
             wait_health(base, proc)
             return run_levels(name, base, model, args, prompts, proc.pid)
@@ -356,12 +359,15 @@ def main() -> None:
     ap.add_argument("--tokenizer-from", default=None, help="copy tokenizer files from this directory")
     ap.add_argument("--py-spy-level", type=int, default=None, help="record py-spy stacks of the server at this concurrency")
     ap.add_argument("--py-spy-seconds", type=int, default=8)
+    ap.add_argument("--server-root", default=str(REPO),
+                    help="source tree to start our server from (A/B runs of two trees)")
     args = ap.parse_args()
     if args.ckpt is None and args.base_url is None:
         ap.error("give --ckpt (start the servers) or --base-url (a running server)")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.base_url is not None:
         if args.ckpt is None:
-            from engine.embedded import ensure_embedded_checkpoint
+            from engine.loader.embedded import ensure_embedded_checkpoint
 
             args.ckpt = str(ensure_embedded_checkpoint())
         n = max(args.min_requests, max(args.concurrency) * args.requests_per_concurrency)
@@ -376,7 +382,8 @@ def main() -> None:
     prompts = make_prompts(args.ckpt, n, args.prompt_tokens)
     rows = [] if args.skip_ours else bench_server("qwen-serve", [sys.executable, "-m", "server", "--model", args.ckpt, "--port", "8100",
                                        "--dtype", "bfloat16", "--max-model-len", "4096", "--served-model-name", "bench",
-                                       "--log-level", "warning"], 8100, "bench", args, prompts, f"{args.out}/ours.log")
+                                       "--log-level", "warning"], 8100, "bench", args, prompts, f"{args.out}/ours.log",
+                                       Path(args.server_root).resolve())
     if not args.skip_peer:
         peer = ["transformers", "serve", "--continuous-batching", "--cb-use-cuda-graph", "--port", "8200"]
         for i, cmd in enumerate([peer[:2] + [args.ckpt] + peer[2:], peer]):  # newer CLIs take the model first

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.prefill_attention import _attn_tile
+from kernels.prefill_attention import _paged_attn_tile
 
 __all__ = ["decode_attention", "decode_scratch", "choose_num_splits", "decode_config"]
 
@@ -120,15 +120,15 @@ def _decode_split_kernel(
     bt_row_ptr = block_tables_ptr + seq64 * stride_bt
     full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
     # full tiles without masks, then the masked tail tile (same online-softmax step as prefill)
-    acc, l_i, m_i = _attn_tile(
-        acc, l_i, m_i, q, k_base, v_base, k_ptr, v_ptr, 0, bt_row_ptr, start, full_end, 0, end, offs_g,
+    acc, l_i, m_i = _paged_attn_tile(
+        acc, l_i, m_i, q, k_base, v_base, bt_row_ptr, start, full_end, end, offs_g,
         qk_scale, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, False, False, DOT_PREC, UPCAST, False, BT_PREFETCH,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False, DOT_PREC, UPCAST, BT_PREFETCH,
     )
-    acc, l_i, m_i = _attn_tile(
-        acc, l_i, m_i, q, k_base, v_base, k_ptr, v_ptr, 0, bt_row_ptr, full_end, end, 0, end, offs_g,
+    acc, l_i, m_i = _paged_attn_tile(
+        acc, l_i, m_i, q, k_base, v_base, bt_row_ptr, full_end, end, end, offs_g,
         qk_scale, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, True, False, DOT_PREC, UPCAST, False, False,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, False, DOT_PREC, UPCAST, False,
     )
 
     has = l_i > 0.0
@@ -200,7 +200,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> di
         return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "BT_PREFETCH": True}
     if dtype == torch.float32:
         return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "BT_PREFETCH": True}
-    # H200 sweep (bench/kernels.py, 2026-11-29): 4.24 TB/s at (64, 4096), 1.33 at (1, 4096)
+    # chosen by the H200 sweep of bench/kernels.py (figures in docs/benchmarks.md)
     return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 4, "BT_PREFETCH": True}
 
 

@@ -1,4 +1,4 @@
-"""Triton varlen flash-attention prefill over the paged KV cache (plus a dense-KV fast path).
+"""Triton varlen flash-attention prefill over the paged KV cache.
 
 Layouts are those of :mod:`kernels.reference`. Queries of many sequences are packed on one
 token axis (``cu_seqlens_q``); keys/values are read from the paged cache through the block
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["prefill_attention", "prefill_attention_dense", "prefill_config"]
+__all__ = ["prefill_attention", "prefill_config"]
 
 _LOG2E = 1.4426950408889634
 # CUDA's limit on gridDim.y, the query-tile axis of the launch
@@ -44,20 +44,16 @@ def _interpreter_upcast(q: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _attn_tile(
+def _paged_attn_tile(
     acc,
     l_i,
     m_i,
     q,
     k_base,
     v_base,
-    k_desc,
-    v_desc,
-    desc_col,
     bt_row_ptr,
     lo,
     hi,
-    k_start,
     seq_len,
     q_pos,
     qk_scale,
@@ -70,18 +66,17 @@ def _attn_tile(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    PAGED: tl.constexpr,
     MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
-    USE_TMA: tl.constexpr,
     BT_PREFETCH: tl.constexpr,
 ):
-    """Online-softmax update of (acc, l_i, m_i) with keys lo .. hi (lo multiple of BLOCK_N)."""
+    """Online-softmax update of (acc, l_i, m_i) with keys lo .. hi (lo multiple of BLOCK_N),
+    K/V rows gathered from the paged cache through the block-table row ``bt_row_ptr``."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    if PAGED and BT_PREFETCH:
+    if BT_PREFETCH:
         # block ids of the first tile; later tiles' ids are loaded one iteration ahead
         blk_next = tl.load(bt_row_ptr + (lo + offs_n) // PAGE_SIZE, mask=lo + offs_n < hi, other=0)
     for start_n in range(lo, hi, BLOCK_N):
@@ -89,29 +84,20 @@ def _attn_tile(
         k_pos = start_n + offs_n
         if MASK:
             kv_ok = k_pos < seq_len
-        if PAGED:
-            if BT_PREFETCH:
-                blk = blk_next
-                nxt = k_pos + BLOCK_N
-                blk_next = tl.load(bt_row_ptr + nxt // PAGE_SIZE, mask=nxt < hi, other=0)
-            elif MASK:
-                blk = tl.load(bt_row_ptr + k_pos // PAGE_SIZE, mask=kv_ok, other=0)
-            else:
-                blk = tl.load(bt_row_ptr + k_pos // PAGE_SIZE)
-            blk = blk.to(tl.int64)
-            k_row = blk * stride_kb + (k_pos % PAGE_SIZE) * stride_kt
-            v_row = blk * stride_vb + (k_pos % PAGE_SIZE) * stride_vt
+        if BT_PREFETCH:
+            blk = blk_next
+            nxt = k_pos + BLOCK_N
+            blk_next = tl.load(bt_row_ptr + nxt // PAGE_SIZE, mask=nxt < hi, other=0)
+        elif MASK:
+            blk = tl.load(bt_row_ptr + k_pos // PAGE_SIZE, mask=kv_ok, other=0)
         else:
-            tok = (k_start + k_pos).to(tl.int64)
-            k_row = tok * stride_kt
-            v_row = tok * stride_vt
+            blk = tl.load(bt_row_ptr + k_pos // PAGE_SIZE)
+        blk = blk.to(tl.int64)
+        k_row = blk * stride_kb + (k_pos % PAGE_SIZE) * stride_kt
+        v_row = blk * stride_vb + (k_pos % PAGE_SIZE) * stride_vt
         k_ptrs = k_base + k_row[:, None] + offs_d[None, :] * stride_kd
         v_ptrs = v_base + v_row[:, None] + offs_d[None, :] * stride_vd
-        if USE_TMA:
-            # dense path: rows past this sequence belong to the next one (finite) or are
-            # zero-filled by the copy engine; the softmax mask discards them
-            k = k_desc.load([k_start + start_n, desc_col])
-        elif MASK:
+        if MASK:
             k = tl.load(k_ptrs, mask=kv_ok[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
@@ -128,9 +114,7 @@ def _attn_tile(
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if USE_TMA:
-            v = v_desc.load([k_start + start_n, desc_col])
-        elif MASK:
+        if MASK:
             v = tl.load(v_ptrs, mask=kv_ok[:, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
@@ -173,12 +157,9 @@ def _prefill_kernel(
     k_ptr,
     v_ptr,
     out_ptr,
-    k_desc,
-    v_desc,
     block_tables_ptr,
     cu_q_ptr,
     seq_lens_ptr,
-    cu_k_ptr,
     num_seqs,
     qk_scale,
     stride_qt,
@@ -201,11 +182,9 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    PAGED: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
-    USE_TMA: tl.constexpr,
     BT_PREFETCH: tl.constexpr,
     SKIP_DECODE: tl.constexpr,
 ):
@@ -227,12 +206,7 @@ def _prefill_kernel(
     if SKIP_DECODE:  # noqa: SIM102
         if q_len == 1:
             return
-    if PAGED:
-        seq_len = tl.load(seq_lens_ptr + seq)
-        k_start = 0
-    else:
-        k_start = tl.load(cu_k_ptr + seq)
-        seq_len = tl.load(cu_k_ptr + seq + 1) - k_start
+    seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len  # cached prefix length (bottom-right causal alignment)
     kv_head = head // NUM_GROUPS
 
@@ -263,15 +237,15 @@ def _prefill_kernel(
     else:
         hi_full = (seq_len // BLOCK_N) * BLOCK_N
         hi = seq_len
-    acc, l_i, m_i = _attn_tile(
-        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_head * HEAD_DIM, bt_row_ptr, 0, hi_full, k_start, seq_len, q_pos,
+    acc, l_i, m_i = _paged_attn_tile(
+        acc, l_i, m_i, q, k_base, v_base, bt_row_ptr, 0, hi_full, seq_len, q_pos,
         qk_scale, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, False, CAUSAL, DOT_PREC, UPCAST, USE_TMA, BT_PREFETCH,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, CAUSAL, DOT_PREC, UPCAST, BT_PREFETCH,
     )
-    acc, l_i, m_i = _attn_tile(
-        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_head * HEAD_DIM, bt_row_ptr, hi_full, hi, k_start, seq_len, q_pos,
+    acc, l_i, m_i = _paged_attn_tile(
+        acc, l_i, m_i, q, k_base, v_base, bt_row_ptr, hi_full, hi, seq_len, q_pos,
         qk_scale, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, True, CAUSAL, DOT_PREC, UPCAST, USE_TMA, False,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, CAUSAL, DOT_PREC, UPCAST, False,
     )
     l_i = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_i[:, None]
@@ -282,12 +256,9 @@ def _prefill_kernel(
     )
 
 
-def prefill_config(
-    head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = True, paged: bool = True
-) -> dict:
-    """Tile configuration used by the launchers: ``{BLOCK_M, BLOCK_N, num_warps, num_stages}``
-    plus the flags ``TMA`` (dense path: read K/V with the Hopper copy engine through tensor
-    descriptors) and ``BT_PREFETCH`` (paged path: load the next tile's block ids one iteration
+def prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = True) -> dict:
+    """Tile configuration used by :func:`prefill_attention`: ``{BLOCK_M, BLOCK_N, num_warps,
+    num_stages}`` plus the flag ``BT_PREFETCH`` (load the next tile's block ids one iteration
     ahead).
 
     Host-side and static (no autotuning at launch, so launches can be captured in a CUDA graph).
@@ -295,99 +266,21 @@ def prefill_config(
 
     Args:
         head_dim: D; dtype: q's dtype; device: q's device (CPU means the Triton interpreter);
-        causal: the mask mode; paged: paged-cache launcher (True) or dense fast path (False).
+        causal: the mask mode.
 
     Returns:
         A new dict; raises nothing.
     """
     if device.type != "cuda":
         # Triton interpreter: small tiles exercise the tile boundaries in the tests.
-        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "BT_PREFETCH": paged}
+        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "BT_PREFETCH": True}
     if dtype == torch.float32:
-        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "BT_PREFETCH": paged}
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "BT_PREFETCH": True}
     if head_dim <= 64:
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "BT_PREFETCH": paged, "TMA": not paged}
-    if paged:
-        # H200 sweep (bench/kernels.py, 2026-11-29): 395 / 413 TFLOP/s causal / non-causal at
-        # (4, 4096) against 361 / 380 for 3 stages without the block-id prefetch
-        return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "BT_PREFETCH": True}
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True}
-
-
-def _check_common(q: torch.Tensor, out: torch.Tensor, cu_seqlens_q: torch.Tensor) -> None:
-    if q.dim() != 3:
-        raise ValueError(f"q must be [T, H_q, D], got {tuple(q.shape)}")
-    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"out must match q's shape/dtype/device, got {tuple(out.shape)} {out.dtype}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"unsupported dtype {q.dtype}; expected float16, bfloat16 or float32")
-    d = q.shape[2]
-    if d < 16 or d > 256 or d & (d - 1):
-        raise ValueError(f"head_dim must be a power of two in [16, 256], got {d}")
-    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.device != q.device:
-        raise ValueError("cu_seqlens_q must be an int32 [B + 1] tensor on q's device")
-
-
-def _tma_ok(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Dense K/V can be read with the Hopper copy engine (rows of [T_k, H_kv * D], 16B aligned)."""
-    if k.device.type != "cuda" or torch.cuda.get_device_capability(k.device)[0] < 9:
-        return False
-    for t in (k, v):
-        t_, h, d = t.shape
-        if t.stride(2) != 1 or t.stride(1) != d or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
-            return False
-    return True
-
-
-def _launch(q, k, v, out, block_tables, cu_q, seq_lens, cu_k, scale, causal,
-            paged, page_size, stride_kb, stride_vb, stride_bt, config, skip_decode=False):
-    t, hq, d = q.shape
-    hkv = k.shape[-2]
-    num_seqs = cu_q.shape[0] - 1
-    if t == 0 or num_seqs == 0:
-        return out
-    upcast = _interpreter_upcast(q)
-    cfg = dict(prefill_config(d, q.dtype, q.device, causal, paged))
-    if config:
-        cfg.update(config)
-    # Shapes only (never a per-step value such as the longest q_len), so the launch can be
-    # captured in a CUDA graph at a padded T and B; see _find_seq for why this covers every tile.
-    num_slots = t // cfg["BLOCK_M"] + num_seqs
-    if num_slots > _MAX_GRID_Y:
-        raise ValueError(
-            f"T // BLOCK_M + B = {num_slots} query-tile slots exceed the grid's second axis ({_MAX_GRID_Y})"
-        )
-    use_tma = bool(cfg.get("TMA", False)) and not paged and _tma_ok(k, v)
-    k_desc, v_desc = k, v  # unused placeholders unless the copy engine reads K/V
-    if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        k_desc = TensorDescriptor(k, [k.shape[0], hkv * d], [k.stride(0), 1], [cfg["BLOCK_N"], d])
-        v_desc = TensorDescriptor(v, [v.shape[0], hkv * d], [v.stride(0), 1], [cfg["BLOCK_N"], d])
-    _prefill_kernel[(hq, num_slots)](
-        q, k, v, out, k_desc, v_desc, block_tables, cu_q, seq_lens, cu_k, num_seqs,
-        float(scale) * _LOG2E,
-        q.stride(0), q.stride(1), q.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        stride_kb, k.stride(-3), k.stride(-2), k.stride(-1),
-        stride_vb, v.stride(-3), v.stride(-2), v.stride(-1),
-        stride_bt,
-        NUM_GROUPS=hq // hkv,
-        HEAD_DIM=d,
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"],
-        PAGE_SIZE=page_size,
-        PAGED=paged,
-        CAUSAL=bool(causal),
-        DOT_PREC="ieee" if q.dtype == torch.float32 or upcast else "tf32",
-        UPCAST=upcast,
-        USE_TMA=use_tma,
-        BT_PREFETCH=bool(cfg.get("BT_PREFETCH", False)) and paged,
-        SKIP_DECODE=bool(skip_decode),
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
-    return out
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "BT_PREFETCH": True}
+    # H200 sweep (bench/kernels.py, 2026-11-29): 395 / 413 TFLOP/s causal / non-causal at
+    # (4, 4096) against 361 / 380 for 3 stages without the block-id prefetch
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "BT_PREFETCH": True}
 
 
 def prefill_attention(
@@ -443,10 +336,19 @@ def prefill_attention(
     Algorithm: FlashAttention-2 (Dao 2023) after Triton's fused-attention tutorial; K/V rows are
     gathered through the block table tile by tile (``block = block_tables[b, pos // block_size]``).
     """
-    _check_common(q, out, cu_seqlens_q)
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, H_q, D], got {tuple(q.shape)}")
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must match q's shape/dtype/device, got {tuple(out.shape)} {out.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"unsupported dtype {q.dtype}; expected float16, bfloat16 or float32")
+    t, hq, d = q.shape
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {d}")
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.device != q.device:
+        raise ValueError("cu_seqlens_q must be an int32 [B + 1] tensor on q's device")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError("k_cache/v_cache must be [num_blocks, block_size, H_kv, D] of equal shape")
-    t, hq, d = q.shape
     _, page_size, hkv, dk = k_cache.shape
     if dk != d:
         raise ValueError(f"cache head_dim {dk} != q head_dim {d}")
@@ -464,59 +366,38 @@ def prefill_attention(
     devs = {k_cache.device, v_cache.device, block_tables.device, seq_lens.device}
     if devs != {q.device}:
         raise ValueError("all tensors must be on q's device")
-    return _launch(
-        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, cu_seqlens_q, scale,
-        causal, True, page_size, k_cache.stride(0), v_cache.stride(0),
-        block_tables.stride(0), config, skip_decode_rows,
+    if t == 0 or b == 0:
+        return out
+    upcast = _interpreter_upcast(q)
+    cfg = dict(prefill_config(d, q.dtype, q.device, causal))
+    if config:
+        cfg.update(config)
+    # Shapes only (never a per-step value such as the longest q_len), so the launch can be
+    # captured in a CUDA graph at a padded T and B; see _find_seq for why this covers every tile.
+    num_slots = t // cfg["BLOCK_M"] + b
+    if num_slots > _MAX_GRID_Y:
+        raise ValueError(
+            f"T // BLOCK_M + B = {num_slots} query-tile slots exceed the grid's second axis ({_MAX_GRID_Y})"
+        )
+    _prefill_kernel[(hq, num_slots)](
+        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, b,
+        float(scale) * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+        block_tables.stride(0),
+        NUM_GROUPS=hq // hkv,
+        HEAD_DIM=d,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        PAGE_SIZE=page_size,
+        CAUSAL=bool(causal),
+        DOT_PREC="ieee" if q.dtype == torch.float32 or upcast else "tf32",
+        UPCAST=upcast,
+        BT_PREFETCH=bool(cfg.get("BT_PREFETCH", False)),
+        SKIP_DECODE=bool(skip_decode_rows),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
-
-
-def prefill_attention_dense(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    out: torch.Tensor,
-    scale: float,
-    causal: bool = True,
-    *,
-    config: dict | None = None,
-) -> torch.Tensor:
-    """Varlen attention with packed, contiguous (non-paged) keys/values (Triton fast path).
-
-    Args:
-        q, out: ``[T, H_q, D]`` as in :func:`prefill_attention`.
-        k, v: ``[T_k, H_kv, D]`` packed keys/values of all sequences, q's dtype.
-        cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]`` offsets of each sequence's queries / keys;
-            ``k_len >= q_len`` (queries are the last ``q_len`` key positions when causal); padding
-            of ``q``/``out`` rows and of empty sequences as in :func:`prefill_attention`.
-        scale, causal, config: as in :func:`prefill_attention`.
-
-    Returns:
-        ``out``.
-
-    Raises:
-        ValueError: on inconsistent shapes, dtypes or devices, or a grid too large (as in
-            :func:`prefill_attention`).
-
-    Algorithm: the same FlashAttention-2 kernel and shape-only grid ``(H_q, T // BLOCK_M + B)``
-    as :func:`prefill_attention` (tile search after vLLM's ``find_seq_idx``), addressing K/V
-    rows as ``cu_seqlens_k[b] + pos`` instead of through a block table.
-    """
-    _check_common(q, out, cu_seqlens_q)
-    if k.dim() != 3 or v.shape != k.shape or k.shape[2] != q.shape[2]:
-        raise ValueError(f"k/v must be [T_k, H_kv, D] with q's D, got {tuple(k.shape)}, {tuple(v.shape)}")
-    hq, hkv = q.shape[1], k.shape[1]
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"H_q={hq} must be a multiple of H_kv={hkv}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError("k/v must have q's dtype")
-    if cu_seqlens_k.shape != cu_seqlens_q.shape or cu_seqlens_k.dtype != torch.int32:
-        raise ValueError("cu_seqlens_k must be int32 [B + 1]")
-    if {k.device, v.device, cu_seqlens_k.device} != {q.device}:
-        raise ValueError("all tensors must be on q's device")
-    return _launch(
-        q, k, v, out, cu_seqlens_q, cu_seqlens_q, cu_seqlens_q, cu_seqlens_k, scale,
-        causal, False, 1, 0, 0, 0, config,
-    )
+    return out

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from engine.embedded import bytes_to_unicode
-from engine.limits import RequestRejected
-from engine.tokenizer import Tokenizer
+from engine.loader.embedded import bytes_to_unicode
+from engine.core.limits import RequestRejected
+from engine.frontend.tokenizer import Tokenizer
 from server.context import ServerContext
 from server.errors import APIError, error_body, rejected
 from server.generation import EngineError, Generation

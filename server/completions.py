@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from engine.limits import RequestRejected
+from engine.core.limits import RequestRejected
 from server.context import ServerContext
 from server.errors import APIError, error_body, rejected
 from server.generation import ChoiceEvent, EngineError, Generation, merge

@@ -6,9 +6,9 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from engine.async_engine import AsyncEngine
-from engine.tokenizer import Tokenizer
-from engine.stats import RequestStats
+from engine.frontend.async_engine import AsyncEngine
+from engine.frontend.tokenizer import Tokenizer
+from engine.core.stats import RequestStats
 from server.errors import APIError
 from server.metrics import ServerMetrics
 from server.prompt_encoder import PromptEncoder
@@ -55,10 +55,10 @@ class ServerContext:
         """:meth:`encode_prompt` off the event loop for long prompts.
 
         Both encoders release the GIL while they work (tiktoken, and ``tokenizers`` through
-        ``encode_batch``), so a burst of long prompts -- 64 arrivals of ~1k tokens take
-        ~60-120 ms to encode -- no longer stalls every stream's token delivery (it was the p99
-        inter-token latency at concurrency 64 on the H200, 2026-11-29). Short prompts are
-        encoded inline: the thread hand-off would cost more than the encoding.
+        ``encode_batch``), so a burst of long prompts no longer stalls every stream's token
+        delivery (it set the p99 inter-token latency at concurrency 64: docs/benchmarks.md,
+        third session). Short prompts are encoded inline: the thread hand-off would cost more
+        than the encoding.
         """
         if len(text) < self.ENCODE_IN_THREAD_CHARS:
             return self.encode_prompt(text)

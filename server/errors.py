@@ -7,7 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import EngineUnavailable
+from engine.frontend.async_engine import EngineUnavailable
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           413: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import torch
 
-from engine.async_engine import AsyncEngine, ThreadCore
-from engine.config import EngineConfig, parse_dtype, read_generation_config
-from engine.engine import LLMEngine
-from engine.engine_process import ProcessCore
-from engine.tokenizer import Tokenizer
+from engine.core.config import EngineConfig, read_generation_config
+from engine.frontend.async_engine import AsyncEngine
+from engine.frontend.launch import start_engine_core
+from engine.frontend.tokenizer import Tokenizer
 from server.context import ServerContext
 from server.metrics import ServerMetrics
 from server.params import generation_defaults
@@ -36,7 +35,7 @@ def build_context(args: argparse.Namespace) -> ServerContext:
     """
     model_dir = args.model
     if model_dir is None:
-        from engine.embedded import default_cache_root, ensure_embedded_checkpoint
+        from engine.loader.embedded import default_cache_root, ensure_embedded_checkpoint
 
         log.info("no --model: using the embedded random-weight Qwen3 (built on first use under %s, "
                  "set QWEN_SERVE_CACHE to move it)", default_cache_root())
@@ -47,7 +46,7 @@ def build_context(args: argparse.Namespace) -> ServerContext:
     device = resolve_device(args.device)
     config = EngineConfig(
         model=model_dir,
-        dtype=None if args.dtype == "auto" else parse_dtype(args.dtype),
+        dtype=args.dtype,
         device=device,
         max_model_len=args.max_model_len and int(args.max_model_len),
         block_size=args.block_size,
@@ -65,17 +64,14 @@ def build_context(args: argparse.Namespace) -> ServerContext:
         seed=args.seed,
     )
     tokenizer = Tokenizer(model_dir)
-    mode = args.engine_mode if args.engine_mode != "auto" else ("process" if device.startswith("cuda") else "thread")
-    if mode == "process":
-        core = ProcessCore(config, tokenizer.eos_token_ids)
-    else:
-        core = ThreadCore(LLMEngine(config, eos_token_ids=tokenizer.eos_token_ids))
+    mode = None if args.engine_mode == "auto" else args.engine_mode
+    core = start_engine_core(config, tokenizer.eos_token_ids, mode)
     limits = core.limits
     metrics = ServerMetrics(name, {
         "model": model_dir, "dtype": limits.dtype, "block_size": limits.block_size,
         "num_kv_blocks": limits.num_kv_blocks, "max_model_len": limits.max_model_len,
     })
-    log.info("engine core: %s", mode)
+    log.info("engine core: %s", type(core).__name__)
     return ServerContext(
         engine=AsyncEngine(core, on_step=metrics.on_step),
         tokenizer=tokenizer,

@@ -11,11 +11,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.async_engine import AsyncEngine, RequestStream
-from engine.detokenizer import IncrementalDetokenizer
-from engine.request import FinishReason, SamplingParams
-from engine.stats import RequestStats
-from engine.tokenizer import Tokenizer
+from engine.frontend.async_engine import AsyncEngine, RequestStream
+from engine.frontend.detokenizer import IncrementalDetokenizer
+from engine.core.request import FinishReason, SamplingParams
+from engine.core.stats import RequestStats
+from engine.frontend.tokenizer import Tokenizer
 
 
 async def merge(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, generate_latest
 
-from engine.stats import RequestStats, StepStats
+from engine.core.stats import RequestStats, StepStats
 
 PREFIX = "qwen_serve:"
 #: latency buckets from 1 ms to 10 minutes: they fit CPU and GPU speeds alike

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from server.errors import APIError
 from server.protocol import SamplingFields
 

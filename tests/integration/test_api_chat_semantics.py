@@ -24,8 +24,8 @@ import openai
 import pytest
 import uvicorn
 
-from engine.embedded import ensure_embedded_checkpoint
-from engine.sampler import DeviceSamples
+from engine.loader.embedded import ensure_embedded_checkpoint
+from engine.worker.sampler import DeviceSamples
 from server.__main__ import build_parser
 from server.app import create_app
 from server.chat import render_prompt
@@ -90,7 +90,7 @@ class Live:
 def live():
     ctx = build_context(build_parser().parse_args(
         ["--max-model-len", "2048", "--reasoning-parser", "qwen3", "--num-kv-blocks", "256", "--device", "cpu"]))
-    runner = ctx.engine.engine.runner
+    runner = ctx.engine.engine.executor
     sampler = ScriptedSampler(runner.sampler, ctx.tokenizer)
     runner.sampler = sampler
     port = free_port()

@@ -18,8 +18,8 @@ import openai
 import pytest
 import torch
 
-from engine.config import read_generation_config
-from engine.embedded import ensure_embedded_checkpoint
+from engine.core.config import read_generation_config
+from engine.loader.embedded import ensure_embedded_checkpoint
 from server.params import generation_defaults, to_sampling_params
 from server.protocol import ChatCompletionRequest, CompletionRequest
 

@@ -71,10 +71,11 @@ def test_no_deadlock_when_outputs_pile_up_and_a_large_command_is_sent():
     import asyncio
     import threading
 
-    from engine.config import EngineConfig
-    from engine.embedded import ensure_embedded_checkpoint
-    from engine.engine_process import ProcessCore
-    from engine.request import SamplingParams
+    from engine.core.config import EngineConfig
+    from engine.loader.embedded import ensure_embedded_checkpoint
+    from engine.frontend.process_core import ProcessCore
+    from engine.core.commands import AbortRequest, AddRequest
+    from engine.core.request import SamplingParams
 
     cfg = EngineConfig(model=str(ensure_embedded_checkpoint()), device="cpu", max_model_len=1024,
                        max_num_seqs=256, num_kv_blocks=2048)
@@ -85,17 +86,17 @@ def test_no_deadlock_when_outputs_pile_up_and_a_large_command_is_sent():
         core.start(lambda outs, stats: got.__setitem__("msgs", got["msgs"] + 1), lambda: None)
         params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True, logprobs=20)
         for i in range(256):
-            core.send(("add", f"r{i}", [1, 2, 3, 4], params))
+            core.send(AddRequest(f"r{i}", [1, 2, 3, 4], params))
         await asyncio.sleep(1.0)
         time.sleep(6.0)  # the loop busy elsewhere: outputs back up in the pipe
         sender = threading.Thread(
-            target=core.send, args=(("add", "big", list(range(1, 120000)), SamplingParams(max_tokens=1)),),
+            target=core.send, args=(AddRequest("big", list(range(1, 120000)), SamplingParams(max_tokens=1)),),
             daemon=True)
         sender.start()
         sender.join(30)
         sent = not sender.is_alive()
         for i in range(256):
-            core.send(("abort", f"r{i}"))
+            core.send(AbortRequest(f"r{i}"))
         await asyncio.to_thread(core.shutdown, 10)
         return sent
 

@@ -7,8 +7,8 @@ import time
 import httpx
 import pytest
 
-from engine.embedded import ensure_embedded_checkpoint
-from engine.tokenizer import Tokenizer
+from engine.loader.embedded import ensure_embedded_checkpoint
+from engine.frontend.tokenizer import Tokenizer
 from tests.metricsutil import num_kv_blocks, scrape
 from tests.serverproc import ServerProcess
 

@@ -11,10 +11,10 @@ import re
 import openai
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.request import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.core.config import EngineConfig
+from engine.worker.build import build_engine
+from engine.core.request import SamplingParams
+from engine.frontend.tokenizer import Tokenizer
 from tests.integration.real_checkpoint_reference import (
     CHAT_PROMPTS, REAL_CHECKPOINT_DIR, real_checkpoint_available, transformers_greedy_ids,
 )
@@ -37,7 +37,7 @@ def real_server():
 
 def test_engine_greedy_ids_equal_transformers():
     tok = Tokenizer(REAL_CHECKPOINT_DIR)
-    engine = LLMEngine(EngineConfig(model=str(REAL_CHECKPOINT_DIR), max_model_len=2048), eos_token_ids=tok.eos_token_ids)
+    engine = build_engine(EngineConfig(model=str(REAL_CHECKPOINT_DIR), max_model_len=2048), eos_token_ids=tok.eos_token_ids)
     prompts = [tok.encode(tok.apply_chat_template(m, add_generation_prompt=True)) for m in CHAT_PROMPTS]
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
     for messages, out in zip(CHAT_PROMPTS, outs):

@@ -1,4 +1,4 @@
-"""prefill_attention / prefill_attention_dense (Triton) against prefill_attention_ref.
+"""prefill_attention (Triton) against prefill_attention_ref.
 
 Random non-contiguous block tables, unused cache slots and block-table padding poisoned with
 NaN, outputs NaN-filled before each launch, cached prefixes plus new tokens, the
@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from kernels.prefill_attention import prefill_attention, prefill_attention_dense
-from kernels.reference import gather_kv_ref, prefill_attention_ref
+from kernels.prefill_attention import prefill_attention
+from kernels.reference import prefill_attention_ref
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
@@ -89,37 +89,6 @@ def test_prefill_matches_reference(device, q_lens, ctx_lens, hq, hkv, d, block_s
     assert err <= TOL[dtype], f"rel err {err:.2e} (seed={seed})"
 
 
-@pytest.mark.parametrize(
-    "q_lens,ctx_lens,hq,hkv,d,dtype,causal",
-    [
-        ([17, 1, 100], [0, 15, 30], 4, 2, 64, torch.float32, True),
-        ([150, 15], [0, 0], 8, 1, 128, torch.bfloat16, False),
-    ],
-)
-def test_prefill_dense_matches_reference(device, q_lens, ctx_lens, hq, hkv, d, dtype, causal):
-    seed = int.from_bytes(os.urandom(4), "little")
-    g = torch.Generator().manual_seed(seed)
-    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
-    k_cache, v_cache, block_tables = make_paged(seq_lens, hkv, d, 16, dtype, g)
-    ks, vs = zip(*(gather_kv_ref(k_cache, v_cache, block_tables[b], n) for b, n in enumerate(seq_lens)))
-    k, v = torch.cat(ks), torch.cat(vs)
-    q = torch.randn(sum(q_lens), hq, d, generator=g).to(dtype)
-    cu_q = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-    cu_q[1:] = torch.cumsum(torch.tensor(q_lens), 0)
-    cu_k = torch.zeros_like(cu_q)
-    cu_k[1:] = torch.cumsum(torch.tensor(seq_lens), 0)
-    sl = torch.tensor(seq_lens, dtype=torch.int32)
-    ref = torch.empty(q.shape)
-    prefill_attention_ref(q.float(), k_cache.float(), v_cache.float(), block_tables, cu_q, sl, ref, 0.1, causal)
-    out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)
-    prefill_attention_dense(
-        q.to(device), k.to(device), v.to(device), cu_q.to(device), cu_k.to(device), out, 0.1, causal
-    )
-    assert torch.isfinite(out).all(), f"seed={seed}"
-    err = rel_err(out.cpu(), ref)
-    assert err <= TOL[dtype], f"rel err {err:.2e} (seed={seed})"
-
-
 def test_prefill_rejects_bad_inputs(device):
     q = torch.zeros(5, 6, 64, device=device)
     kc = torch.zeros(4, 16, 4, 64, device=device)  # 6 % 4 != 0
@@ -189,15 +158,6 @@ def test_prefill_padding_matches_unpadded(
     prefill_attention(*dev(q_pad, k_cache, v_cache, bt_pad, cu_pad, sl_pad), out_pad, scale, causal)
     assert torch.equal(out_pad[:t], out), f"real rows differ from the unpadded launch (seed={seed})"
     assert (out_pad[t:] == sentinel).all(), f"padding rows of out were written (seed={seed})"
-
-    # the dense path over the same keys, padded the same way (empty sequences have no keys)
-    ks, vs = zip(*(gather_kv_ref(k_cache, v_cache, block_tables[i], n) for i, n in enumerate(seq_lens)))
-    k, v = torch.cat(ks), torch.cat(vs)
-    cu_k_pad = torch.cat([_cu(seq_lens), torch.full((len(pad_seq_lens),), sum(seq_lens), dtype=torch.int32)])
-    out_dense = torch.full((t + pad_tokens, hq, d), sentinel, dtype=dtype, device=device)
-    prefill_attention_dense(*dev(q_pad, k, v, cu_pad, cu_k_pad), out_dense, scale, causal)
-    assert (out_dense[t:] == sentinel).all(), f"padding rows of out were written (dense, seed={seed})"
-    assert rel_err(out_dense[:t].cpu(), ref) <= TOL[dtype], f"dense, seed={seed}"
 
 
 def test_prefill_all_padding_writes_nothing(device):

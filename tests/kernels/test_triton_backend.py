@@ -6,8 +6,10 @@ import os
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, TorchAttentionBackend, get_attention_backend
-from engine.triton_backend import TritonAttentionBackend
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.registry import default_backend_name, get_attention_backend
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.triton_backend import TritonAttentionBackend
 from kernels.decode_attention import choose_num_splits
 from kernels.reference import prefill_attention_ref, store_kv_cache_ref
 
@@ -34,8 +36,13 @@ def _meta(block_tables, ctx_lens, q_lens, block_size, device, pad=0):
 
 
 def test_backend_selection():
-    assert get_attention_backend("triton", torch.device("cpu")).name == "triton"
-    assert get_attention_backend(None, torch.device("cpu")).name == "torch"
+    assert get_attention_backend("triton").name == "triton"
+    assert isinstance(get_attention_backend("triton"), TritonAttentionBackend)
+    assert get_attention_backend(default_backend_name("cpu")).name == "torch"
+    assert default_backend_name("cuda") == "triton"
+    assert get_attention_backend("torch") is get_attention_backend("torch")  # one instance per name
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_attention_backend("flash")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -23,7 +23,7 @@ def ctx(request):
 
 
 def test_model_step_exception_fails_only_that_step(ctx):
-    runner = ctx.engine.engine.runner
+    runner = ctx.engine.engine.executor
     real_launch = runner.launch
     calls = {"n": 0}
 
@@ -64,14 +64,14 @@ def test_model_step_exception_fails_only_that_step(ctx):
     assert after.status_code == 200 and after.json()["choices"][0]["finish_reason"] in ("stop", "length")
     assert health.status_code == 200
     assert 'qwen_serve:request_success_total{finished_reason="error"' in metrics
-    bm = ctx.engine.engine.block_manager
+    bm = ctx.engine.engine.kv_cache_manager
     assert bm.num_free_blocks == bm.num_blocks
 
 
 def test_device_error_stops_the_engine_and_fails_requests():
     """A CUDA error poisons the device: the engine loop stops, requests fail, /health says 503."""
     ctx2 = build_context(build_parser().parse_args(["--max-model-len", "512"]))
-    runner = ctx2.engine.engine.runner
+    runner = ctx2.engine.engine.executor
 
     def broken(batch, eos_ids, prev=None):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")

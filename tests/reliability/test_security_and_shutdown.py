@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from engine.embedded import ensure_embedded_checkpoint
+from engine.loader.embedded import ensure_embedded_checkpoint
 from tests.serverproc import ServerProcess
 
 KEY = "s3cret-key"

@@ -8,16 +8,17 @@ import random
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.request import FinishReason, SamplingParams
+from engine.core.config import EngineConfig
+from engine.worker.build import build_engine
+from engine.core.commands import AbortRequest, AddRequest
+from engine.core.request import FinishReason, SamplingParams
 
 
 def _engine(path, async_scheduling, eos=frozenset(), **kw):
     cfg = dict(model=path, block_size=8, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=48,
                async_scheduling=async_scheduling)
     cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg), eos_token_ids=eos)
+    return build_engine(EngineConfig(**cfg), eos_token_ids=eos)
 
 
 def _run(eng, requests):
@@ -29,14 +30,14 @@ def _run(eng, requests):
     while eng.has_unfinished():
         outs, stats = eng.step()
         steps += 1
-        eng.block_manager.check_integrity()
+        eng.kv_cache_manager.check_integrity()
         for o in outs:
             assert o.request_id not in reasons, "output after the last one"
             tokens[o.request_id] += o.new_token_ids
             if o.finished:
                 reasons[o.request_id] = o.finish_reason
         assert steps < 1000
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
     assert not eng.requests and eng._in_flight is None
     return tokens, reasons, steps
 
@@ -86,13 +87,13 @@ def test_abort_with_a_token_in_flight(tiny_checkpoint):
             seen[o.request_id] += o.new_token_ids
     assert eng._in_flight is not None and eng.requests["x"].num_output_placeholders == 1
     assert eng.abort("x")
-    eng.block_manager.check_integrity()
+    eng.kv_cache_manager.check_integrity()
     while eng.has_unfinished():
         for o in eng.step()[0]:
             assert o.request_id == "y"
             seen["y"] += o.new_token_ids
     assert len(seen["y"]) == 6
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -113,7 +114,7 @@ def test_penalties_and_min_tokens_run_synchronously(tiny_checkpoint, async_sched
 def test_error_while_waiting_for_samples_fails_only_that_step(tiny_checkpoint, async_scheduling):
     """An exception at the host sync (StepHandle.result) fails the requests of that step; the
     engine keeps serving, later requests finish and every block is freed."""
-    import engine.model_runner as mr
+    import engine.worker.model_runner as mr
 
     path, _ = tiny_checkpoint
     eng = _engine(path, async_scheduling)
@@ -143,11 +144,11 @@ def test_error_while_waiting_for_samples_fails_only_that_step(tiny_checkpoint, a
 def test_outputs_produced_before_a_device_error_are_delivered(tiny_checkpoint):
     """A synchronous drain finishes a request, then the launch hits a device error: the engine
     loop emits the finished request's last output, and fails only the others."""
-    from engine.engine_loop import run_engine_loop
+    from engine.core.engine_loop import run_engine_loop
 
     path, _ = tiny_checkpoint
     eng = _engine(path, True)
-    runner = eng.runner
+    runner = eng.executor
     real_launch = runner.launch
     launches = {"n": 0}
 
@@ -158,9 +159,9 @@ def test_outputs_produced_before_a_device_error_are_delivered(tiny_checkpoint):
         return real_launch(batch, eos_ids, prev)
 
     runner.launch = launch
-    commands = [[("add", "done", list(range(8)), SamplingParams(temperature=0.0, max_tokens=1)),
-                 ("add", "long", list(range(9)), SamplingParams(temperature=0.0, max_tokens=50))],
-                [("add", "pen", list(range(7)), SamplingParams(temperature=0.0, max_tokens=5,
+    commands = [[AddRequest("done", list(range(8)), SamplingParams(temperature=0.0, max_tokens=1)),
+                 AddRequest("long", list(range(9)), SamplingParams(temperature=0.0, max_tokens=50))],
+                [AddRequest("pen", list(range(7)), SamplingParams(temperature=0.0, max_tokens=5,
                                                                  presence_penalty=0.5))]]
     emitted = []
 
@@ -180,4 +181,4 @@ def test_warmup_shapes_respect_max_model_len_and_max_num_seqs(tiny_checkpoint):
                dict(max_num_seqs=64, max_num_batched_tokens=256, max_model_len=16),
                dict(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=8)):
         eng = _engine(path, True, **kw)
-        eng.runner.warmup()
+        eng.executor.warmup()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import fnmatch
 import re
 import shlex
 import shutil
@@ -456,7 +457,12 @@ def _project_packages() -> list[str]:
     except ImportError:  # Python 3.10
         pytest.skip("tomllib needs Python 3.11")
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
-    return project["tool"]["setuptools"]["packages"]
+    include = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = sorted(".".join(p.relative_to(REPO).parts[:-1]) for p in REPO.glob("*/**/__init__.py")
+                      if p.parts[len(REPO.parts)] in ("server", "engine", "kernels"))
+    unshipped = [p for p in packages if not any(fnmatch.fnmatch(p, pat) for pat in include)]
+    assert not unshipped, f"packages the wheel would not contain: {unshipped}"
+    return packages
 
 
 def test_dockerfile_stages_and_runtime_contract():

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.embedded import bytes_to_unicode, ensure_embedded_checkpoint
-from engine.tokenizer import Tokenizer
+from engine.frontend.detokenizer import IncrementalDetokenizer
+from engine.loader.embedded import bytes_to_unicode, ensure_embedded_checkpoint
+from engine.frontend.tokenizer import Tokenizer
 
 FFFD = "\ufffd"
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.embedded import (
+from engine.loader.embedded import (
     ADDED_TOKENS,
     CHECKPOINT_FILES,
     CHECKPOINT_NAME,
@@ -40,7 +40,7 @@ def test_concurrent_builds_replace_stale_cache_and_match_default(tmp_path, ckpt)
         (stale / name).write_text("{}")
     (stale / STAMP_FILE).write_text(json.dumps({"fingerprint": "older code"}))
     code = (
-        "import sys; from engine.embedded import ensure_embedded_checkpoint as e; "
+        "import sys; from engine.loader.embedded import ensure_embedded_checkpoint as e; "
         "print(e(sys.argv[1]))"
     )
     procs = [

@@ -12,12 +12,13 @@ import logging
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, get_attention_backend
-from engine.config import EngineConfig, ModelConfig
-from engine.engine import LLMEngine
-from engine.models import qwen3
-from engine.models.qwen3 import Qwen3ForCausalLM, compiled_graph_count
-from engine.request import SamplingParams
+from engine.attention.metadata import AttentionMetadata
+from engine.core.config import EngineConfig, ModelConfig
+from engine.core.request import SamplingParams
+from engine.loader.dummy import init_random_weights
+from engine.models.compile import EXPECTED_GRAPHS, compiled_graph_count
+from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.worker.build import build_engine
 
 BLOCK = 16
 NUM_BLOCKS = 48
@@ -34,18 +35,18 @@ def _fresh_dynamo(one_torch_thread):
 
 def _config() -> ModelConfig:
     return ModelConfig(
-        model_type="qwen3", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        architecture="Qwen3ForCausalLM", model_type="qwen3", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
         max_position_embeddings=512, tie_word_embeddings=True, attention_bias=False, qk_norm=True,
-        torch_dtype=torch.float32,
+        dtype="float32",
     )
 
 
-def _models():
-    """(eager, compiled) with the same random weights."""
-    eager = Qwen3ForCausalLM(_config(), 512, compile_mode="none")
-    eager.init_random_weights(0, std=0.08)
-    compiled = Qwen3ForCausalLM(_config(), 512, compile_mode="model")
+def _models(backend: str = "torch"):
+    """(eager, compiled) with the same random weights, attention through ``backend``."""
+    eager = Qwen3ForCausalLM(_config(), 512, backend, compile_mode="none")
+    init_random_weights(eager, 0, std=0.08)
+    compiled = Qwen3ForCausalLM(_config(), 512, backend, compile_mode="model")
     compiled.load_state_dict(eager.state_dict())
     return eager.eval(), compiled.eval()
 
@@ -94,21 +95,20 @@ def _random_shapes(gen: torch.Generator, i: int) -> tuple[list[int], list[int]]:
 
 
 def _compare(backend_name: str, steps: int, seed: int) -> None:
-    eager, compiled = _models()
-    backend = get_attention_backend(backend_name, torch.device("cpu"))
+    eager, compiled = _models(backend_name)
     caches_e, caches_c = _caches(), _caches()
     gen = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
         for i in range(steps):
             q_lens, cached = _random_shapes(gen, i)
             ids, pos, meta = _step(gen, q_lens, cached)
-            want = eager(ids, pos, caches_e, meta, backend)
-            got = compiled(ids, pos, caches_c, meta, backend)
+            want = eager(ids, pos, caches_e, meta)
+            got = compiled(ids, pos, caches_c, meta)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {i} {q_lens}: {m}")
             for (ke, ve), (kc, vc) in zip(caches_e, caches_c):
                 torch.testing.assert_close(kc, ke, rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(vc, ve, rtol=1e-5, atol=1e-5)
-    assert compiled._compiled_forward is not None, "compilation failed and fell back to eager"
+    assert compiled._compiled._compiled is not None, "compilation failed and fell back to eager"
 
 
 def test_compiled_model_matches_eager_torch_backend():
@@ -124,21 +124,20 @@ def test_no_recompiles_across_varying_shapes():
     """After one prefill, one decode of 2+ sequences and one 1-token decode, 20 steps with new
     T, batch size, block-table width, max_query_len and max_seq_len compile nothing."""
     _, compiled = _models()
-    backend = get_attention_backend("torch", torch.device("cpu"))
     caches = _caches()
     gen = torch.Generator().manual_seed(2)
     before = compiled_graph_count()
     with torch.inference_mode():
         for q_lens, cached in (([7, 3], [0, 20]), ([1, 1], [5, 40]), ([1], [9])):
             ids, pos, meta = _step(gen, q_lens, cached)
-            compiled(ids, pos, caches, meta, backend)
+            compiled(ids, pos, caches, meta)
         warm = compiled_graph_count()
-        assert warm - before <= qwen3.EXPECTED_GRAPHS
+        assert warm - before <= EXPECTED_GRAPHS
         for i in range(20):
             ids, pos, meta = _step(gen, *_random_shapes(gen, i + 100))
-            compiled(ids, pos, caches, meta, backend)
+            compiled(ids, pos, caches, meta)
     assert compiled_graph_count() == warm, "a step with new sizes recompiled the model"
-    assert compiled._compiled_forward is not None
+    assert compiled._compiled._compiled is not None
 
 
 def test_compile_failure_falls_back_to_eager(monkeypatch, caplog):
@@ -152,22 +151,21 @@ def test_compile_failure_falls_back_to_eager(monkeypatch, caplog):
     eager, compiled = _models()
     eager.double()
     compiled.double()  # a dtype never compiled in this module: Dynamo must compile, and fails
-    backend = get_attention_backend("torch", torch.device("cpu"))
     gen = torch.Generator().manual_seed(3)
     ids, pos, meta = _step(gen, [5, 9], [0, 17])
     caches = [(k.double(), v.double()) for k, v in _caches()]
-    with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="engine.models.qwen3"), \
+    with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="engine.models.compile"), \
             torch._dynamo.config.patch(suppress_errors=False):
-        got = compiled(ids, pos, caches, meta, backend)
-        want = eager(ids, pos, [(k.double(), v.double()) for k, v in _caches()], meta, backend)
-    assert compiled._compiled_forward is None
+        got = compiled(ids, pos, caches, meta)
+        want = eager(ids, pos, [(k.double(), v.double()) for k, v in _caches()], meta)
+    assert compiled._compiled._compiled is None
     assert any("running eagerly" in r.getMessage() for r in caplog.records)
     torch.testing.assert_close(got, want)
 
 
 def test_unknown_compile_mode():
     with pytest.raises(ValueError, match="compile_mode"):
-        Qwen3ForCausalLM(_config(), 64, compile_mode="yes")
+        Qwen3ForCausalLM(_config(), 64, "torch", compile_mode="yes")
 
 
 @pytest.fixture(scope="module")
@@ -196,9 +194,9 @@ def test_engine_greedy_outputs_equal_with_and_without_compile(tiny_qwen3_dir):
     params = SamplingParams(temperature=0.0, max_tokens=10)
     outs = {}
     for mode in ("none", "model"):
-        eng = LLMEngine(EngineConfig(model=tiny_qwen3_dir, num_kv_blocks=32, block_size=BLOCK,
+        eng = build_engine(EngineConfig(model=tiny_qwen3_dir, num_kv_blocks=32, block_size=BLOCK,
                                      max_num_batched_tokens=24, compile_mode=mode), eos_token_ids=frozenset())
         outs[mode] = eng.generate(prompts, params)
         if mode == "model":
-            assert eng.runner.model._compiled_forward is not None
+            assert eng.executor.model._compiled._compiled is not None
     assert outs["model"] == outs["none"]

@@ -5,15 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.request import SamplingParams
+from engine.core.config import EngineConfig
+from engine.worker.build import build_engine
+from engine.core.request import SamplingParams
+from tests.engine_helpers import logits_for
 
 
 def _engine(path, **kw):
     cfg = dict(model=path, num_kv_blocks=64, block_size=16, max_num_batched_tokens=4096)
     cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg), eos_token_ids=frozenset())
+    return build_engine(EngineConfig(**cfg), eos_token_ids=frozenset())
 
 
 def test_prefill_logits_match_transformers(tiny_checkpoint):
@@ -25,7 +26,7 @@ def test_prefill_logits_match_transformers(tiny_checkpoint):
     reqs = [eng.add_request(f"r{i}", p, SamplingParams(max_tokens=1)) for i, p in enumerate(prompts)]
     batch = eng.scheduler.schedule()
     assert [r.request_id for r in batch.requests] == [r.request_id for r in reqs]
-    logits = eng.runner.logits_for(batch)
+    logits = logits_for(eng, batch)
     offset = 0
     for p in prompts:
         with torch.no_grad():
@@ -45,11 +46,11 @@ def test_chunked_prefill_and_decode_logits_match(tiny_checkpoint):
     chunks = []
     while req.num_computed_tokens + 16 < len(prompt):
         batch = eng.scheduler.schedule()
-        chunks.append(eng.runner.logits_for(batch))
-        req.num_computed_tokens += batch.num_new_tokens[0]
+        chunks.append(logits_for(eng, batch))
+        eng.scheduler.update_after_launch(batch, [])
     batch = eng.scheduler.schedule()
-    chunks.append(eng.runner.logits_for(batch))
-    req.num_computed_tokens += batch.num_new_tokens[0]
+    chunks.append(logits_for(eng, batch))
+    eng.scheduler.update_after_launch(batch, [])
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].float()
     got = torch.cat(chunks)
@@ -71,8 +72,8 @@ def test_greedy_generation_with_preemption_matches_transformers(tiny_checkpoint,
                   async_scheduling=async_scheduling)
     outs = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32))
     assert eng.scheduler.num_preemptions >= 1
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
-    eng.block_manager.check_integrity()
+    assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
+    eng.kv_cache_manager.check_integrity()
     for p, out in zip(prompts, outs):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
@@ -92,6 +93,6 @@ def test_generation_equal_with_and_without_prefix_cache(tiny_checkpoint, async_s
     first = eng.generate(prompts[:1], params)
     rest = eng.generate(prompts[1:], params)
     assert first + rest == base
-    assert eng.block_manager.prefix_hits >= 3 * 32  # two full shared blocks reused by three requests
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
-    eng.block_manager.check_integrity()
+    assert eng.kv_cache_manager.prefix_hits >= 3 * 32  # two full shared blocks reused by three requests
+    assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
+    eng.kv_cache_manager.check_integrity()

@@ -1,4 +1,4 @@
-"""Prefill/mixed-step CUDA graphs (engine/cuda_graph.py): the capture sizes, and the padded
+"""Prefill/mixed-step CUDA graphs (engine/worker/cuda_graph.py): the capture sizes, and the padded
 forward a graph replays -- run eagerly on the CPU -- giving the same tokens, logprobs and block
 accounting as unpadded steps, with chunked prefill, prefix-cache hits and async scheduling."""
 
@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.cuda_graph import PrefillGraphs, prefill_capture_sizes
-from engine.engine import LLMEngine
-from engine.request import SamplingParams
+from engine.core.config import EngineConfig
+from engine.worker.cuda_graph import PrefillGraphs, prefill_capture_sizes
+from engine.worker.build import build_engine
+from engine.core.request import SamplingParams
 
 
 @pytest.mark.parametrize("max_tokens", [1, 16, 17, 100, 512, 2048, 3000, 8192, 20000])
@@ -28,19 +28,21 @@ def test_capture_sizes_cover_every_step_with_bounded_padding(max_tokens):
 def _engine(path, async_scheduling, graphs: bool, budget: int):
     cfg = EngineConfig(model=path, block_size=8, num_kv_blocks=96, max_num_seqs=6, max_num_batched_tokens=budget,
                        async_scheduling=async_scheduling)
-    eng = LLMEngine(cfg, eos_token_ids=frozenset())
+    eng = build_engine(cfg, eos_token_ids=frozenset())
     if graphs:  # what the runner builds on CUDA; without CUDA, run() executes the padded forward eagerly
-        r = eng.runner
-        g = PrefillGraphs(r.model, r.kv_caches, r.backend, budget, cfg.max_num_seqs,
+        r = eng.executor
+        g = PrefillGraphs(r.model, r.kv_caches, budget, cfg.max_num_seqs,
                           r.block_tables.width, r.cache_info.max_model_len, r.device)
         # stale values from "earlier steps" everywhere: a step must overwrite all it relies on
         gen = torch.Generator().manual_seed(0)
-        g.input_ids.random_(0, 384, generator=gen)
-        g.slot_mapping.random_(0, cfg.num_kv_blocks * cfg.block_size, generator=gen)
-        g.block_tables.random_(0, cfg.num_kv_blocks, generator=gen)
-        g.seq_lens.random_(1, 40, generator=gen)
-        g.cu_seqlens_q.copy_(torch.arange(g.cu_seqlens_q.numel()) * 3)
-        g.logits_indices.random_(0, g.sizes[0], generator=gen)
+        s = g.inputs
+        s.input_ids.random_(0, 384, generator=gen)
+        s.positions.random_(0, r.cache_info.max_model_len, generator=gen)  # earlier steps: valid positions
+        s.slot_mapping.random_(0, cfg.num_kv_blocks * cfg.block_size, generator=gen)
+        s.block_tables.random_(0, cfg.num_kv_blocks, generator=gen)
+        s.seq_lens.random_(1, 40, generator=gen)
+        s.cu_seqlens_q.copy_(torch.arange(s.cu_seqlens_q.numel()) * 3)
+        s.logits_indices.random_(0, g.sizes[0], generator=gen)
         r.prefill_graphs = g
     return eng
 
@@ -54,12 +56,12 @@ def _run(eng, requests):
     while eng.has_unfinished():
         outs, _ = eng.step()
         steps += 1
-        eng.block_manager.check_integrity()
+        eng.kv_cache_manager.check_integrity()
         for o in outs:
             tokens[o.request_id] += o.new_token_ids
             logprobs[o.request_id] += o.logprobs
         assert steps < 2000
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
     return tokens, logprobs
 
 
@@ -78,8 +80,8 @@ def test_padded_graph_steps_equal_eager_steps(tiny_checkpoint, one_torch_thread,
     eager = _run(_engine(path, async_scheduling, graphs=False, budget=40), requests)
     eng = _engine(path, async_scheduling, graphs=True, budget=40)
     calls = []
-    run = eng.runner.prefill_graphs.run
-    eng.runner.prefill_graphs.run = lambda *a: calls.append(a[0].shape[0]) or run(*a)
+    run = eng.executor.prefill_graphs.run
+    eng.executor.prefill_graphs.run = lambda step: calls.append(step.num_tokens) or run(step)
     got = _run(eng, requests)
     assert got[0] == eager[0]
     for rid in got[1]:
@@ -88,14 +90,14 @@ def test_padded_graph_steps_equal_eager_steps(tiny_checkpoint, one_torch_thread,
             assert [i for i, _ in a[1]] == [i for i, _ in b[1]]  # the top alternatives
             assert [x for _, x in a[1]] == pytest.approx([x for _, x in b[1]], abs=1e-4)
     assert calls and max(calls) > 16 and min(calls) < 16  # several padded sizes were replayed
-    assert eng.block_manager.prefix_hits > 0  # some steps attended to a cached prefix
+    assert eng.kv_cache_manager.prefix_hits > 0  # some steps attended to a cached prefix
 
 
 def test_padding_rows_store_nothing(tiny_checkpoint, one_torch_thread):
     """A step padded from 5 to 16 tokens writes exactly its 5 slots of the KV cache."""
     path, _ = tiny_checkpoint
     eng = _engine(path, False, graphs=True, budget=64)
-    r = eng.runner
+    r = eng.executor
     before = [k.clone() for k, _ in r.kv_caches]
     eng.add_request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1))
     while eng.has_unfinished():

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from engine.embedded import ensure_embedded_checkpoint
-from engine.tokenizer import Tokenizer
+from engine.loader.embedded import ensure_embedded_checkpoint
+from engine.frontend.tokenizer import Tokenizer
 from server.prompt_encoder import CHECK_TEXTS, PromptEncoder
 from tests.unit.test_tokenizer import SAMPLES, _random_text
 

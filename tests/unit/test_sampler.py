@@ -18,8 +18,9 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.request import Request, SamplingParams
-from engine.sampler import DeviceSamples, PendingSamples, SampleOutput, Sampler
+from engine.core.request import Request, SamplingParams
+from engine.core.outputs import SampleOutput
+from engine.worker.sampler import DeviceSamples, PendingSamples, Sampler
 
 CPU = torch.device("cpu")
 EOS = 3
@@ -31,6 +32,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(params=["torch", "triton"])
 def backend(request):
     return request.param
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row is drawn from: ``softmax(filtered logits / T)``."""
+    temp = torch.tensor([max(p.temperature, 1e-5) for p in params])[:, None]
+    return (Sampler(CPU)._filtered_logits(logits, params) / temp).softmax(dim=-1)
 
 
 def sample(sampler: Sampler, logits, reqs, eos_ids) -> SampleOutput:
@@ -157,7 +164,7 @@ def test_filtered_distribution_matches_reference(seed):
             top_p=rng.choice([1.0, 0.05, 0.3, 0.5, 0.8, 0.95]),
             min_p=rng.choice([0.0, 0.01, 0.1, 0.5]),
         ))
-    got = normalised(Sampler._filtered_probs(logits.clone(), params))
+    got = normalised(filtered_probs(logits.clone(), params))
     for row, p in enumerate(params):
         ref = ref_probs(logits[row], p)
         torch.testing.assert_close(got[row], ref, atol=2e-6, rtol=1e-4, msg=f"row {row}: {p}")
@@ -173,8 +180,8 @@ def test_unfiltered_row_keeps_its_whole_distribution_next_to_filtered_rows():
     gen = torch.Generator().manual_seed(17)
     logits = torch.randn(3, vocab, generator=gen) * 4
     params = [SamplingParams(), SamplingParams(top_k=5), SamplingParams(top_p=0.9)]
-    batch = normalised(Sampler._filtered_probs(logits.clone(), params))
-    alone = normalised(Sampler._filtered_probs(logits[:1].clone(), params[:1]))[0]
+    batch = normalised(filtered_probs(logits.clone(), params))
+    alone = normalised(filtered_probs(logits[:1].clone(), params[:1]))[0]
     full = torch.softmax(logits[0].double(), dim=0)
     assert int((batch[0] == 0).sum()) == 0, "tokens dropped from a row without top-k/top-p"
     torch.testing.assert_close(batch[0], alone, atol=1e-9, rtol=1e-5)
@@ -186,7 +193,7 @@ def test_unfiltered_row_keeps_its_whole_distribution_next_to_filtered_rows():
 def test_each_filter_alone_keeps_the_expected_tokens():
     logits = torch.log(torch.tensor([[0.05, 0.4, 0.1, 0.3, 0.15]]))  # order: 1, 3, 4, 2, 0
     def kept(**kw):
-        probs = Sampler._filtered_probs(logits.clone(), [SamplingParams(**kw)])[0]
+        probs = filtered_probs(logits.clone(), [SamplingParams(**kw)])[0]
         return {t for t in range(5) if probs[t] > 0}
     assert kept() == {0, 1, 2, 3, 4}
     assert kept(top_k=1) == {1}

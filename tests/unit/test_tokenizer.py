@@ -8,14 +8,14 @@ import unicodedata
 
 import pytest
 
-from engine.embedded import (
+from engine.loader.embedded import (
     ADDED_TOKENS,
     QWEN2_PRETOKENIZE_REGEX,
     ensure_embedded_checkpoint,
     load_tiktoken_ranks,
     qwen_tiktoken_path,
 )
-from engine.tokenizer import Tokenizer
+from engine.frontend.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

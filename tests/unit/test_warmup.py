@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
+from engine.core.config import EngineConfig
+from engine.worker.build import build_engine
 
 
 def test_warmup_stores_nothing_and_leaves_engine_usable(tiny_checkpoint):
     path, _ = tiny_checkpoint
-    eng = LLMEngine(EngineConfig(model=path, block_size=16, num_kv_blocks=8, max_num_batched_tokens=64),
+    eng = build_engine(EngineConfig(model=path, block_size=16, num_kv_blocks=8, max_num_batched_tokens=64),
                     eos_token_ids=frozenset())
-    runner = eng.runner
+    runner = eng.executor
     for k, v in runner.kv_caches:
         k.normal_()
         v.normal_()
@@ -20,7 +20,7 @@ def test_warmup_stores_nothing_and_leaves_engine_usable(tiny_checkpoint):
     runner.warmup()
     for (k, v), (k0, v0) in zip(runner.kv_caches, before):
         assert torch.equal(k, k0) and torch.equal(v, v0)
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
 
     out = eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3))
-    assert len(out[0]) == 3 and eng.block_manager.num_free_blocks == 8
+    assert len(out[0]) == 3 and eng.kv_cache_manager.num_free_blocks == 8

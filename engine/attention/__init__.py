@@ -1,0 +1,1 @@
+"""Attention: step metadata, the backend protocol, torch and Triton backends, the custom op."""

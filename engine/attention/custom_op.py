@@ -1,0 +1,67 @@
+"""Attention as an opaque custom op, so that torch.compile can trace the whole model as one graph.
+
+vLLM does the same (``vllm.unified_attention`` / ``unified_attention_with_output`` are
+``torch.library`` custom ops): Dynamo and Inductor see only the op's schema and its fake
+implementation, the real kernel launches (Triton, or the torch reference with its host-side
+loops over sequences) stay outside the graph, and everything around them -- projections,
+RMSNorm, rotary, SwiGLU, residual adds -- compiles into fused Inductor kernels and direct
+cuBLAS calls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.registry import get_attention_backend
+
+
+@torch.library.custom_op("qwen_serve::paged_attention", mutates_args=("k_cache", "v_cache"))
+def paged_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    is_decode: bool,
+    scale: float,
+    backend: str,
+) -> torch.Tensor:
+    """Store this step's k/v into the paged cache and attend (``torch.ops.qwen_serve.paged_attention``).
+
+    Args:
+        q: ``[T, H_q, D]``; k, v: ``[T, H_kv, D]`` in the cache dtype.
+        k_cache, v_cache: ``[num_blocks, block_size, H_kv, D]``, updated in place (declared
+            mutated, so Inductor orders the op correctly and never copies the caches).
+        slot_mapping, block_tables, seq_lens, cu_seqlens_q, max_query_len, max_seq_len,
+            is_decode: the fields of :class:`AttentionMetadata`.
+        scale: softmax scale; backend: a name of :mod:`engine.attention.registry`.
+
+    Returns:
+        A new ``[T, H_q, D]`` tensor in ``q.dtype`` (never a view of an input).
+
+    Raises:
+        ValueError: unknown backend name, or what the backend raises.
+    """
+    meta = AttentionMetadata(slot_mapping, block_tables, seq_lens, cu_seqlens_q, max_query_len, max_seq_len, is_decode)
+    return get_attention_backend(backend).forward(q, k, v, k_cache, v_cache, meta, scale)
+
+
+@paged_attention_op.register_fake
+def _paged_attention_fake(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, cu_seqlens_q,
+                          max_query_len, max_seq_len, is_decode, scale, backend):
+    return torch.empty_like(q)
+
+
+def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, backend: str) -> torch.Tensor:
+    """:func:`paged_attention_op` with the metadata unpacked (what a compiled model calls)."""
+    return paged_attention_op(
+        q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
+        meta.max_query_len, meta.max_seq_len, meta.is_decode, scale, backend,
+    )

@@ -1,0 +1,41 @@
+"""The attention layer the models hold: paged attention through one backend, chosen at build time."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention.custom_op import paged_attention
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.registry import get_attention_backend
+
+
+class PagedAttention(nn.Module):
+    """Stores a step's keys/values into this layer's paged KV cache and attends.
+
+    Args:
+        num_heads, num_kv_heads, head_dim: the layer's query heads, KV heads (GQA) and head size.
+        backend: registry name of the attention backend ("torch", "triton").
+        custom_op: call the backend through the ``qwen_serve::paged_attention`` custom op, so a
+            whole-model ``torch.compile`` traces the layer as one opaque node (``compile_mode
+            "model"``); otherwise call the backend directly.
+
+    Raises:
+        ValueError: unknown backend name.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: str, custom_op: bool = False):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.backend = get_attention_backend(backend)
+        self.backend_name = backend
+        self.custom_op = custom_op
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """``q`` ``[T, H_q, D]``, ``k``/``v`` ``[T, H_kv, D]``; ``kv_cache`` this layer's (k, v)
+        caches ``[num_blocks, block_size, H_kv, D]``, updated in place. Returns ``[T, H_q, D]``."""
+        if self.custom_op:
+            return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.backend_name)
+        return self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)

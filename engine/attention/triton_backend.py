@@ -1,0 +1,100 @@
+"""Triton attention backend: the engine's backend on CUDA (see ``engine.attention.backend``).
+
+Stores the step's keys/values with :func:`kernels.kv_cache.store_kv_cache`, then runs the
+split-KV paged decode kernel when every sequence has one new token. Any other step (prefill, or
+a mixed step of decodes and prompt chunks) runs the decode kernel in its varlen mode on the
+sequences with one new token and the varlen paged prefill kernel on the others
+(``split_mixed_steps``; otherwise the prefill kernel computes every row). Off CUDA it runs only
+under the Triton interpreter (``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from kernels.decode_attention import choose_num_splits, decode_attention, decode_scratch
+from kernels.kv_cache import store_kv_cache
+from kernels.prefill_attention import prefill_attention
+
+
+class TritonAttentionBackend:
+    """Attention through the Triton kernels in ``kernels/``.
+
+    The decode scratch (``partial_out``, ``partial_lse``) is allocated on first use for each
+    (batch, heads, head_dim, num_splits, device) and reused by later steps and layers, so
+    repeated steps allocate nothing but their outputs.
+
+    Args:
+        split_mixed_steps: in steps that are not pure decode, compute the rows of sequences with
+            one new token with the split-KV decode kernel (GQA-packed, each KV block read once
+            per KV head) and only the others with the prefill kernel, instead of a whole
+            ``BLOCK_M``-row query tile per query head for each of them. Both launches have
+            shape-only grids, so the step stays capturable in a CUDA graph. False restores the
+            single prefill launch (benchmarks).
+    """
+
+    name = "triton"
+
+    def __init__(self, split_mixed_steps: bool = True) -> None:
+        self.split_mixed_steps = split_mixed_steps
+        self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._num_sms: dict[torch.device, int] = {}
+
+    def _sm_count(self, device: torch.device) -> int:
+        if device not in self._num_sms:
+            if device.type == "cuda":
+                self._num_sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+            else:
+                self._num_sms[device] = 4  # interpreter: a few splits still exercise the reduction
+        return self._num_sms[device]
+
+    def scratch(self, batch: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device):
+        """The cached decode scratch for this shape (allocated once)."""
+        key = (batch, num_heads, head_dim, num_splits, device)
+        buf = self._scratch.get(key)
+        if buf is None:
+            buf = decode_scratch(batch, num_heads, head_dim, num_splits, device)
+            self._scratch[key] = buf
+        return buf
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Store this step's k/v, then attend; shapes as in ``AttentionBackend.forward``.
+
+        Returns:
+            ``[T, H_q, D]`` in ``q.dtype``.
+
+        Raises:
+            ValueError: on a non-CUDA device without ``TRITON_INTERPRET=1``.
+        """
+        if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("the triton backend needs a CUDA device or TRITON_INTERPRET=1")
+        store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        num_seqs = meta.block_tables.shape[0]
+        decode = meta.is_decode and q.shape[0] == num_seqs
+        if decode or (self.split_mixed_steps and num_seqs > 0):
+            # pure decode: one row per sequence; mixed step: the rows of sequences with one new
+            # token (row cu_seqlens_q[b]), the others left to the prefill launch below
+            _, num_heads, head_dim = q.shape
+            splits = choose_num_splits(num_seqs, k_cache.shape[2], meta.max_seq_len, self._sm_count(q.device))
+            po, plse = self.scratch(num_seqs, num_heads, head_dim, splits, q.device)
+            decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, scale, po, plse, splits,
+                             cu_seqlens_q=None if decode else meta.cu_seqlens_q)
+            if decode:
+                return out
+        return prefill_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, out, scale, causal=True,
+            skip_decode_rows=self.split_mixed_steps,
+        )

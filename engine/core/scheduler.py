@@ -1,0 +1,293 @@
+"""Continuous-batching scheduler with chunked prefill and preemption by recompute.
+
+Each step gets a token budget (``max_num_batched_tokens``). Running requests are scheduled
+first (decodes take one token each; a request still in prefill takes a chunk), then waiting
+requests are admitted in arrival order while the budget, ``max_num_seqs`` and free KV blocks
+allow. Prefill and decode are one mechanism: a request computes tokens
+``num_computed_tokens .. num_tokens`` of its sequence, as in vLLM v1 and Sarathi-Serve
+(Agrawal et al., OSDI 2024). When blocks run out, the newest running request is preempted:
+its blocks are freed and it returns to the front of the waiting queue to be recomputed.
+
+The scheduler owns every request's progress: it is changed here only, at admission and
+preemption (:meth:`schedule`), after a step is launched (:meth:`update_after_launch`) and when
+its samples are back (:meth:`update_from_output`). KV blocks belong to the
+:class:`~engine.core.kv_cache_manager.KVCacheManager`; each scheduled batch carries the block
+ids it appended to each request's table, which is all the worker needs to mirror them.
+
+With async scheduling a running request may have an output placeholder: a token sampled by the
+step still in flight. It counts as a token to compute (its id reaches the step on the device);
+a request whose token in flight is its last by length is not scheduled again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.outputs import RequestOutput, SampleOutput
+from engine.core.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step: which requests, how many new tokens each, and their block-table changes.
+
+    Attributes:
+        requests, num_new_tokens: the step's requests and their new-token counts (same order).
+        new_block_ids: per request, the block ids appended to its block table for this step;
+            when ``block_table_reset`` is set for it (admitted this step, new or after a
+            preemption) they are its whole table.
+        block_table_reset: per request, whether its table starts over.
+        finished_request_ids: requests finished since the previous batch: the worker may drop
+            their per-request state.
+        num_preemptions: requests preempted while scheduling this step.
+    """
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    block_table_reset: list[bool] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def _add(self, req: Request, n: int, blocks: list[int], reset: bool) -> None:
+        self.requests.append(req)
+        self.num_new_tokens.append(n)
+        self.new_block_ids.append(blocks)
+        self.block_table_reset.append(reset)
+
+
+def _last_token_in_flight(req: Request) -> bool:
+    """Whether the token in flight is the request's last by length (max_tokens or max_len)."""
+    return (req.sample_index >= req.sampling_params.max_tokens
+            or req.num_tokens_with_placeholders >= req.max_len)
+
+
+class Scheduler:
+    """Waiting and running queues over a :class:`KVCacheManager`.
+
+    Args:
+        kv_cache_manager: the KV block owner.
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget per step.
+        enable_chunked_prefill: when False a prompt is only scheduled whole.
+        eos_token_ids: ids that end a request unless it ignores EOS.
+
+    Attributes:
+        requests: live requests (waiting or running) by id.
+        num_preemptions: preemptions since start.
+        num_host_sampling: live requests whose sampling reads host state (penalties,
+            ``min_tokens``), which make the engine's steps synchronous.
+    """
+
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ):
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.num_host_sampling = 0
+        self._finished_ids: list[str] = []
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (its id must not be live)."""
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        if request.sampling_params.needs_host_state:
+            self.num_host_sampling += 1
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a live request with reason ``abort``; False for an unknown id."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self.finish(req, FinishReason.ABORT)
+        return True
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request (any state): free its blocks and drop it from the queues. Idempotent."""
+        if request.status == RequestStatus.FINISHED:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kv_cache_manager.free(request)
+        if self.requests.pop(request.request_id, None) is not None:
+            self._finished_ids.append(request.request_id)
+            if request.sampling_params.needs_host_state:
+                self.num_host_sampling -= 1
+
+    def fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
+        """Finish the still-live ones among ``requests`` with reason ``error``; their outputs."""
+        outputs = []
+        for req in requests:
+            if not req.is_finished:
+                self.finish(req, FinishReason.ERROR)
+                outputs.append(RequestOutput.failed(req.request_id, message))
+        return outputs
+
+    # -------------------------------------------------------------- scheduling
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)  # before the reset: it reads the computed tokens
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick the requests of the next step and allocate their KV blocks."""
+        batch = ScheduledBatch(finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.max_num_batched_tokens
+        kv = self.kv_cache_manager
+
+        # 1. running requests, oldest first; preempt the newest when blocks run out.
+        queue = list(self.running)
+        kept: list[Request] = []
+        while queue and budget > 0:
+            req = queue.pop(0)
+            left = req.num_tokens_with_placeholders - req.num_computed_tokens
+            if left <= 0 or (req.num_output_placeholders and _last_token_in_flight(req)):
+                kept.append(req)  # its last token is in flight: it finishes when that arrives
+                continue
+            n = min(left, budget)
+            # without chunked prefill a prefill is taken whole; only the recompute of a
+            # preempted request (prompt + outputs) may exceed the budget and go in chunks
+            if not self.enable_chunked_prefill and n < left <= self.max_num_batched_tokens:
+                kept.append(req)  # cannot take a partial prefill; wait for a later step
+                continue
+            while (new_blocks := kv.allocate_slots(req, n)) is None:
+                victim = queue.pop() if queue else None
+                if victim is None:
+                    # nothing newer left to evict: preempt this request itself
+                    self._preempt(req)
+                    batch.num_preemptions += 1
+                    req = None
+                    break
+                self._preempt(victim)
+                batch.num_preemptions += 1
+            if req is None:
+                break
+            kept.append(req)
+            batch._add(req, n, new_blocks, False)
+            budget -= n
+        kept.extend(queue)  # not scheduled this step (budget exhausted) but still running
+        self.running = kept
+
+        # 2. admit waiting requests in order, unless someone was preempted this step.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.num_preemptions:
+            req = self.waiting[0]
+            if req.num_output_placeholders:
+                break  # preempted with a token in flight: admitted once the token is back
+            hit_blocks, num_hit = kv.get_computed_blocks(req)
+            remaining = req.num_tokens - num_hit
+            n = min(remaining, budget)
+            if not self.enable_chunked_prefill and n < remaining <= self.max_num_batched_tokens:
+                break
+            if kv.allocate_slots(req, n, hit_blocks) is None:
+                break  # retried next step; the lookup is counted once, on admission
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            req.num_cached_tokens = min(num_hit, req.num_prompt_tokens)
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            batch._add(req, n, kv.get_block_ids(req.request_id), True)
+            budget -= n
+        if not batch.requests:  # nothing runs: the finished ids go with the next batch that does
+            self._finished_ids[:0] = batch.finished_request_ids
+            batch.finished_request_ids = []
+        return batch
+
+    # ----------------------------------------------------------------- updates
+    def update_after_launch(self, batch: ScheduledBatch, sample_requests: list[Request]) -> int:
+        """Advance the progress of a launched step's requests; returns the prompt tokens it computes.
+
+        Args:
+            batch: the launched step.
+            sample_requests: those of its requests that sample a token (each gets a placeholder
+                until :meth:`update_from_output`).
+        """
+        num_prompt = 0
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            start = req.num_computed_tokens
+            num_prompt += max(0, min(start + n, req.num_prompt_tokens) - start)
+            req.num_computed_tokens = start + n
+        for req in sample_requests:
+            req.num_output_placeholders += 1
+        return num_prompt
+
+    def update_from_output(self, sample_requests: list[Request], samples: SampleOutput) -> list[RequestOutput]:
+        """Apply a step's samples (rows in ``sample_requests`` order): append each token, check
+        the stop conditions, finish the requests that stop; returns their outputs.
+
+        Requests finished while the step ran (aborted, failed, stopped) are skipped.
+        """
+        outputs = []
+        for i, req in enumerate(sample_requests):
+            req.num_output_placeholders -= 1
+            if req.is_finished:
+                continue
+            token = samples.token_ids[i]
+            req.output_token_ids.append(token)
+            reason = self._check_stop(req, token)
+            lp = samples.logprobs[i]
+            outputs.append(RequestOutput(
+                req.request_id, [token], [lp] if lp is not None or req.sampling_params.logprobs is not None else [],
+                finished=reason is not None, finish_reason=reason,
+                num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+                scheduled_time=req.first_scheduled_time,
+            ))
+            if reason is not None:
+                self.finish(req, reason)
+        return outputs
+
+    def drop_placeholders(self, sample_requests: list[Request]) -> None:
+        """A launched step's samples will never arrive (it failed): remove their placeholders."""
+        for req in sample_requests:
+            req.num_output_placeholders -= 1
+
+    def _check_stop(self, req: Request, token: int) -> FinishReason | None:
+        p = req.sampling_params
+        n_out = len(req.output_token_ids)
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return FinishReason.STOP
+            if token in p.stop_token_ids:
+                return FinishReason.STOP
+        if n_out >= p.max_tokens or req.num_tokens >= req.max_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,1 @@
+"""What runs in the HTTP process: the async engine client, engine-core launchers, tokenizer, detokenizer."""

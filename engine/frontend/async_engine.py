@@ -1,0 +1,178 @@
+"""One engine loop shared by all requests, with a per-request async output stream.
+
+The engine loop (``engine.core.engine_loop``) runs in an *engine core*: a thread of this process
+(``engine.frontend.thread_core.ThreadCore``) or a separate process
+(``engine.frontend.process_core.ProcessCore``, so the engine's Python work never competes with
+the HTTP server for the GIL). Requests and aborts go to the core as typed commands
+(``engine.core.commands``); each step's outputs come back to the event loop with
+``call_soon_threadsafe`` into one ``asyncio.Queue`` per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from engine.core.commands import AbortRequest, AddRequest
+from engine.core.limits import EngineLimits
+from engine.core.llm_engine import LLMEngine
+from engine.core.outputs import RequestOutput
+from engine.core.request import FinishReason, SamplingParams
+from engine.core.stats import StepStats
+from engine.frontend.core_client import EngineCoreClient
+
+log = logging.getLogger(__name__)
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine core is not running (it died or was shut down)."""
+
+
+class RequestStream:
+    """Async iterator over one request's outputs; ends after the output with ``finished``.
+
+    Attributes:
+        arrival_time, first_token_time, last_token_time: monotonic seconds.
+        itls: gaps between consecutive token outputs (seconds).
+        scheduled_time: when the engine first scheduled the request (monotonic), if it did.
+    """
+
+    def __init__(self, request_id: str, num_prompt_tokens: int):
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.finished = False
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.scheduled_time: float | None = None
+        self.itls: list[float] = []
+
+    def _put(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if out.new_token_ids:
+            if self.first_token_time is None:
+                self.first_token_time = now
+            else:
+                self.itls.append(now - self.last_token_time)
+            self.last_token_time = now
+        if out.scheduled_time is not None:
+            self.scheduled_time = out.scheduled_time
+        self.queue.put_nowait(out)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        """The next output; when the consumer fell behind, all queued outputs merged into one
+        (their tokens concatenated), so a busy server does its per-chunk work once per batch of
+        tokens instead of once per token."""
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self.queue.get()
+        while not out.finished and out.error is None and not self.queue.empty():
+            nxt = self.queue.get_nowait()
+            out = RequestOutput(
+                out.request_id, out.new_token_ids + nxt.new_token_ids, out.logprobs + nxt.logprobs,
+                finished=nxt.finished, finish_reason=nxt.finish_reason, num_prompt_tokens=nxt.num_prompt_tokens,
+                num_cached_tokens=nxt.num_cached_tokens, error=nxt.error,
+                scheduled_time=out.scheduled_time if out.scheduled_time is not None else nxt.scheduled_time,
+            )
+        if out.finished:
+            self.finished = True
+        return out
+
+
+class AsyncEngine:
+    """The front end of an engine core: request streams, validation, aborts.
+
+    Args:
+        core: an engine core client (``ThreadCore`` or ``ProcessCore``).
+        on_step: called on the event loop with each step's :class:`StepStats`.
+    """
+
+    def __init__(self, core: EngineCoreClient, on_step: Callable[[StepStats], None] | None = None):
+        self.core = core
+        self.limits: EngineLimits = self.core.limits
+        self.on_step = on_step
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def engine(self) -> LLMEngine | None:
+        """The in-process engine (thread core only; for tests and tools)."""
+        return self.core.engine
+
+    # -------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the engine core; must be called from the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        loop = self._loop
+        self.core.start(self._emit, lambda: loop.call_soon_threadsafe(self.fail_all, "the engine process died"))
+
+    async def shutdown(self) -> None:
+        """Stop the engine core (in-flight requests get no further output)."""
+        await asyncio.to_thread(self.core.shutdown, 30.0)
+
+    @property
+    def is_running(self) -> bool:
+        return self.core.is_alive()
+
+    # --------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Validate and queue a request; returns its output stream.
+
+        Raises:
+            RequestRejected: the request can never be served (see EngineLimits.validate).
+            ValueError: duplicate id.
+            EngineUnavailable: the engine core is not running.
+        """
+        if not self.core.is_alive():
+            raise EngineUnavailable("the engine is not running")
+        if request_id in self._streams:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self.limits.validate(prompt_token_ids)
+        stream = RequestStream(request_id, len(prompt_token_ids))
+        self._streams[request_id] = stream
+        self.core.send(AddRequest(request_id, list(prompt_token_ids), params))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request: its blocks are freed at the start of the next engine iteration.
+
+        The stream ends with a finished ``abort`` output. Unknown or finished ids are ignored.
+        """
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        self.core.send(AbortRequest(request_id))
+        # end the stream for anyone still reading it
+        stream._put(RequestOutput(request_id, [], finished=True, finish_reason=FinishReason.ABORT))
+
+    def fail_all(self, message: str) -> None:
+        """Finish every in-flight stream with an error (the engine core died)."""
+        self._dispatch([RequestOutput.failed(rid, message) for rid in list(self._streams)], None)
+
+    # ------------------------------------------------------- from the engine core
+    def _emit(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
+        """Called on the core's thread: hand a step's results to the event loop."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._dispatch, outputs, stats)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+
+    def _dispatch(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted meanwhile
+            stream._put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+        if stats is not None and self.on_step is not None:
+            self.on_step(stats)

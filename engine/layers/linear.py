@@ -1,0 +1,177 @@
+"""Linear layers that know how their weight is split across tensor-parallel ranks and how to
+load their slice of a checkpoint tensor.
+
+Megatron-LM's partitioning (Shoeybi et al. 2019), with vLLM's class names: a column-parallel
+layer splits its output features across ranks, a row-parallel one its input features (its
+partial outputs are summed across ranks by the caller's all-reduce). Fused projections (q/k/v,
+gate/up) are column-parallel layers made of shards that the checkpoint stores as separate
+tensors: each shard is split on its own, so a rank holds its heads of q, k and v.
+
+Every parameter gets a ``weight_loader(param, tensor, shard_id)`` that copies the rank's slice
+of a full checkpoint tensor into it (vLLM's and nano-vllm's convention), and ``shard_ids``, the
+shards it expects (the loader checks that each was loaded once). With ``tp_size == 1`` (today's
+engine) every layer is a plain ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+    """Copy a whole checkpoint tensor into ``param`` (cast to its dtype and device).
+
+    Raises:
+        ValueError: a shape mismatch.
+    """
+    if param.shape != tensor.shape:
+        raise ValueError(f"checkpoint shape {tuple(tensor.shape)} != parameter shape {tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+def _split(size: int, tp_size: int, what: str) -> int:
+    if size % tp_size:
+        raise ValueError(f"{what} = {size} is not divisible by the tensor-parallel size {tp_size}")
+    return size // tp_size
+
+
+class LinearBase(nn.Module):
+    """``y = x W^T + b`` with ``W`` ``[out_per_rank, in_per_rank]`` (Hugging Face's layout).
+
+    Args:
+        input_size, output_size: the full layer's features; bias: whether it has one.
+        tp_rank, tp_size: this rank and the number of ranks (1: not split).
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_rank: int = 0, tp_size: int = 1,
+                 *, in_per_rank: int, out_per_rank: int):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.weight = nn.Parameter(torch.empty(out_per_rank, in_per_rank))
+        self.weight.weight_loader = self.weight_loader
+        self.weight.shard_ids = (None,)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_per_rank))
+            self.bias.weight_loader = self.weight_loader
+            self.bias.shard_ids = (None,)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., in_per_rank]`` -> ``[..., out_per_rank]`` in x's dtype."""
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+        default_weight_loader(param, tensor)
+
+
+class ReplicatedLinear(LinearBase):
+    """A linear layer every rank holds whole."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, in_per_rank=input_size, out_per_rank=output_size)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks: rank ``r`` holds rows ``r * out/tp .. (r+1) * out/tp``.
+
+    Raises:
+        ValueError: ``output_size`` not divisible by ``tp_size``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__(input_size, output_size, bias, tp_rank, tp_size, in_per_rank=input_size,
+                         out_per_rank=_split(output_size, tp_size, "output features"))
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+        n = param.shape[0]
+        default_weight_loader(param, tensor.narrow(0, self.tp_rank * n, n))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel layers of the same input stacked on the output (gate/up):
+    ``shard_id`` ``i`` is checkpoint tensor ``i`` of ``output_sizes``; each is split on its own.
+
+    Raises:
+        ValueError: an output size not divisible by ``tp_size``.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp_rank: int = 0,
+                 tp_size: int = 1):
+        self.output_sizes = [_split(s, tp_size, "output features") for s in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+        shards = tuple(range(len(output_sizes)))
+        self.weight.shard_ids = shards
+        if self.bias is not None:
+            self.bias.shard_ids = shards
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+        """Copy this rank's slice of shard ``shard_id`` (an index) into its place."""
+        size = self.output_sizes[shard_id]
+        offset = sum(self.output_sizes[:shard_id])
+        default_weight_loader(param.narrow(0, offset, size), tensor.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections stacked on the output, split by heads: a rank holds
+    ``num_heads / tp`` query heads and ``num_kv_heads / tp`` KV heads, or one KV head replicated
+    on ``tp / num_kv_heads`` ranks when there are fewer KV heads than ranks (as in vLLM).
+    ``shard_id`` is "q", "k" or "v".
+
+    Raises:
+        ValueError: heads not divisible by ``tp_size`` (or ``tp_size`` not by the KV heads).
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1):
+        self.head_dim = head_dim
+        self.num_heads = _split(num_heads, tp_size, "attention heads")
+        if num_kv_heads >= tp_size:
+            self.num_kv_heads = _split(num_kv_heads, tp_size, "key/value heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = _split(tp_size, num_kv_heads, "tensor-parallel size over key/value heads")
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        LinearBase.__init__(self, hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, tp_rank, tp_size,
+                            in_per_rank=hidden_size, out_per_rank=self.q_size + 2 * self.kv_size)
+        self.weight.shard_ids = ("q", "k", "v")
+        if self.bias is not None:
+            self.bias.shard_ids = ("q", "k", "v")
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+        """Copy this rank's heads of the ``shard_id`` ("q", "k" or "v") checkpoint tensor."""
+        if shard_id == "q":
+            offset, size, start = 0, self.q_size, self.tp_rank * self.q_size
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size = self.kv_size
+            start = (self.tp_rank // self.kv_replicas) * self.kv_size
+        else:
+            raise ValueError(f"unknown q/k/v shard {shard_id!r}")
+        default_weight_loader(param.narrow(0, offset, size), tensor.narrow(0, start, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks: rank ``r`` holds columns ``r * in/tp .. (r+1) * in/tp``
+    and computes a partial sum of the output; the caller sums the ranks' outputs (all-reduce).
+    A bias is held by rank 0 only, so the sum adds it once.
+
+    Raises:
+        ValueError: ``input_size`` not divisible by ``tp_size``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__(input_size, output_size, bias and tp_rank == 0, tp_rank, tp_size,
+                         in_per_rank=_split(input_size, tp_size, "input features"), out_per_rank=output_size)
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 1:  # the bias (rank 0)
+            default_weight_loader(param, tensor)
+            return
+        n = param.shape[1]
+        default_weight_loader(param, tensor.narrow(1, self.tp_rank * n, n))

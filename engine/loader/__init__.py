@@ -1,0 +1,1 @@
+"""Weights into models: safetensors checkpoints, random weights, the embedded checkpoint builder."""

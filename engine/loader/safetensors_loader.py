@@ -1,0 +1,80 @@
+"""Load Hugging Face safetensors checkpoints into an engine model through its parameters'
+weight loaders (fused q/k/v and gate/up shards, tensor-parallel slices)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.layers.linear import default_weight_loader
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: ``model.safetensors`` or the shards its index lists.
+
+    Raises:
+        FileNotFoundError: neither a single file nor an index is present.
+    """
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [d / s for s in shards]
+    single = d / "model.safetensors"
+    if single.exists():
+        return [single]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {d}")
+    return files
+
+
+def parameter_target(model: nn.Module, name: str) -> tuple[str, object]:
+    """(parameter name, shard id) a checkpoint tensor loads into, through the model's
+    ``packed_modules_mapping`` (fragment -> (fused fragment, shard id)); shard None if unfused."""
+    for frag, (fused, shard) in model.packed_modules_mapping.items():
+        if f".{frag}." in name:
+            return name.replace(f".{frag}.", f".{fused}."), shard
+    return name, None
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, model_dir: str | Path) -> None:
+    """Copy every checkpoint tensor into its (possibly fused or sharded) parameter.
+
+    The model provides ``packed_modules_mapping`` and ``skip_checkpoint_tensor(name)``; each
+    parameter's ``weight_loader(param, tensor, shard_id)`` copies its part (cast to the
+    parameter's dtype and device), and its ``shard_ids`` say which shards it expects.
+
+    Raises:
+        KeyError: a checkpoint tensor with no matching parameter.
+        ValueError: a shape mismatch, a shard loaded twice, or parameters the checkpoint does
+            not provide.
+    """
+    params = dict(model.named_parameters())
+    loaded: dict[str, list] = {}
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if model.skip_checkpoint_tensor(name):
+                    continue
+                target, shard = parameter_target(model, name)
+                param = params.get(target)
+                if param is None:
+                    raise KeyError(f"checkpoint tensor {name} matches no model parameter ({target})")
+                if shard in loaded.setdefault(target, []):
+                    raise ValueError(f"checkpoint tensor {name} loaded twice")
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                try:
+                    loader(param, f.get_tensor(name), shard)
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
+                loaded[target].append(shard)
+    missing = [n for n, p in params.items()
+               if sorted(map(str, loaded.get(n, []))) != sorted(map(str, getattr(p, "shard_ids", (None,))))]
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks parameters: {missing[:8]}{'...' if len(missing) > 8 else ''}")

@@ -1,0 +1,94 @@
+"""A host-side mirror of the requests' block tables in one numpy array, updated incrementally.
+
+Building a step's ``[B, max_blocks]`` block table from Python lists costs a copy of every block
+id of every request, every step (tens of thousands of ints at batch 256). Block tables only
+grow while a request runs, so the mirror keeps one row per live request and writes only the
+block ids each scheduled batch appended (``ScheduledBatch.new_block_ids``); a step's table is
+then a row gather (vLLM's persistent ``BlockTable`` of its input batch does the same).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.core.scheduler import ScheduledBatch
+
+
+class PersistentBlockTables:
+    """Rows of block ids per request id.
+
+    Args:
+        max_blocks_per_seq: row width (``ceil(max_model_len / block_size)``).
+        initial_rows: starting capacity; the array doubles when full.
+
+    Raises:
+        ValueError: non-positive sizes.
+    """
+
+    def __init__(self, max_blocks_per_seq: int, initial_rows: int = 64):
+        if max_blocks_per_seq < 1 or initial_rows < 1:
+            raise ValueError("need max_blocks_per_seq >= 1 and initial_rows >= 1")
+        self.width = max_blocks_per_seq
+        self.table = np.zeros((initial_rows, max_blocks_per_seq), dtype=np.int32)
+        self._rows: dict[str, int] = {}
+        self._lengths: dict[str, int] = {}  # request id -> block ids in its row
+        self._free_rows = list(range(initial_rows - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def _row(self, request_id: str) -> int:
+        row = self._rows.get(request_id)
+        if row is None:
+            if not self._free_rows:
+                old = self.table.shape[0]
+                self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+                self._free_rows = list(range(2 * old - 1, old - 1, -1))
+            row = self._free_rows.pop()
+            self._rows[request_id] = row
+            self._lengths[request_id] = 0
+        return row
+
+    def append(self, request_id: str, block_ids: list[int], reset: bool = False) -> None:
+        """Append block ids to the request's row (``reset``: the row starts over with them).
+
+        Raises:
+            ValueError: a row longer than ``max_blocks_per_seq``.
+        """
+        start = 0 if reset else self._lengths.get(request_id, 0)
+        end = start + len(block_ids)
+        if end > self.width:
+            raise ValueError(f"request {request_id} has {end} blocks, more than {self.width} per sequence")
+        row = self._row(request_id)
+        self.table[row, start:end] = block_ids
+        self._lengths[request_id] = end
+
+    def apply(self, batch: ScheduledBatch) -> np.ndarray:
+        """Apply a scheduled batch's changes (finished requests released first) and return the
+        row index of each of its requests, int64 ``[B]``."""
+        for rid in batch.finished_request_ids:
+            self.release(rid)
+        rows = np.empty(len(batch.requests), dtype=np.int64)
+        for i, req in enumerate(batch.requests):
+            blocks = batch.new_block_ids[i]
+            if blocks or batch.block_table_reset[i]:
+                self.append(req.request_id, blocks, batch.block_table_reset[i])
+            rows[i] = self._row(req.request_id)
+        return rows
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        """The block ids in the request's row ([] for an unknown id)."""
+        row = self._rows.get(request_id)
+        return [] if row is None else self.table[row, : self._lengths[request_id]].tolist()
+
+    def gather(self, rows: np.ndarray, num_blocks: int) -> np.ndarray:
+        """The step's block table: int32 ``[B, num_blocks]`` (entries past a request's blocks are
+        stale ids from earlier owners of the row, never read: kernels stop at ``seq_lens``)."""
+        return np.take(self.table[:, :num_blocks], rows, axis=0)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's row (idempotent)."""
+        row = self._rows.pop(request_id, None)
+        self._lengths.pop(request_id, None)
+        if row is not None:
+            self._free_rows.append(row)

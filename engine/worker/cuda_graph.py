@@ -1,0 +1,249 @@
+"""CUDA graphs for engine steps, replayed with padded inputs from static buffers.
+
+A step of a small model is dominated by host work: Python, the guards of compiled functions and
+~15 kernel launches per layer. Replaying a captured graph removes it (vLLM, nano-vllm). Inputs
+live in static buffers that the graphs read; a step copies its tensors in, pads them to the next
+captured size, replays, and reads the rows of its real tokens.
+
+* :class:`DecodeGraphs`: one graph per decode batch size (one new token per sequence); padding
+  rows store nothing (slot -1) and attend to one token of block 0.
+* :class:`PrefillGraphs`: one graph per padded token count for every other step (prefills,
+  prompt chunks, decodes mixed with chunks) -- vLLM's "full" CUDA-graph mode for mixed batches.
+  This works because the attention kernels' grids depend only on tensor shapes (the padded token
+  count and sequence count) and host ints fixed per graph (the decode kernel's split count, from
+  the padded sequence count and max_model_len), never on the step's lengths; padding tokens
+  belong to no sequence and store nothing, padding sequences have no tokens. The Triton backend
+  runs the decode rows of such a step through the decode kernel (``cu_seqlens_q`` mode) and the
+  rest through the prefill kernel, both in the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.worker.step_inputs import StepTensors
+
+log = logging.getLogger(__name__)
+
+
+def capture_graphs(sizes: list[int], run, graphs: dict, outputs: dict, pool=None):
+    """Capture ``run(size)`` once per size, largest first so smaller graphs reuse its memory.
+
+    Each size is run once eagerly first (Triton and torch.compile compilation, allocator
+    warm-up), then captured; ``graphs[size]`` gets the graph and ``outputs[size]`` the tensor
+    the captured run returned (overwritten by every replay).
+
+    Returns:
+        The memory pool the graphs share (``pool`` itself when one was given).
+    """
+    for size in reversed(sizes):
+        run(size)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[size] = run(size)
+        if pool is None:
+            pool = graph.pool()
+        graphs[size] = graph
+        torch.cuda.synchronize()
+    return pool
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, 8, then every 16 up to ``max_batch`` (at most 512)."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_batch]
+    sizes += list(range(16, min(max_batch, 512) + 1, 16))
+    if max_batch > sizes[-1] and max_batch <= 512:
+        sizes.append(max_batch)
+    return sizes
+
+
+class GraphInputs:
+    """The static input buffers a set of graphs reads, filled from a step by :meth:`copy_from`.
+
+    Sized for the largest captured step: ``max_tokens`` tokens and ``max_seqs`` sequences of at
+    most ``max_blocks_per_seq`` blocks. Between replays the buffers may hold stale values;
+    :meth:`copy_from` rewrites every entry a padded step of the given size reads.
+    """
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device):
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
+        self.logits_indices = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+
+    def metadata(self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int) -> AttentionMetadata:
+        """Views of the buffers for a padded step of ``num_tokens`` tokens and ``num_seqs`` sequences."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:num_tokens], block_tables=self.block_tables[:num_seqs],
+            seq_lens=self.seq_lens[:num_seqs], cu_seqlens_q=self.cu_seqlens_q[: num_seqs + 1],
+            max_query_len=max_query_len, max_seq_len=max_seq_len, is_decode=max_query_len == 1,
+        )
+
+    def copy_from(self, step: StepTensors, num_tokens: int, num_seqs: int, decode: bool) -> None:
+        """Copy a step's tensors in and pad them to ``num_tokens`` tokens and ``num_seqs`` sequences.
+
+        Padding tokens store nothing (slot -1). ``decode``: one token per sequence; a padding
+        sequence attends to one token of block 0 (``cu_seqlens_q`` is not read, logits are
+        taken for every row). Otherwise padding tokens lie past ``cu_seqlens_q[B]`` (no sequence
+        attends with them), padding sequences have no tokens, padding sample rows read row 0.
+        """
+        t, b, n = step.num_tokens, step.num_seqs, step.logits_indices.shape[0]
+        self.input_ids[:t].copy_(step.input_ids, non_blocking=True)
+        self.positions[:t].copy_(step.positions, non_blocking=True)
+        self.slot_mapping[:t].copy_(step.slot_mapping, non_blocking=True)
+        self.slot_mapping[t:num_tokens].fill_(-1)
+        self.block_tables[:b, : step.block_tables.shape[1]].copy_(step.block_tables, non_blocking=True)
+        self.seq_lens[:b].copy_(step.seq_lens, non_blocking=True)
+        if decode:
+            self.block_tables[b:num_seqs].zero_()
+            self.seq_lens[b:num_seqs].fill_(1)
+            return
+        self.cu_seqlens_q[: b + 1].copy_(step.cu_seqlens_q, non_blocking=True)
+        self.cu_seqlens_q[b + 1: num_seqs + 1].fill_(t)
+        self.logits_indices[:n].copy_(step.logits_indices, non_blocking=True)
+        self.logits_indices[n:num_seqs].zero_()
+
+
+class DecodeGraphs:
+    """Captured decode graphs of one model and KV cache.
+
+    Args:
+        model: the engine's model (its attention backend must be graph-safe: the Triton backend,
+            no host syncs, scratch reused); kv_caches: its cache tensors. With
+            ``compile_mode="model"`` the warm-up run of each size compiles (or reuses) the
+            model's decode graph before capture, and the capture records the Inductor kernels,
+            cuBLAS calls and the attention op's Triton launches; Python (guards, wrapper) runs
+            only at capture, not at replay.
+        max_batch: largest decode batch; max_blocks_per_seq: block-table width;
+        max_seq_len: the engine's max_model_len (sizes the decode split count at capture).
+        pool: a CUDA graph memory pool to share (``PrefillGraphs.pool``), or None for a new one.
+    """
+
+    def __init__(self, model, kv_caches, max_batch: int, max_blocks_per_seq: int, max_seq_len: int, pool=None):
+        self.model, self.kv_caches = model, kv_caches
+        dev = model.model.embed_tokens.weight.device
+        self.sizes = capture_sizes(max_batch)
+        n = self.sizes[-1]
+        self.max_seq_len = max_seq_len
+        self.inputs = GraphInputs(n, n, max_blocks_per_seq, dev)
+        self.inputs.seq_lens.fill_(1)
+        self.inputs.cu_seqlens_q.copy_(torch.arange(n + 1, dtype=torch.int32, device=dev))
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = pool  # memory pool shared with other graphs (e.g. PrefillGraphs.pool)
+
+    def _run(self, bs: int) -> torch.Tensor:
+        meta = self.inputs.metadata(bs, bs, 1, self.max_seq_len)
+        hidden = self.model(self.inputs.input_ids[:bs], self.inputs.positions[:bs], self.kv_caches, meta)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every batch size, largest first so smaller graphs share its memory pool."""
+        self.pool = capture_graphs(self.sizes, self._run, self.graphs, self.logits, self.pool)
+        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def can_run(self, batch: int, max_seq_len: int) -> bool:
+        return batch <= self.sizes[-1] and max_seq_len <= self.max_seq_len
+
+    def run(self, step: StepTensors) -> torch.Tensor:
+        """Replay the graph for a decode step of B sequences; returns logits ``[B, vocab]`` (model dtype)."""
+        b = step.num_seqs
+        bs = next(s for s in self.sizes if s >= b)
+        self.inputs.copy_from(step, bs, bs, decode=True)
+        self.graphs[bs].replay()
+        return self.logits[bs][:b]
+
+
+def prefill_capture_sizes(max_tokens: int) -> list[int]:
+    """Token counts to capture for prefill/mixed steps: a step of ``t`` tokens pads to at most
+    ``1.25 * t + 16`` (every 16 up to 128, then steps that double at 256, 512, 1024, 2048 and
+    4096), and the last size is ``max_tokens`` rounded up to a multiple of 16."""
+    sizes = list(range(16, 129, 16))
+    for step, stop in ((32, 256), (64, 512), (128, 1024), (256, 2048), (512, 4096), (1024, 1 << 30)):
+        while sizes[-1] < stop and sizes[-1] < max_tokens:
+            sizes.append(sizes[-1] + step)
+    top = -(-max(1, max_tokens) // 16) * 16
+    return [s for s in sizes if s < top] + [top]
+
+
+class PrefillGraphs:
+    """Captured graphs of prefill and mixed steps, one per padded token count.
+
+    A step of ``T`` tokens from ``B`` sequences replays the graph of the smallest captured size
+    ``T_pad >= T``; that graph has ``S = min(max_seqs, T_pad)`` sequence slots (``B <= T``, as
+    every scheduled sequence brings at least one token). Padding tokens ``T .. T_pad`` have slot
+    -1 (nothing stored) and lie past ``cu_seqlens_q[B]`` (no sequence attends with them);
+    padding sequences ``B .. S`` have no tokens. The graph ends with the final hidden states of
+    the rows to sample (``logits_indices``, padded with row 0); the LM head and the sampler run
+    after the replay on the real rows only, so the graphs hold no ``[S, vocab]`` logits.
+
+    Args:
+        model: the engine's model (graph-safe attention: Triton, grid from shapes only);
+            kv_caches: its cache tensors.
+        max_tokens: largest step to capture (the engine's token budget); max_seqs: most
+            sequences in a step; max_blocks_per_seq: block-table width; max_seq_len: the
+            engine's max_model_len.
+        device: where the static buffers live; without CUDA nothing is captured and
+            :meth:`run` executes the same padded forward eagerly (the tests' CPU check of the
+            padding).
+    """
+
+    def __init__(self, model, kv_caches, max_tokens: int, max_seqs: int, max_blocks_per_seq: int,
+                 max_seq_len: int, device: torch.device):
+        self.model, self.kv_caches = model, kv_caches
+        self.sizes = prefill_capture_sizes(max_tokens)
+        self.max_seqs = max_seqs
+        self.max_seq_len = max_seq_len
+        self.inputs = GraphInputs(self.sizes[-1], min(max_seqs, self.sizes[-1]), max_blocks_per_seq, device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _num_seqs(self, size: int) -> int:
+        return min(self.max_seqs, size)
+
+    def _run(self, size: int) -> torch.Tensor:
+        s = self._num_seqs(size)
+        meta = self.inputs.metadata(size, s, size, self.max_seq_len)
+        hidden = self.model(self.inputs.input_ids[:size], self.inputs.positions[:size], self.kv_caches, meta)
+        return hidden[self.inputs.logits_indices[:s]]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first so smaller graphs share its memory pool.
+
+        The static buffers hold an empty step meanwhile (no sequence has tokens, every slot is
+        -1): the warm-up and captured runs store nothing and read nothing from the cache.
+        """
+        self.inputs.slot_mapping.fill_(-1)
+        self.inputs.cu_seqlens_q.zero_()
+        self.inputs.logits_indices.zero_()
+        self.pool = capture_graphs(self.sizes, self._run, self.graphs, self.hidden, self.pool)
+        log.info("captured prefill/mixed-step CUDA graphs for token counts %s", self.sizes)
+
+    def can_run(self, num_tokens: int, max_seq_len: int) -> bool:
+        return num_tokens <= self.sizes[-1] and max_seq_len <= self.max_seq_len
+
+    def run(self, step: StepTensors) -> torch.Tensor:
+        """Run one step of ``T`` tokens from ``B`` sequences through the graph of its padded size.
+
+        Returns:
+            Final hidden states ``[N, hidden]`` (model dtype) of the rows to sample
+            (``step.logits_indices``); a view of a static buffer, valid until the next replay.
+        """
+        n = step.logits_indices.shape[0]
+        size = next(s for s in self.sizes if s >= step.num_tokens)
+        self.inputs.copy_from(step, size, self._num_seqs(size), decode=False)
+        graph = self.graphs.get(size)
+        if graph is None:  # not captured (no CUDA): the same padded forward, eagerly
+            return self._run(size)[:n]
+        graph.replay()
+        return self.hidden[size][:n]

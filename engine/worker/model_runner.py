@@ -1,0 +1,240 @@
+"""Runs scheduled batches on one device: builds the model, owns the paged KV cache, launches steps.
+
+The engine core (``engine.core.llm_engine``) hands each :class:`ScheduledBatch` to
+:meth:`ModelRunner.launch`, which builds the step's inputs once (``engine.worker.step_inputs``),
+replays a CUDA graph or runs the model eagerly, samples, and queues the copy of the samples to
+the host without waiting (:class:`StepHandle`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention.registry import default_backend_name
+from engine.core.config import CacheInfo, EngineConfig, ModelConfig
+from engine.core.outputs import SampleOutput
+from engine.core.request import Request, SamplingParams
+from engine.core.scheduler import ScheduledBatch
+from engine.loader.dummy import init_random_weights
+from engine.loader.safetensors_loader import load_weights
+from engine.models.registry import model_class
+from engine.worker.block_table import PersistentBlockTables
+from engine.worker.device import MemoryStats, dtype_name, is_device_error, torch_dtype
+from engine.worker.sampler import PendingSamples, Sampler
+from engine.worker.staging import HostStaging
+from engine.worker.step_inputs import StepInputs, StepTensors, prepare_inputs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepHandle:
+    """A step queued on the device.
+
+    Attributes:
+        sample_requests: requests sampling a token in this step, in row order.
+        pending: the samples' copy to the host (None when nothing samples).
+        token_ids: int64 ``[N]`` sampled ids on the device (inputs of the next step).
+        rows: request id -> row in ``token_ids``.
+    """
+
+    sample_requests: list[Request]
+    pending: PendingSamples | None
+    token_ids: torch.Tensor | None
+    rows: dict[str, int]
+
+    def result(self) -> SampleOutput:
+        """Wait for the step; returns its samples (rows in ``sample_requests`` order)."""
+        if self.pending is None:
+            return SampleOutput([], [])
+        return self.pending.wait()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Create parameters in ``dtype`` (``torch.set_default_dtype``) within the block."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class ModelRunner:
+    """Builds the model, allocates the paged KV cache and executes steps (the engine's
+    :class:`~engine.core.executor.ModelExecutor` on one device).
+
+    Args:
+        model_config: architecture; config: engine settings;
+        random_weights: skip loading and fill weights from ``config.seed`` (benchmarks).
+
+    Raises:
+        ValueError: an unsupported architecture, dtype or attention backend, a checkpoint that
+            does not match the model, or a KV cache budget that holds no block.
+    """
+
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, random_weights: bool = False):
+        self.model_config = model_config
+        self.config = config
+        self.device = torch.device(config.device)
+        cuda = self.device.type == "cuda"
+        self.dtype = torch_dtype(config.dtype or (model_config.dtype if cuda else "float32"))
+        max_len = min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
+
+        compile_mode = config.compile_mode or ("ops" if cuda else "none")
+        self.backend_name = config.attention_backend or default_backend_name(self.device.type)
+        with torch.device(self.device), _default_dtype(self.dtype):
+            model = model_class(model_config.architecture)(model_config, max_positions=max_len,
+                                                           attention_backend=self.backend_name,
+                                                           compile_mode=compile_mode)
+        if random_weights:
+            init_random_weights(model, config.seed)
+        else:
+            load_weights(model, config.model)
+        self.model = model.eval()
+        self.staging = HostStaging(self.device)
+        self.sampler = Sampler(self.device, staging=self.staging)
+
+        mc = model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_block = 2 * mc.num_hidden_layers * config.block_size * mc.num_key_value_heads * mc.head_dim * elem
+        num_blocks = self._num_kv_blocks(per_block)
+        shape = (num_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(mc.num_hidden_layers)
+        ]
+        capacity = num_blocks * config.block_size
+        if capacity < max_len:
+            log.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, max_len)
+            max_len = capacity
+        self.cache_info = CacheInfo(num_blocks, config.block_size, max_len, per_block, dtype_name(self.dtype))
+        self.description = f"{mc.architecture} on {config.device} ({dtype_name(self.dtype)}), attention {self.backend_name}"
+        self.block_tables = PersistentBlockTables(-(-max_len // config.block_size), max(64, config.max_num_seqs))
+        self._memory = MemoryStats(self.device)
+        self.graphs = None
+        self.prefill_graphs = None
+        if cuda:
+            self.warmup()
+            torch.cuda.empty_cache()  # the graphs' private pool cannot reuse the allocator's cache
+        if config.cuda_graph and cuda and self.backend_name == "triton":
+            from engine.worker.cuda_graph import DecodeGraphs, PrefillGraphs
+
+            max_blocks = -(-max_len // config.block_size)
+            graph_tokens = config.max_num_batched_tokens if config.prefill_graph_max_tokens is None \
+                else config.prefill_graph_max_tokens
+            if graph_tokens > 0:
+                self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, graph_tokens, config.max_num_seqs,
+                                                    max_blocks, max_len, self.device)
+                self.prefill_graphs.capture()
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, max_blocks, max_len,
+                                       pool=self.prefill_graphs.pool if self.prefill_graphs is not None else None)
+            self.graphs.capture()
+
+    # ------------------------------------------------------------- executor API
+    def memory_stats(self) -> dict[str, int]:
+        """CUDA memory of the engine's device in bytes (empty on the CPU), at most a second old
+        (see :class:`~engine.worker.device.MemoryStats`)."""
+        return self._memory.read()
+
+    def is_fatal(self, exc: BaseException) -> bool:
+        """A device error: the CUDA context is unusable (see :func:`is_device_error`)."""
+        return is_device_error(exc)
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, eos_token_ids: frozenset[int], prev: StepHandle | None = None) -> StepHandle:
+        """Queue one step on the device without waiting for it: forward over all scheduled
+        tokens, sampling for the requests that reach their end, and the copy of the sampled ids
+        to the host.
+
+        Args:
+            batch: the step; its block-table changes are applied to the runner's mirror.
+            eos_token_ids: masked for requests below ``min_tokens``.
+            prev: the step still in flight, whose sampled ids are the input tokens of requests
+                with an output placeholder (async scheduling); None when nothing is in flight.
+
+        Returns:
+            A handle; :meth:`StepHandle.result` waits for the samples.
+
+        Raises:
+            RuntimeError: a request with a token in flight that ``prev`` did not sample.
+        """
+        inp = prepare_inputs(batch, self.config.block_size, self.block_tables, prev.rows if prev is not None else None)
+        self.staging.next_step()
+        step = inp.to_device(self.staging, prev.token_ids if prev is not None else None)
+        if self.graphs is not None and inp.is_decode and self.graphs.can_run(step.num_seqs, inp.max_seq_len):
+            logits = self.graphs.run(step)
+        else:
+            if self.prefill_graphs is not None and self.prefill_graphs.can_run(step.num_tokens, inp.max_seq_len):
+                hidden = self.prefill_graphs.run(step)
+            else:
+                hidden = self.forward(step)[step.logits_indices]
+            if not inp.sample_requests:
+                return StepHandle([], None, None, {})
+            logits = self.model.compute_logits(hidden)
+        samples = self.sampler(logits, inp.sample_requests, eos_token_ids)
+        rows = {r.request_id: i for i, r in enumerate(inp.sample_requests)}
+        return StepHandle(inp.sample_requests, samples.to_host(), samples.token_ids, rows)
+
+    # --------------------------------------------------------------- internals
+    def forward(self, step: StepTensors) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of an eager forward over a step (writes its k/v)."""
+        return self.model(step.input_ids, step.positions, self.kv_caches, step.attention_metadata())
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run dummy prefill steps of the shapes serving will see, so that kernel compilation
+        (Triton JIT specialisations, torch.compile) happens at start-up and not in the first
+        requests' time to first token (vLLM runs a dummy batch at start-up the same way).
+
+        The dummy tokens store nothing (slot -1) and read only block 0 of the cache.
+        """
+        budget = self.config.max_num_batched_tokens
+        max_len = self.cache_info.max_model_len
+        for num_tokens, num_seqs in ((budget, 1), (budget, 32), (97, 3)):
+            num_seqs = max(1, min(num_seqs, self.config.max_num_seqs))
+            num_tokens = max(1, min(num_tokens, budget, num_seqs * max_len))  # no sequence beyond max_len
+            num_seqs = min(num_seqs, num_tokens)
+            q_lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int32)
+            q_lens[: num_tokens % num_seqs] += 1
+            cu = np.zeros(num_seqs + 1, dtype=np.int32)
+            cu[1:] = np.cumsum(q_lens)
+            blocks = -(-int(q_lens.max()) // self.config.block_size)
+            inp = StepInputs(
+                input_ids=np.zeros(num_tokens, dtype=np.int64),
+                positions=np.concatenate([np.arange(n, dtype=np.int64) for n in q_lens]),
+                slot_mapping=np.full(num_tokens, -1, dtype=np.int64),
+                block_tables=np.zeros((num_seqs, blocks), dtype=np.int32),
+                seq_lens=q_lens.copy(), cu_seqlens_q=cu, logits_indices=(cu[1:] - 1).astype(np.int64),
+                sample_requests=[], max_query_len=int(q_lens.max()), max_seq_len=int(q_lens.max()),
+            )
+            self.staging.next_step()
+            step = inp.to_device(self.staging)
+            logits = self.model.compute_logits(self.forward(step)[step.logits_indices])
+            reqs = [Request(f"warmup-{i}", [0], SamplingParams(temperature=float(i % 2), max_tokens=1), max_len)
+                    for i in range(num_seqs)]
+            self.sampler(logits, reqs, frozenset()).to_host().wait()
+
+    def _num_kv_blocks(self, bytes_per_block: int) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory_gb is not None:
+            budget = cfg.kv_cache_memory_gb * (1 << 30)
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            # leave room for activations of the largest step
+            budget = total * cfg.gpu_memory_utilization - used - (2 << 30)
+        else:
+            budget = 1 << 30  # 1 GiB on the CPU
+        blocks = int(budget // bytes_per_block)
+        if blocks < 1:
+            raise ValueError(f"KV cache budget of {budget / (1 << 30):.3f} GiB holds no block of {bytes_per_block} bytes")
+        return blocks

@@ -1,0 +1,96 @@
+"""The worker's one host-to-device path: step arrays copied through reused pinned buffers.
+
+A copy from pageable memory makes the host wait for the device; a copy from pinned memory with
+``non_blocking=True`` only queues it. The pinned buffer may not be refilled before the copy that
+reads it has run, so each buffer's last copy is tracked with a CUDA event. Consecutive steps
+alternate between two sets of buffers (:meth:`HostStaging.next_step`): with one step in flight,
+the copy waited for belongs to the step before it, which has finished, so the host never waits
+for the running step. Arrays of one dtype can travel together in one copy
+(:meth:`HostStaging.stage_many`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class HostStaging:
+    """Pinned staging buffers of one device, by (name, parity, use within the step).
+
+    A name staged twice in one step gets a second buffer, so a step never overwrites the source
+    of its own queued copy. On a non-CUDA device arrays become tensors without a copy.
+
+    Args:
+        device: where the staged tensors go.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._events: dict[tuple, torch.cuda.Event] = {}
+        self._uses: dict[str, int] = {}
+        self._parity = 0
+
+    def next_step(self) -> None:
+        """Switch to the other buffer set (call once at the start of every step)."""
+        self._parity ^= 1
+        self._uses.clear()
+
+    def _buffer(self, name: str, numel: int, dtype: torch.dtype) -> tuple[tuple, torch.Tensor]:
+        use = self._uses.get(name, 0)
+        self._uses[name] = use + 1
+        key = (name, self._parity, use)
+        pending = self._events.get(key)
+        if pending is not None:
+            pending.synchronize()
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            size = max(numel, 2 * (buf.numel() if buf is not None else 512))
+            buf = self._buffers[key] = torch.empty(size, dtype=dtype, pin_memory=True)
+        return key, buf
+
+    def _copy(self, key: tuple, staged: torch.Tensor) -> torch.Tensor:
+        out = staged.to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._events[key] = event
+        return out
+
+    def stage(self, name: str, array: np.ndarray) -> torch.Tensor:
+        """``array`` as a tensor on the device (same dtype and shape); the copy is queued."""
+        t = torch.from_numpy(np.ascontiguousarray(array))
+        if not self._cuda:
+            return t.to(self.device)
+        key, buf = self._buffer(name, t.numel(), t.dtype)
+        staged = buf[: t.numel()].view(t.shape)
+        staged.copy_(t)
+        return self._copy(key, staged)
+
+    def stage_many(self, name: str, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """Arrays of one dtype in one copy: device tensors (views of one buffer), same shapes.
+
+        Raises:
+            ValueError: arrays of different dtypes.
+        """
+        if len({a.dtype for a in arrays}) > 1:
+            raise ValueError(f"stage_many needs one dtype, got {[a.dtype for a in arrays]}")
+        if not self._cuda:
+            return [torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in arrays]
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        dtype = torch.from_numpy(arrays[0][:0]).dtype
+        key, buf = self._buffer(name, max(total, 1), dtype)
+        host = buf[: max(total, 1)]
+        np_view = host.numpy()
+        offset = 0
+        for a, n in zip(arrays, sizes):
+            np_view[offset: offset + n] = a.reshape(-1)
+            offset += n
+        dev = self._copy(key, host)
+        out, offset = [], 0
+        for a, n in zip(arrays, sizes):
+            out.append(dev[offset: offset + n].view(a.shape))
+            offset += n
+        return out
