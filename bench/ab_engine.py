@@ -31,7 +31,11 @@ def load_engine_api(tree: Path):
         from engine.core.request import SamplingParams
         from engine.worker.build import build_engine
 
-        return (lambda cfg: build_engine(cfg, eos_token_ids=frozenset())), EngineConfig, SamplingParams
+        return (
+            (lambda cfg: build_engine(cfg, eos_token_ids=frozenset())),
+            EngineConfig,
+            SamplingParams,
+        )
     except ImportError:  # the layout before the restructure
         from engine.config import EngineConfig
         from engine.engine import LLMEngine
@@ -42,9 +46,13 @@ def load_engine_api(tree: Path):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tree", required=True, help="source tree whose engine/ and kernels/ are measured")
+    ap.add_argument(
+        "--tree", required=True, help="source tree whose engine/ and kernels/ are measured"
+    )
     ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--seed", type=int, default=0, help="seed of the latency prompts (distinct per run)")
+    ap.add_argument(
+        "--seed", type=int, default=0, help="seed of the latency prompts (distinct per run)"
+    )
     args = ap.parse_args()
     tree = Path(args.tree).resolve()
     build, EngineConfig, SamplingParams = load_engine_api(tree)
@@ -54,8 +62,16 @@ def main() -> None:
     from bench.common import nano_vllm_workload
 
     t0 = time.perf_counter()
-    eng = build(EngineConfig(model=args.ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=4096,
-                             max_num_seqs=256, enable_prefix_caching=False))
+    eng = build(
+        EngineConfig(
+            model=args.ckpt,
+            device="cuda",
+            dtype=torch.bfloat16,
+            max_model_len=4096,
+            max_num_seqs=256,
+            enable_prefix_caching=False,
+        )
+    )
     startup = time.perf_counter() - t0
     prompts, out_lens = nano_vllm_workload(256)
     eng.generate([prompts[0][:64]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
@@ -72,7 +88,9 @@ def main() -> None:
     ttfts, tpots = [], []
     for trial in range(5):
         prompt = [rng.randint(1000, 150000) for _ in range(1024)]
-        eng.add_request(f"lat{trial}", prompt, SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True))
+        eng.add_request(
+            f"lat{trial}", prompt, SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True)
+        )
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         first = None
@@ -86,9 +104,19 @@ def main() -> None:
         end = time.perf_counter()
         ttfts.append(1e3 * (first - t0))
         tpots.append(1e3 * (end - first) / (n_tokens - 1))
-    print(json.dumps({"tree": tree.name, "startup_s": round(startup, 1), "offline_tok_s": round(total / offline_s),
-                      "ttft_ms": round(statistics.median(ttfts), 2), "tpot_ms": round(statistics.mean(tpots), 3),
-                      "preemptions": eng.scheduler.num_preemptions}), flush=True)
+    print(
+        json.dumps(
+            {
+                "tree": tree.name,
+                "startup_s": round(startup, 1),
+                "offline_tok_s": round(total / offline_s),
+                "ttft_ms": round(statistics.median(ttfts), 2),
+                "tpot_ms": round(statistics.mean(tpots), 3),
+                "preemptions": eng.scheduler.num_preemptions,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

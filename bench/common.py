@@ -1,4 +1,5 @@
-"""Shared pieces of the GPU benchmarks: the random Qwen3-0.6B checkpoint and the nano-vllm workload."""
+"""Shared pieces of the GPU benchmarks: the random Qwen3-0.6B checkpoint and the nano-vllm
+workload."""
 
 from __future__ import annotations
 
@@ -8,14 +9,26 @@ import time
 from pathlib import Path
 
 QWEN3_06B = dict(
-    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
 )
 
 
-def random_qwen3_checkpoint(path: str | Path, dtype: str = "bfloat16", seed: int = 0,
-                            tokenizer_from: str | Path | None = None) -> Path:
+def random_qwen3_checkpoint(
+    path: str | Path,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    tokenizer_from: str | Path | None = None,
+) -> Path:
     """Write a Qwen3-0.6B-architecture checkpoint with random weights (transformers' init), once.
 
     ``tokenizer_from``: a directory whose tokenizer.json / tokenizer_config.json are copied in
@@ -43,11 +56,16 @@ def random_qwen3_checkpoint(path: str | Path, dtype: str = "bfloat16", seed: int
     return path
 
 
-def nano_vllm_workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024, seed: int = 0):
-    """nano-vllm's bench.py workload: random prompt ids in [0, 10000], prompt and output lengths uniform
-    in [100, max], seed 0. Returns (prompts, output_lengths)."""
+def nano_vllm_workload(
+    num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024, seed: int = 0
+):
+    """nano-vllm's bench.py workload: random prompt ids in [0, 10000], prompt and output lengths
+    uniform in [100, max], seed 0. Returns (prompts, output_lengths)."""
     random.seed(seed)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))] for _ in range(num_seqs)]
+    prompts = [
+        [random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))]
+        for _ in range(num_seqs)
+    ]
     outputs = [random.randint(100, max_output_len) for _ in range(num_seqs)]
     return prompts, outputs
 

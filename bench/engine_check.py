@@ -13,20 +13,33 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from bench.common import random_qwen3_checkpoint  # noqa: E402
-from engine.core.config import EngineConfig  # noqa: E402
-from engine.worker.build import build_engine  # noqa: E402
-from engine.core.request import SamplingParams  # noqa: E402
+from bench.common import random_qwen3_checkpoint
+from engine.core.config import EngineConfig
+from engine.core.request import SamplingParams
+from engine.worker.build import build_engine
+from tests.engine_helpers import logits_for
 
 
 def engine(ckpt, backend, graphs=False, async_scheduling=True, compile_mode=None):
-    return build_engine(EngineConfig(model=ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=4096,
-                                  num_kv_blocks=2048, attention_backend=backend, cuda_graph=graphs, max_num_seqs=64,
-                                  max_num_batched_tokens=4096,  # every check batch in one step
-                                  enable_prefix_caching=False, async_scheduling=async_scheduling,
-                                  compile_mode=compile_mode), eos_token_ids=frozenset())
+    return build_engine(
+        EngineConfig(
+            model=ckpt,
+            device="cuda",
+            dtype=torch.bfloat16,
+            max_model_len=4096,
+            num_kv_blocks=2048,
+            attention_backend=backend,
+            cuda_graph=graphs,
+            max_num_seqs=64,
+            max_num_batched_tokens=4096,  # every check batch in one step
+            enable_prefix_caching=False,
+            async_scheduling=async_scheduling,
+            compile_mode=compile_mode,
+        ),
+        eos_token_ids=frozenset(),
+    )
 
 
 def prefill_logits(eng, prompts):
@@ -55,8 +68,11 @@ def batch1_latency(eng, prompt, trials: int) -> tuple[float, float]:
     """Median first-token latency (ms) after ``prompt`` and the last trial's decode ms/token."""
     ttfts = []
     for trial in range(trials):
-        eng.add_request(f"lat{trial}-{time.monotonic_ns()}", prompt,
-                        SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True))
+        eng.add_request(
+            f"lat{trial}-{time.monotonic_ns()}",
+            prompt,
+            SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True),
+        )
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         while not any(o.new_token_ids for o in eng.step()[0]):  # async scheduling: a step later
@@ -75,7 +91,9 @@ def main() -> int:
     args = ap.parse_args()
     ckpt = str(random_qwen3_checkpoint(args.ckpt))
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 150000, (n,), generator=gen).tolist() for n in (1, 17, 100, 515, 1024)]
+    prompts = [
+        torch.randint(0, 150000, (n,), generator=gen).tolist() for n in (1, 17, 100, 515, 1024)
+    ]
     ok = True
     # reference: torch attention, eager, no graphs, synchronous steps; against the production
     # configuration: Triton kernels, the default torch.compile mode, CUDA graphs, async scheduling
@@ -85,11 +103,17 @@ def main() -> int:
     got = prefill_logits(graph_eng, prompts)
     rel = ((got - ref).norm() / ref.norm()).item()
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    print(f"prefill logits, production engine vs torch eager (bf16): rel err {rel:.2e}, argmax agreement {agree:.3f}")
+    print(
+        f"prefill logits, production engine vs torch eager (bf16): rel err {rel:.2e}, "
+        f"argmax agreement {agree:.3f}"
+    )
     ok &= rel < 2e-2
 
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    dec_prompts = [torch.randint(0, 150000, (n,), generator=gen).tolist() for n in (5, 33, 64, 200, 300, 31, 7, 128)]
+    dec_prompts = [
+        torch.randint(0, 150000, (n,), generator=gen).tolist()
+        for n in (5, 33, 64, 200, 300, 31, 7, 128)
+    ]
     out_torch = ref_eng.generate(dec_prompts, params)
     out_graph = graph_eng.generate(dec_prompts, params)
 
@@ -103,23 +127,31 @@ def main() -> int:
     # reference's argmax or within the bf16 logit error of it (3x the 99.9th percentile of
     # |production - reference| over the prefill logits above).
     diff = (got - ref).abs().float().flatten()
-    err = diff[torch.randint(0, diff.numel(), (1 << 20,), generator=gen).to(diff.device)].quantile(0.999).item()
+    err = (
+        diff[torch.randint(0, diff.numel(), (1 << 20,), generator=gen).to(diff.device)]
+        .quantile(0.999)
+        .item()
+    )
     near, total = 0, 0
     for prompt, out in zip(dec_prompts, out_graph):
-        seq_logits = prefill_logits(ref_eng, [prompt + out[:-1]])[len(prompt) - 1:]
+        seq_logits = prefill_logits(ref_eng, [prompt + out[:-1]])[len(prompt) - 1 :]
         for row, tok in zip(seq_logits, out):
             total += 1
             near += bool(row[tok] >= row.max() - 3 * err)
     consistent = near / total
-    print(f"greedy 8x32 tokens, production engine vs torch eager: positional agreement "
-          f"{match(out_graph, out_torch):.3f}; production tokens within 3x the logit error "
-          f"({3 * err:.3f}) of the reference's top logit: {consistent:.3f}")
+    print(
+        f"greedy 8x32 tokens, production engine vs torch eager: positional agreement "
+        f"{match(out_graph, out_torch):.3f}; production tokens within 3x the logit error "
+        f"({3 * err:.3f}) of the reference's top logit: {consistent:.3f}"
+    )
     ok &= consistent >= 0.99
     del ref_eng
 
     # prefill/mixed-step CUDA graphs against the same engine's eager prefill (same weights)
     lp_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5, ignore_eos=True)
-    lp_prompts = [torch.randint(0, 150000, (n,), generator=gen).tolist() for n in (3, 40, 130, 700, 1500)]
+    lp_prompts = [
+        torch.randint(0, 150000, (n,), generator=gen).tolist() for n in (3, 40, 130, 700, 1500)
+    ]
     runner = graph_eng.executor
     pg = runner.prefill_graphs
     with_graphs = first_logprobs(graph_eng, lp_prompts, lp_params)
@@ -128,8 +160,10 @@ def main() -> int:
     runner.prefill_graphs = pg
     same_ids = all([i for i, _ in a] == [i for i, _ in b] for a, b in zip(with_graphs, eager))
     diff = max(abs(x - y) for a, b in zip(with_graphs, eager) for (_, x), (_, y) in zip(a, b))
-    print(f"prefill CUDA graphs vs eager prefill, top-5 logprobs of 5 prompts: same ids {same_ids}, "
-          f"max |diff| {diff:.2e}")
+    print(
+        f"prefill CUDA graphs vs eager prefill, top-5 logprobs of 5 prompts: same ids {same_ids}, "
+        f"max |diff| {diff:.2e}"
+    )
     ok &= diff < 5e-2
 
     # engine-only latency at batch 1 (no HTTP): prefill of 1024 tokens, then decode steps
@@ -137,8 +171,10 @@ def main() -> int:
     for label, graphs in (("prefill graphs off", None), ("prefill graphs on", pg)):
         runner.prefill_graphs = graphs
         ttft, tpot = batch1_latency(graph_eng, prompt, trials=5)
-        print(f"engine-only batch 1 ({label}): first token after a 1024-token prompt {ttft:.2f} ms "
-              f"(median of 5), decode {tpot:.2f} ms/token")
+        print(
+            f"engine-only batch 1 ({label}): first token after a 1024-token prompt {ttft:.2f} ms "
+            f"(median of 5), decode {tpot:.2f} ms/token"
+        )
     print("engine check:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

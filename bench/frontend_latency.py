@@ -211,7 +211,9 @@ def traced_asgi(app):
 
 
 # ------------------------------------------------------------------ client (second process)
-def _client(port: int, model: str, prompts: list[str], max_tokens: int, warmup: int, gap: float, results) -> None:
+def _client(
+    port: int, model: str, prompts: list[str], max_tokens: int, warmup: int, gap: float, results
+) -> None:
     """Send streamed chat requests one at a time; put ``[(id, t_send, t_first_content), ...]``."""
     deadline = time.time() + 600
     while time.time() < deadline:
@@ -226,8 +228,16 @@ def _client(port: int, model: str, prompts: list[str], max_tokens: int, warmup: 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     out = []
     for i, prompt in enumerate(prompts):
-        body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                           "temperature": 0.0, "stream": True, "ignore_eos": True}).encode()
+        body = json.dumps(
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "stream": True,
+                "ignore_eos": True,
+            }
+        ).encode()
         time.sleep(gap)  # let the engine go idle (and torch's CPU threads stop spinning)
         t_send = clock()
         conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
@@ -241,7 +251,9 @@ def _client(port: int, model: str, prompts: list[str], max_tokens: int, warmup: 
                 continue
             chunk = json.loads(line[6:])
             rid = rid or chunk.get("id")
-            if t_first is None and any(ch.get("delta", {}).get("content") for ch in chunk.get("choices", [])):
+            if t_first is None and any(
+                ch.get("delta", {}).get("content") for ch in chunk.get("choices", [])
+            ):
                 t_first = clock()
         if i >= warmup and t_first is not None:
             out.append((rid, t_send, t_first))
@@ -259,7 +271,11 @@ STAGES = [
     ("core wake-up (inbox or pipe)", "sent", "engine_got"),
     ("ENGINE: command held -> first token emitted", "engine_got", "engine_emitted"),
     ("  of which the first-token step", "engine_step_start", "engine_step_end"),
-    ("emit -> server side (pipe and reader thread; 0 in a thread core)", "engine_emitted", "reader_got"),
+    (
+        "emit -> server side (pipe and reader thread; 0 in a thread core)",
+        "engine_emitted",
+        "reader_got",
+    ),
     ("reader -> event loop (_dispatch)", "reader_got", "dispatched"),
     ("dispatch -> SSE chunk (detokenize, JSON)", "dispatched", "chunk_yielded"),
     ("chunk written (Starlette, uvicorn)", "chunk_yielded", "written"),
@@ -274,12 +290,22 @@ def report(records: list[dict]) -> dict:
     for name, a, b in STAGES:
         xs = sorted(1e3 * (r[b] - r[a]) for r in records if a in r and b in r)
         if xs:
-            rows[name] = {"median": statistics.median(xs), "p90": xs[int(0.9 * (len(xs) - 1))], "n": len(xs)}
-    outside = sorted(1e3 * ((r["client_first"] - r["client_send"]) - (r["engine_emitted"] - r["engine_got"]))
-                     for r in records if {"client_first", "engine_emitted", "engine_got"} <= r.keys())
+            rows[name] = {
+                "median": statistics.median(xs),
+                "p90": xs[int(0.9 * (len(xs) - 1))],
+                "n": len(xs),
+            }
+    outside = sorted(
+        1e3 * ((r["client_first"] - r["client_send"]) - (r["engine_emitted"] - r["engine_got"]))
+        for r in records
+        if {"client_first", "engine_emitted", "engine_got"} <= r.keys()
+    )
     if outside:
-        rows["TTFT minus ENGINE"] = {"median": statistics.median(outside), "p90": outside[int(0.9 * (len(outside) - 1))],
-                                     "n": len(outside)}
+        rows["TTFT minus ENGINE"] = {
+            "median": statistics.median(outside),
+            "p90": outside[int(0.9 * (len(outside) - 1))],
+            "n": len(outside),
+        }
     print("\n| stage | median ms | p90 ms |\n|---|---|---|")
     for name, v in rows.items():
         print(f"| {name} | {v['median']:.3f} | {v['p90']:.3f} |")
@@ -291,15 +317,29 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=20, help="measured requests")
     ap.add_argument("--warmup", type=int, default=3, help="requests sent first and not measured")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
-    ap.add_argument("--max-tokens", type=int, default=1, help="1: no decode step runs while the first chunk is handled")
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=1,
+        help="1: no decode step runs while the first chunk is handled",
+    )
     ap.add_argument("--port", type=int, default=8400)
     ap.add_argument("--gap", type=float, default=0.3, help="seconds between requests")
-    ap.add_argument("--tokenizers-encode", action="store_true",
-                    help="encode prompts with tokenizers instead of the server's PromptEncoder (for comparison)")
+    ap.add_argument(
+        "--tokenizers-encode",
+        action="store_true",
+        help=(
+            "encode prompts with tokenizers instead of the server's PromptEncoder (for comparison)"
+        ),
+    )
     ap.add_argument("--json", default=None, help="write the per-request stamps and the table here")
-    ap.add_argument("server_args", nargs=argparse.REMAINDER, help="after --: flags of python -m server")
+    ap.add_argument(
+        "server_args", nargs=argparse.REMAINDER, help="after --: flags of python -m server"
+    )
     args = ap.parse_args()
-    assert "CLOCK_MONOTONIC" in time.get_clock_info("perf_counter").implementation, "stamps must share one clock"
+    assert "CLOCK_MONOTONIC" in time.get_clock_info("perf_counter").implementation, (
+        "stamps must share one clock"
+    )
 
     import logging
 
@@ -323,8 +363,10 @@ def main() -> None:
     mpc = mp.get_context("spawn")
     results = mpc.Queue()
     prompts = make_prompts(str(ctx.tokenizer.path), args.warmup + args.requests, args.prompt_tokens)
-    client = mpc.Process(target=_client, args=(args.port, ctx.model_name, prompts, args.max_tokens, args.warmup,
-                                                 args.gap, results))
+    client = mpc.Process(
+        target=_client,
+        args=(args.port, ctx.model_name, prompts, args.max_tokens, args.warmup, args.gap, results),
+    )
     client.start()
     got: list = []
 
@@ -345,8 +387,11 @@ def main() -> None:
         r = dict(EVENTS.get(rid, {}), client_send=t_send, client_first=t_first)
         records.append(r)
     encoder = ctx.encoder.backend if ctx.encoder is not None else "tokenizers"
-    print(f"engine mode: {ctx.engine.core.__class__.__name__}, prompt encoder: {encoder}, {len(records)} requests, "
-          f"prompt ~{args.prompt_tokens} tokens, server flags: {' '.join(flags) or '(defaults)'}")
+    print(
+        f"engine mode: {ctx.engine.core.__class__.__name__}, prompt encoder: {encoder}, "
+        f"{len(records)} requests, "
+        f"prompt ~{args.prompt_tokens} tokens, server flags: {' '.join(flags) or '(defaults)'}"
+    )
     rows = report(records)
     if args.json:
         Path(args.json).write_text(json.dumps({"stages": rows, "records": records}, indent=1))

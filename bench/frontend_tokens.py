@@ -23,8 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from engine.core.outputs import RequestOutput
 from engine.core.limits import EngineLimits
+from engine.core.outputs import RequestOutput
 from engine.core.request import FinishReason
 from engine.core.stats import StepStats
 
@@ -52,12 +52,23 @@ class ScriptedCore:
                     for rid, left in list(self._running.items()):
                         left[0] -= 1
                         done = left[0] == 0
-                        outputs.append(RequestOutput(rid, [self._rng.randint(1000, 30000)], finished=done,
-                                                     finish_reason=FinishReason.LENGTH if done else None))
+                        outputs.append(
+                            RequestOutput(
+                                rid,
+                                [self._rng.randint(1000, 30000)],
+                                finished=done,
+                                finish_reason=FinishReason.LENGTH if done else None,
+                            )
+                        )
                         if done:
                             del self._running[rid]
                 if outputs:
-                    emit(outputs, StepStats(len(self._running), 0, 1, 1, 0.0, 0, len(outputs), 0, 0, 0, self.step_s))
+                    emit(
+                        outputs,
+                        StepStats(
+                            len(self._running), 0, 1, 1, 0.0, 0, len(outputs), 0, 0, 0, self.step_s
+                        ),
+                    )
 
         self._thread = threading.Thread(target=run, name="scripted-core", daemon=True)
         self._thread.start()
@@ -87,15 +98,17 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=5.0, help="ms between scripted engine steps")
     ap.add_argument("--client-procs", type=int, default=8)
     ap.add_argument("--port", type=int, default=8401)
-    ap.add_argument("--profile", default=None, help="write a cProfile of the event-loop thread here")
+    ap.add_argument(
+        "--profile", default=None, help="write a cProfile of the event-loop thread here"
+    )
     args = ap.parse_args()
 
     import logging
 
     from bench.serve import make_prompts, run_level
     from engine.frontend.async_engine import AsyncEngine
-    from engine.loader.embedded import ensure_embedded_checkpoint
     from engine.frontend.tokenizer import Tokenizer
+    from engine.loader.embedded import ensure_embedded_checkpoint
     from server.__main__ import build_parser, make_server
     from server.app import create_app
     from server.context import ServerContext
@@ -105,12 +118,24 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     sargs = build_parser().parse_args(["--port", str(args.port), "--log-level", "warning"])
     tokenizer = Tokenizer(ensure_embedded_checkpoint())
-    limits = EngineLimits(max_model_len=4096, vocab_size=151936, eos_token_ids=tokenizer.eos_token_ids,
-                          num_kv_blocks=1 << 16, block_size=16, max_num_batched_tokens=8192,
-                          enable_chunked_prefill=True, dtype="none")
+    limits = EngineLimits(
+        max_model_len=4096,
+        vocab_size=151936,
+        eos_token_ids=tokenizer.eos_token_ids,
+        num_kv_blocks=1 << 16,
+        block_size=16,
+        max_num_batched_tokens=8192,
+        enable_chunked_prefill=True,
+        dtype="none",
+    )
     metrics = ServerMetrics("scripted", {})
-    ctx = ServerContext(engine=AsyncEngine(ScriptedCore(limits, args.step_ms / 1e3), on_step=metrics.on_step),
-                        tokenizer=tokenizer, model_name="scripted", metrics=metrics, encoder=PromptEncoder(tokenizer))
+    ctx = ServerContext(
+        engine=AsyncEngine(ScriptedCore(limits, args.step_ms / 1e3), on_step=metrics.on_step),
+        tokenizer=tokenizer,
+        model_name="scripted",
+        metrics=metrics,
+        encoder=PromptEncoder(tokenizer),
+    )
     server = make_server(create_app(ctx), sargs)
     n = args.requests or 2 * args.concurrency
     prompts = make_prompts(str(tokenizer.path), n, args.prompt_tokens)
@@ -122,9 +147,22 @@ def main() -> None:
         base = f"http://127.0.0.1:{args.port}"
         run_level(base, "scripted", prompts[:4], 2, 8, 60, client_procs=1)  # warm-up
         c0, t0 = time.process_time(), time.perf_counter()
-        result.update(run_level(base, "scripted", prompts, args.concurrency, args.max_tokens, 600,
-                                extra={"ignore_eos": True}, client_procs=args.client_procs))
-        result["server_cpu_s"], result["wall_s"] = time.process_time() - c0, time.perf_counter() - t0
+        result.update(
+            run_level(
+                base,
+                "scripted",
+                prompts,
+                args.concurrency,
+                args.max_tokens,
+                600,
+                extra={"ignore_eos": True},
+                client_procs=args.client_procs,
+            )
+        )
+        result["server_cpu_s"], result["wall_s"] = (
+            time.process_time() - c0,
+            time.perf_counter() - t0,
+        )
         server.should_exit = True
 
     threading.Thread(target=drive, daemon=True).start()
@@ -140,12 +178,31 @@ def main() -> None:
         prof.dump_stats(args.profile)
     tokens = result["out_tok_s"] * result["duration"]
     chunks = tokens / result["tokens_per_chunk"]
-    print(json.dumps({k: result[k] for k in ("completed", "errors", "out_tok_s", "itl_median", "itl_p99",
-                                              "tokens_per_chunk", "client_cpu_max", "server_cpu_s", "wall_s")}))
-    print(f"server CPU: {1e6 * result['server_cpu_s'] / tokens:.1f} us per output token, "
-          f"{1e6 * result['server_cpu_s'] / chunks:.1f} us per chunk with choices, "
-          f"{100 * result['server_cpu_s'] / result['duration']:.0f}% of one core over the level "
-          f"(concurrency {args.concurrency}, {args.max_tokens} tokens each, a step every {args.step_ms} ms)")
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in (
+                    "completed",
+                    "errors",
+                    "out_tok_s",
+                    "itl_median",
+                    "itl_p99",
+                    "tokens_per_chunk",
+                    "client_cpu_max",
+                    "server_cpu_s",
+                    "wall_s",
+                )
+            }
+        )
+    )
+    print(
+        f"server CPU: {1e6 * result['server_cpu_s'] / tokens:.1f} us per output token, "
+        f"{1e6 * result['server_cpu_s'] / chunks:.1f} us per chunk with choices, "
+        f"{100 * result['server_cpu_s'] / result['duration']:.0f}% of one core over the level "
+        f"(concurrency {args.concurrency}, {args.max_tokens} tokens each, "
+        f"a step every {args.step_ms} ms)"
+    )
 
 
 if __name__ == "__main__":

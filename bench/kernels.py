@@ -15,7 +15,8 @@ optionally sweeps tile configurations and split counts, and prints one table per
 * mixed steps (``--only mixed``): one layer's attention of decode rows plus one prompt chunk, as
   the prefill kernel for every row against the split-KV decode kernel on the decode rows
   (``cu_seqlens_q``) plus the prefill kernel skipping them (``skip_decode_rows``), what
-  ``engine/attention/triton_backend.py`` runs; CUDA-graph timed, with the max abs difference of the outputs;
+  ``engine/attention/triton_backend.py`` runs; CUDA-graph timed, with the max abs difference of
+  the outputs;
 * relative error ||out - ref|| / ||ref|| against an fp32 reference for each row (sampled query
   rows for prefill);
 * peak extra memory of one prefill launch as S grows.
@@ -41,13 +42,18 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import triton  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch.nn.functional as F
+import triton
 
-from kernels.decode_attention import choose_num_splits, decode_attention, decode_config, decode_scratch  # noqa: E402
-from kernels.kv_cache import store_kv_cache  # noqa: E402
-from kernels.prefill_attention import prefill_attention, prefill_config  # noqa: E402
-from kernels.reference import decode_attention_ref, prefill_attention_ref, store_kv_cache_ref  # noqa: E402
+from kernels.decode_attention import (
+    choose_num_splits,
+    decode_attention,
+    decode_config,
+    decode_scratch,
+)
+from kernels.kv_cache import store_kv_cache
+from kernels.prefill_attention import prefill_attention, prefill_config
+from kernels.reference import decode_attention_ref, prefill_attention_ref, store_kv_cache_ref
 
 HQ, HKV, D = 16, 8, 128
 LOG: list[str] = []
@@ -137,7 +143,10 @@ def graph_ms(fns, reps=20):
 def check_correctness(device, g) -> list[tuple[str, float, float]]:
     """Each kernel against the torch reference on fresh random inputs (NaN-poisoned outputs)."""
     rows = []
-    for dtype, tol in ((torch.float32, 1e-5 if device.type == "cpu" else 2e-3), (torch.bfloat16, 1e-2)):
+    for dtype, tol in (
+        (torch.float32, 1e-5 if device.type == "cpu" else 2e-3),
+        (torch.bfloat16, 1e-2),
+    ):
         # store
         kc, vc, bt = paged_kv([70, 33], 16, dtype, device, g)
         key = torch.randn(40, HKV, D, device=device, dtype=dtype, generator=g)
@@ -152,12 +161,16 @@ def check_correctness(device, g) -> list[tuple[str, float, float]]:
         # prefill over the paged cache with a cached prefix
         lens, qlens = [70, 33, 300, 17], [70, 15, 129, 1]
         kc, vc, bt = paged_kv(lens, 16, dtype, device, g)
-        cu = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32, device=device)
+        cu = torch.tensor(
+            [0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32, device=device
+        )
         sl = torch.tensor(lens, dtype=torch.int32, device=device)
         q = torch.randn(sum(qlens), HQ, D, device=device, dtype=dtype, generator=g)
         for causal in (True, False):
             ref = torch.empty(q.shape, device=device)
-            prefill_attention_ref(q.float(), kc.float(), vc.float(), bt, cu, sl, ref, D**-0.5, causal)
+            prefill_attention_ref(
+                q.float(), kc.float(), vc.float(), bt, cu, sl, ref, D**-0.5, causal
+            )
             out = torch.full_like(q, float("nan"))
             prefill_attention(q, kc, vc, bt, cu, sl, out, D**-0.5, causal)
             e = rel(out, ref) if torch.isfinite(out).all() else float("inf")
@@ -194,7 +207,18 @@ def prefill_fns(inp, causal, cfg_paged=None):
     scale = D**-0.5
 
     def paged():
-        prefill_attention(q, inp["kc"], inp["vc"], inp["bt"], inp["cu"], inp["sl"], out, scale, causal, config=cfg_paged)
+        prefill_attention(
+            q,
+            inp["kc"],
+            inp["vc"],
+            inp["bt"],
+            inp["cu"],
+            inp["sl"],
+            out,
+            scale,
+            causal,
+            config=cfg_paged,
+        )
         return out
 
     qs = q.view(b, s, HQ, D).transpose(1, 2)
@@ -202,7 +226,9 @@ def prefill_fns(inp, causal, cfg_paged=None):
     vs = inp["vd"].view(b, s, HKV, D).transpose(1, 2)
 
     def sdpa():
-        return F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=causal, scale=scale, enable_gqa=True
+        )
 
     return paged, sdpa
 
@@ -216,8 +242,18 @@ def prefill_reference_error(inp, causal, outs: dict, g, rows_per_seq=256):
         rows = torch.randperm(s, device=inp["q"].device, generator=g)[: rows_per_seq - 1]
         rows = torch.cat([rows, torch.tensor([s - 1], device=rows.device)])
         qf = inp["q"][seq * s + rows].float().transpose(0, 1)  # [Hq, R, D]
-        kf = inp["kd"][seq * s : (seq + 1) * s].float().repeat_interleave(HQ // HKV, 1).transpose(0, 1)
-        vf = inp["vd"][seq * s : (seq + 1) * s].float().repeat_interleave(HQ // HKV, 1).transpose(0, 1)
+        kf = (
+            inp["kd"][seq * s : (seq + 1) * s]
+            .float()
+            .repeat_interleave(HQ // HKV, 1)
+            .transpose(0, 1)
+        )
+        vf = (
+            inp["vd"][seq * s : (seq + 1) * s]
+            .float()
+            .repeat_interleave(HQ // HKV, 1)
+            .transpose(0, 1)
+        )
         sc = torch.matmul(qf, kf.transpose(1, 2)) * D**-0.5
         if causal:
             kpos = torch.arange(s, device=rows.device)
@@ -231,7 +267,10 @@ def prefill_reference_error(inp, causal, outs: dict, g, rows_per_seq=256):
                 got = o[seq * s + rows]
             errs[k][0] += (got.float() - ref).pow(2).sum().item()
             errs[k][1] += ref.pow(2).sum().item()
-    return {k: math.sqrt(a / bb) if torch.isfinite(torch.tensor(a)) else float("inf") for k, (a, bb) in errs.items()}
+    return {
+        k: math.sqrt(a / bb) if torch.isfinite(torch.tensor(a)) else float("inf")
+        for k, (a, bb) in errs.items()
+    }
 
 
 def _pc(bm, bn, w, st, **flags):
@@ -249,7 +288,8 @@ PREFILL_CONFIGS = [
 
 
 def sweep_prefill(device, g, quick):
-    """Best paged-kernel config per causal mode at (4, 4096); returns {("paged", causal): config}."""
+    """Best paged-kernel config per causal mode at (4, 4096); returns
+    {("paged", causal): config}."""
     b, s = (1, 256) if quick else (4, 4096)
     inp = prefill_inputs(b, s, device, g)
     best = {}
@@ -263,7 +303,10 @@ def sweep_prefill(device, g, quick):
                 res.append((flops / ms / 1e9, cfg))
                 log(f"  sweep prefill paged causal={causal} {cfg}: {flops / ms / 1e9:.1f} TFLOP/s")
             except Exception as e:  # a config that fails to compile is skipped
-                log(f"  sweep prefill paged causal={causal} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                log(
+                    f"  sweep prefill paged causal={causal} {cfg}: FAILED "
+                    f"{type(e).__name__}: {str(e)[:200]}"
+                )
         if res:
             best[("paged", causal)] = max(res, key=lambda r: r[0])[1]
     return best
@@ -283,7 +326,8 @@ def run_prefill(device, g, quick, best):
             tf = {k: flops / ms / 1e9 for k, ms in t.items()}
             rows.append(dict(batch=b, s=s, causal=causal, tflops=tf, ms=t, err=errs))
             log(
-                f"  prefill B={b} S={s} causal={causal}: paged {tf['paged']:.1f} sdpa {tf['sdpa']:.1f} TFLOP/s; "
+                f"  prefill B={b} S={s} causal={causal}: paged {tf['paged']:.1f} "
+                f"sdpa {tf['sdpa']:.1f} TFLOP/s; "
                 f"err paged {errs['paged']:.1e} sdpa {errs['sdpa']:.1e}"
             )
         del inp
@@ -321,7 +365,19 @@ def decode_fns(sets, num_splits, cfg):
         po, pl = decode_scratch(b, HQ, D, num_splits, st["q"].device)
 
         def f(st=st, po=po, pl=pl):
-            decode_attention(st["q"], st["kc"], st["vc"], st["bt"], st["sl"], st["out"], D**-0.5, po, pl, num_splits, config=cfg)
+            decode_attention(
+                st["q"],
+                st["kc"],
+                st["vc"],
+                st["bt"],
+                st["sl"],
+                st["out"],
+                D**-0.5,
+                po,
+                pl,
+                num_splits,
+                config=cfg,
+            )
 
         fns.append(f)
     return fns
@@ -373,7 +429,9 @@ def run_decode(device, g, quick, num_sms, cfg, sweep_splits):
         # correctness of this exact shape against the fp32 reference (first copy)
         st = sets[0]
         ref = torch.empty(st["q"].shape, device=device)
-        decode_attention_ref(st["q"].float(), st["kc"].float(), st["vc"].float(), st["bt"], st["sl"], ref, D**-0.5)
+        decode_attention_ref(
+            st["q"].float(), st["kc"].float(), st["vc"].float(), st["bt"], st["sl"], ref, D**-0.5
+        )
         ns = choose_num_splits(b, HKV, ctx, num_sms)
         fns = decode_fns(sets, ns, cfg)
         st["out"].fill_(float("nan"))
@@ -389,7 +447,11 @@ def run_decode(device, g, quick, num_sms, cfg, sweep_splits):
         dsets = dense_decode_sets(sets, ctx)
         del sets
         sdpa_fns = [
-            (lambda d=d: F.scaled_dot_product_attention(d["q"], d["k"], d["v"], scale=D**-0.5, enable_gqa=True))
+            (
+                lambda d=d: F.scaled_dot_product_attention(
+                    d["q"], d["k"], d["v"], scale=D**-0.5, enable_gqa=True
+                )
+            )
             for d in dsets
         ]
         sdpa_out = sdpa_fns[0]().view(b, HQ, D)
@@ -397,12 +459,28 @@ def run_decode(device, g, quick, num_sms, cfg, sweep_splits):
         sdpa_ms = graph_ms(sdpa_fns)
         sdpa_eager = bench_ms(sdpa_fns[0], quick)
         bw, sbw = kv_bytes / ms / 1e9, kv_bytes / sdpa_ms / 1e9  # TB/s
-        rows.append(dict(batch=b, ctx=ctx, splits=ns, tbps=bw, sdpa_tbps=sbw, us=ms * 1e3, sdpa_us=sdpa_ms * 1e3,
-                         err=err, sdpa_err=sdpa_err, split_sweep=split_res,
-                         eager_tbps=kv_bytes / eager / 1e9, sdpa_eager_tbps=kv_bytes / sdpa_eager / 1e9))
-        log(f"  decode B={b} ctx={ctx} splits={ns}: {bw:.3f} TB/s ({ms * 1e3:.1f} us) sdpa {sbw:.3f} TB/s "
+        rows.append(
+            dict(
+                batch=b,
+                ctx=ctx,
+                splits=ns,
+                tbps=bw,
+                sdpa_tbps=sbw,
+                us=ms * 1e3,
+                sdpa_us=sdpa_ms * 1e3,
+                err=err,
+                sdpa_err=sdpa_err,
+                split_sweep=split_res,
+                eager_tbps=kv_bytes / eager / 1e9,
+                sdpa_eager_tbps=kv_bytes / sdpa_eager / 1e9,
+            )
+        )
+        log(
+            f"  decode B={b} ctx={ctx} splits={ns}: {bw:.3f} TB/s ({ms * 1e3:.1f} us) "
+            f"sdpa {sbw:.3f} TB/s "
             f"({sdpa_ms * 1e3:.1f} us) err {err:.1e} sdpa err {sdpa_err:.1e}; split sweep (TB/s) "
-            + " ".join(f"{k}:{v:.2f}" for k, v in sorted(split_res.items())))
+            + " ".join(f"{k}:{v:.2f}" for k, v in sorted(split_res.items()))
+        )
         del dsets
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return rows
@@ -411,7 +489,13 @@ def run_decode(device, g, quick, num_sms, cfg, sweep_splits):
 # ----------------------------------------------------------------------------- mixed steps
 # (decode rows, their context, prompt-chunk tokens): decodes of running requests plus one chunk of
 # a new prompt (no cached prefix), in the scheduler's order (running requests first)
-MIXED_SHAPES = [(64, 1100, 2048), (64, 1100, 1024), (256, 600, 512), (4, 1100, 2048), (0, 1100, 1024)]
+MIXED_SHAPES = [
+    (64, 1100, 2048),
+    (64, 1100, 1024),
+    (256, 600, 512),
+    (4, 1100, 2048),
+    (0, 1100, 1024),
+]
 MIXED_SHAPES_QUICK = [(3, 40, 40), (0, 40, 24)]
 
 
@@ -427,7 +511,9 @@ def mixed_setup(n_dec, ctx, chunk, device, g, block_size=16, min_bytes=256 << 20
     for _ in range(copies):
         kc, vc, bt = paged_kv(lens, block_size, torch.bfloat16, device, g)
         q = torch.randn(sum(q_lens), HQ, D, device=device, dtype=torch.bfloat16, generator=g)
-        sets.append({"q": q, "kc": kc, "vc": vc, "bt": bt, "cu": cu, "sl": sl, "out": torch.empty_like(q)})
+        sets.append(
+            {"q": q, "kc": kc, "vc": vc, "bt": bt, "cu": cu, "sl": sl, "out": torch.empty_like(q)}
+        )
     return sets, max(lens)
 
 
@@ -445,8 +531,12 @@ def mixed_fns(sets, num_splits):
             return st["out"]
 
         def f_new(st=st, args=args, po=po, pl=pl):
-            decode_attention(*args, st["sl"], st["out"], D**-0.5, po, pl, num_splits, cu_seqlens_q=st["cu"])
-            prefill_attention(*args, st["cu"], st["sl"], st["out"], D**-0.5, True, skip_decode_rows=True)
+            decode_attention(
+                *args, st["sl"], st["out"], D**-0.5, po, pl, num_splits, cu_seqlens_q=st["cu"]
+            )
+            prefill_attention(
+                *args, st["cu"], st["sl"], st["out"], D**-0.5, True, skip_decode_rows=True
+            )
             return st["out"]
 
         old.append(f_old)
@@ -470,10 +560,22 @@ def run_mixed(device, g, quick, num_sms):
         if not (torch.isfinite(out_old).all() and torch.isfinite(out_new).all()):
             diff = float("inf")
         ms_old, ms_new = graph_ms(old), graph_ms(new)
-        rows.append({"decode_rows": n_dec, "ctx": ctx, "chunk": chunk, "splits": ns, "ms_old": ms_old,
-                     "ms_new": ms_new, "max_abs_diff": diff})
-        log(f"  mixed {n_dec} decode rows ctx {ctx} + {chunk}-token chunk (splits {ns}): prefill only "
-            f"{ms_old:.3f} ms, decode + prefill {ms_new:.3f} ms ({ms_old / ms_new:.2f}x); max abs diff {diff:.1e}")
+        rows.append(
+            {
+                "decode_rows": n_dec,
+                "ctx": ctx,
+                "chunk": chunk,
+                "splits": ns,
+                "ms_old": ms_old,
+                "ms_new": ms_new,
+                "max_abs_diff": diff,
+            }
+        )
+        log(
+            f"  mixed {n_dec} decode rows ctx {ctx} + {chunk}-token chunk (splits {ns}): "
+            f"prefill only {ms_old:.3f} ms, decode + prefill {ms_new:.3f} ms "
+            f"({ms_old / ms_new:.2f}x); max abs diff {diff:.1e}"
+        )
         del sets, old, new
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return rows
@@ -491,14 +593,30 @@ def run_memory(device, g, quick, best):
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         out = torch.empty_like(inp["q"])
-        prefill_attention(inp["q"], inp["kc"], inp["vc"], inp["bt"], inp["cu"], inp["sl"], out, D**-0.5, True,
-                          config=best.get(("paged", True)))
+        prefill_attention(
+            inp["q"],
+            inp["kc"],
+            inp["vc"],
+            inp["bt"],
+            inp["cu"],
+            inp["sl"],
+            out,
+            D**-0.5,
+            True,
+            config=best.get(("paged", True)),
+        )
         extra = 0
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             extra = torch.cuda.max_memory_allocated() - base
-        rows.append(dict(s=s, extra_mib=extra / 2**20, out_mib=out.numel() * 2 / 2**20,
-                         scores_mib=HQ * s * s * 4 / 2**20))
+        rows.append(
+            dict(
+                s=s,
+                extra_mib=extra / 2**20,
+                out_mib=out.numel() * 2 / 2**20,
+                scores_mib=HQ * s * s * 4 / 2**20,
+            )
+        )
         del inp, out
     return rows
 
@@ -506,11 +624,22 @@ def run_memory(device, g, quick, best):
 # ----------------------------------------------------------------------------- main
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes (smoke test; CPU interpreter too)")
-    ap.add_argument("--sweep", action="store_true", help="sweep tile configs and split counts first")
+    ap.add_argument(
+        "--quick", action="store_true", help="small sizes (smoke test; CPU interpreter too)"
+    )
+    ap.add_argument(
+        "--sweep", action="store_true", help="sweep tile configs and split counts first"
+    )
     ap.add_argument("--out", default=None, help="directory for bench.json and bench.log")
-    ap.add_argument("--only", choices=["all", "prefill", "decode", "mixed"], default="all",
-                    help="time only the prefill, the decode kernels or mixed steps (correctness checks always run)")
+    ap.add_argument(
+        "--only",
+        choices=["all", "prefill", "decode", "mixed"],
+        default="all",
+        help=(
+            "time only the prefill, the decode kernels or mixed steps "
+            "(correctness checks always run)"
+        ),
+    )
     args = ap.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -545,7 +674,10 @@ def main() -> int:
         except Exception:
             log(traceback.format_exc())
     default_p = {"paged": prefill_config(D, torch.bfloat16, device, True)}
-    log(f"## configs: prefill {({str(k): v for k, v in best.items()} or default_p)}; decode {dcfg}")
+    log(
+        f"## configs: prefill { ({str(k): v for k, v in best.items()} or default_p) }; "
+        f"decode {dcfg}"
+    )
     result["configs"] = {"prefill": {str(k): v for k, v in best.items()}, "decode": dcfg}
 
     pre, dec, mix, mem = [], [], [], []
@@ -570,40 +702,60 @@ def main() -> int:
         failed |= not (r["max_abs_diff"] <= 2e-2)
 
     lines = []
-    lines.append(f"Kernels bench: {gpu}, torch {torch.__version__}, triton {triton.__version__}, bf16, Hq={HQ} Hkv={HKV} D={D}")
+    lines.append(
+        f"Kernels bench: {gpu}, torch {torch.__version__}, triton {triton.__version__}, bf16, "
+        f"Hq={HQ} Hkv={HKV} D={D}"
+    )
     lines.append("")
-    lines.append("| prefill | B | S | Triton paged TFLOP/s | SDPA TFLOP/s | paged/SDPA | rel err paged / SDPA |")
+    lines.append(
+        "| prefill | B | S | Triton paged TFLOP/s | SDPA TFLOP/s | paged/SDPA "
+        "| rel err paged / SDPA |"
+    )
     lines.append("|---|---|---|---|---|---|---|")
     for r in pre:
         tf, e = r["tflops"], r["err"]
         lines.append(
-            f"| {'causal' if r['causal'] else 'non-causal'} | {r['batch']} | {r['s']} | {tf['paged']:.0f} | "
-            f"{tf['sdpa']:.0f} | {tf['paged'] / tf['sdpa']:.2f}x | {e['paged']:.1e} / {e['sdpa']:.1e} |"
+            f"| {'causal' if r['causal'] else 'non-causal'} | {r['batch']} | {r['s']} "
+            f"| {tf['paged']:.0f} | {tf['sdpa']:.0f} | {tf['paged'] / tf['sdpa']:.2f}x "
+            f"| {e['paged']:.1e} / {e['sdpa']:.1e} |"
         )
     lines.append("")
-    lines.append("| decode (block 16, CUDA graph) | B | context | splits | Triton paged TB/s | us | SDPA dense TB/s | us | ratio | "
-                 "eager TB/s Triton / SDPA | rel err Triton / SDPA |")
+    lines.append(
+        "| decode (block 16, CUDA graph) | B | context | splits | Triton paged TB/s | us "
+        "| SDPA dense TB/s | us | ratio | "
+        "eager TB/s Triton / SDPA | rel err Triton / SDPA |"
+    )
     lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in dec:
         lines.append(
-            f"| | {r['batch']} | {r['ctx']} | {r['splits']} | {r['tbps']:.2f} | {r['us']:.1f} | {r['sdpa_tbps']:.2f} | "
-            f"{r['sdpa_us']:.1f} | {r['tbps'] / r['sdpa_tbps']:.2f}x | {r['eager_tbps']:.2f} / {r['sdpa_eager_tbps']:.2f} | "
+            f"| | {r['batch']} | {r['ctx']} | {r['splits']} | {r['tbps']:.2f} | {r['us']:.1f} "
+            f"| {r['sdpa_tbps']:.2f} | {r['sdpa_us']:.1f} | {r['tbps'] / r['sdpa_tbps']:.2f}x "
+            f"| {r['eager_tbps']:.2f} / {r['sdpa_eager_tbps']:.2f} | "
             f"{r['err']:.1e} / {r['sdpa_err']:.1e} |"
         )
     lines.append("")
-    lines.append("| mixed step, one layer (CUDA graph) | ms old: prefill kernel for all rows | ms new: decode kernel + "
-                 "prefill kernel skipping decode rows | ratio old/new | decode splits | max abs diff |")
+    lines.append(
+        "| mixed step, one layer (CUDA graph) | ms old: prefill kernel for all rows "
+        "| ms new: decode kernel + "
+        "prefill kernel skipping decode rows | ratio old/new | decode splits | max abs diff |"
+    )
     lines.append("|---|---|---|---|---|---|")
     for r in mix:
         lines.append(
-            f"| {r['decode_rows']} decode rows ctx {r['ctx']} + {r['chunk']}-token chunk | {r['ms_old']:.3f} | "
-            f"{r['ms_new']:.3f} | {r['ms_old'] / r['ms_new']:.2f}x | {r['splits']} | {r['max_abs_diff']:.1e} |"
+            f"| {r['decode_rows']} decode rows ctx {r['ctx']} + {r['chunk']}-token chunk "
+            f"| {r['ms_old']:.3f} | {r['ms_new']:.3f} | {r['ms_old'] / r['ms_new']:.2f}x "
+            f"| {r['splits']} | {r['max_abs_diff']:.1e} |"
         )
     lines.append("")
-    lines.append("| prefill memory (B=1, causal, paged) | S | peak extra MiB (incl. output) | output MiB | S^2 fp32 score matrix MiB |")
+    lines.append(
+        "| prefill memory (B=1, causal, paged) | S | peak extra MiB (incl. output) | output MiB "
+        "| S^2 fp32 score matrix MiB |"
+    )
     lines.append("|---|---|---|---|---|")
     for r in mem:
-        lines.append(f"| | {r['s']} | {r['extra_mib']:.1f} | {r['out_mib']:.1f} | {r['scores_mib']:.0f} |")
+        lines.append(
+            f"| | {r['s']} | {r['extra_mib']:.1f} | {r['out_mib']:.1f} | {r['scores_mib']:.0f} |"
+        )
     lines.append("")
     lines.append(f"correctness: {'PASS' if not failed else 'FAIL'}; total {time.time() - t0:.0f}s")
     log("")

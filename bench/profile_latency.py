@@ -1,6 +1,7 @@
 """Profile batch-1 latency of the engine (prefill of 1024 tokens, then decode) with torch.profiler.
 
-Usage (on the GPU): ``python bench/profile_latency.py [--ckpt DIR] [--compile-mode model|ops|none]``;
+Usage (on the GPU):
+``python bench/profile_latency.py [--ckpt DIR] [--compile-mode model|ops|none]``;
 prints step times, the number of graphs compiled for the whole-model forward (any compiled
 during the measured runs is a recompile) and the top operators by CUDA and by CPU time.
 """
@@ -14,31 +15,46 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-from bench.common import random_qwen3_checkpoint  # noqa: E402
-from engine.core.config import EngineConfig  # noqa: E402
-from engine.worker.build import build_engine  # noqa: E402
-from engine.models.compile import compiled_graph_count  # noqa: E402
-from engine.core.request import SamplingParams  # noqa: E402
+from bench.common import random_qwen3_checkpoint
+from engine.core.config import EngineConfig
+from engine.core.request import SamplingParams
+from engine.models.compile import compiled_graph_count
+from engine.worker.build import build_engine
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", default="/tmp/qwen3-0.6b-random")
-    ap.add_argument("--compile-mode", choices=["model", "ops", "none"], default=None,
-                    help="EngineConfig.compile_mode (default: the engine's, ops on CUDA)")
+    ap.add_argument(
+        "--compile-mode",
+        choices=["model", "ops", "none"],
+        default=None,
+        help="EngineConfig.compile_mode (default: the engine's, ops on CUDA)",
+    )
     args = ap.parse_args()
     ckpt = str(random_qwen3_checkpoint(args.ckpt))
-    eng = build_engine(EngineConfig(model=ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=4096,
-                                 num_kv_blocks=4096, max_num_seqs=64, enable_prefix_caching=False,
-                                 compile_mode=args.compile_mode),
-                    eos_token_ids=frozenset())
+    eng = build_engine(
+        EngineConfig(
+            model=ckpt,
+            device="cuda",
+            dtype=torch.bfloat16,
+            max_model_len=4096,
+            num_kv_blocks=4096,
+            max_num_seqs=64,
+            enable_prefix_caching=False,
+            compile_mode=args.compile_mode,
+        ),
+        eos_token_ids=frozenset(),
+    )
     prompt = torch.randint(0, 150000, (1024,)).tolist()
 
     def run(i):
-        eng.add_request(f"p{i}", prompt, SamplingParams(temperature=0.0, max_tokens=33, ignore_eos=True))
+        eng.add_request(
+            f"p{i}", prompt, SamplingParams(temperature=0.0, max_tokens=33, ignore_eos=True)
+        )
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         while not any(o.new_token_ids for o in eng.step()[0]):  # async scheduling: a step later
@@ -52,17 +68,22 @@ def main() -> None:
         return (t1 - t0) * 1e3, 1e3 * sum(steps) / len(steps)
 
     for i in range(3):
-        print("warm-up prefill %.2f ms, decode %.2f ms/step" % run(i))
+        print("warm-up prefill {:.2f} ms, decode {:.2f} ms/step".format(*run(i)))
     graphs = compiled_graph_count()
-    print(f"compile_mode={eng.executor.model.compile_mode}: {graphs} whole-model graphs compiled so far")
+    print(
+        f"compile_mode={eng.executor.model.compile_mode}: "
+        f"{graphs} whole-model graphs compiled so far"
+    )
     # keep the GPU clocks up, then measure again
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(20):
         x @ x
-    print("after busy GPU: prefill %.2f ms, decode %.2f ms/step" % run(10))
+    print("after busy GPU: prefill {:.2f} ms, decode {:.2f} ms/step".format(*run(10)))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run(20)
-    print(f"graphs compiled during the measured runs (recompiles): {compiled_graph_count() - graphs}")
+    print(
+        f"graphs compiled during the measured runs (recompiles): {compiled_graph_count() - graphs}"
+    )
     ka = prof.key_averages()
     print(ka.table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
     print(ka.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))

@@ -16,14 +16,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-import engine.worker.model_runner as mr  # noqa: E402
-from bench.common import nano_vllm_workload, random_qwen3_checkpoint  # noqa: E402
-from engine.core.config import EngineConfig  # noqa: E402
-from engine.worker.build import build_engine  # noqa: E402
-from engine.core.request import SamplingParams  # noqa: E402
+import engine.worker.model_runner as mr
+from bench.common import nano_vllm_workload, random_qwen3_checkpoint
+from engine.core.config import EngineConfig
+from engine.core.request import SamplingParams
+from engine.worker.build import build_engine
 
 
 def timed(acc: dict, key: str, fn, sync: bool = False):
@@ -36,6 +36,7 @@ def timed(acc: dict, key: str, fn, sync: bool = False):
             torch.cuda.synchronize()
         acc[key] += time.perf_counter() - t
         return out
+
     return wrapper
 
 
@@ -46,10 +47,19 @@ def main() -> None:
     ap.add_argument("--sync", action="store_true", help="turn async scheduling off")
     args = ap.parse_args()
     ckpt = str(random_qwen3_checkpoint(args.ckpt))
-    eng = build_engine(EngineConfig(model=ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=4096,
-                                 max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens,
-                                 enable_prefix_caching=False, async_scheduling=not args.sync),
-                    eos_token_ids=frozenset())
+    eng = build_engine(
+        EngineConfig(
+            model=ckpt,
+            device="cuda",
+            dtype=torch.bfloat16,
+            max_model_len=4096,
+            max_num_seqs=256,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=False,
+            async_scheduling=not args.sync,
+        ),
+        eos_token_ids=frozenset(),
+    )
     prompts, out_lens = nano_vllm_workload(256)
     eng.generate([prompts[0][:64]], SamplingParams(max_tokens=8, ignore_eos=True))
 
@@ -78,21 +88,34 @@ def main() -> None:
         kinds[kind][1] += dt
         kinds[kind][2] += st.num_running
     total = time.perf_counter() - t0
-    print(f"workload: {sum(out_lens)} output tokens in {total:.2f} s = {sum(out_lens) / total:.0f} tok/s "
-          f"(async scheduling {eng.async_scheduling})")
+    print(
+        f"workload: {sum(out_lens)} output tokens in {total:.2f} s = "
+        f"{sum(out_lens) / total:.0f} tok/s "
+        f"(async scheduling {eng.async_scheduling})"
+    )
     for k, (n, sec, run) in kinds.items():
-        print(f"  {k}: {n} steps, {sec:.2f} s, {1e3 * sec / max(n, 1):.2f} ms/step, mean running {run / max(n, 1):.1f}")
+        print(
+            f"  {k}: {n} steps, {sec:.2f} s, {1e3 * sec / max(n, 1):.2f} ms/step, "
+            f"mean running {run / max(n, 1):.1f}"
+        )
     print(f"  prefill/mixed step times (ms): {prefill_ms}")
-    acc["engine outside schedule/launch/wait"] = total - acc["schedule"] - acc["launch (incl. prepare_inputs)"] - acc[
-        "wait for the GPU (StepHandle.result)"]
+    acc["engine outside schedule/launch/wait"] = (
+        total
+        - acc["schedule"]
+        - acc["launch (incl. prepare_inputs)"]
+        - acc["wait for the GPU (StepHandle.result)"]
+    )
     for k, v in acc.items():
         print(f"  {k:55s} {v:7.2f} s  {100 * v / total:5.1f} %")
     eng.scheduler.schedule, mr.prepare_inputs, runner.launch, mr.StepHandle.result = orig
 
     # steady decode at full batch: 256 requests, 512-token prompts, profile 5 steps
     for i in range(256):
-        eng.add_request(f"d{i}", prompts[i % 256][:100] * 5, SamplingParams(temperature=0.6, ignore_eos=True,
-                                                                          max_tokens=64))
+        eng.add_request(
+            f"d{i}",
+            prompts[i % 256][:100] * 5,
+            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=64),
+        )
     for _ in range(12):
         eng.step()
     torch.cuda.synchronize()

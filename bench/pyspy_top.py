@@ -1,4 +1,5 @@
-"""Summarise a py-spy raw (collapsed) profile: top self frames and top inclusive functions per process.
+"""Summarise a py-spy raw (collapsed) profile: top self frames and top inclusive functions per
+process.
 
 Usage: ``python bench/pyspy_top.py FILE [--n 25]``
 """

@@ -1,4 +1,5 @@
-"""Online serving benchmark in the manner of ``vllm bench serve``: this server vs ``transformers serve``.
+"""Online serving benchmark in the manner of ``vllm bench serve``: this server vs
+``transformers serve``.
 
 Usage (on the GPU): ``python bench/serve.py --ckpt DIR [--concurrency 1 16 64 256] [--skip-peer]``;
 against a running server (e.g. ``make serve`` on the CPU): ``python bench/serve.py --base-url
@@ -35,7 +36,8 @@ sys.path.insert(0, str(REPO))
 
 
 def make_prompts(ckpt: str, n: int, target_tokens: int, seed: int = 0) -> list[str]:
-    """Texts of about ``target_tokens`` tokens: random ordinary-token ids decoded with the checkpoint's tokenizer."""
+    """Texts of about ``target_tokens`` tokens: random ordinary-token ids decoded with the
+    checkpoint's tokenizer."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(ckpt) / "tokenizer.json"))
@@ -66,10 +68,14 @@ class _Stream:
     async def __aenter__(self):
         if self._aiohttp is not None:
             a = self._aiohttp
-            self._session = a.ClientSession(connector=a.TCPConnector(limit=self._limit + 8),
-                                            timeout=a.ClientTimeout(total=6 * 3600))
+            self._session = a.ClientSession(
+                connector=a.TCPConnector(limit=self._limit + 8),
+                timeout=a.ClientTimeout(total=6 * 3600),
+            )
         else:
-            limits = httpx.Limits(max_connections=self._limit + 8, max_keepalive_connections=self._limit + 8)
+            limits = httpx.Limits(
+                max_connections=self._limit + 8, max_keepalive_connections=self._limit + 8
+            )
             self._session = httpx.AsyncClient(timeout=600, limits=limits)
         await self._session.__aenter__()
         return self
@@ -113,8 +119,9 @@ def sse_events(buffer: bytes, data: bytes) -> tuple[list[bytes], bytes]:
     return payloads, rest
 
 
-async def one_request(client: _Stream, url: str, model: str, prompt: str, max_tokens: int,
-                      extra: dict | None = None) -> dict:
+async def one_request(
+    client: _Stream, url: str, model: str, prompt: str, max_tokens: int, extra: dict | None = None
+) -> dict:
     """One streamed chat request, timed as ``vllm bench serve`` times it (seconds, perf_counter).
 
     TTFT: until the first chunk with content (or reasoning_content); the role chunk sent before
@@ -123,8 +130,15 @@ async def one_request(client: _Stream, url: str, model: str, prompt: str, max_to
     chunk counts too). TPOT: (last chunk - first content) / (output tokens - 1). Chunks read
     from the socket together share one timestamp.
     """
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **(extra or {}),
+    }
     t0 = time.perf_counter()
     first = last = None
     itls, usage, n_chunks, rest = [], None, 0, b""
@@ -141,8 +155,10 @@ async def one_request(client: _Stream, url: str, model: str, prompt: str, max_to
             if not choices:
                 continue
             if first is None:
-                if any(c.get("delta", {}).get("content") or c.get("delta", {}).get("reasoning_content")
-                       for c in choices):
+                if any(
+                    c.get("delta", {}).get("content") or c.get("delta", {}).get("reasoning_content")
+                    for c in choices
+                ):
                     first = last = t
                     n_chunks = 1
                 continue
@@ -153,8 +169,17 @@ async def one_request(client: _Stream, url: str, model: str, prompt: str, max_to
     if first is None:
         return {"ok": False, "error": "no tokens"}
     n_out = usage["completion_tokens"] if usage else n_chunks
-    return {"ok": True, "start": t0, "end": end, "ttft": first - t0, "e2e": end - t0, "n_out": n_out,
-            "n_chunks": n_chunks, "itls": itls, "tpot": (last - first) / max(1, n_out - 1)}
+    return {
+        "ok": True,
+        "start": t0,
+        "end": end,
+        "ttft": first - t0,
+        "e2e": end - t0,
+        "n_out": n_out,
+        "n_chunks": n_chunks,
+        "itls": itls,
+        "tpot": (last - first) / max(1, n_out - 1),
+    }
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -165,7 +190,8 @@ def pct(xs: list[float], p: float) -> float:
 
 
 def _event_loop_runner():
-    """uvloop's loop when importable (as on the GPU image), else asyncio's; returns (runner, name)."""
+    """uvloop's loop when importable (as on the GPU image), else asyncio's; returns
+    (runner, name)."""
     try:
         import uvloop
     except ImportError:
@@ -173,8 +199,17 @@ def _event_loop_runner():
     return asyncio.Runner(loop_factory=uvloop.new_event_loop), "uvloop"
 
 
-def _client_worker(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, time_cap: float,
-                   extra: dict | None, start, results) -> None:
+def _client_worker(
+    url: str,
+    model: str,
+    prompts: list[str],
+    concurrency: int,
+    max_tokens: int,
+    time_cap: float,
+    extra: dict | None,
+    start,
+    results,
+) -> None:
     """A client process: its share of the prompts at its share of the concurrency, on its own loop.
 
     Waits at the ``start`` barrier, then puts ``{"records", "t0", "t_end", "cpu", "wall", "lib",
@@ -188,6 +223,7 @@ def _client_worker(url: str, model: str, prompts: list[str], concurrency: int, m
         sem = asyncio.Semaphore(concurrency)
         deadline = time.perf_counter() + time_cap
         async with client:
+
             async def guarded(p):
                 async with sem:
                     if time.perf_counter() > deadline:
@@ -204,8 +240,17 @@ def _client_worker(url: str, model: str, prompts: list[str], concurrency: int, m
     with runner:
         records = runner.run(run())
     t_end, c_end = time.perf_counter(), time.process_time()
-    results.put({"records": records, "t0": t0, "t_end": t_end, "cpu": c_end - c0, "wall": t_end - t0,
-                 "lib": client.lib, "loop": loop_name})
+    results.put(
+        {
+            "records": records,
+            "t0": t0,
+            "t_end": t_end,
+            "cpu": c_end - c0,
+            "wall": t_end - t0,
+            "lib": client.lib,
+            "loop": loop_name,
+        }
+    )
 
 
 def split(total: int, parts: int) -> list[int]:
@@ -213,22 +258,45 @@ def split(total: int, parts: int) -> list[int]:
     return [total // parts + (i < total % parts) for i in range(parts)]
 
 
-def run_level(base: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, time_cap: float,
-              extra: dict | None = None, client_procs: int = 8) -> dict:
+def run_level(
+    base: str,
+    model: str,
+    prompts: list[str],
+    concurrency: int,
+    max_tokens: int,
+    time_cap: float,
+    extra: dict | None = None,
+    client_procs: int = 8,
+) -> dict:
     """All ``prompts`` at most ``concurrency`` at a time, spread over ``min(client_procs,
     concurrency)`` client processes (so the client cannot be what limits the server); merges
     their records into the level's statistics (ms) and reports each process's CPU use."""
     procs = max(1, min(client_procs, concurrency))
     conc = split(concurrency, procs)
     shares = [0] * procs  # requests per process, in proportion to its concurrency
-    for i in range(len(prompts)):
+    for _ in range(len(prompts)):
         shares[min(range(procs), key=lambda j: shares[j] / conc[j])] += 1
     ctx = mp.get_context("spawn")
     start, results = ctx.Barrier(procs + 1), ctx.Queue()
     workers, lo = [], 0
     for c, n in zip(conc, shares):
-        workers.append(ctx.Process(target=_client_worker, daemon=True, args=(
-            base + "/v1/chat/completions", model, prompts[lo:lo + n], c, max_tokens, time_cap, extra, start, results)))
+        workers.append(
+            ctx.Process(
+                target=_client_worker,
+                daemon=True,
+                args=(
+                    base + "/v1/chat/completions",
+                    model,
+                    prompts[lo : lo + n],
+                    c,
+                    max_tokens,
+                    time_cap,
+                    extra,
+                    start,
+                    results,
+                ),
+            )
+        )
         lo += n
     for w in workers:
         w.start()
@@ -245,19 +313,29 @@ def run_level(base: str, model: str, prompts: list[str], concurrency: int, max_t
     tpot = [r["tpot"] for r in ok]
     cpu = [o["cpu"] / o["wall"] for o in outs]
     return {
-        "concurrency": concurrency, "completed": len(ok), "errors": len(errors), "first_error": errors[:1],
-        "duration": dur, "req_s": len(ok) / dur, "out_tok_s": sum(r["n_out"] for r in ok) / dur,
+        "concurrency": concurrency,
+        "completed": len(ok),
+        "errors": len(errors),
+        "first_error": errors[:1],
+        "duration": dur,
+        "req_s": len(ok) / dur,
+        "out_tok_s": sum(r["n_out"] for r in ok) / dur,
         **{f"ttft_{k}": f(ttft) * 1e3 for k, f in _STATS.items()},
         **{f"tpot_{k}": f(tpot) * 1e3 for k, f in _STATS.items()},
         **{f"itl_{k}": f(itls) * 1e3 for k, f in _STATS.items()},
         "tokens_per_chunk": sum(r["n_out"] for r in ok) / max(1, sum(r["n_chunks"] for r in ok)),
-        "client_procs": procs, "client_lib": f"{outs[0]['lib']}/{outs[0]['loop']}",
-        "client_cpu": [round(x, 3) for x in cpu], "client_cpu_max": max(cpu),
+        "client_procs": procs,
+        "client_lib": f"{outs[0]['lib']}/{outs[0]['loop']}",
+        "client_cpu": [round(x, 3) for x in cpu],
+        "client_cpu_max": max(cpu),
     }
 
 
-_STATS = {"mean": lambda x: statistics.fmean(x) if x else float("nan"),
-          "median": lambda x: pct(x, 50), "p99": lambda x: pct(x, 99)}
+_STATS = {
+    "mean": lambda x: statistics.fmean(x) if x else float("nan"),
+    "median": lambda x: pct(x, 50),
+    "p99": lambda x: pct(x, 99),
+}
 
 
 def wait_health(base: str, proc: subprocess.Popen, timeout: float = 600) -> None:
@@ -275,22 +353,48 @@ def wait_health(base: str, proc: subprocess.Popen, timeout: float = 600) -> None
     raise TimeoutError("server did not become healthy")
 
 
-def run_levels(name: str, base: str, model: str, args, prompts: list[str], pid: int | None = None) -> list[dict]:
+def run_levels(
+    name: str, base: str, model: str, args, prompts: list[str], pid: int | None = None
+) -> list[dict]:
     """A warm-up, then each concurrency level of ``args`` against the server at ``base``."""
     run_level(base, model, prompts[:4], 2, 16, 120, client_procs=1)  # warm-up
     rows = []
-    levels = args.concurrency if name == "qwen-serve" or not args.peer_concurrency else args.peer_concurrency
+    levels = (
+        args.concurrency
+        if name == "qwen-serve" or not args.peer_concurrency
+        else args.peer_concurrency
+    )
     for c in levels:
         n = max(args.min_requests, c * args.requests_per_concurrency)
         cap = args.peer_time_cap if name != "qwen-serve" else 600
-        extra = {"ignore_eos": True} if name == "qwen-serve" else None  # the peer rejects unknown fields
+        extra = (
+            {"ignore_eos": True} if name == "qwen-serve" else None
+        )  # the peer rejects unknown fields
         spy = None
-        if pid is not None and name == "qwen-serve" and c == args.py_spy_level:  # sample the server's Python stacks
-            spy = subprocess.Popen(["py-spy", "record", "-d", str(args.py_spy_seconds), "--subprocesses",
-                                    "--nonblocking", "-f", "raw", "-o", f"{args.out}/pyspy_c{c}.txt",
-                                    "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        r = run_level(base, model, prompts[:n], c, args.max_tokens, cap, extra,
-                      client_procs=args.client_procs)
+        if (
+            pid is not None and name == "qwen-serve" and c == args.py_spy_level
+        ):  # sample the server's Python stacks
+            spy = subprocess.Popen(
+                [
+                    "py-spy",
+                    "record",
+                    "-d",
+                    str(args.py_spy_seconds),
+                    "--subprocesses",
+                    "--nonblocking",
+                    "-f",
+                    "raw",
+                    "-o",
+                    f"{args.out}/pyspy_c{c}.txt",
+                    "-p",
+                    str(pid),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )
+        r = run_level(
+            base, model, prompts[:n], c, args.max_tokens, cap, extra, client_procs=args.client_procs
+        )
         if spy is not None:
             try:
                 spy.wait(args.py_spy_seconds + 30)
@@ -302,8 +406,16 @@ def run_levels(name: str, base: str, model: str, args, prompts: list[str], pid: 
     return rows
 
 
-def bench_server(name: str, cmd: list[str], port: int, model: str, args, prompts, log_path: str,
-                 root: Path = REPO) -> list[dict]:
+def bench_server(
+    name: str,
+    cmd: list[str],
+    port: int,
+    model: str,
+    args,
+    prompts,
+    log_path: str,
+    root: Path = REPO,
+) -> list[dict]:
     """Start a server with ``cmd`` in source tree ``root``, run the levels against it, stop it."""
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -323,44 +435,82 @@ def bench_server(name: str, cmd: list[str], port: int, model: str, args, prompts
 
 
 def print_table(rows: list[dict]) -> None:
-    """The markdown table of all levels (ms; client CPU: the busiest client process's CPU time / wall time)."""
-    print("\n| server | conc | done | req/s | out tok/s | TTFT mean/med/p99 ms | TPOT mean/med/p99 ms | ITL mean/med/p99 ms "
-          "| tok/chunk | client procs | client CPU max |")
+    """The markdown table of all levels (ms; client CPU: the busiest client process's CPU time /
+    wall time)."""
+    print(
+        "\n| server | conc | done | req/s | out tok/s | TTFT mean/med/p99 ms "
+        "| TPOT mean/med/p99 ms | ITL mean/med/p99 ms "
+        "| tok/chunk | client procs | client CPU max |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['name']} | {r['concurrency']} | {r['completed']}{'+' + str(r['errors']) + ' err' if r['errors'] else ''} "
-              f"| {r['req_s']:.2f} | {r['out_tok_s']:.0f} | {r['ttft_mean']:.1f}/{r['ttft_median']:.1f}/{r['ttft_p99']:.1f} "
-              f"| {r['tpot_mean']:.2f}/{r['tpot_median']:.2f}/{r['tpot_p99']:.2f} "
-              f"| {r['itl_mean']:.2f}/{r['itl_median']:.2f}/{r['itl_p99']:.2f} "
-              f"| {r['tokens_per_chunk']:.2f} | {r['client_procs']} ({r['client_lib']}) | {100 * r['client_cpu_max']:.0f}% |")
+        print(
+            f"| {r['name']} | {r['concurrency']} | {r['completed']}"
+            f"{'+' + str(r['errors']) + ' err' if r['errors'] else ''} "
+            f"| {r['req_s']:.2f} | {r['out_tok_s']:.0f} "
+            f"| {r['ttft_mean']:.1f}/{r['ttft_median']:.1f}/{r['ttft_p99']:.1f} "
+            f"| {r['tpot_mean']:.2f}/{r['tpot_median']:.2f}/{r['tpot_p99']:.2f} "
+            f"| {r['itl_mean']:.2f}/{r['itl_median']:.2f}/{r['itl_p99']:.2f} "
+            f"| {r['tokens_per_chunk']:.2f} | {r['client_procs']} ({r['client_lib']}) "
+            f"| {100 * r['client_cpu_max']:.0f}% |"
+        )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", default=None, help="checkpoint to serve (a random Qwen3-0.6B is written there once)")
-    ap.add_argument("--base-url", default=None,
-                    help="benchmark a server that is already running (e.g. http://127.0.0.1:8000 for `make serve`) "
-                    "instead of starting one; prompts use --ckpt's tokenizer, or the embedded model's")
-    ap.add_argument("--served-model", default="qwen3-embedded", help="model name sent with --base-url")
+    ap.add_argument(
+        "--ckpt",
+        default=None,
+        help="checkpoint to serve (a random Qwen3-0.6B is written there once)",
+    )
+    ap.add_argument(
+        "--base-url",
+        default=None,
+        help="benchmark a server that is already running "
+        "(e.g. http://127.0.0.1:8000 for `make serve`) "
+        "instead of starting one; prompts use --ckpt's tokenizer, or the embedded model's",
+    )
+    ap.add_argument(
+        "--served-model", default="qwen3-embedded", help="model name sent with --base-url"
+    )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--requests-per-concurrency", type=int, default=2)
     ap.add_argument("--min-requests", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--client-procs", type=int, default=8,
-                    help="client processes per level, each with its own event loop and a share of the concurrency "
-                    "(capped by the concurrency)")
+    ap.add_argument(
+        "--client-procs",
+        type=int,
+        default=8,
+        help="client processes per level, each with its own event loop and a share of the "
+        "concurrency (capped by the concurrency)",
+    )
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
-    ap.add_argument("--peer-concurrency", type=int, nargs="+", default=None,
-                    help="concurrency levels for the peer (default: --concurrency)")
+    ap.add_argument(
+        "--peer-concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        help="concurrency levels for the peer (default: --concurrency)",
+    )
     ap.add_argument("--peer-time-cap", type=float, default=60)
     ap.add_argument("--out", default="/tmp")
-    ap.add_argument("--tokenizer-from", default=None, help="copy tokenizer files from this directory")
-    ap.add_argument("--py-spy-level", type=int, default=None, help="record py-spy stacks of the server at this concurrency")
+    ap.add_argument(
+        "--tokenizer-from", default=None, help="copy tokenizer files from this directory"
+    )
+    ap.add_argument(
+        "--py-spy-level",
+        type=int,
+        default=None,
+        help="record py-spy stacks of the server at this concurrency",
+    )
     ap.add_argument("--py-spy-seconds", type=int, default=8)
-    ap.add_argument("--server-root", default=str(REPO),
-                    help="source tree to start our server from (A/B runs of two trees)")
+    ap.add_argument(
+        "--server-root",
+        default=str(REPO),
+        help="source tree to start our server from (A/B runs of two trees)",
+    )
     args = ap.parse_args()
     if args.ckpt is None and args.base_url is None:
         ap.error("give --ckpt (start the servers) or --base-url (a running server)")
@@ -371,8 +521,13 @@ def main() -> None:
 
             args.ckpt = str(ensure_embedded_checkpoint())
         n = max(args.min_requests, max(args.concurrency) * args.requests_per_concurrency)
-        rows = run_levels("qwen-serve", args.base_url.rstrip("/"), args.served_model, args,
-                          make_prompts(args.ckpt, n, args.prompt_tokens))
+        rows = run_levels(
+            "qwen-serve",
+            args.base_url.rstrip("/"),
+            args.served_model,
+            args,
+            make_prompts(args.ckpt, n, args.prompt_tokens),
+        )
         print_table(rows)
         return
     from bench.common import random_qwen3_checkpoint
@@ -380,15 +535,58 @@ def main() -> None:
     random_qwen3_checkpoint(args.ckpt, tokenizer_from=args.tokenizer_from)
     n = max(args.min_requests, max(args.concurrency) * args.requests_per_concurrency)
     prompts = make_prompts(args.ckpt, n, args.prompt_tokens)
-    rows = [] if args.skip_ours else bench_server("qwen-serve", [sys.executable, "-m", "server", "--model", args.ckpt, "--port", "8100",
-                                       "--dtype", "bfloat16", "--max-model-len", "4096", "--served-model-name", "bench",
-                                       "--log-level", "warning"], 8100, "bench", args, prompts, f"{args.out}/ours.log",
-                                       Path(args.server_root).resolve())
+    rows = (
+        []
+        if args.skip_ours
+        else bench_server(
+            "qwen-serve",
+            [
+                sys.executable,
+                "-m",
+                "server",
+                "--model",
+                args.ckpt,
+                "--port",
+                "8100",
+                "--dtype",
+                "bfloat16",
+                "--max-model-len",
+                "4096",
+                "--served-model-name",
+                "bench",
+                "--log-level",
+                "warning",
+            ],
+            8100,
+            "bench",
+            args,
+            prompts,
+            f"{args.out}/ours.log",
+            Path(args.server_root).resolve(),
+        )
+    )
     if not args.skip_peer:
-        peer = ["transformers", "serve", "--continuous-batching", "--cb-use-cuda-graph", "--port", "8200"]
-        for i, cmd in enumerate([peer[:2] + [args.ckpt] + peer[2:], peer]):  # newer CLIs take the model first
+        peer = [
+            "transformers",
+            "serve",
+            "--continuous-batching",
+            "--cb-use-cuda-graph",
+            "--port",
+            "8200",
+        ]
+        for i, cmd in enumerate(
+            [peer[:2] + [args.ckpt] + peer[2:], peer]
+        ):  # newer CLIs take the model first
             try:
-                rows += bench_server("transformers serve", cmd, 8200, args.ckpt, args, prompts, f"{args.out}/peer{i}.log")
+                rows += bench_server(
+                    "transformers serve",
+                    cmd,
+                    8200,
+                    args.ckpt,
+                    args,
+                    prompts,
+                    f"{args.out}/peer{i}.log",
+                )
                 break
             except Exception as exc:  # noqa: BLE001 - report our numbers anyway
                 print(f"peer command {cmd} failed: {type(exc).__name__}: {exc}")
@@ -396,7 +594,10 @@ def main() -> None:
     ours = {r["concurrency"]: r for r in rows if r["name"] == "qwen-serve"}
     for r in rows:
         if r["name"] != "qwen-serve" and r["concurrency"] in ours and r["out_tok_s"] > 0:
-            print(f"ratio at concurrency {r['concurrency']}: {ours[r['concurrency']]['out_tok_s'] / r['out_tok_s']:.1f}x output tok/s")
+            print(
+                f"ratio at concurrency {r['concurrency']}: "
+                f"{ours[r['concurrency']]['out_tok_s'] / r['out_tok_s']:.1f}x output tok/s"
+            )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ import sys
 
 try:
     import tomllib
-except ImportError:  # Python < 3.11 (the CUDA base image's Python may be older): pip's vendored tomli
+except (
+    ImportError
+):  # Python < 3.11 (the CUDA base image's Python may be older): pip's vendored tomli
     from pip._vendor import tomli as tomllib
 
 
@@ -24,7 +26,9 @@ def main(pyproject: str) -> None:
     with open("/tmp/constraints.txt", "w") as f:
         f.write(pins)
     print(pins, flush=True)
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-c", "/tmp/constraints.txt", *deps])
+    subprocess.check_call(
+        [sys.executable, "-m", "pip", "install", "-c", "/tmp/constraints.txt", *deps]
+    )
 
 
 if __name__ == "__main__":

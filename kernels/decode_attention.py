@@ -36,7 +36,8 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _packed_row(cu_q_ptr, seq):
-    """First row ``cu_q[seq]`` (int64) of sequence ``seq`` in a packed batch and its new-token count."""
+    """First row ``cu_q[seq]`` (int64) of sequence ``seq`` in a packed batch and its new-token
+    count."""
     start = tl.load(cu_q_ptr + seq)
     return start.to(tl.int64), tl.load(cu_q_ptr + seq + 1) - start
 
@@ -102,7 +103,6 @@ def _decode_split_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
     g_ok = offs_g < NUM_GROUPS
     heads = kv_head * NUM_GROUPS + offs_g
     q = tl.load(
@@ -121,25 +121,79 @@ def _decode_split_kernel(
     full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
     # full tiles without masks, then the masked tail tile (same online-softmax step as prefill)
     acc, l_i, m_i = _paged_attn_tile(
-        acc, l_i, m_i, q, k_base, v_base, bt_row_ptr, start, full_end, end, offs_g,
-        qk_scale, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False, DOT_PREC, UPCAST, BT_PREFETCH,
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        bt_row_ptr,
+        start,
+        full_end,
+        end,
+        offs_g,
+        qk_scale,
+        stride_kb,
+        stride_kt,
+        stride_kd,
+        stride_vb,
+        stride_vt,
+        stride_vd,
+        BLOCK_N,
+        HEAD_DIM,
+        PAGE_SIZE,
+        False,
+        False,
+        DOT_PREC,
+        UPCAST,
+        BT_PREFETCH,
     )
     acc, l_i, m_i = _paged_attn_tile(
-        acc, l_i, m_i, q, k_base, v_base, bt_row_ptr, full_end, end, end, offs_g,
-        qk_scale, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, False, DOT_PREC, UPCAST, False,
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        bt_row_ptr,
+        full_end,
+        end,
+        end,
+        offs_g,
+        qk_scale,
+        stride_kb,
+        stride_kt,
+        stride_kd,
+        stride_vb,
+        stride_vt,
+        stride_vd,
+        BLOCK_N,
+        HEAD_DIM,
+        PAGE_SIZE,
+        True,
+        False,
+        DOT_PREC,
+        UPCAST,
+        False,
     )
 
     has = l_i > 0.0
     acc = acc / tl.where(has, l_i, 1.0)[:, None]
     if SPLIT:
         lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        po_ptrs = po_ptr + seq64 * stride_pob + heads[:, None] * stride_poh + split * stride_pos + offs_d[None, :]
+        po_ptrs = (
+            po_ptr
+            + seq64 * stride_pob
+            + heads[:, None] * stride_poh
+            + split * stride_pos
+            + offs_d[None, :]
+        )
         tl.store(po_ptrs, acc, mask=g_ok[:, None])
         tl.store(plse_ptr + seq64 * stride_plb + heads * stride_plh + split, lse, mask=g_ok)
     else:
-        o_ptrs = out_ptr + row64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+        o_ptrs = (
+            out_ptr + row64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+        )
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
@@ -172,16 +226,25 @@ def _decode_reduce_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     s_ok = offs_s < num_splits
-    lse = tl.load(plse_ptr + seq * stride_plb + head * stride_plh + offs_s, mask=s_ok, other=float("-inf"))
+    lse = tl.load(
+        plse_ptr + seq * stride_plb + head * stride_plh + offs_s, mask=s_ok, other=float("-inf")
+    )
     m = tl.max(lse, 0)
     w = tl.math.exp2(lse - m)  # 0 for empty splits (lse = -inf)
     po = tl.load(
-        po_ptr + seq * stride_pob + head * stride_poh + offs_s[:, None] * stride_pos + offs_d[None, :],
+        po_ptr
+        + seq * stride_pob
+        + head * stride_poh
+        + offs_s[:, None] * stride_pos
+        + offs_d[None, :],
         mask=s_ok[:, None],
         other=0.0,
     )
     o = tl.sum(po * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d * stride_od, o.to(out_ptr.dtype.element_ty))
+    tl.store(
+        out_ptr + row * stride_ob + head * stride_oh + offs_d * stride_od,
+        o.to(out_ptr.dtype.element_ty),
+    )
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -222,7 +285,8 @@ def choose_num_splits(
 
     Args:
         batch: number of sequences B; num_kv_heads: H_kv.
-        max_seq_len: host int, the largest ``seq_lens`` entry (e.g. ``AttentionMetadata.max_seq_len``).
+        max_seq_len: host int, the largest ``seq_lens`` entry
+            (e.g. ``AttentionMetadata.max_seq_len``).
         num_sms: multiprocessor count of the GPU (132 on an H200).
 
     Returns:
@@ -320,8 +384,12 @@ def decode_attention(
     t, hq, d = q.shape
     b = t
     if varlen:
-        if (cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1 or cu_seqlens_q.dtype != torch.int32
-                or cu_seqlens_q.device != q.device):
+        if (
+            cu_seqlens_q.dim() != 1
+            or cu_seqlens_q.shape[0] < 1
+            or cu_seqlens_q.dtype != torch.int32
+            or cu_seqlens_q.device != q.device
+        ):
             raise ValueError("cu_seqlens_q must be an int32 [B + 1] tensor on q's device")
         b = cu_seqlens_q.shape[0] - 1
     if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
@@ -357,17 +425,26 @@ def decode_attention(
         or partial_lse.shape[2] < num_splits
     ):
         raise ValueError(
-            f"scratch must be float32 [B, H_q, >={num_splits}, D] and [B, H_q, >={num_splits}], got "
-            f"{tuple(partial_out.shape)} {partial_out.dtype}, {tuple(partial_lse.shape)} {partial_lse.dtype}"
+            f"scratch must be float32 [B, H_q, >={num_splits}, D] and [B, H_q, >={num_splits}], "
+            f"got {tuple(partial_out.shape)} {partial_out.dtype}, "
+            f"{tuple(partial_lse.shape)} {partial_lse.dtype}"
         )
     if partial_out.stride(3) != 1 or partial_lse.stride(2) != 1:
         raise ValueError("scratch last dimensions must be contiguous")
-    devs = {k_cache.device, v_cache.device, block_tables.device, seq_lens.device, partial_out.device, partial_lse.device}
+    devs = {
+        k_cache.device,
+        v_cache.device,
+        block_tables.device,
+        seq_lens.device,
+        partial_out.device,
+        partial_lse.device,
+    }
     if devs != {q.device}:
         raise ValueError("all tensors must be on q's device")
     if b == 0 or t == 0:
         return out
-    # Triton's CPU interpreter multiplies bf16 as raw uint16 in tl.dot: compute 16-bit in fp32 there.
+    # Triton's CPU interpreter multiplies bf16 as raw uint16 in tl.dot: compute 16-bit in fp32
+    # there.
     upcast = q.device.type != "cuda" and q.dtype != torch.float32
     cfg = dict(decode_config(d, q.dtype, q.device))
     if config:
@@ -376,15 +453,37 @@ def decode_attention(
     split = num_splits > 1
     cu_q = cu_seqlens_q if varlen else seq_lens  # unused placeholder without VARLEN
     _decode_split_kernel[(hkv, b, num_splits)](
-        q, k_cache, v_cache, out, partial_out, partial_lse, block_tables, seq_lens, cu_q,
-        float(scale) * _LOG2E, num_splits,
-        q.stride(0), q.stride(1), q.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        partial_out,
+        partial_lse,
+        block_tables,
+        seq_lens,
+        cu_q,
+        float(scale) * _LOG2E,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        k_cache.stride(3),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        v_cache.stride(3),
         block_tables.stride(0),
-        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-        partial_lse.stride(0), partial_lse.stride(1),
+        partial_out.stride(0),
+        partial_out.stride(1),
+        partial_out.stride(2),
+        partial_lse.stride(0),
+        partial_lse.stride(1),
         NUM_GROUPS=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d,
@@ -400,10 +499,19 @@ def decode_attention(
     )
     if split:
         _decode_reduce_kernel[(hq, b)](
-            out, partial_out, partial_lse, cu_q, num_splits,
-            out.stride(0), out.stride(1), out.stride(2),
-            partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-            partial_lse.stride(0), partial_lse.stride(1),
+            out,
+            partial_out,
+            partial_lse,
+            cu_q,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            partial_out.stride(0),
+            partial_out.stride(1),
+            partial_out.stride(2),
+            partial_lse.stride(0),
+            partial_lse.stride(1),
             HEAD_DIM=d,
             BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
             VARLEN=varlen,

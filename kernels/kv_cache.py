@@ -57,7 +57,12 @@ def _store_kv_kernel(
         value_ptr + tok64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
         mask=mask,
     )
-    dst = blk * stride_cb + off * stride_co + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
+    dst = (
+        blk * stride_cb
+        + off * stride_co
+        + offs_h[:, None] * stride_ch
+        + offs_d[None, :] * stride_cd
+    )
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
@@ -89,7 +94,10 @@ def store_kv_cache(
     reads no host values, so it can be captured in a CUDA graph.
     """
     if key.dim() != 3 or value.shape != key.shape:
-        raise ValueError(f"key/value must be [T, H_kv, D] of equal shape, got {tuple(key.shape)}, {tuple(value.shape)}")
+        raise ValueError(
+            f"key/value must be [T, H_kv, D] of equal shape, got {tuple(key.shape)}, "
+            f"{tuple(value.shape)}"
+        )
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError("k_cache/v_cache must be [num_blocks, block_size, H_kv, D] of equal shape")
     if k_cache.stride() != v_cache.stride():

@@ -22,7 +22,6 @@ of vLLM's Triton unified attention (``find_seq_idx`` in
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -238,14 +237,60 @@ def _prefill_kernel(
         hi_full = (seq_len // BLOCK_N) * BLOCK_N
         hi = seq_len
     acc, l_i, m_i = _paged_attn_tile(
-        acc, l_i, m_i, q, k_base, v_base, bt_row_ptr, 0, hi_full, seq_len, q_pos,
-        qk_scale, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, CAUSAL, DOT_PREC, UPCAST, BT_PREFETCH,
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        bt_row_ptr,
+        0,
+        hi_full,
+        seq_len,
+        q_pos,
+        qk_scale,
+        stride_kb,
+        stride_kt,
+        stride_kd,
+        stride_vb,
+        stride_vt,
+        stride_vd,
+        BLOCK_N,
+        HEAD_DIM,
+        PAGE_SIZE,
+        False,
+        CAUSAL,
+        DOT_PREC,
+        UPCAST,
+        BT_PREFETCH,
     )
     acc, l_i, m_i = _paged_attn_tile(
-        acc, l_i, m_i, q, k_base, v_base, bt_row_ptr, hi_full, hi, seq_len, q_pos,
-        qk_scale, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, CAUSAL, DOT_PREC, UPCAST, False,
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        bt_row_ptr,
+        hi_full,
+        hi,
+        seq_len,
+        q_pos,
+        qk_scale,
+        stride_kb,
+        stride_kt,
+        stride_kd,
+        stride_vb,
+        stride_vt,
+        stride_vd,
+        BLOCK_N,
+        HEAD_DIM,
+        PAGE_SIZE,
+        True,
+        CAUSAL,
+        DOT_PREC,
+        UPCAST,
+        False,
     )
     l_i = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_i[:, None]
@@ -256,7 +301,9 @@ def _prefill_kernel(
     )
 
 
-def prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = True) -> dict:
+def prefill_config(
+    head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = True
+) -> dict:
     """Tile configuration used by :func:`prefill_attention`: ``{BLOCK_M, BLOCK_N, num_warps,
     num_stages}`` plus the flag ``BT_PREFETCH`` (load the next tile's block ids one iteration
     ahead).
@@ -339,13 +386,19 @@ def prefill_attention(
     if q.dim() != 3:
         raise ValueError(f"q must be [T, H_q, D], got {tuple(q.shape)}")
     if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"out must match q's shape/dtype/device, got {tuple(out.shape)} {out.dtype}")
+        raise ValueError(
+            f"out must match q's shape/dtype/device, got {tuple(out.shape)} {out.dtype}"
+        )
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"unsupported dtype {q.dtype}; expected float16, bfloat16 or float32")
     t, hq, d = q.shape
     if d < 16 or d > 256 or d & (d - 1):
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {d}")
-    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.device != q.device:
+    if (
+        cu_seqlens_q.dim() != 1
+        or cu_seqlens_q.dtype != torch.int32
+        or cu_seqlens_q.device != q.device
+    ):
         raise ValueError("cu_seqlens_q must be an int32 [B + 1] tensor on q's device")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError("k_cache/v_cache must be [num_blocks, block_size, H_kv, D] of equal shape")
@@ -358,7 +411,10 @@ def prefill_attention(
         raise ValueError("k_cache/v_cache must have q's dtype")
     b = cu_seqlens_q.shape[0] - 1
     if block_tables.dim() != 2 or block_tables.dtype != torch.int32 or block_tables.shape[0] != b:
-        raise ValueError(f"block_tables must be int32 [B={b}, max_blocks], got {tuple(block_tables.shape)} {block_tables.dtype}")
+        raise ValueError(
+            f"block_tables must be int32 [B={b}, max_blocks], got {tuple(block_tables.shape)} "
+            f"{block_tables.dtype}"
+        )
     if seq_lens.shape != (b,) or seq_lens.dtype != torch.int32:
         raise ValueError(f"seq_lens must be int32 [B={b}]")
     if block_tables.stride(1) != 1 and block_tables.shape[1] > 1:
@@ -377,15 +433,33 @@ def prefill_attention(
     num_slots = t // cfg["BLOCK_M"] + b
     if num_slots > _MAX_GRID_Y:
         raise ValueError(
-            f"T // BLOCK_M + B = {num_slots} query-tile slots exceed the grid's second axis ({_MAX_GRID_Y})"
+            f"T // BLOCK_M + B = {num_slots} query-tile slots exceed the grid's second axis "
+            f"({_MAX_GRID_Y})"
         )
     _prefill_kernel[(hq, num_slots)](
-        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, b,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        cu_seqlens_q,
+        seq_lens,
+        b,
         float(scale) * _LOG2E,
-        q.stride(0), q.stride(1), q.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        k_cache.stride(3),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        v_cache.stride(3),
         block_tables.stride(0),
         NUM_GROUPS=hq // hkv,
         HEAD_DIM=d,

@@ -59,8 +59,11 @@ def gather_kv_ref(
     return k, v
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """softmax(q k^T) v for one sequence; q ``[Lq, Hq, D]``, k/v ``[Lk, Hkv, D]`` -> ``[Lq, Hq, D]``.
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> torch.Tensor:
+    """softmax(q k^T) v for one sequence; q ``[Lq, Hq, D]``, k/v ``[Lk, Hkv, D]`` ->
+    ``[Lq, Hq, D]``.
 
     Queries are the last ``Lq`` positions of the ``Lk`` keys (bottom-right causal alignment).
     """
@@ -167,8 +170,12 @@ def sampling_uniforms_ref(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int
     offsets = offsets.to(torch.int64)[:, None]
     counters = torch.arange((vocab + 3) // 4, dtype=torch.int64, device=dev)[None, :]
     zero = torch.zeros((), dtype=torch.int64, device=dev)
-    words = philox4x32_ref(counters, offsets & _M32, (offsets >> 32) & _M32, zero, seeds & _M32, (seeds >> 32) & _M32)
-    r = torch.stack(words, dim=-1).reshape(seeds.shape[0], -1)[:, :vocab]  # column j: word j % 4 of j // 4
+    words = philox4x32_ref(
+        counters, offsets & _M32, (offsets >> 32) & _M32, zero, seeds & _M32, (seeds >> 32) & _M32
+    )
+    r = torch.stack(words, dim=-1).reshape(seeds.shape[0], -1)[
+        :, :vocab
+    ]  # column j: word j % 4 of j // 4
     return ((r >> 9).to(torch.float32) + 0.5) * 2.0**-23
 
 

@@ -226,8 +226,12 @@ def sample_tokens(
         raise ValueError(f"vocabulary size must be in [1, 2**31 - 1), got {vocab}")
     if logits.stride(1) != 1 and vocab > 1:
         raise ValueError("logits' last dimension must be contiguous")
-    for name, t, dtype in (("temperature", temperature, torch.float32), ("seeds", seeds, torch.int64),
-                           ("offsets", offsets, torch.int64), ("out", out, torch.int64)):
+    for name, t, dtype in (
+        ("temperature", temperature, torch.float32),
+        ("seeds", seeds, torch.int64),
+        ("offsets", offsets, torch.int64),
+        ("out", out, torch.int64),
+    ):
         if t.shape != (n,) or t.dtype != dtype:
             raise ValueError(f"{name} must be {dtype} [N={n}], got {t.dtype} {tuple(t.shape)}")
         if t.device != logits.device:
@@ -256,15 +260,28 @@ def sample_tokens(
     else:
         pv = pi = out  # unused
     _sample_split_kernel[(n, num_splits)](
-        logits, temperature, seeds, offsets, out, pv, pi,
-        vocab, split_len, logits.stride(0), num_splits,
+        logits,
+        temperature,
+        seeds,
+        offsets,
+        out,
+        pv,
+        pi,
+        vocab,
+        split_len,
+        logits.stride(0),
+        num_splits,
         SPLIT=split,
         BLOCK_V=block_v,
         num_warps=cfg["num_warps"],
     )
     if split:
         _sample_reduce_kernel[(n,)](
-            out, pv, pi, num_splits, num_splits,
+            out,
+            pv,
+            pi,
+            num_splits,
+            num_splits,
             BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
             num_warps=1,
         )

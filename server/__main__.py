@@ -40,10 +40,20 @@ class GracefulServer(uvicorn.Server):
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"", "0", "false", "no", "off"}
 
 #: (flag dest, lowest allowed, highest allowed or None) checked after parsing
-_RANGES = [("port", 0, 65535), ("max_model_len", 1, None), ("block_size", 1, None), ("num_kv_blocks", 1, None),
-           ("max_num_seqs", 1, None), ("max_num_batched_tokens", 1, None), ("max_body_bytes", 1, None),
-           ("max_prompt_tokens", 1, None), ("graceful_timeout", 0, None), ("gpu_memory_utilization", 0.01, 1.0),
-           ("kv_cache_memory_gb", 0.001, None), ("prefill_graph_max_tokens", 0, None)]
+_RANGES = [
+    ("port", 0, 65535),
+    ("max_model_len", 1, None),
+    ("block_size", 1, None),
+    ("num_kv_blocks", 1, None),
+    ("max_num_seqs", 1, None),
+    ("max_num_batched_tokens", 1, None),
+    ("max_body_bytes", 1, None),
+    ("max_prompt_tokens", 1, None),
+    ("graceful_timeout", 0, None),
+    ("gpu_memory_utilization", 0.01, 1.0),
+    ("kv_cache_memory_gb", 0.001, None),
+    ("prefill_graph_max_tokens", 0, None),
+]
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -77,22 +87,34 @@ class _EnvCheckedParser(argparse.ArgumentParser):
             flag = "/".join(action.option_strings)
             if isinstance(action, argparse._StoreTrueAction) and isinstance(value, str):
                 if value.strip().lower() not in _TRUE | _FALSE:
-                    self.error(f"argument {flag}: invalid switch value {value!r} (use 1/true/yes/on or 0/false/no/off)")
+                    self.error(
+                        f"argument {flag}: invalid switch value {value!r} "
+                        "(use 1/true/yes/on or 0/false/no/off)"
+                    )
                 setattr(ns, action.dest, value.strip().lower() in _TRUE)
             elif action.choices is not None and value is not None and value not in action.choices:
-                self.error(f"argument {flag}: invalid choice {value!r} (choose from {', '.join(map(str, action.choices))})")
+                self.error(
+                    f"argument {flag}: invalid choice {value!r} "
+                    f"(choose from {', '.join(map(str, action.choices))})"
+                )
         for dest, low, high in _RANGES:
             value = getattr(ns, dest, None)
             if value is not None and (value < low or (high is not None and value > high)):
                 bound = f"between {low} and {high}" if high is not None else f"at least {low}"
-                self.error(f"argument --{dest.replace('_', '-')}: {value} is out of range (must be {bound})")
+                self.error(
+                    f"argument --{dest.replace('_', '-')}: {value} is out of range "
+                    f"(must be {bound})"
+                )
         device = getattr(ns, "device", None)
         if device is not None and not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
             self.error(f"argument --device: invalid device {device!r} (auto, cpu, cuda or cuda:N)")
         model = getattr(ns, "model", None)
         if model is not None and not os.path.isdir(model):
-            self.error(f"argument --model: {model!r} is not a local directory; give a checkpoint directory "
-                       "(hub names are not downloaded), or leave it unset for the embedded model")
+            self.error(
+                f"argument --model: {model!r} is not a local directory; "
+                "give a checkpoint directory "
+                "(hub names are not downloaded), or leave it unset for the embedded model"
+            )
         return ns, extra
 
 
@@ -101,62 +123,184 @@ def build_parser() -> argparse.ArgumentParser:
     p = _EnvCheckedParser(
         prog="python -m server",
         formatter_class=_HelpFormatter,
-        description="OpenAI-compatible server for Qwen3/Qwen2 checkpoints (paged KV cache, continuous batching). "
+        description="OpenAI-compatible server for Qwen3/Qwen2 checkpoints "
+        "(paged KV cache, continuous batching). "
         "Every flag can also be set through the environment variable QWEN_SERVE_<FLAG> "
-        "(e.g. QWEN_SERVE_PORT=9000); a switch takes 1/true/yes/on or 0/false/no/off (QWEN_SERVE_NO_COMPILE=1).",
+        "(e.g. QWEN_SERVE_PORT=9000); a switch takes 1/true/yes/on or 0/false/no/off "
+        "(QWEN_SERVE_NO_COMPILE=1).",
     )
     a = p.add_argument
-    a("--model", default=_env("model"), help="local Hugging Face checkpoint directory (config.json, tokenizer.json, *.safetensors; hub names are not downloaded); unset: the embedded random-weight Qwen3")
+    a(
+        "--model",
+        default=_env("model"),
+        help="local Hugging Face checkpoint directory "
+        "(config.json, tokenizer.json, *.safetensors; hub names are not downloaded); "
+        "unset: the embedded random-weight Qwen3",
+    )
     a("--host", default=_env("host", "127.0.0.1"), help="address to listen on")
     a("--port", type=int, default=_env("port", 8000), help="port to listen on")
-    a("--dtype", default=_env("dtype", "auto"), choices=["auto", "float32", "bfloat16", "float16"],
-      help="weights and activations (auto: float32 on CPU, the checkpoint's dtype on CUDA)")
+    a(
+        "--dtype",
+        default=_env("dtype", "auto"),
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and activations (auto: float32 on CPU, the checkpoint's dtype on CUDA)",
+    )
     a("--device", default=_env("device", "auto"), help="auto, cpu, cuda or cuda:N")
-    a("--max-model-len", type=int, default=_env("max_model_len"), help="longest prompt + completion in tokens; unset: the model's limit, capped by the KV cache")
+    a(
+        "--max-model-len",
+        type=int,
+        default=_env("max_model_len"),
+        help="longest prompt + completion in tokens; unset: the model's limit, "
+        "capped by the KV cache",
+    )
     a("--block-size", type=int, default=_env("block_size", 16), help="tokens per KV-cache block")
-    a("--num-kv-blocks", type=int, default=_env("num_kv_blocks"), help="KV-cache blocks to allocate; unset: from the KV-cache budget in GiB or from free GPU memory")
-    a("--kv-cache-memory-gb", type=float, default=_env("kv_cache_memory_gb"),
-      help="KV-cache budget in GiB when the number of blocks is not given; unset: 1 GiB on CPU, "
-      "and on a GPU what the memory-utilization fraction leaves after the weights")
-    a("--gpu-memory-utilization", type=float, default=_env("gpu_memory_utilization", 0.85),
-      help="fraction of GPU memory the engine may fill (weights + KV cache) when the KV budget is not given")
-    a("--max-num-seqs", type=int, default=_env("max_num_seqs", 256), help="most requests running at once")
-    a("--max-num-batched-tokens", type=int, default=_env("max_num_batched_tokens", 1024),
-      help="token budget of one engine step (prefill chunks + decodes)")
-    a("--served-model-name", default=_env("served_model_name"), help="model id in the API; unset: the checkpoint directory's name (qwen3-embedded for the embedded model)")
-    a("--attention-backend", default=_env("attention_backend"), choices=["triton", "torch"],
-      help="default: triton on CUDA, torch on CPU")
-    a("--no-prefix-caching", action="store_true", default=_env("no_prefix_caching", False), help="disable automatic prefix caching")
-    a("--no-cuda-graph", action="store_true", default=_env("no_cuda_graph", False),
-      help="run every step eagerly (no CUDA graphs for decode, prefill or mixed steps)")
-    a("--prefill-graph-max-tokens", type=int, default=_env("prefill_graph_max_tokens"),
-      help="largest prefill/mixed step replayed as a CUDA graph; unset: the step token budget; 0: only decode steps")
-    a("--async-scheduling", choices=["auto", "on", "off"], default=_env("async_scheduling") or "auto",
-      help="schedule and launch the next step while the current one runs on the device; auto = on with CUDA")
-    a("--engine-mode", default=_env("engine_mode", "auto"), choices=["auto", "thread", "process"],
-      help="run the engine loop in a thread of the server or in its own process (auto: process on CUDA)")
-    a("--compile-mode", default=_env("compile_mode", "auto"), choices=["auto", "model", "ops", "none"],
-      help="torch.compile: model = the whole forward as one graph (attention a custom op), ops = only the "
-      "elementwise functions, none = eager (auto: ops on CUDA, none on CPU)")
-    a("--no-compile", action="store_true", default=_env("no_compile", False),
-      help="same as --compile-mode none")
-    a("--reasoning-parser", default=_env("reasoning_parser"), choices=["qwen3"],
-      help="split <think>...</think> into reasoning_content")
-    a("--api-key", default=_env("api_key"), help="require 'Authorization: Bearer KEY' on /v1 routes")
-    a("--protect-metrics", action="store_true", default=_env("protect_metrics", False), help="require the API key on /metrics too")
-    a("--max-body-bytes", type=int, default=_env("max_body_bytes", 4 << 20), help="larger request bodies get 413")
-    a("--max-prompt-tokens", type=int, default=_env("max_prompt_tokens"), help="longer prompts get 400; unset: only the context length limits them")
-    a("--seed", type=int, default=_env("seed", 0), help="seed of the embedded model's random weights (sampling seeds are per request)")
-    a("--log-level", type=str.lower, default=_env("log_level", "info"), choices=["debug", "info", "warning", "error"],
-      help="server log level")
-    a("--graceful-timeout", type=float, default=_env("graceful_timeout", 30),
-      help="seconds in-flight requests get to finish after SIGTERM")
+    a(
+        "--num-kv-blocks",
+        type=int,
+        default=_env("num_kv_blocks"),
+        help="KV-cache blocks to allocate; unset: from the KV-cache budget in GiB "
+        "or from free GPU memory",
+    )
+    a(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=_env("kv_cache_memory_gb"),
+        help="KV-cache budget in GiB when the number of blocks is not given; unset: 1 GiB on CPU, "
+        "and on a GPU what the memory-utilization fraction leaves after the weights",
+    )
+    a(
+        "--gpu-memory-utilization",
+        type=float,
+        default=_env("gpu_memory_utilization", 0.85),
+        help="fraction of GPU memory the engine may fill (weights + KV cache) "
+        "when the KV budget is not given",
+    )
+    a(
+        "--max-num-seqs",
+        type=int,
+        default=_env("max_num_seqs", 256),
+        help="most requests running at once",
+    )
+    a(
+        "--max-num-batched-tokens",
+        type=int,
+        default=_env("max_num_batched_tokens", 1024),
+        help="token budget of one engine step (prefill chunks + decodes)",
+    )
+    a(
+        "--served-model-name",
+        default=_env("served_model_name"),
+        help="model id in the API; unset: the checkpoint directory's name "
+        "(qwen3-embedded for the embedded model)",
+    )
+    a(
+        "--attention-backend",
+        default=_env("attention_backend"),
+        choices=["triton", "torch"],
+        help="default: triton on CUDA, torch on CPU",
+    )
+    a(
+        "--no-prefix-caching",
+        action="store_true",
+        default=_env("no_prefix_caching", False),
+        help="disable automatic prefix caching",
+    )
+    a(
+        "--no-cuda-graph",
+        action="store_true",
+        default=_env("no_cuda_graph", False),
+        help="run every step eagerly (no CUDA graphs for decode, prefill or mixed steps)",
+    )
+    a(
+        "--prefill-graph-max-tokens",
+        type=int,
+        default=_env("prefill_graph_max_tokens"),
+        help="largest prefill/mixed step replayed as a CUDA graph; "
+        "unset: the step token budget; 0: only decode steps",
+    )
+    a(
+        "--async-scheduling",
+        choices=["auto", "on", "off"],
+        default=_env("async_scheduling") or "auto",
+        help="schedule and launch the next step while the current one runs on the device; "
+        "auto = on with CUDA",
+    )
+    a(
+        "--engine-mode",
+        default=_env("engine_mode", "auto"),
+        choices=["auto", "thread", "process"],
+        help="run the engine loop in a thread of the server or in its own process "
+        "(auto: process on CUDA)",
+    )
+    a(
+        "--compile-mode",
+        default=_env("compile_mode", "auto"),
+        choices=["auto", "model", "ops", "none"],
+        help="torch.compile: model = the whole forward as one graph (attention a custom op), "
+        "ops = only the elementwise functions, none = eager (auto: ops on CUDA, none on CPU)",
+    )
+    a(
+        "--no-compile",
+        action="store_true",
+        default=_env("no_compile", False),
+        help="same as --compile-mode none",
+    )
+    a(
+        "--reasoning-parser",
+        default=_env("reasoning_parser"),
+        choices=["qwen3"],
+        help="split <think>...</think> into reasoning_content",
+    )
+    a(
+        "--api-key",
+        default=_env("api_key"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes",
+    )
+    a(
+        "--protect-metrics",
+        action="store_true",
+        default=_env("protect_metrics", False),
+        help="require the API key on /metrics too",
+    )
+    a(
+        "--max-body-bytes",
+        type=int,
+        default=_env("max_body_bytes", 4 << 20),
+        help="larger request bodies get 413",
+    )
+    a(
+        "--max-prompt-tokens",
+        type=int,
+        default=_env("max_prompt_tokens"),
+        help="longer prompts get 400; unset: only the context length limits them",
+    )
+    a(
+        "--seed",
+        type=int,
+        default=_env("seed", 0),
+        help="seed of the embedded model's random weights (sampling seeds are per request)",
+    )
+    a(
+        "--log-level",
+        type=str.lower,
+        default=_env("log_level", "info"),
+        choices=["debug", "info", "warning", "error"],
+        help="server log level",
+    )
+    a(
+        "--graceful-timeout",
+        type=float,
+        default=_env("graceful_timeout", 30),
+        help="seconds in-flight requests get to finish after SIGTERM",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     from server.app import create_app
     from server.factory import build_context
 
@@ -172,9 +316,17 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def make_server(app, args: argparse.Namespace) -> GracefulServer:
-    """The uvicorn server for ``app`` with the parsed flags (also used by bench/frontend_latency.py)."""
-    return GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                         timeout_graceful_shutdown=int(args.graceful_timeout)))
+    """The uvicorn server for ``app`` with the parsed flags (also used by
+    bench/frontend_latency.py)."""
+    return GracefulServer(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=int(args.graceful_timeout),
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -43,7 +43,9 @@ class BodySizeLimit:
                 if not msg.get("more_body", False):
                     break
         if too_big:
-            resp = JSONResponse(error_body(413, f"request body exceeds {self.max_bytes} bytes"), status_code=413)
+            resp = JSONResponse(
+                error_body(413, f"request body exceeds {self.max_bytes} bytes"), status_code=413
+            )
             return await resp(scope, receive, send)
 
         async def replay():
@@ -90,7 +92,8 @@ async def _until_disconnect(raw: Request, coro):
 
 
 def create_app(ctx: ServerContext) -> FastAPI:
-    """Build the application over a ready :class:`ServerContext` (the engine loop starts with the app)."""
+    """Build the application over a ready :class:`ServerContext` (the engine loop starts with the
+    app)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -113,12 +116,23 @@ def create_app(ctx: ServerContext) -> FastAPI:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), ctx.api_key.encode()):
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", None, "invalid_api_key")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.encode(), ctx.api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                None,
+                "invalid_api_key",
+            )
 
     async def stream_response(gen_iter, aborts) -> StreamingResponse:
-        return AbortingStreamingResponse(gen_iter, aborts, media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return AbortingStreamingResponse(
+            gen_iter,
+            aborts,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
@@ -153,7 +167,11 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(check_key)])
     async def models():
-        return ModelList(data=[ModelCard(id=ctx.model_name, root=ctx.model_name, max_model_len=ctx.max_model_len)])
+        return ModelList(
+            data=[
+                ModelCard(id=ctx.model_name, root=ctx.model_name, max_model_len=ctx.max_model_len)
+            ]
+        )
 
     @app.get("/health")
     async def health():
@@ -173,4 +191,3 @@ def create_app(ctx: ServerContext) -> FastAPI:
 def openapi_app(app) -> FastAPI:
     """The FastAPI object inside the middleware (for its OpenAPI schema)."""
     return getattr(app, "app", app)
-

@@ -5,17 +5,24 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from engine.loader.embedded import bytes_to_unicode
 from engine.core.limits import RequestRejected
 from engine.frontend.tokenizer import Tokenizer
+from engine.loader.embedded import bytes_to_unicode
 from server.context import ServerContext
 from server.errors import APIError, error_body, rejected
 from server.generation import EngineError, Generation
 from server.output import ChatOutputProcessor
 from server.params import to_sampling_params
 from server.protocol import (
-    ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
-    ChoiceLogprobs, ResponseMessage, ResponseToolCall, TokenLogprob, TopLogprob, Usage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChoiceLogprobs,
+    ResponseMessage,
+    ResponseToolCall,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
     new_id,
 )
 from server.stream import DONE, ChunkWriter, sse
@@ -29,9 +36,14 @@ def messages_to_dicts(req: ChatCompletionRequest) -> list[dict]:
         if m.name:
             d["name"] = m.name
         if m.tool_calls:
-            d["tool_calls"] = [{"id": tc.id, "type": "function",
-                                "function": {"name": tc.function.name, "arguments": tc.function.arguments}}
-                               for tc in m.tool_calls]
+            d["tool_calls"] = [
+                {
+                    "id": tc.id,
+                    "type": "function",
+                    "function": {"name": tc.function.name, "arguments": tc.function.arguments},
+                }
+                for tc in m.tool_calls
+            ]
         if m.tool_call_id:
             d["tool_call_id"] = m.tool_call_id
         if m.reasoning_content:
@@ -71,10 +83,14 @@ def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> str:
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
     reserved = _RESERVED_TEMPLATE_KWARGS.intersection(req.chat_template_kwargs or {})
     if reserved:
-        raise APIError(400, f"chat_template_kwargs cannot set {sorted(reserved)}", "chat_template_kwargs")
+        raise APIError(
+            400, f"chat_template_kwargs cannot set {sorted(reserved)}", "chat_template_kwargs"
+        )
     try:
         return tokenizer.apply_chat_template(
-            messages_to_dicts(req), tools=tools, add_generation_prompt=req.add_generation_prompt,
+            messages_to_dicts(req),
+            tools=tools,
+            add_generation_prompt=req.add_generation_prompt,
             **(req.chat_template_kwargs or {}),
         )
     except ValueError as exc:
@@ -82,7 +98,8 @@ def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> str:
 
 
 def token_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list) -> list[TokenLogprob]:
-    """OpenAI chat logprobs entries for generated tokens (engine entries: (logprob, [(id, logprob)]))."""
+    """OpenAI chat logprobs entries for generated tokens (engine entries:
+    (logprob, [(id, logprob)]))."""
     out = []
     for tok, entry in zip(token_ids, entries):
         if entry is None:
@@ -92,8 +109,14 @@ def token_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list) ->
         tops = []
         for alt_id, alt_lp in alts:
             t = tokenizer.decode([alt_id], skip_special_tokens=False)
-            tops.append(TopLogprob(token=t, logprob=alt_lp, bytes=token_bytes(tokenizer, alt_id, t)))
-        out.append(TokenLogprob(token=text, logprob=lp, bytes=token_bytes(tokenizer, tok, text), top_logprobs=tops))
+            tops.append(
+                TopLogprob(token=t, logprob=alt_lp, bytes=token_bytes(tokenizer, alt_id, t))
+            )
+        out.append(
+            TokenLogprob(
+                token=text, logprob=lp, bytes=token_bytes(tokenizer, tok, text), top_logprobs=tops
+            )
+        )
     return out
 
 
@@ -117,24 +140,36 @@ class ChatCompletions:
         prompt_ids = await ctx.encode_prompt_async(prompt)
         ctx.check_prompt_length(len(prompt_ids), "messages")
         params = to_sampling_params(
-            req, max_tokens=req.max_completion_tokens or req.max_tokens,
+            req,
+            max_tokens=req.max_completion_tokens or req.max_tokens,
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-            num_prompt_tokens=len(prompt_ids), max_model_len=ctx.max_model_len,
-            vocab_size=ctx.vocab_size, defaults=ctx.defaults,
+            num_prompt_tokens=len(prompt_ids),
+            max_model_len=ctx.max_model_len,
+            vocab_size=ctx.vocab_size,
+            defaults=ctx.defaults,
             max_tokens_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
         )
         try:
-            gen = Generation(ctx.engine, ctx.tokenizer, new_id("chatcmpl"), prompt_ids, params, req.n,
-                             on_finished=ctx.request_finished)
+            gen = Generation(
+                ctx.engine,
+                ctx.tokenizer,
+                new_id("chatcmpl"),
+                prompt_ids,
+                params,
+                req.n,
+                on_finished=ctx.request_finished,
+            )
             gen.prompt_opens_thinking = prompt.rstrip(" ").endswith("<think>\n")
             return gen
         except RequestRejected as exc:
             raise rejected(exc, "messages") from None
 
     def _processor(self, req: ChatCompletionRequest, gen: Generation) -> ChatOutputProcessor:
-        return ChatOutputProcessor(reasoning=self.ctx.reasoning_parser == "qwen3",
-                                   tools=bool(req.tools) and req.tool_choice != "none",
-                                   in_reasoning=gen.prompt_opens_thinking)
+        return ChatOutputProcessor(
+            reasoning=self.ctx.reasoning_parser == "qwen3",
+            tools=bool(req.tools) and req.tool_choice != "none",
+            in_reasoning=gen.prompt_opens_thinking,
+        )
 
     async def complete(self, req: ChatCompletionRequest, gen: Generation) -> ChatCompletionResponse:
         """Non-streamed response. Raises EngineError when the engine failed the request."""
@@ -149,18 +184,28 @@ class ChatCompletions:
             msg = ResponseMessage(
                 content=content if (content or not calls) else None,
                 reasoning_content=reasoning or None,
-                tool_calls=[ResponseToolCall(id=c["id"], function=c["function"]) for c in calls] or None,
+                tool_calls=[ResponseToolCall(id=c["id"], function=c["function"]) for c in calls]
+                or None,
             )
             lps = None
             if req.logprobs:
-                lps = ChoiceLogprobs(content=token_logprobs(self.ctx.tokenizer, r.token_ids, r.logprobs))
-            choices.append(ChatChoice(index=r.index, message=msg, logprobs=lps, finish_reason=finish))
+                lps = ChoiceLogprobs(
+                    content=token_logprobs(self.ctx.tokenizer, r.token_ids, r.logprobs)
+                )
+            choices.append(
+                ChatChoice(index=r.index, message=msg, logprobs=lps, finish_reason=finish)
+            )
         completion = sum(len(r.token_ids) for r in results)
         rid = gen.request_id
         return ChatCompletionResponse(
-            id=rid, model=self.ctx.model_name, choices=choices,
-            usage=Usage(prompt_tokens=gen.num_prompt_tokens, completion_tokens=completion,
-                        total_tokens=gen.num_prompt_tokens + completion),
+            id=rid,
+            model=self.ctx.model_name,
+            choices=choices,
+            usage=Usage(
+                prompt_tokens=gen.num_prompt_tokens,
+                completion_tokens=completion,
+                total_tokens=gen.num_prompt_tokens + completion,
+            ),
         )
 
     async def stream(self, req: ChatCompletionRequest, gen: Generation) -> AsyncIterator[str]:
@@ -192,7 +237,9 @@ class ChatCompletions:
                     r, c, calls = r + r2, c + c2, calls + calls2
                 lps = None
                 if req.logprobs and ev.logprobs:
-                    lps = ChoiceLogprobs(content=token_logprobs(self.ctx.tokenizer, ev.token_ids, ev.logprobs))
+                    lps = ChoiceLogprobs(
+                        content=token_logprobs(self.ctx.tokenizer, ev.token_ids, ev.logprobs)
+                    )
                 if r or c or calls or lps:
                     delta: dict = {}
                     if c:
@@ -200,17 +247,33 @@ class ChatCompletions:
                     if r:
                         delta["reasoning_content"] = r
                     if calls:
-                        delta["tool_calls"] = [{"index": tc["index"], "id": tc["id"], "type": "function",
-                                                "function": tc["function"]} for tc in calls]
+                        delta["tool_calls"] = [
+                            {
+                                "index": tc["index"],
+                                "id": tc["id"],
+                                "type": "function",
+                                "function": tc["function"],
+                            }
+                            for tc in calls
+                        ]
                     yield chunk(ev.index, delta, logprobs=lps)
                 if ev.finish_reason is not None:
-                    finish = "tool_calls" if proc.num_tool_calls and ev.finish_reason == "stop" else ev.finish_reason
+                    finish = (
+                        "tool_calls"
+                        if proc.num_tool_calls and ev.finish_reason == "stop"
+                        else ev.finish_reason
+                    )
                     yield chunk(ev.index, {}, finish)
         except EngineError as exc:
             yield sse(error_body(500, f"engine error: {exc}"))
             yield DONE
             return
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield writer.usage({"prompt_tokens": gen.num_prompt_tokens, "completion_tokens": completion,
-                                "total_tokens": gen.num_prompt_tokens + completion})
+            yield writer.usage(
+                {
+                    "prompt_tokens": gen.num_prompt_tokens,
+                    "completion_tokens": completion,
+                    "total_tokens": gen.num_prompt_tokens + completion,
+                }
+            )
         yield DONE

@@ -12,7 +12,12 @@ from server.errors import APIError, error_body, rejected
 from server.generation import ChoiceEvent, EngineError, Generation, merge
 from server.params import to_sampling_params
 from server.protocol import (
-    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage, new_id,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+    new_id,
 )
 from server.stream import DONE, ChunkWriter, sse
 
@@ -51,12 +56,26 @@ class Completions:
                     raise APIError(400, "prompt must not be empty", "prompt")
                 ctx.check_prompt_length(len(ids), "prompt")
                 params = to_sampling_params(
-                    req, max_tokens=req.max_tokens if req.max_tokens is not None else 16, logprobs=req.logprobs,
-                    num_prompt_tokens=len(ids), max_model_len=ctx.max_model_len, vocab_size=ctx.vocab_size,
-                    defaults=ctx.defaults, prompt_param="prompt",
+                    req,
+                    max_tokens=req.max_tokens if req.max_tokens is not None else 16,
+                    logprobs=req.logprobs,
+                    num_prompt_tokens=len(ids),
+                    max_model_len=ctx.max_model_len,
+                    vocab_size=ctx.vocab_size,
+                    defaults=ctx.defaults,
+                    prompt_param="prompt",
                 )
-                gens.append(Generation(ctx.engine, ctx.tokenizer, f"{rid}-p{i}", ids, params, req.n,
-                                       on_finished=ctx.request_finished))
+                gens.append(
+                    Generation(
+                        ctx.engine,
+                        ctx.tokenizer,
+                        f"{rid}-p{i}",
+                        ids,
+                        params,
+                        req.n,
+                        on_finished=ctx.request_finished,
+                    )
+                )
         except BaseException as exc:
             for g in gens:  # do not leave the prompts already queued running
                 g.abort()
@@ -72,7 +91,9 @@ class Completions:
             text = tok.decode([t], skip_special_tokens=False)
             out.tokens.append(text)
             out.token_logprobs.append(e[0] if e else None)
-            out.top_logprobs.append({tok.decode([i], skip_special_tokens=False): lp for i, lp in e[1]} if e else None)
+            out.top_logprobs.append(
+                {tok.decode([i], skip_special_tokens=False): lp for i, lp in e[1]} if e else None
+            )
             out.text_offset.append(offset)
             offset += len(text)
         return out
@@ -80,7 +101,9 @@ class Completions:
     def _echo(self, gen: Generation) -> str:
         return self.ctx.tokenizer.decode(gen.prompt_ids, skip_special_tokens=False)
 
-    async def complete(self, req: CompletionRequest, gens: list[Generation], rid: str) -> CompletionResponse:
+    async def complete(
+        self, req: CompletionRequest, gens: list[Generation], rid: str
+    ) -> CompletionResponse:
         results = await asyncio.gather(*(g.collect() for g in gens))
         choices = []
         prompt_tokens = completion = 0
@@ -89,21 +112,47 @@ class Completions:
             prefix = self._echo(gen) if req.echo else ""
             for r in res:
                 completion += len(r.token_ids)
-                lps = self._logprobs(r.token_ids, r.logprobs, len(prefix)) if req.logprobs is not None else None
-                choices.append(CompletionChoice(index=p_idx * req.n + r.index, text=prefix + r.text,
-                                                logprobs=lps, finish_reason=r.finish_reason))
-        return CompletionResponse(id=rid, model=self.ctx.model_name, choices=choices, usage=Usage(
-            prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion))
+                lps = (
+                    self._logprobs(r.token_ids, r.logprobs, len(prefix))
+                    if req.logprobs is not None
+                    else None
+                )
+                choices.append(
+                    CompletionChoice(
+                        index=p_idx * req.n + r.index,
+                        text=prefix + r.text,
+                        logprobs=lps,
+                        finish_reason=r.finish_reason,
+                    )
+                )
+        return CompletionResponse(
+            id=rid,
+            model=self.ctx.model_name,
+            choices=choices,
+            usage=Usage(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion,
+                total_tokens=prompt_tokens + completion,
+            ),
+        )
 
-    async def stream(self, req: CompletionRequest, gens: list[Generation], rid: str) -> AsyncIterator[str]:
+    async def stream(
+        self, req: CompletionRequest, gens: list[Generation], rid: str
+    ) -> AsyncIterator[str]:
         created = int(time.time())
         model = self.ctx.model_name
         completion = 0
         writer = ChunkWriter(rid, "text_completion", created, model)
 
         def chunk(index: int, text: str, finish: str | None, lps=None) -> str:
-            return writer.choice({"index": index, "text": text,
-                                  "logprobs": lps.model_dump() if lps is not None else None, "finish_reason": finish})
+            return writer.choice(
+                {
+                    "index": index,
+                    "text": text,
+                    "logprobs": lps.model_dump() if lps is not None else None,
+                    "finish_reason": finish,
+                }
+            )
 
         offsets: dict[int, int] = {}
         if req.echo:
@@ -132,6 +181,11 @@ class Completions:
                 g.abort()
         if req.stream_options is not None and req.stream_options.include_usage:
             prompt_tokens = sum(g.num_prompt_tokens for g in gens)
-            yield writer.usage({"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                                "total_tokens": prompt_tokens + completion})
+            yield writer.usage(
+                {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion,
+                    "total_tokens": prompt_tokens + completion,
+                }
+            )
         yield DONE

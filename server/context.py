@@ -1,4 +1,5 @@
-"""What the route handlers share: the engine, tokenizer and server settings (explicit, no globals)."""
+"""What the route handlers share: the engine, tokenizer and server settings (explicit, no
+globals)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+from engine.core.stats import RequestStats
 from engine.frontend.async_engine import AsyncEngine
 from engine.frontend.tokenizer import Tokenizer
-from engine.core.stats import RequestStats
 from server.errors import APIError
 from server.metrics import ServerMetrics
 from server.prompt_encoder import PromptEncoder
@@ -19,15 +20,15 @@ log = logging.getLogger("server.requests")
 @dataclass
 class ServerContext:
     """Attributes:
-        engine: the shared async engine; tokenizer: the checkpoint's tokenizer.
-        model_name: the served model id (requests naming another model get 404).
-        defaults: sampling defaults from generation_config.json.
-        reasoning_parser: "qwen3" to split <think> into reasoning_content, or None.
-        api_key: bearer token required on /v1 routes, or None.
-        max_body_bytes: request bodies above this get 413.
-        max_prompt_tokens: prompts above this get 400 (defaults to the model length).
-        encoder: encodes prompts (tiktoken where exact, see :mod:`server.prompt_encoder`);
-            None: ``tokenizer.encode``.
+    engine: the shared async engine; tokenizer: the checkpoint's tokenizer.
+    model_name: the served model id (requests naming another model get 404).
+    defaults: sampling defaults from generation_config.json.
+    reasoning_parser: "qwen3" to split <think> into reasoning_content, or None.
+    api_key: bearer token required on /v1 routes, or None.
+    max_body_bytes: request bodies above this get 413.
+    max_prompt_tokens: prompts above this get 400 (defaults to the model length).
+    encoder: encodes prompts (tiktoken where exact, see :mod:`server.prompt_encoder`);
+        None: ``tokenizer.encode``.
     """
 
     engine: AsyncEngine
@@ -67,8 +68,12 @@ class ServerContext:
     def check_model(self, model: str | None) -> None:
         """Raises APIError 404 when a request names a model this server does not serve."""
         if model is not None and model != self.model_name:
-            raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
-                           "model", "model_not_found")
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
+                "model",
+                "model_not_found",
+            )
 
     def check_prompt_length(self, num_tokens: int, param: str) -> None:
         """Raises APIError 400 when a prompt exceeds ``--max-prompt-tokens``."""
@@ -80,9 +85,15 @@ class ServerContext:
         """Record a finished engine request in the metrics and log one line for it."""
         self.metrics.on_request_finished(stats, itls)
         ttft = f"{1e3 * stats.ttft:.1f}ms" if stats.ttft is not None else "-"
-        log.info("finished %s: prompt %d tokens, generated %d, TTFT %s, total %.1fms, reason %s",
-                 stats.request_id, stats.num_prompt_tokens, stats.num_generation_tokens, ttft,
-                 1e3 * stats.e2e_latency, stats.finish_reason)
+        log.info(
+            "finished %s: prompt %d tokens, generated %d, TTFT %s, total %.1fms, reason %s",
+            stats.request_id,
+            stats.num_prompt_tokens,
+            stats.num_generation_tokens,
+            ttft,
+            1e3 * stats.e2e_latency,
+            stats.finish_reason,
+        )
 
     @property
     def max_model_len(self) -> int:

@@ -9,14 +9,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.frontend.async_engine import EngineUnavailable
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
 
 
 class APIError(Exception):
     """An error with an HTTP status and an OpenAI error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
@@ -27,20 +35,35 @@ def rejected(exc, param: str) -> APIError:
     return APIError(400, str(exc), param, code)
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict:
     """``{"error": {"message", "type", "param", "code"}}`` as OpenAI returns it."""
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
 def _param_of(loc: tuple) -> str | None:
     parts = [str(p) for p in loc if p not in ("body",)]
     # drop pydantic's union-branch tags ("str", "list[TextPart]", ...) but keep indices and names
-    kept = [p for p in parts if not any(c in p for c in "[]") and p not in ("str", "int", "float", "bool", "function-after")]
+    kept = [
+        p
+        for p in parts
+        if not any(c in p for c in "[]")
+        and p not in ("str", "int", "float", "bool", "function-after")
+    ]
     return ".".join(kept) or None
 
 
@@ -56,7 +79,10 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             msg, param = "the request body is not valid JSON", None
         elif first.get("type") == "model_attributes_type" and param is None:
-            msg = "the request body must be a JSON object (send it with Content-Type: application/json)"
+            msg = (
+                "the request body must be a JSON object "
+                "(send it with Content-Type: application/json)"
+            )
         elif first.get("type") == "missing" and param is None:
             msg = "the request body is empty; send a JSON object"
         elif first.get("type") == "missing":

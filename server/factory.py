@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> str:
-    """"auto" -> "cuda" when available else "cpu"."""
+    """ "auto" -> "cuda" when available else "cpu"."""
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return name
@@ -37,8 +37,11 @@ def build_context(args: argparse.Namespace) -> ServerContext:
     if model_dir is None:
         from engine.loader.embedded import default_cache_root, ensure_embedded_checkpoint
 
-        log.info("no --model: using the embedded random-weight Qwen3 (built on first use under %s, "
-                 "set QWEN_SERVE_CACHE to move it)", default_cache_root())
+        log.info(
+            "no --model: using the embedded random-weight Qwen3 (built on first use under %s, "
+            "set QWEN_SERVE_CACHE to move it)",
+            default_cache_root(),
+        )
         model_dir = str(ensure_embedded_checkpoint())
         name = args.served_model_name or "qwen3-embedded"
     else:
@@ -60,17 +63,25 @@ def build_context(args: argparse.Namespace) -> ServerContext:
         cuda_graph=not args.no_cuda_graph,
         prefill_graph_max_tokens=args.prefill_graph_max_tokens,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
-        compile_mode="none" if args.no_compile else (None if args.compile_mode == "auto" else args.compile_mode),
+        compile_mode="none"
+        if args.no_compile
+        else (None if args.compile_mode == "auto" else args.compile_mode),
         seed=args.seed,
     )
     tokenizer = Tokenizer(model_dir)
     mode = None if args.engine_mode == "auto" else args.engine_mode
     core = start_engine_core(config, tokenizer.eos_token_ids, mode)
     limits = core.limits
-    metrics = ServerMetrics(name, {
-        "model": model_dir, "dtype": limits.dtype, "block_size": limits.block_size,
-        "num_kv_blocks": limits.num_kv_blocks, "max_model_len": limits.max_model_len,
-    })
+    metrics = ServerMetrics(
+        name,
+        {
+            "model": model_dir,
+            "dtype": limits.dtype,
+            "block_size": limits.block_size,
+            "num_kv_blocks": limits.num_kv_blocks,
+            "max_model_len": limits.max_model_len,
+        },
+    )
     log.info("engine core: %s", type(core).__name__)
     return ServerContext(
         engine=AsyncEngine(core, on_step=metrics.on_step),

@@ -11,10 +11,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.frontend.async_engine import AsyncEngine, RequestStream
-from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.core.request import FinishReason, SamplingParams
 from engine.core.stats import RequestStats
+from engine.frontend.async_engine import AsyncEngine, RequestStream
+from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.frontend.tokenizer import Tokenizer
 
 
@@ -95,8 +95,16 @@ class Generation:
         RequestRejected: the prompt can never be served.
     """
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams, n: int = 1, on_finished=None):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        tokenizer: Tokenizer,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        n: int = 1,
+        on_finished=None,
+    ):
         self.engine = engine
         self.tokenizer = tokenizer
         self.request_id = request_id
@@ -127,17 +135,27 @@ class Generation:
         stream = self.streams[index]
         p = self.params
         detok = IncrementalDetokenizer(
-            self.tokenizer, self.prompt_ids, skip_special_tokens=p.skip_special_tokens,
-            stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output,
+            self.tokenizer,
+            self.prompt_ids,
+            skip_special_tokens=p.skip_special_tokens,
+            stop=p.stop,
+            include_stop_str_in_output=p.include_stop_str_in_output,
         )
-        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.engine.limits.eos_token_ids))
+        stop_ids = set(p.stop_token_ids) | (
+            set() if p.ignore_eos else set(self.engine.limits.eos_token_ids)
+        )
         async for out in stream:
             if out.error is not None:
                 self._finish(index, "error")
                 raise EngineError(out.error)
             ids, logprobs = out.new_token_ids, out.logprobs
             text_ids = ids
-            if out.finish_reason == FinishReason.STOP and ids and ids[-1] in stop_ids and not p.include_stop_str_in_output:
+            if (
+                out.finish_reason == FinishReason.STOP
+                and ids
+                and ids[-1] in stop_ids
+                and not p.include_stop_str_in_output
+            ):
                 text_ids = ids[:-1]  # the stop token itself is not part of the text
             if p.stop and len(text_ids) > 1:
                 # several tokens at once (a merged output): feed them one by one so the tokens
@@ -171,13 +189,19 @@ class Generation:
             return
         s = self.streams[index]
         now = time.monotonic()
-        self.on_finished(RequestStats(
-            request_id=s.request_id, finish_reason=reason, num_prompt_tokens=s.num_prompt_tokens,
-            num_generation_tokens=self.num_tokens[index], num_cached_tokens=0,
-            queue_time=None if s.scheduled_time is None else s.scheduled_time - s.arrival_time,
-            ttft=None if s.first_token_time is None else s.first_token_time - s.arrival_time,
-            e2e_latency=now - s.arrival_time,
-        ), s.itls)
+        self.on_finished(
+            RequestStats(
+                request_id=s.request_id,
+                finish_reason=reason,
+                num_prompt_tokens=s.num_prompt_tokens,
+                num_generation_tokens=self.num_tokens[index],
+                num_cached_tokens=0,
+                queue_time=None if s.scheduled_time is None else s.scheduled_time - s.arrival_time,
+                ttft=None if s.first_token_time is None else s.first_token_time - s.arrival_time,
+                e2e_latency=now - s.arrival_time,
+            ),
+            s.itls,
+        )
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         """Events of all choices, interleaved as they arrive. Aborts unfinished choices on exit."""

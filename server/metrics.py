@@ -6,15 +6,65 @@ The engine never imports prometheus_client; it hands :class:`StepStats` and
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    ProcessCollector,
+    generate_latest,
+)
 
 from engine.core.stats import RequestStats, StepStats
 
 PREFIX = "qwen_serve:"
 #: latency buckets from 1 ms to 10 minutes: they fit CPU and GPU speeds alike
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                   7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
-TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+    640.0,
+)
+TOKEN_BUCKETS = (
+    1,
+    2,
+    4,
+    8,
+    16,
+    32,
+    64,
+    128,
+    256,
+    512,
+    1024,
+    2048,
+    4096,
+    8192,
+    16384,
+    32768,
+    65536,
+    131072,
+)
 FINISH_REASONS = ("stop", "length", "abort", "tool_calls", "error")
 
 
@@ -23,7 +73,8 @@ class ServerMetrics:
 
     Args:
         model_name: the served model id.
-        info: static facts for the info metric (model, dtype, block_size, num_kv_blocks, max_model_len).
+        info: static facts for the info metric (model, dtype, block_size, num_kv_blocks,
+            max_model_len).
     """
 
     def __init__(self, model_name: str, info: dict[str, str]):
@@ -39,32 +90,55 @@ class ServerMetrics:
             return Counter(PREFIX + name, doc, labels, registry=reg).labels(**self._label)
 
         def hist(name, doc, buckets):
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg).labels(**self._label)
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg).labels(
+                **self._label
+            )
 
         self.running = gauge("num_requests_running", "Requests in the running queue.")
         self.waiting = gauge("num_requests_waiting", "Requests in the waiting queue.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
         self.free_blocks = gauge("num_free_kv_blocks", "Free KV-cache blocks.")
-        self.gpu_allocated = gauge("gpu_memory_allocated_bytes", "CUDA memory allocated by tensors.")
-        self.gpu_reserved = gauge("gpu_memory_reserved_bytes", "CUDA memory reserved by the caching allocator.")
+        self.gpu_allocated = gauge(
+            "gpu_memory_allocated_bytes", "CUDA memory allocated by tensors."
+        )
+        self.gpu_reserved = gauge(
+            "gpu_memory_reserved_bytes", "CUDA memory reserved by the caching allocator."
+        )
         self.gpu_total = gauge("gpu_memory_total_bytes", "Total memory of the CUDA device.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (prefill).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.preemptions = counter("num_preemptions", "Requests preempted (recompute).")
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
-                          labels + ["finished_reason"], registry=reg)
+        success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            labels + ["finished_reason"],
+            registry=reg,
+        )
         self.success = {r: success.labels(finished_reason=r, **self._label) for r in FINISH_REASONS}
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.", LATENCY_BUCKETS)
+        self.itl = hist(
+            "inter_token_latency_seconds",
+            "Time between consecutive output tokens.",
+            LATENCY_BUCKETS,
+        )
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
-        self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduling.", LATENCY_BUCKETS)
+        self.queue_time = hist(
+            "request_queue_time_seconds", "Arrival to first scheduling.", LATENCY_BUCKETS
+        )
         self.req_prompt = hist("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
-        self.req_gen = hist("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
-        self.iteration_tokens = hist("iteration_tokens_total", "Tokens per engine step.", TOKEN_BUCKETS)
+        self.req_gen = hist(
+            "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
+        )
+        self.iteration_tokens = hist(
+            "iteration_tokens_total", "Tokens per engine step.", TOKEN_BUCKETS
+        )
         Info(PREFIX + "model", "Served model and cache configuration.", registry=reg).info(
-            {"model_name": model_name, **{k: str(v) for k, v in info.items()}})
+            {"model_name": model_name, **{k: str(v) for k, v in info.items()}}
+        )
 
     def on_step(self, s: StepStats) -> None:
         """Record one engine step."""

@@ -1,4 +1,5 @@
-"""Post-processing of generated chat text: reasoning split and tool-call extraction, streamed or not.
+"""Post-processing of generated chat text: reasoning split and tool-call extraction, streamed or
+not.
 
 The non-streamed path runs the same streaming parsers over the whole text, so both agree.
 """
@@ -26,7 +27,11 @@ class ChatOutputProcessor:
     def _split(self, reasoning: str, content: str, final: bool) -> tuple[str, str, list[dict]]:
         calls: list[dict] = []
         if self.tools is not None:
-            content, calls = self.tools.feed(content) if not final else _join(self.tools.feed(content), self.tools.finish())
+            content, calls = (
+                self.tools.feed(content)
+                if not final
+                else _join(self.tools.feed(content), self.tools.finish())
+            )
         self.num_tool_calls += len(calls)
         return reasoning, content, calls
 

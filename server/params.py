@@ -1,4 +1,5 @@
-"""Turn an API request's sampling fields into the engine's SamplingParams (with checkpoint defaults)."""
+"""Turn an API request's sampling fields into the engine's SamplingParams (with checkpoint
+defaults)."""
 
 from __future__ import annotations
 
@@ -45,26 +46,46 @@ def to_sampling_params(
     """
     room = max_model_len - num_prompt_tokens
     if room < 1:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
-                       f"prompt has {num_prompt_tokens} tokens, which leaves no room for the completion.",
-                       prompt_param, "context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {num_prompt_tokens} tokens, which leaves no room for the completion.",
+            prompt_param,
+            "context_length_exceeded",
+        )
     if max_tokens is not None and max_tokens > room:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                       f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
-                       f"{max_tokens} for the completion).", max_tokens_param, "context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens "
+            f"({num_prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion).",
+            max_tokens_param,
+            "context_length_exceeded",
+        )
     bias = None
     if req.logit_bias:
         bias = {}
         for key, val in req.logit_bias.items():
             tok = int(key)
             if not 0 <= tok < vocab_size:
-                raise APIError(400, f"logit_bias token id {tok} is outside the vocabulary [0, {vocab_size})", "logit_bias")
+                raise APIError(
+                    400,
+                    f"logit_bias token id {tok} is outside the vocabulary [0, {vocab_size})",
+                    "logit_bias",
+                )
             bias[tok] = float(val)
     for tok in req.stop_token_ids or []:
         if not 0 <= tok < vocab_size:
-            raise APIError(400, f"stop_token_ids entry {tok} is outside the vocabulary", "stop_token_ids")
+            raise APIError(
+                400, f"stop_token_ids entry {tok} is outside the vocabulary", "stop_token_ids"
+            )
     if req.min_tokens and max_tokens is not None and req.min_tokens > max_tokens:
-        raise APIError(400, f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
+        raise APIError(
+            400,
+            f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
+            "min_tokens",
+        )
 
     def pick(name, fallback):
         value = getattr(req, name)

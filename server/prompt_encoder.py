@@ -8,10 +8,10 @@ tiktoken rank files (Qwen2/Qwen3, whose merges are the rank order) encode to the
 releases the GIL while it works (timings in docs/benchmarks.md, front end on the CPU).
 
 :class:`PromptEncoder` uses tiktoken only when ``tokenizer.json`` has exactly that shape (NFC or
-no normalizer, no truncation or padding, the one-regex split plus byte-level pre-tokenizer, a plain BPE whose merges
-produce vocabulary ids in increasing order, added tokens without strip/normalize flags) and a
-start-up check over a fixed set of texts gives the same ids as ``tokenizers``; otherwise, or
-without tiktoken, it calls ``Tokenizer.encode``.
+no normalizer, no truncation or padding, the one-regex split plus byte-level pre-tokenizer, a
+plain BPE whose merges produce vocabulary ids in increasing order, added tokens without
+strip/normalize flags) and a start-up check over a fixed set of texts gives the same ids as
+``tokenizers``; otherwise, or without tiktoken, it calls ``Tokenizer.encode``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import re
 import unicodedata
 from pathlib import Path
 
-from engine.loader.embedded import bytes_to_unicode
 from engine.frontend.tokenizer import Tokenizer
+from engine.loader.embedded import bytes_to_unicode
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +38,11 @@ CHECK_TEXTS = (
     "中文测试：你好，世界！日本語のテキスト。한국어 텍스트",
     "Emoji 😀👍🏽 👨‍👩‍👧 and symbols ©®™ ≯ ∑ ∫ √ ≠",
     "Combining: e\u0301 a\u0308 n\u0303 (NFD) vs é ä ñ (NFC); >\u0338",
-    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
-    "<think>\nreasoning\n</think>\n\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>",
+    (
+        "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    ),
+    '<think>\nreasoning\n</think>\n\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
     "x<|im_end|>y<|endoftext|><|endoftext|>z <|im_start|> ",
     "ALL CAPS 'S 'T 'RE 'VE 'M 'LL 'D and MiXeD 'Ll",
     "URLs https://example.com/a?b=c&d=e#f and paths /usr/local/bin/python3.11",
@@ -52,7 +55,8 @@ CHECK_TEXTS = (
 
 
 class PromptEncoder:
-    """Encodes prompts like ``tokenizer.encode(text)`` (no special tokens added), faster where it can.
+    """Encodes prompts like ``tokenizer.encode(text)`` (no special tokens added), faster where it
+    can.
 
     Args:
         tokenizer: the checkpoint's tokenizer (``tokenizer.json`` is read from its directory).
@@ -71,21 +75,31 @@ class PromptEncoder:
             log.info("prompt encoding: tokenizers (tiktoken path unavailable: %s)", exc)
             return
         if fast is None:
-            log.info("prompt encoding: tokenizers (tokenizer.json is not a tiktoken-shaped byte-level BPE)")
+            log.info(
+                "prompt encoding: tokenizers "
+                "(tokenizer.json is not a tiktoken-shaped byte-level BPE)"
+            )
             return
-        mismatch = next((t for t in _check_texts(tokenizer) if fast.encode(t) != tokenizer.encode(t)), None)
+        mismatch = next(
+            (t for t in _check_texts(tokenizer) if fast.encode(t) != tokenizer.encode(t)), None
+        )
         if mismatch is not None:
-            log.warning("prompt encoding: tokenizers (tiktoken gives other ids for %r)", mismatch[:80])
+            log.warning(
+                "prompt encoding: tokenizers (tiktoken gives other ids for %r)", mismatch[:80]
+            )
             return
         self._enc, self.backend = fast, "tiktoken"
         log.info("prompt encoding: tiktoken (checked against tokenizers)")
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; added tokens written in it (``<|im_start|>``...) map to their ids."""
+        """Token ids of ``text``; added tokens written in it (``<|im_start|>``...) map to their
+        ids."""
         if self._enc is not None:
             try:
                 text.encode()
-            except UnicodeEncodeError:  # lone surrogates: tiktoken would replace them; tokenizers decides
+            except (
+                UnicodeEncodeError
+            ):  # lone surrogates: tiktoken would replace them; tokenizers decides
                 return self.tokenizer.encode(text)
             return self._enc.encode(text)
         return self.tokenizer.encode(text)
@@ -97,8 +111,12 @@ def _check_texts(tokenizer: Tokenizer, n_random: int = 24, seed: int = 0) -> lis
     vocab = tokenizer.vocab_size
     texts = list(CHECK_TEXTS)
     for _ in range(n_random):
-        texts.append(tokenizer.decode([rng.randrange(vocab) for _ in range(rng.randint(1, 200))],
-                                      skip_special_tokens=False))
+        texts.append(
+            tokenizer.decode(
+                [rng.randrange(vocab) for _ in range(rng.randint(1, 200))],
+                skip_special_tokens=False,
+            )
+        )
     return texts
 
 
@@ -133,14 +151,27 @@ class _TiktokenBPE:
         if len(steps) != 2:
             return None
         split, byte_level = steps
-        if (split.get("type") != "Split" or split.get("behavior") != "Isolated" or split.get("invert")
-                or "Regex" not in (split.get("pattern") or {})):
+        if (
+            split.get("type") != "Split"
+            or split.get("behavior") != "Isolated"
+            or split.get("invert")
+            or "Regex" not in (split.get("pattern") or {})
+        ):
             return None
-        if byte_level.get("type") != "ByteLevel" or byte_level.get("add_prefix_space") or byte_level.get("use_regex"):
+        if (
+            byte_level.get("type") != "ByteLevel"
+            or byte_level.get("add_prefix_space")
+            or byte_level.get("use_regex")
+        ):
             return None
         model = spec.get("model") or {}
-        if (model.get("type") != "BPE" or model.get("dropout") or model.get("byte_fallback")
-                or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix")):
+        if (
+            model.get("type") != "BPE"
+            or model.get("dropout")
+            or model.get("byte_fallback")
+            or model.get("continuing_subword_prefix")
+            or model.get("end_of_word_suffix")
+        ):
             return None
         added = {}
         for t in spec.get("added_tokens", []):
@@ -159,11 +190,18 @@ class _TiktokenBPE:
         # merge list only when the list produces each multi-byte token once, in id order
         merges = [m.split(" ") if isinstance(m, str) else m for m in model.get("merges", [])]
         results = [vocab.get(a + b) for a, b in merges]
-        if (len(results) != len(vocab) - 256 or None in results
-                or any(x >= y for x, y in itertools.pairwise(results))):
+        if (
+            len(results) != len(vocab) - 256
+            or None in results
+            or any(x >= y for x, y in itertools.pairwise(results))
+        ):
             return None
-        encoding = tiktoken.Encoding("checkpoint", pat_str=split["pattern"]["Regex"], mergeable_ranks=ranks,
-                                     special_tokens={})
+        encoding = tiktoken.Encoding(
+            "checkpoint",
+            pat_str=split["pattern"]["Regex"],
+            mergeable_ranks=ranks,
+            special_tokens={},
+        )
         return cls(encoding, added, nfc=normalizer is not None)
 
     def encode(self, text: str) -> list[int]:
@@ -174,7 +212,7 @@ class _TiktokenBPE:
         pos = 0
         for m in self._split.finditer(text):
             if m.start() > pos:
-                ids += self._ordinary(text[pos:m.start()])
+                ids += self._ordinary(text[pos : m.start()])
             ids.append(self._added[m.group()])
             pos = m.end()
         if pos < len(text):

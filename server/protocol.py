@@ -46,7 +46,9 @@ class ToolCall(_Lenient):
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # before content: its validator reads role and tool_calls
+    tool_calls: list[ToolCall] | None = (
+        None  # before content: its validator reads role and tool_calls
+    )
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     content: str | list[TextPart] | None = Field(None, validate_default=True)

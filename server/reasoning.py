@@ -52,7 +52,7 @@ class Qwen3ReasoningParser:
         reasoning = content = ""
         if self._mode == "start":
             if self._buf.startswith(START):
-                self._buf, self._mode, self._lead_nl = self._buf[len(START):], "reasoning", True
+                self._buf, self._mode, self._lead_nl = self._buf[len(START) :], "reasoning", True
             elif START.startswith(self._buf):  # empty or a fragment of "<think>": wait
                 return "", ""
             else:
@@ -71,7 +71,7 @@ class Qwen3ReasoningParser:
             reasoning = self._buf[:i]
             if reasoning.endswith("\n"):
                 reasoning = reasoning[:-1]
-            self._buf, self._mode, self._strip_nl = self._buf[i + len(END):], "content", True
+            self._buf, self._mode, self._strip_nl = self._buf[i + len(END) :], "content", True
         elif self._mode == "late":
             i = self._buf.find(END)
             if i < 0:
@@ -79,7 +79,7 @@ class Qwen3ReasoningParser:
                 content, self._buf = self._buf[:keep], self._buf[keep:]
                 return "", content
             content = self._buf[:i]
-            self._buf, self._mode, self._strip_nl = self._buf[i + len(END):], "content", True
+            self._buf, self._mode, self._strip_nl = self._buf[i + len(END) :], "content", True
         if self._strip_nl:
             self._buf = self._buf.lstrip("\n")
             self._strip_nl = not self._buf
@@ -95,7 +95,7 @@ class Qwen3ReasoningParser:
     def split(cls, text: str, in_reasoning: bool = False) -> tuple[str | None, str | None]:
         """Parse a whole output; return ``(reasoning_content, content)``, None for empty parts."""
         thinking = in_reasoning or text.startswith(START)
-        body = text[len(START):] if thinking and not in_reasoning else text
+        body = text[len(START) :] if thinking and not in_reasoning else text
         head, sep, tail = body.partition(END)
         if not sep:
             if not thinking:

@@ -1,4 +1,5 @@
-"""Server-sent events framing for streamed completions (``data: {json}\\n\\n`` ... ``data: [DONE]``)."""
+"""Server-sent events framing for streamed completions (``data: {json}\\n\\n`` ...
+``data: [DONE]``)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ class ChunkWriter:
 
     def __init__(self, stream_id: str, obj: str, created: int, model: str):
         dumps = json.dumps
-        self._head = f'data: {{"id":{dumps(stream_id)},"object":{dumps(obj)},"created":{created},"model":{dumps(model)},'
+        self._head = (
+            f'data: {{"id":{dumps(stream_id)},"object":{dumps(obj)},'
+            f'"created":{created},"model":{dumps(model)},'
+        )
 
     def choice(self, choice: dict) -> str:
         """One chunk carrying one choice."""

@@ -33,8 +33,11 @@ def _parse_call(body: str) -> dict | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if not isinstance(args, str):
         args = json.dumps(args, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": args}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": obj["name"], "arguments": args},
+    }
 
 
 class Qwen3ToolParser:
@@ -77,7 +80,7 @@ class Qwen3ToolParser:
                 if j < 0:
                     break
                 self._close(self._buf[:j], END, out, calls)
-                self._buf = self._buf[j + len(END):]
+                self._buf = self._buf[j + len(END) :]
                 continue
             i = self._buf.find(START)
             if i < 0:
@@ -86,7 +89,7 @@ class Qwen3ToolParser:
                 self._buf = self._buf[keep:]
                 break
             out.append(self._buf[:i])
-            self._buf, self._in_call = self._buf[i + len(START):], True
+            self._buf, self._in_call = self._buf[i + len(START) :], True
         return self._emit("".join(out)), calls
 
     def finish(self) -> tuple[str, list[dict]]:
@@ -110,7 +113,7 @@ class Qwen3ToolParser:
         calls: list[dict] = []
         pos = 0
         for m in _BLOCK.finditer(text):
-            parts.append(text[pos:m.start()])
+            parts.append(text[pos : m.start()])
             call = _parse_call(m.group(1) if m.group(1) is not None else m.group(2))
             if call is None:
                 parts.append(m.group(0))
@@ -137,5 +140,5 @@ class Qwen3ToolParser:
             return ""
         if not self._started:
             core, self._started = core.lstrip(), True
-        out, self._ws = self._ws + core, text[len(text.rstrip()):]
+        out, self._ws = self._ws + core, text[len(text.rstrip()) :]
         return out

@@ -11,13 +11,22 @@ import torch
 
 
 def write_tiny_checkpoint(path, model_type: str, seed: int, tie: bool):
-    """Write a random tiny ``model_type`` checkpoint with transformers; returns the HF model (float32)."""
+    """Write a random tiny ``model_type`` checkpoint with transformers; returns the HF model
+    (float32)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  tie_word_embeddings=tie, rope_theta=10000.0)
+    common = dict(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        rope_theta=10000.0,
+    )
     if model_type == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=32, **common))
     else:
@@ -31,7 +40,9 @@ def write_tiny_checkpoint(path, model_type: str, seed: int, tie: bool):
     return model
 
 
-@pytest.fixture(scope="session", params=[("qwen3", True), ("qwen2", False)], ids=["qwen3-tied", "qwen2-untied"])
+@pytest.fixture(
+    scope="session", params=[("qwen3", True), ("qwen2", False)], ids=["qwen3-tied", "qwen2-untied"]
+)
 def tiny_checkpoint(request, tmp_path_factory):
     model_type, tie = request.param
     path = tmp_path_factory.mktemp(model_type)

@@ -7,13 +7,18 @@ from prometheus_client.parser import text_string_to_metric_families
 
 
 def scrape(base_url: str, headers: dict | None = None) -> dict[str, float]:
-    """Samples keyed by ``name`` or ``name{label=value,...}`` (labels sorted, model_name dropped)."""
+    """Samples keyed by ``name`` or ``name{label=value,...}`` (labels sorted, model_name
+    dropped)."""
     text = httpx.get(base_url + "/metrics", headers=headers, timeout=10).text
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             labels = {k: v for k, v in s.labels.items() if k != "model_name"}
-            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else "")
+            key = s.name + (
+                "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
+                if labels
+                else ""
+            )
             out[key] = s.value
     return out
 

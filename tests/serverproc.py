@@ -34,17 +34,32 @@ class ServerProcess:
         self.log_path = log_path or f"/tmp/qwen-serve-test-{self.port}.log"
         # the caller's server settings (an exported API key, another model...) would change the
         # test; only QWEN_SERVE_CACHE (where the embedded model lives) is kept
-        inherited = {k: v for k, v in os.environ.items()
-                     if k == "QWEN_SERVE_CACHE" or not k.startswith("QWEN_SERVE_")}
+        inherited = {
+            k: v
+            for k, v in os.environ.items()
+            if k == "QWEN_SERVE_CACHE" or not k.startswith("QWEN_SERVE_")
+        }
         full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
         full_env.pop("TRITON_INTERPRET", None)
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "--port", str(self.port), "--log-level", "info", *args],
-            cwd=REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "server",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "info",
+                *args,
+            ],
+            cwd=REPO,
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
         )
 
-    def wait_ready(self, timeout: float = 180.0) -> "ServerProcess":
+    def wait_ready(self, timeout: float = 180.0) -> ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

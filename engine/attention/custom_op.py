@@ -33,7 +33,8 @@ def paged_attention_op(
     scale: float,
     backend: str,
 ) -> torch.Tensor:
-    """Store this step's k/v into the paged cache and attend (``torch.ops.qwen_serve.paged_attention``).
+    """Store this step's k/v into the paged cache and attend
+    (``torch.ops.qwen_serve.paged_attention``).
 
     Args:
         q: ``[T, H_q, D]``; k, v: ``[T, H_kv, D]`` in the cache dtype.
@@ -49,19 +50,49 @@ def paged_attention_op(
     Raises:
         ValueError: unknown backend name, or what the backend raises.
     """
-    meta = AttentionMetadata(slot_mapping, block_tables, seq_lens, cu_seqlens_q, max_query_len, max_seq_len, is_decode)
+    meta = AttentionMetadata(
+        slot_mapping, block_tables, seq_lens, cu_seqlens_q, max_query_len, max_seq_len, is_decode
+    )
     return get_attention_backend(backend).forward(q, k, v, k_cache, v_cache, meta, scale)
 
 
 @paged_attention_op.register_fake
-def _paged_attention_fake(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, cu_seqlens_q,
-                          max_query_len, max_seq_len, is_decode, scale, backend):
+def _paged_attention_fake(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    block_tables,
+    seq_lens,
+    cu_seqlens_q,
+    max_query_len,
+    max_seq_len,
+    is_decode,
+    scale,
+    backend,
+):
     return torch.empty_like(q)
 
 
-def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, backend: str) -> torch.Tensor:
+def paged_attention(
+    q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, backend: str
+) -> torch.Tensor:
     """:func:`paged_attention_op` with the metadata unpacked (what a compiled model calls)."""
     return paged_attention_op(
-        q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-        meta.max_query_len, meta.max_seq_len, meta.is_decode, scale, backend,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta.slot_mapping,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.cu_seqlens_q,
+        meta.max_query_len,
+        meta.max_seq_len,
+        meta.is_decode,
+        scale,
+        backend,
     )

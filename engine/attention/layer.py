@@ -1,4 +1,5 @@
-"""The attention layer the models hold: paged attention through one backend, chosen at build time."""
+"""The attention layer the models hold: paged attention through one backend, chosen at build
+time."""
 
 from __future__ import annotations
 
@@ -24,7 +25,14 @@ class PagedAttention(nn.Module):
         ValueError: unknown backend name.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: str, custom_op: bool = False):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        backend: str,
+        custom_op: bool = False,
+    ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
@@ -32,10 +40,18 @@ class PagedAttention(nn.Module):
         self.backend_name = backend
         self.custom_op = custom_op
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """``q`` ``[T, H_q, D]``, ``k``/``v`` ``[T, H_kv, D]``; ``kv_cache`` this layer's (k, v)
         caches ``[num_blocks, block_size, H_kv, D]``, updated in place. Returns ``[T, H_q, D]``."""
         if self.custom_op:
-            return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.backend_name)
+            return paged_attention(
+                q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.backend_name
+            )
         return self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)

@@ -34,7 +34,7 @@ _INSTANCES: dict[str, AttentionBackend] = {}
 
 
 def default_backend_name(device_type: str) -> str:
-    """"triton" on CUDA, "torch" elsewhere."""
+    """ "triton" on CUDA, "torch" elsewhere."""
     return "triton" if device_type == "cuda" else "torch"
 
 
@@ -48,6 +48,8 @@ def get_attention_backend(name: str) -> AttentionBackend:
     if backend is None:
         creator = BACKEND_CREATORS.get(name)
         if creator is None:
-            raise ValueError(f"unknown attention backend {name!r}; expected one of {sorted(BACKEND_CREATORS)}")
+            raise ValueError(
+                f"unknown attention backend {name!r}; expected one of {sorted(BACKEND_CREATORS)}"
+            )
         backend = _INSTANCES[name] = creator()
     return backend

@@ -1,4 +1,5 @@
-"""Pure-torch attention backend (CPU and CUDA): the reference implementations in ``kernels.reference``."""
+"""Pure-torch attention backend (CPU and CUDA): the reference implementations in
+``kernels.reference``."""
 
 from __future__ import annotations
 
@@ -16,11 +17,15 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         store_kv_cache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.is_decode:
-            return decode_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, scale)
+            return decode_attention_ref(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, scale
+            )
         return prefill_attention_ref(
             q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, out, scale
         )

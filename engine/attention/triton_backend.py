@@ -46,12 +46,16 @@ class TritonAttentionBackend:
     def _sm_count(self, device: torch.device) -> int:
         if device not in self._num_sms:
             if device.type == "cuda":
-                self._num_sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+                self._num_sms[device] = torch.cuda.get_device_properties(
+                    device
+                ).multi_processor_count
             else:
                 self._num_sms[device] = 4  # interpreter: a few splits still exercise the reduction
         return self._num_sms[device]
 
-    def scratch(self, batch: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device):
+    def scratch(
+        self, batch: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device
+    ):
         """The cached decode scratch for this shape (allocated once)."""
         key = (batch, num_heads, head_dim, num_splits, device)
         buf = self._scratch.get(key)
@@ -88,13 +92,34 @@ class TritonAttentionBackend:
             # pure decode: one row per sequence; mixed step: the rows of sequences with one new
             # token (row cu_seqlens_q[b]), the others left to the prefill launch below
             _, num_heads, head_dim = q.shape
-            splits = choose_num_splits(num_seqs, k_cache.shape[2], meta.max_seq_len, self._sm_count(q.device))
+            splits = choose_num_splits(
+                num_seqs, k_cache.shape[2], meta.max_seq_len, self._sm_count(q.device)
+            )
             po, plse = self.scratch(num_seqs, num_heads, head_dim, splits, q.device)
-            decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, scale, po, plse, splits,
-                             cu_seqlens_q=None if decode else meta.cu_seqlens_q)
+            decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                out,
+                scale,
+                po,
+                plse,
+                splits,
+                cu_seqlens_q=None if decode else meta.cu_seqlens_q,
+            )
             if decode:
                 return out
         return prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, out, scale, causal=True,
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.seq_lens,
+            out,
+            scale,
+            causal=True,
             skip_decode_rows=self.split_mixed_steps,
         )

@@ -1,1 +1,2 @@
-"""The engine core: requests, scheduler, KV cache manager, outputs and stats. Pure Python (no torch)."""
+"""The engine core: requests, scheduler, KV cache manager, outputs and stats. Pure Python
+(no torch)."""

@@ -29,7 +29,9 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+            raise ValueError(
+                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
@@ -57,7 +59,8 @@ class BlockPool:
         return sum(1 for b in blocks if self.ref_counts[b] == 0)
 
     def take(self, blocks: list[int]) -> None:
-        """Add a reference to each of these blocks (prefix hits), out of the free queue if needed."""
+        """Add a reference to each of these blocks (prefix hits), out of the free queue if
+        needed."""
         for b in blocks:
             if self.ref_counts[b] == 0:
                 del self.free_queue[b]
@@ -116,6 +119,10 @@ class BlockPool:
         """
         for b, rc in enumerate(self.ref_counts):
             assert rc >= 0, f"block {b} has ref count {rc}"
-            assert (rc == 0) == (b in self.free_queue), f"block {b}: ref {rc}, free={b in self.free_queue}"
+            assert (rc == 0) == (b in self.free_queue), (
+                f"block {b}: ref {rc}, free={b in self.free_queue}"
+            )
         for h, b in self.cached.items():
-            assert self.block_keys[b] is not None and self.block_keys[b][0] == h, f"cache entry {h} -> {b}"
+            assert self.block_keys[b] is not None and self.block_keys[b][0] == h, (
+                f"cache entry {h} -> {b}"
+            )

@@ -36,7 +36,9 @@ def parse_dtype(name: str | None) -> str | None:
     try:
         return DTYPE_NAMES[name]
     except KeyError:
-        raise ValueError(f"unsupported dtype {name!r}; expected one of auto, float32, bfloat16, float16") from None
+        raise ValueError(
+            f"unsupported dtype {name!r}; expected one of auto, float32, bfloat16, float16"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class ModelConfig:
     dtype: str
 
     @staticmethod
-    def from_hf(model_dir: str | Path) -> "ModelConfig":
+    def from_hf(model_dir: str | Path) -> ModelConfig:
         """Read ``config.json`` of a Hugging Face checkpoint directory.
 
         Reads ``rope_theta`` at the top level (Hub configs) or in ``rope_parameters``
@@ -79,13 +81,19 @@ class ModelConfig:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         model_type = cfg.get("model_type")
         if model_type not in DEFAULT_ARCHITECTURES:
-            raise ValueError(f"unsupported model_type {model_type!r}; expected one of {sorted(DEFAULT_ARCHITECTURES)}")
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; "
+                f"expected one of {sorted(DEFAULT_ARCHITECTURES)}"
+            )
         architectures = cfg.get("architectures") or [DEFAULT_ARCHITECTURES[model_type]]
         rope_theta = cfg.get("rope_theta")
         if rope_theta is None:
             rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         rope_scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
-        if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) not in ("default", None):
+        if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) not in (
+            "default",
+            None,
+        ):
             raise ValueError(f"rope scaling {rope_scaling!r} is not supported")
         heads = cfg["num_attention_heads"]
         dtype = parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
@@ -168,7 +176,7 @@ class EngineConfig:
 
     @property
     def device_type(self) -> str:
-        """"cuda" or "cpu" (the part of ``device`` before any ``:N``)."""
+        """ "cuda" or "cpu" (the part of ``device`` before any ``:N``)."""
         return self.device.split(":", 1)[0]
 
 

@@ -43,8 +43,12 @@ def apply_commands(engine: LLMEngine, commands: list[Command], emit: Emit) -> tu
     return bool(commands), shutdown
 
 
-def run_engine_loop(engine: LLMEngine, next_commands: Callable[[float], list[Command]], emit: Emit,
-                    log_interval: float = 10.0) -> None:
+def run_engine_loop(
+    engine: LLMEngine,
+    next_commands: Callable[[float], list[Command]],
+    emit: Emit,
+    log_interval: float = 10.0,
+) -> None:
     """Serve until a shutdown command.
 
     Args:
@@ -60,7 +64,9 @@ def run_engine_loop(engine: LLMEngine, next_commands: Callable[[float], list[Com
     last_log = time.monotonic()
     tokens = [0, 0]
     while True:
-        changed, shutdown = apply_commands(engine, next_commands(0.0 if engine.has_unfinished() else 0.5), emit)
+        changed, shutdown = apply_commands(
+            engine, next_commands(0.0 if engine.has_unfinished() else 0.5), emit
+        )
         if shutdown:
             return
         if not engine.has_unfinished():
@@ -85,6 +91,13 @@ def run_engine_loop(engine: LLMEngine, next_commands: Callable[[float], list[Com
         now = time.monotonic()
         if log_interval and now - last_log >= log_interval:
             dt = now - last_log
-            log.info("engine: running %d, waiting %d, KV usage %.1f%%, prompt %.1f tok/s, generation %.1f tok/s",
-                     stats.num_running, stats.num_waiting, 100 * stats.kv_usage, tokens[0] / dt, tokens[1] / dt)
+            log.info(
+                "engine: running %d, waiting %d, KV usage %.1f%%, prompt %.1f tok/s, "
+                "generation %.1f tok/s",
+                stats.num_running,
+                stats.num_waiting,
+                100 * stats.kv_usage,
+                tokens[0] / dt,
+                tokens[1] / dt,
+            )
             last_log, tokens = now, [0, 0]

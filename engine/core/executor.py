@@ -44,14 +44,16 @@ class ModelExecutor(Protocol):
     cache_info: CacheInfo
     description: str
 
-    def launch(self, batch: ScheduledBatch, eos_token_ids: frozenset[int],
-               prev: StepHandle | None = None) -> StepHandle:
+    def launch(
+        self, batch: ScheduledBatch, eos_token_ids: frozenset[int], prev: StepHandle | None = None
+    ) -> StepHandle:
         """Queue one step without waiting for it. ``prev``: the step still in flight, whose
         sampled ids are the inputs of requests with an output placeholder."""
         ...
 
     def memory_stats(self) -> dict[str, int]:
-        """Device memory figures for :class:`~engine.core.stats.StepStats` (bytes; {} on the CPU)."""
+        """Device memory figures for :class:`~engine.core.stats.StepStats` (bytes; {} on the
+        CPU)."""
         ...
 
     def is_fatal(self, exc: BaseException) -> bool:

@@ -41,8 +41,12 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._blocks: dict[str, list[int]] = {}  # request id -> its block table
-        self._hashes: dict[str, list[int]] = {}  # request id -> chained hashes of its full blocks (memo)
-        self._num_registered: dict[str, int] = {}  # request id -> leading blocks already looked at for caching
+        self._hashes: dict[
+            str, list[int]
+        ] = {}  # request id -> chained hashes of its full blocks (memo)
+        self._num_registered: dict[
+            str, int
+        ] = {}  # request id -> leading blocks already looked at for caching
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -65,7 +69,8 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """A copy of the request's block table (physical block ids in order; [] when it has none)."""
+        """A copy of the request's block table (physical block ids in order; [] when it has
+        none)."""
         return list(self._blocks.get(request_id, ()))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -85,8 +90,9 @@ class KVCacheManager:
         return blocks, len(blocks) * self.block_size
 
     # --------------------------------------------------------------- mutations
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[int] | None = None) -> list[int] | None:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[int] | None = None
+    ) -> list[int] | None:
         """Make the request's blocks cover ``num_computed_tokens + num_new_tokens`` tokens, plus
         the prefix hits of an admission.
 
@@ -179,4 +185,6 @@ class KVCacheManager:
         assert refs == self.pool.ref_counts, "reference counts differ from the requests' blocks"
         for req in requests or []:
             have = len(self._blocks.get(req.request_id, ())) * self.block_size
-            assert have >= req.num_computed_tokens, f"{req.request_id}: {have} slots < {req.num_computed_tokens}"
+            assert have >= req.num_computed_tokens, (
+                f"{req.request_id}: {have} slots < {req.num_computed_tokens}"
+            )

@@ -52,7 +52,9 @@ class EngineLimits:
         if not n:
             raise RequestRejected("the prompt is empty", "empty")
         if any(not (0 <= t < self.vocab_size) for t in prompt_token_ids):
-            raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})", "invalid_token")
+            raise RequestRejected(
+                f"prompt token ids must be in [0, {self.vocab_size})", "invalid_token"
+            )
         if n >= self.max_model_len:
             raise RequestRejected(
                 f"prompt has {n} tokens; this model's maximum context length is "
@@ -60,9 +62,12 @@ class EngineLimits:
             )
         blocks = -(-(n + 1) // self.block_size)
         if blocks > self.num_kv_blocks:
-            raise RequestRejected(f"prompt of {n} tokens needs {blocks} KV blocks; the cache has {self.num_kv_blocks}")
+            raise RequestRejected(
+                f"prompt of {n} tokens needs {blocks} KV blocks; the cache has {self.num_kv_blocks}"
+            )
         if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
             raise RequestRejected(
-                f"prompt of {n} tokens exceeds max_num_batched_tokens={self.max_num_batched_tokens} "
+                f"prompt of {n} tokens exceeds "
+                f"max_num_batched_tokens={self.max_num_batched_tokens} "
                 "with chunked prefill off"
             )

@@ -29,7 +29,9 @@ class LLMEngine:
         eos_token_ids: ids ending generation.
     """
 
-    def __init__(self, config: EngineConfig, executor: ModelExecutor, eos_token_ids: frozenset[int]):
+    def __init__(
+        self, config: EngineConfig, executor: ModelExecutor, eos_token_ids: frozenset[int]
+    ):
         self.config = config
         self.executor = executor
         self.model_config = executor.model_config
@@ -37,7 +39,9 @@ class LLMEngine:
         self.cache_info = info
         self.max_model_len = info.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.kv_cache_manager = KVCacheManager(info.num_kv_blocks, info.block_size, config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            info.num_kv_blocks, info.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
@@ -45,19 +49,31 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             eos_token_ids=self.eos_token_ids,
         )
-        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else config.device_type == "cuda")
+        self.async_scheduling = (
+            config.async_scheduling
+            if config.async_scheduling is not None
+            else config.device_type == "cuda"
+        )
         self._in_flight: StepHandle | None = None  # launched step whose samples are not applied yet
         self._undelivered: list[RequestOutput] = []
         self.limits = EngineLimits(
-            max_model_len=info.max_model_len, vocab_size=self.model_config.vocab_size,
-            eos_token_ids=self.eos_token_ids, num_kv_blocks=info.num_kv_blocks,
-            block_size=info.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill, dtype=info.dtype,
+            max_model_len=info.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            num_kv_blocks=info.num_kv_blocks,
+            block_size=info.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            dtype=info.dtype,
         )
-        log.info("engine ready: %s, KV cache %d blocks x %d tokens (%.2f GiB), max_model_len %d",
-                 executor.description, info.num_kv_blocks, info.block_size,
-                 info.num_kv_blocks * info.kv_bytes_per_block / (1 << 30), info.max_model_len)
+        log.info(
+            "engine ready: %s, KV cache %d blocks x %d tokens (%.2f GiB), max_model_len %d",
+            executor.description,
+            info.num_kv_blocks,
+            info.block_size,
+            info.num_kv_blocks * info.kv_bytes_per_block / (1 << 30),
+            info.max_model_len,
+        )
 
     # ---------------------------------------------------------------- requests
     @property
@@ -65,7 +81,9 @@ class LLMEngine:
         """Live requests by id (the scheduler's)."""
         return self.scheduler.requests
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
         """Validate and queue a request.
 
         Raises:
@@ -109,7 +127,9 @@ class LLMEngine:
         kv = self.kv_cache_manager
         q0, h0 = kv.prefix_queries, kv.prefix_hits
         outputs: list[RequestOutput] = []
-        self._undelivered = outputs  # what this call has produced, should it raise (take_undelivered)
+        self._undelivered = (
+            outputs  # what this call has produced, should it raise (take_undelivered)
+        )
         overlap = self.async_scheduling and not self.scheduler.num_host_sampling
         if not overlap and self._in_flight is not None:  # drain before a synchronous step
             prev, self._in_flight = self._in_flight, None
@@ -133,8 +153,9 @@ class LLMEngine:
         outputs, self._undelivered = self._undelivered, []
         return outputs
 
-    def _launch(self, batch: ScheduledBatch, outputs: list[RequestOutput],
-                prev: StepHandle | None) -> tuple[StepHandle | None, int]:
+    def _launch(
+        self, batch: ScheduledBatch, outputs: list[RequestOutput], prev: StepHandle | None
+    ) -> tuple[StepHandle | None, int]:
         """Launch the batch and advance its requests' progress; returns (handle, prompt tokens).
 
         ``prev``: the step in flight, whose sampled ids feed requests with a placeholder. A
@@ -162,7 +183,9 @@ class LLMEngine:
             if self.is_fatal(exc):
                 raise
             self.scheduler.drop_placeholders(handle.sample_requests)
-            log.error("model step failed; failing %d requests", len(handle.sample_requests), exc_info=exc)
+            log.error(
+                "model step failed; failing %d requests", len(handle.sample_requests), exc_info=exc
+            )
             return self.scheduler.fail(handle.sample_requests, str(exc))
         return self.scheduler.update_from_output(handle.sample_requests, samples)
 
@@ -189,7 +212,9 @@ class LLMEngine:
         )
 
     # ----------------------------------------------------------------- offline
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
         """Run prompts to completion (offline batch); returns the output token ids per prompt."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"offline-{id(self)}-{i}" for i in range(len(prompts))]

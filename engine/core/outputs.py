@@ -47,6 +47,8 @@ class RequestOutput:
     scheduled_time: float | None = None
 
     @staticmethod
-    def failed(request_id: str, message: str) -> "RequestOutput":
+    def failed(request_id: str, message: str) -> RequestOutput:
         """The last output of a request the engine failed."""
-        return RequestOutput(request_id, [], finished=True, finish_reason=FinishReason.ERROR, error=message)
+        return RequestOutput(
+            request_id, [], finished=True, finish_reason=FinishReason.ERROR, error=message
+        )

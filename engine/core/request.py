@@ -52,7 +52,11 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def needs_host_state(self) -> bool:
@@ -91,8 +95,8 @@ class Request:
         (``KVCacheManager.get_block_ids``).
         max_len: prompt + output may not exceed this (the engine's max_model_len).
         num_output_placeholders: tokens sampled by launched steps whose ids are not back on the
-            host yet (async scheduling, see ``engine.core.llm_engine``): 0 or 1 between steps, 2 for a
-            moment while a step is launched before the previous one's samples are applied.
+            host yet (async scheduling, see ``engine.core.llm_engine``): 0 or 1 between steps, 2
+            for a moment while a step is launched before the previous one's samples are applied.
     """
 
     request_id: str
@@ -138,8 +142,8 @@ class Request:
         if end <= n:
             return self.prompt_token_ids[start:end]
         if start >= n:
-            return self.output_token_ids[start - n:end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     @property
     def is_finished(self) -> bool:

@@ -68,8 +68,10 @@ class ScheduledBatch:
 
 def _last_token_in_flight(req: Request) -> bool:
     """Whether the token in flight is the request's last by length (max_tokens or max_len)."""
-    return (req.sample_index >= req.sampling_params.max_tokens
-            or req.num_tokens_with_placeholders >= req.max_len)
+    return (
+        req.sample_index >= req.sampling_params.max_tokens
+        or req.num_tokens_with_placeholders >= req.max_len
+    )
 
 
 class Scheduler:
@@ -207,7 +209,12 @@ class Scheduler:
         self.running = kept
 
         # 2. admit waiting requests in order, unless someone was preempted this step.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.num_preemptions:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and not batch.num_preemptions
+        ):
             req = self.waiting[0]
             if req.num_output_placeholders:
                 break  # preempted with a token in flight: admitted once the token is back
@@ -234,7 +241,8 @@ class Scheduler:
 
     # ----------------------------------------------------------------- updates
     def update_after_launch(self, batch: ScheduledBatch, sample_requests: list[Request]) -> int:
-        """Advance the progress of a launched step's requests; returns the prompt tokens it computes.
+        """Advance the progress of a launched step's requests; returns the prompt tokens it
+        computes.
 
         Args:
             batch: the launched step.
@@ -250,7 +258,9 @@ class Scheduler:
             req.num_output_placeholders += 1
         return num_prompt
 
-    def update_from_output(self, sample_requests: list[Request], samples: SampleOutput) -> list[RequestOutput]:
+    def update_from_output(
+        self, sample_requests: list[Request], samples: SampleOutput
+    ) -> list[RequestOutput]:
         """Apply a step's samples (rows in ``sample_requests`` order): append each token, check
         the stop conditions, finish the requests that stop; returns their outputs.
 
@@ -265,12 +275,18 @@ class Scheduler:
             req.output_token_ids.append(token)
             reason = self._check_stop(req, token)
             lp = samples.logprobs[i]
-            outputs.append(RequestOutput(
-                req.request_id, [token], [lp] if lp is not None or req.sampling_params.logprobs is not None else [],
-                finished=reason is not None, finish_reason=reason,
-                num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
-                scheduled_time=req.first_scheduled_time,
-            ))
+            outputs.append(
+                RequestOutput(
+                    req.request_id,
+                    [token],
+                    [lp] if lp is not None or req.sampling_params.logprobs is not None else [],
+                    finished=reason is not None,
+                    finish_reason=reason,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=req.num_cached_tokens,
+                    scheduled_time=req.first_scheduled_time,
+                )
+            )
             if reason is not None:
                 self.finish(req, reason)
         return outputs

@@ -1,1 +1,2 @@
-"""What runs in the HTTP process: the async engine client, engine-core launchers, tokenizer, detokenizer."""
+"""What runs in the HTTP process: the async engine client, engine-core launchers, tokenizer,
+detokenizer."""

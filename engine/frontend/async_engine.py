@@ -75,10 +75,17 @@ class RequestStream:
         while not out.finished and out.error is None and not self.queue.empty():
             nxt = self.queue.get_nowait()
             out = RequestOutput(
-                out.request_id, out.new_token_ids + nxt.new_token_ids, out.logprobs + nxt.logprobs,
-                finished=nxt.finished, finish_reason=nxt.finish_reason, num_prompt_tokens=nxt.num_prompt_tokens,
-                num_cached_tokens=nxt.num_cached_tokens, error=nxt.error,
-                scheduled_time=out.scheduled_time if out.scheduled_time is not None else nxt.scheduled_time,
+                out.request_id,
+                out.new_token_ids + nxt.new_token_ids,
+                out.logprobs + nxt.logprobs,
+                finished=nxt.finished,
+                finish_reason=nxt.finish_reason,
+                num_prompt_tokens=nxt.num_prompt_tokens,
+                num_cached_tokens=nxt.num_cached_tokens,
+                error=nxt.error,
+                scheduled_time=out.scheduled_time
+                if out.scheduled_time is not None
+                else nxt.scheduled_time,
             )
         if out.finished:
             self.finished = True
@@ -110,7 +117,9 @@ class AsyncEngine:
         """Start the engine core; must be called from the running event loop."""
         self._loop = asyncio.get_running_loop()
         loop = self._loop
-        self.core.start(self._emit, lambda: loop.call_soon_threadsafe(self.fail_all, "the engine process died"))
+        self.core.start(
+            self._emit, lambda: loop.call_soon_threadsafe(self.fail_all, "the engine process died")
+        )
 
     async def shutdown(self) -> None:
         """Stop the engine core (in-flight requests get no further output)."""
@@ -121,7 +130,9 @@ class AsyncEngine:
         return self.core.is_alive()
 
     # --------------------------------------------------------------- requests
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> RequestStream:
         """Validate and queue a request; returns its output stream.
 
         Raises:

@@ -50,8 +50,7 @@ class EngineCoreClient(Protocol):
         """Stop the loop and wait up to ``timeout`` seconds for it."""
         ...
 
-    def is_alive(self) -> bool:
-        ...
+    def is_alive(self) -> bool: ...
 
 
 class ThreadCore:

@@ -41,8 +41,8 @@ class IncrementalDetokenizer:
     contains U+FFFD only where that full decode does.
 
     Args:
-        tokenizer: anything with ``decode(ids, skip_special_tokens=...)`` (`engine.frontend.tokenizer.
-            Tokenizer`, a transformers tokenizer).
+        tokenizer: anything with ``decode(ids, skip_special_tokens=...)``
+            (`engine.frontend.tokenizer.Tokenizer`, a transformers tokenizer).
         prompt_ids: the request's prompt ids (only the last `context_tokens` are used).
         skip_special_tokens: drop special tokens (e.g. ``<|im_end|>``) from the text.
         stop: stop strings (empty strings are ignored).

@@ -11,12 +11,16 @@ ENGINE_MODES = ("thread", "process")
 
 
 def default_engine_mode(config: EngineConfig) -> str:
-    """"process" on CUDA (the engine loop never waits for the HTTP server's GIL), else "thread"."""
+    """ "process" on CUDA (the engine loop never waits for the HTTP server's GIL), else "thread"."""
     return "process" if config.device_type == "cuda" else "thread"
 
 
-def start_engine_core(config: EngineConfig, eos_token_ids: frozenset[int], mode: str | None = None,
-                      log_interval: float = 10.0) -> EngineCoreClient:
+def start_engine_core(
+    config: EngineConfig,
+    eos_token_ids: frozenset[int],
+    mode: str | None = None,
+    log_interval: float = 10.0,
+) -> EngineCoreClient:
     """Build the engine and return its (not yet started) core client.
 
     Args:

@@ -3,7 +3,8 @@
 The parent (the HTTP server) keeps tokenization, detokenization and response shaping; the child
 owns the model, the KV cache and the scheduler. They talk over one ``multiprocessing`` pipe:
 commands go down as typed commands (``engine.core.commands``), each engine step comes back as
-one ``("out", outputs, stats)`` message. This is the split vLLM's V1 engine makes (its EngineCore process), for the same reason.
+one ``("out", outputs, stats)`` message. This is the split vLLM's V1 engine makes (its EngineCore
+process), for the same reason.
 """
 
 from __future__ import annotations
@@ -23,10 +24,16 @@ from engine.frontend.core_client import SWITCH_INTERVAL_S
 log = logging.getLogger(__name__)
 
 
-def _child_main(config: EngineConfig, eos_token_ids, conn, log_level: int, log_interval: float) -> None:
+def _child_main(
+    config: EngineConfig, eos_token_ids, conn, log_level: int, log_interval: float
+) -> None:
     """Entry point of the engine process: build the engine, report its limits, serve commands."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
-    from engine.worker.build import build_engine  # here: the parent need not load torch's CUDA state
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s"
+    )
+    from engine.worker.build import (
+        build_engine,
+    )  # here: the parent need not load torch's CUDA state
 
     try:
         engine = build_engine(config, eos_token_ids=eos_token_ids)
@@ -34,7 +41,8 @@ def _child_main(config: EngineConfig, eos_token_ids, conn, log_level: int, log_i
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     # The model, caches and compiled code are permanent: keep them out of the garbage collector's
-    # full passes, which would otherwise walk them all and pause the engine loop (vLLM does the same).
+    # full passes, which would otherwise walk them all and pause the engine loop (vLLM does the
+    # same).
     gc.collect()
     gc.freeze()
     conn.send(("ready", engine.limits))
@@ -71,13 +79,22 @@ class ProcessCore:
 
     engine = None  # the LLMEngine lives in the other process
 
-    def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int], log_interval: float = 10.0,
-                 startup_timeout: float = 1800.0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        eos_token_ids: frozenset[int],
+        log_interval: float = 10.0,
+        startup_timeout: float = 1800.0,
+    ):
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self._send_lock = threading.Lock()
-        self._proc = ctx.Process(target=_child_main, name="engine-core", daemon=True,
-                                 args=(config, eos_token_ids, child_conn, logging.getLogger().level, log_interval))
+        self._proc = ctx.Process(
+            target=_child_main,
+            name="engine-core",
+            daemon=True,
+            args=(config, eos_token_ids, child_conn, logging.getLogger().level, log_interval),
+        )
         self._proc.start()
         child_conn.close()
         if not self._conn.poll(startup_timeout):
@@ -86,7 +103,9 @@ class ProcessCore:
         try:
             kind, payload = self._conn.recv()
         except EOFError:
-            raise RuntimeError(f"engine process died during start-up (exit code {self._proc.exitcode})") from None
+            raise RuntimeError(
+                f"engine process died during start-up (exit code {self._proc.exitcode})"
+            ) from None
         if kind != "ready":
             self._proc.join(10)
             raise RuntimeError(f"engine process failed: {payload}")

@@ -27,7 +27,9 @@ def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id=No
         ValueError: a shape mismatch.
     """
     if param.shape != tensor.shape:
-        raise ValueError(f"checkpoint shape {tuple(tensor.shape)} != parameter shape {tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint shape {tuple(tensor.shape)} != parameter shape {tuple(param.shape)}"
+        )
     param.data.copy_(tensor)
 
 
@@ -45,8 +47,17 @@ class LinearBase(nn.Module):
         tp_rank, tp_size: this rank and the number of ranks (1: not split).
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp_rank: int = 0, tp_size: int = 1,
-                 *, in_per_rank: int, out_per_rank: int):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        *,
+        in_per_rank: int,
+        out_per_rank: int,
+    ):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -72,7 +83,9 @@ class ReplicatedLinear(LinearBase):
     """A linear layer every rank holds whole."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, output_size, bias, in_per_rank=input_size, out_per_rank=output_size)
+        super().__init__(
+            input_size, output_size, bias, in_per_rank=input_size, out_per_rank=output_size
+        )
 
 
 class ColumnParallelLinear(LinearBase):
@@ -82,9 +95,23 @@ class ColumnParallelLinear(LinearBase):
         ValueError: ``output_size`` not divisible by ``tp_size``.
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
-        super().__init__(input_size, output_size, bias, tp_rank, tp_size, in_per_rank=input_size,
-                         out_per_rank=_split(output_size, tp_size, "output features"))
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
+        super().__init__(
+            input_size,
+            output_size,
+            bias,
+            tp_rank,
+            tp_size,
+            in_per_rank=input_size,
+            out_per_rank=_split(output_size, tp_size, "output features"),
+        )
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
         n = param.shape[0]
@@ -99,8 +126,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         ValueError: an output size not divisible by ``tp_size``.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp_rank: int = 0,
-                 tp_size: int = 1):
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
         self.output_sizes = [_split(s, tp_size, "output features") for s in output_sizes]
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
         shards = tuple(range(len(output_sizes)))
@@ -112,7 +145,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """Copy this rank's slice of shard ``shard_id`` (an index) into its place."""
         size = self.output_sizes[shard_id]
         offset = sum(self.output_sizes[:shard_id])
-        default_weight_loader(param.narrow(0, offset, size), tensor.narrow(0, self.tp_rank * size, size))
+        default_weight_loader(
+            param.narrow(0, offset, size), tensor.narrow(0, self.tp_rank * size, size)
+        )
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -125,8 +160,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         ValueError: heads not divisible by ``tp_size`` (or ``tp_size`` not by the KV heads).
     """
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1):
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
         self.head_dim = head_dim
         self.num_heads = _split(num_heads, tp_size, "attention heads")
         if num_kv_heads >= tp_size:
@@ -134,11 +177,21 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.kv_replicas = 1
         else:
             self.num_kv_heads = 1
-            self.kv_replicas = _split(tp_size, num_kv_heads, "tensor-parallel size over key/value heads")
+            self.kv_replicas = _split(
+                tp_size, num_kv_heads, "tensor-parallel size over key/value heads"
+            )
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        LinearBase.__init__(self, hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, tp_rank, tp_size,
-                            in_per_rank=hidden_size, out_per_rank=self.q_size + 2 * self.kv_size)
+        LinearBase.__init__(
+            self,
+            hidden_size,
+            (num_heads + 2 * num_kv_heads) * head_dim,
+            bias,
+            tp_rank,
+            tp_size,
+            in_per_rank=hidden_size,
+            out_per_rank=self.q_size + 2 * self.kv_size,
+        )
         self.weight.shard_ids = ("q", "k", "v")
         if self.bias is not None:
             self.bias.shard_ids = ("q", "k", "v")
@@ -165,9 +218,23 @@ class RowParallelLinear(LinearBase):
         ValueError: ``input_size`` not divisible by ``tp_size``.
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
-        super().__init__(input_size, output_size, bias and tp_rank == 0, tp_rank, tp_size,
-                         in_per_rank=_split(input_size, tp_size, "input features"), out_per_rank=output_size)
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
+        super().__init__(
+            input_size,
+            output_size,
+            bias and tp_rank == 0,
+            tp_rank,
+            tp_size,
+            in_per_rank=_split(input_size, tp_size, "input features"),
+            out_per_rank=output_size,
+        )
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
         if param.dim() == 1:  # the bias (rank 0)

@@ -9,8 +9,6 @@ where is measured in docs/benchmarks.md (second session).
 
 from __future__ import annotations
 
-import torch
-
 from engine.layers.activation import silu_and_mul
 from engine.layers.norm import add_rms_norm, rms_norm
 from engine.layers.rotary import qk_norm_rope, rope

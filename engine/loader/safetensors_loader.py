@@ -65,7 +65,9 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                 target, shard = parameter_target(model, name)
                 param = params.get(target)
                 if param is None:
-                    raise KeyError(f"checkpoint tensor {name} matches no model parameter ({target})")
+                    raise KeyError(
+                        f"checkpoint tensor {name} matches no model parameter ({target})"
+                    )
                 if shard in loaded.setdefault(target, []):
                     raise ValueError(f"checkpoint tensor {name} loaded twice")
                 loader = getattr(param, "weight_loader", default_weight_loader)
@@ -74,7 +76,13 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                 except ValueError as exc:
                     raise ValueError(f"{name}: {exc}") from None
                 loaded[target].append(shard)
-    missing = [n for n, p in params.items()
-               if sorted(map(str, loaded.get(n, []))) != sorted(map(str, getattr(p, "shard_ids", (None,))))]
+    missing = [
+        n
+        for n, p in params.items()
+        if sorted(map(str, loaded.get(n, []))) != sorted(map(str, getattr(p, "shard_ids", (None,))))
+    ]
     if missing:
-        raise ValueError(f"checkpoint {model_dir} lacks parameters: {missing[:8]}{'...' if len(missing) > 8 else ''}")
+        raise ValueError(
+            f"checkpoint {model_dir} lacks parameters: "
+            f"{missing[:8]}{'...' if len(missing) > 8 else ''}"
+        )

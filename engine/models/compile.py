@@ -40,14 +40,20 @@ def compiled_graph_count() -> int:
 
 
 def _inductor_counting(gm: torch.fx.GraphModule, example_inputs):
-    """The Inductor backend, counting and logging each graph it compiles (runs only at compile time)."""
+    """The Inductor backend, counting and logging each graph it compiles (runs only at compile
+    time)."""
     global _graphs_compiled
     from torch._inductor.compile_fx import compile_fx
 
     _graphs_compiled += 1
     level = logging.INFO if _graphs_compiled <= EXPECTED_GRAPHS else logging.WARNING
-    log.log(level, "torch.compile: model forward graph %d (expected at most %d; TORCH_LOGS=recompiles "
-            "names the guard that failed)", _graphs_compiled, EXPECTED_GRAPHS)
+    log.log(
+        level,
+        "torch.compile: model forward graph %d (expected at most %d; TORCH_LOGS=recompiles "
+        "names the guard that failed)",
+        _graphs_compiled,
+        EXPECTED_GRAPHS,
+    )
     return compile_fx(gm, example_inputs)
 
 
@@ -65,7 +71,9 @@ class CompiledForward:
 
     def __init__(self, forward: Callable[..., torch.Tensor]):
         self._eager = forward
-        self._compiled = torch.compile(forward, backend=_inductor_counting, dynamic=True, fullgraph=True)
+        self._compiled = torch.compile(
+            forward, backend=_inductor_counting, dynamic=True, fullgraph=True
+        )
         self._marked_caches = None
 
     def __call__(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:

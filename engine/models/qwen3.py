@@ -32,21 +32,32 @@ from engine.models.compile import COMPILE_MODES, CompiledForward
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: PointwiseOps, attention_backend: str, custom_op: bool):
+    def __init__(
+        self, cfg: ModelConfig, ops: PointwiseOps, attention_backend: str, custom_op: bool
+    ):
         super().__init__()
         self.ops = ops
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, bias=cfg.attention_bias)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            bias=cfg.attention_bias,
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False
+        )
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, attention_backend, custom_op)
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, attention_backend, custom_op
+        )
 
     def forward(self, x, rope, kv_cache, meta: AttentionMetadata):
         t = x.shape[0]
@@ -56,7 +67,9 @@ class Qwen3Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         cos, sin = rope
         if self.q_norm is not None:
-            q, k = self.ops.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
+            q, k = self.ops.qk_norm_rope(
+                q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin
+            )
         else:
             q, k = self.ops.rope(q, k, cos, sin)
         o = self.attn(q, k, v.contiguous(), kv_cache, meta)
@@ -67,7 +80,9 @@ class Qwen3MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: PointwiseOps):
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False
+        )
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
@@ -75,7 +90,9 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: PointwiseOps, attention_backend: str, custom_op: bool):
+    def __init__(
+        self, cfg: ModelConfig, ops: PointwiseOps, attention_backend: str, custom_op: bool
+    ):
         super().__init__()
         self.ops = ops
         self.self_attn = Qwen3Attention(cfg, ops, attention_backend, custom_op)
@@ -98,12 +115,20 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, ops: PointwiseOps, attention_backend: str,
-                 custom_op: bool):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        ops: PointwiseOps,
+        attention_backend: str,
+        custom_op: bool,
+    ):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, ops, attention_backend, custom_op)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(cfg, ops, attention_backend, custom_op)
+            for _ in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta)
 
@@ -136,14 +161,22 @@ class Qwen3ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, attention_backend: str, compile_mode: str = "none"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        attention_backend: str,
+        compile_mode: str = "none",
+    ):
         super().__init__()
         if compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {compile_mode!r}")
         self.config = cfg
         self.compile_mode = compile_mode
         self.ops = PointwiseOps(compile_mode == "ops")
-        self.model = Qwen3Model(cfg, max_positions, self.ops, attention_backend, custom_op=compile_mode == "model")
+        self.model = Qwen3Model(
+            cfg, max_positions, self.ops, attention_backend, custom_op=compile_mode == "model"
+        )
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -152,7 +185,9 @@ class Qwen3ForCausalLM(nn.Module):
 
     def skip_checkpoint_tensor(self, name: str) -> bool:
         """Checkpoint tensors this model does not load: rotary tables, a tied LM head."""
-        return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None)
+        return name.endswith("rotary_emb.inv_freq") or (
+            name == "lm_head.weight" and self.lm_head is None
+        )
 
     def forward(
         self,

@@ -1,1 +1,2 @@
-"""What runs where the GPU is: model runner, step inputs and staging, block tables, CUDA graphs, sampler."""
+"""What runs where the GPU is: model runner, step inputs and staging, block tables, CUDA graphs,
+sampler."""

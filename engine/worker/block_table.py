@@ -58,7 +58,9 @@ class PersistentBlockTables:
         start = 0 if reset else self._lengths.get(request_id, 0)
         end = start + len(block_ids)
         if end > self.width:
-            raise ValueError(f"request {request_id} has {end} blocks, more than {self.width} per sequence")
+            raise ValueError(
+                f"request {request_id} has {end} blocks, more than {self.width} per sequence"
+            )
         row = self._row(request_id)
         self.table[row, start:end] = block_ids
         self._lengths[request_id] = end

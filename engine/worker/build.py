@@ -1,4 +1,5 @@
-"""Build an engine core: a :class:`ModelRunner` for the checkpoint, handed to an :class:`LLMEngine`."""
+"""Build an engine core: a :class:`ModelRunner` for the checkpoint, handed to an
+:class:`LLMEngine`."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from engine.core.llm_engine import LLMEngine
 from engine.worker.model_runner import ModelRunner
 
 
-def build_engine(config: EngineConfig, eos_token_ids: frozenset[int] | None = None,
-                 random_weights: bool = False) -> LLMEngine:
+def build_engine(
+    config: EngineConfig, eos_token_ids: frozenset[int] | None = None, random_weights: bool = False
+) -> LLMEngine:
     """The engine for ``config.model`` on ``config.device``.
 
     Args:

@@ -69,25 +69,37 @@ class GraphInputs:
     :meth:`copy_from` rewrites every entry a padded step of the given size reads.
     """
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device):
+    def __init__(
+        self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device
+    ):
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(
+            max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device
+        )
         self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.zeros(max_seqs, dtype=torch.int64, device=device)
 
-    def metadata(self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int) -> AttentionMetadata:
-        """Views of the buffers for a padded step of ``num_tokens`` tokens and ``num_seqs`` sequences."""
+    def metadata(
+        self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int
+    ) -> AttentionMetadata:
+        """Views of the buffers for a padded step of ``num_tokens`` tokens and ``num_seqs``
+        sequences."""
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:num_tokens], block_tables=self.block_tables[:num_seqs],
-            seq_lens=self.seq_lens[:num_seqs], cu_seqlens_q=self.cu_seqlens_q[: num_seqs + 1],
-            max_query_len=max_query_len, max_seq_len=max_seq_len, is_decode=max_query_len == 1,
+            slot_mapping=self.slot_mapping[:num_tokens],
+            block_tables=self.block_tables[:num_seqs],
+            seq_lens=self.seq_lens[:num_seqs],
+            cu_seqlens_q=self.cu_seqlens_q[: num_seqs + 1],
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            is_decode=max_query_len == 1,
         )
 
     def copy_from(self, step: StepTensors, num_tokens: int, num_seqs: int, decode: bool) -> None:
-        """Copy a step's tensors in and pad them to ``num_tokens`` tokens and ``num_seqs`` sequences.
+        """Copy a step's tensors in and pad them to ``num_tokens`` tokens and ``num_seqs``
+        sequences.
 
         Padding tokens store nothing (slot -1). ``decode``: one token per sequence; a padding
         sequence attends to one token of block 0 (``cu_seqlens_q`` is not read, logits are
@@ -99,14 +111,16 @@ class GraphInputs:
         self.positions[:t].copy_(step.positions, non_blocking=True)
         self.slot_mapping[:t].copy_(step.slot_mapping, non_blocking=True)
         self.slot_mapping[t:num_tokens].fill_(-1)
-        self.block_tables[:b, : step.block_tables.shape[1]].copy_(step.block_tables, non_blocking=True)
+        self.block_tables[:b, : step.block_tables.shape[1]].copy_(
+            step.block_tables, non_blocking=True
+        )
         self.seq_lens[:b].copy_(step.seq_lens, non_blocking=True)
         if decode:
             self.block_tables[b:num_seqs].zero_()
             self.seq_lens[b:num_seqs].fill_(1)
             return
         self.cu_seqlens_q[: b + 1].copy_(step.cu_seqlens_q, non_blocking=True)
-        self.cu_seqlens_q[b + 1: num_seqs + 1].fill_(t)
+        self.cu_seqlens_q[b + 1 : num_seqs + 1].fill_(t)
         self.logits_indices[:n].copy_(step.logits_indices, non_blocking=True)
         self.logits_indices[n:num_seqs].zero_()
 
@@ -126,7 +140,9 @@ class DecodeGraphs:
         pool: a CUDA graph memory pool to share (``PrefillGraphs.pool``), or None for a new one.
     """
 
-    def __init__(self, model, kv_caches, max_batch: int, max_blocks_per_seq: int, max_seq_len: int, pool=None):
+    def __init__(
+        self, model, kv_caches, max_batch: int, max_blocks_per_seq: int, max_seq_len: int, pool=None
+    ):
         self.model, self.kv_caches = model, kv_caches
         dev = model.model.embed_tokens.weight.device
         self.sizes = capture_sizes(max_batch)
@@ -141,7 +157,9 @@ class DecodeGraphs:
 
     def _run(self, bs: int) -> torch.Tensor:
         meta = self.inputs.metadata(bs, bs, 1, self.max_seq_len)
-        hidden = self.model(self.inputs.input_ids[:bs], self.inputs.positions[:bs], self.kv_caches, meta)
+        hidden = self.model(
+            self.inputs.input_ids[:bs], self.inputs.positions[:bs], self.kv_caches, meta
+        )
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -154,7 +172,8 @@ class DecodeGraphs:
         return batch <= self.sizes[-1] and max_seq_len <= self.max_seq_len
 
     def run(self, step: StepTensors) -> torch.Tensor:
-        """Replay the graph for a decode step of B sequences; returns logits ``[B, vocab]`` (model dtype)."""
+        """Replay the graph for a decode step of B sequences; returns logits ``[B, vocab]``
+        (model dtype)."""
         b = step.num_seqs
         bs = next(s for s in self.sizes if s >= b)
         self.inputs.copy_from(step, bs, bs, decode=True)
@@ -167,7 +186,14 @@ def prefill_capture_sizes(max_tokens: int) -> list[int]:
     ``1.25 * t + 16`` (every 16 up to 128, then steps that double at 256, 512, 1024, 2048 and
     4096), and the last size is ``max_tokens`` rounded up to a multiple of 16."""
     sizes = list(range(16, 129, 16))
-    for step, stop in ((32, 256), (64, 512), (128, 1024), (256, 2048), (512, 4096), (1024, 1 << 30)):
+    for step, stop in (
+        (32, 256),
+        (64, 512),
+        (128, 1024),
+        (256, 2048),
+        (512, 4096),
+        (1024, 1 << 30),
+    ):
         while sizes[-1] < stop and sizes[-1] < max_tokens:
             sizes.append(sizes[-1] + step)
     top = -(-max(1, max_tokens) // 16) * 16
@@ -196,13 +222,23 @@ class PrefillGraphs:
             padding).
     """
 
-    def __init__(self, model, kv_caches, max_tokens: int, max_seqs: int, max_blocks_per_seq: int,
-                 max_seq_len: int, device: torch.device):
+    def __init__(
+        self,
+        model,
+        kv_caches,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        max_seq_len: int,
+        device: torch.device,
+    ):
         self.model, self.kv_caches = model, kv_caches
         self.sizes = prefill_capture_sizes(max_tokens)
         self.max_seqs = max_seqs
         self.max_seq_len = max_seq_len
-        self.inputs = GraphInputs(self.sizes[-1], min(max_seqs, self.sizes[-1]), max_blocks_per_seq, device)
+        self.inputs = GraphInputs(
+            self.sizes[-1], min(max_seqs, self.sizes[-1]), max_blocks_per_seq, device
+        )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -213,7 +249,9 @@ class PrefillGraphs:
     def _run(self, size: int) -> torch.Tensor:
         s = self._num_seqs(size)
         meta = self.inputs.metadata(size, s, size, self.max_seq_len)
-        hidden = self.model(self.inputs.input_ids[:size], self.inputs.positions[:size], self.kv_caches, meta)
+        hidden = self.model(
+            self.inputs.input_ids[:size], self.inputs.positions[:size], self.kv_caches, meta
+        )
         return hidden[self.inputs.logits_indices[:s]]
 
     @torch.inference_mode()

@@ -18,11 +18,13 @@ def torch_dtype(name: str) -> torch.dtype:
     try:
         return _TORCH_DTYPES[name]
     except KeyError:
-        raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(_TORCH_DTYPES)}") from None
+        raise ValueError(
+            f"unsupported dtype {name!r}; expected one of {sorted(_TORCH_DTYPES)}"
+        ) from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """"bfloat16" for ``torch.bfloat16`` etc."""
+    """ "bfloat16" for ``torch.bfloat16`` etc."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -51,12 +53,15 @@ class MemoryStats:
     def __init__(self, device: torch.device, interval_s: float = 1.0):
         self.device = device
         self.interval_s = interval_s
-        self._total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+        self._total = (
+            torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+        )
         self._stats: dict[str, int] | None = None
         self._time = 0.0
 
     def read(self) -> dict[str, int]:
-        """``gpu_memory_allocated``, ``gpu_memory_reserved``, ``gpu_memory_total`` (empty on the CPU)."""
+        """``gpu_memory_allocated``, ``gpu_memory_reserved``, ``gpu_memory_total`` (empty on the
+        CPU)."""
         if self.device.type != "cuda":
             return {}
         now = time.monotonic()

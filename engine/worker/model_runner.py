@@ -79,20 +79,28 @@ class ModelRunner:
             does not match the model, or a KV cache budget that holds no block.
     """
 
-    def __init__(self, model_config: ModelConfig, config: EngineConfig, random_weights: bool = False):
+    def __init__(
+        self, model_config: ModelConfig, config: EngineConfig, random_weights: bool = False
+    ):
         self.model_config = model_config
         self.config = config
         self.device = torch.device(config.device)
         cuda = self.device.type == "cuda"
         self.dtype = torch_dtype(config.dtype or (model_config.dtype if cuda else "float32"))
-        max_len = min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
+        max_len = min(
+            config.max_model_len or model_config.max_position_embeddings,
+            model_config.max_position_embeddings,
+        )
 
         compile_mode = config.compile_mode or ("ops" if cuda else "none")
         self.backend_name = config.attention_backend or default_backend_name(self.device.type)
         with torch.device(self.device), _default_dtype(self.dtype):
-            model = model_class(model_config.architecture)(model_config, max_positions=max_len,
-                                                           attention_backend=self.backend_name,
-                                                           compile_mode=compile_mode)
+            model = model_class(model_config.architecture)(
+                model_config,
+                max_positions=max_len,
+                attention_backend=self.backend_name,
+                compile_mode=compile_mode,
+            )
         if random_weights:
             init_random_weights(model, config.seed)
         else:
@@ -103,20 +111,39 @@ class ModelRunner:
 
         mc = model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        per_block = 2 * mc.num_hidden_layers * config.block_size * mc.num_key_value_heads * mc.head_dim * elem
+        per_block = (
+            2
+            * mc.num_hidden_layers
+            * config.block_size
+            * mc.num_key_value_heads
+            * mc.head_dim
+            * elem
+        )
         num_blocks = self._num_kv_blocks(per_block)
         shape = (num_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
             for _ in range(mc.num_hidden_layers)
         ]
         capacity = num_blocks * config.block_size
         if capacity < max_len:
-            log.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, max_len)
+            log.warning(
+                "KV cache holds %d tokens; max_model_len lowered from %d", capacity, max_len
+            )
             max_len = capacity
-        self.cache_info = CacheInfo(num_blocks, config.block_size, max_len, per_block, dtype_name(self.dtype))
-        self.description = f"{mc.architecture} on {config.device} ({dtype_name(self.dtype)}), attention {self.backend_name}"
-        self.block_tables = PersistentBlockTables(-(-max_len // config.block_size), max(64, config.max_num_seqs))
+        self.cache_info = CacheInfo(
+            num_blocks, config.block_size, max_len, per_block, dtype_name(self.dtype)
+        )
+        self.description = (
+            f"{mc.architecture} on {config.device} ({dtype_name(self.dtype)}), "
+            f"attention {self.backend_name}"
+        )
+        self.block_tables = PersistentBlockTables(
+            -(-max_len // config.block_size), max(64, config.max_num_seqs)
+        )
         self._memory = MemoryStats(self.device)
         self.graphs = None
         self.prefill_graphs = None
@@ -127,14 +154,30 @@ class ModelRunner:
             from engine.worker.cuda_graph import DecodeGraphs, PrefillGraphs
 
             max_blocks = -(-max_len // config.block_size)
-            graph_tokens = config.max_num_batched_tokens if config.prefill_graph_max_tokens is None \
+            graph_tokens = (
+                config.max_num_batched_tokens
+                if config.prefill_graph_max_tokens is None
                 else config.prefill_graph_max_tokens
+            )
             if graph_tokens > 0:
-                self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, graph_tokens, config.max_num_seqs,
-                                                    max_blocks, max_len, self.device)
+                self.prefill_graphs = PrefillGraphs(
+                    self.model,
+                    self.kv_caches,
+                    graph_tokens,
+                    config.max_num_seqs,
+                    max_blocks,
+                    max_len,
+                    self.device,
+                )
                 self.prefill_graphs.capture()
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, max_blocks, max_len,
-                                       pool=self.prefill_graphs.pool if self.prefill_graphs is not None else None)
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                config.max_num_seqs,
+                max_blocks,
+                max_len,
+                pool=self.prefill_graphs.pool if self.prefill_graphs is not None else None,
+            )
             self.graphs.capture()
 
     # ------------------------------------------------------------- executor API
@@ -148,7 +191,9 @@ class ModelRunner:
         return is_device_error(exc)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, eos_token_ids: frozenset[int], prev: StepHandle | None = None) -> StepHandle:
+    def launch(
+        self, batch: ScheduledBatch, eos_token_ids: frozenset[int], prev: StepHandle | None = None
+    ) -> StepHandle:
         """Queue one step on the device without waiting for it: forward over all scheduled
         tokens, sampling for the requests that reach their end, and the copy of the sampled ids
         to the host.
@@ -165,13 +210,24 @@ class ModelRunner:
         Raises:
             RuntimeError: a request with a token in flight that ``prev`` did not sample.
         """
-        inp = prepare_inputs(batch, self.config.block_size, self.block_tables, prev.rows if prev is not None else None)
+        inp = prepare_inputs(
+            batch,
+            self.config.block_size,
+            self.block_tables,
+            prev.rows if prev is not None else None,
+        )
         self.staging.next_step()
         step = inp.to_device(self.staging, prev.token_ids if prev is not None else None)
-        if self.graphs is not None and inp.is_decode and self.graphs.can_run(step.num_seqs, inp.max_seq_len):
+        if (
+            self.graphs is not None
+            and inp.is_decode
+            and self.graphs.can_run(step.num_seqs, inp.max_seq_len)
+        ):
             logits = self.graphs.run(step)
         else:
-            if self.prefill_graphs is not None and self.prefill_graphs.can_run(step.num_tokens, inp.max_seq_len):
+            if self.prefill_graphs is not None and self.prefill_graphs.can_run(
+                step.num_tokens, inp.max_seq_len
+            ):
                 hidden = self.prefill_graphs.run(step)
             else:
                 hidden = self.forward(step)[step.logits_indices]
@@ -199,7 +255,9 @@ class ModelRunner:
         max_len = self.cache_info.max_model_len
         for num_tokens, num_seqs in ((budget, 1), (budget, 32), (97, 3)):
             num_seqs = max(1, min(num_seqs, self.config.max_num_seqs))
-            num_tokens = max(1, min(num_tokens, budget, num_seqs * max_len))  # no sequence beyond max_len
+            num_tokens = max(
+                1, min(num_tokens, budget, num_seqs * max_len)
+            )  # no sequence beyond max_len
             num_seqs = min(num_seqs, num_tokens)
             q_lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int32)
             q_lens[: num_tokens % num_seqs] += 1
@@ -211,14 +269,25 @@ class ModelRunner:
                 positions=np.concatenate([np.arange(n, dtype=np.int64) for n in q_lens]),
                 slot_mapping=np.full(num_tokens, -1, dtype=np.int64),
                 block_tables=np.zeros((num_seqs, blocks), dtype=np.int32),
-                seq_lens=q_lens.copy(), cu_seqlens_q=cu, logits_indices=(cu[1:] - 1).astype(np.int64),
-                sample_requests=[], max_query_len=int(q_lens.max()), max_seq_len=int(q_lens.max()),
+                seq_lens=q_lens.copy(),
+                cu_seqlens_q=cu,
+                logits_indices=(cu[1:] - 1).astype(np.int64),
+                sample_requests=[],
+                max_query_len=int(q_lens.max()),
+                max_seq_len=int(q_lens.max()),
             )
             self.staging.next_step()
             step = inp.to_device(self.staging)
             logits = self.model.compute_logits(self.forward(step)[step.logits_indices])
-            reqs = [Request(f"warmup-{i}", [0], SamplingParams(temperature=float(i % 2), max_tokens=1), max_len)
-                    for i in range(num_seqs)]
+            reqs = [
+                Request(
+                    f"warmup-{i}",
+                    [0],
+                    SamplingParams(temperature=float(i % 2), max_tokens=1),
+                    max_len,
+                )
+                for i in range(num_seqs)
+            ]
             self.sampler(logits, reqs, frozenset()).to_host().wait()
 
     def _num_kv_blocks(self, bytes_per_block: int) -> int:
@@ -236,5 +305,8 @@ class ModelRunner:
             budget = 1 << 30  # 1 GiB on the CPU
         blocks = int(budget // bytes_per_block)
         if blocks < 1:
-            raise ValueError(f"KV cache budget of {budget / (1 << 30):.3f} GiB holds no block of {bytes_per_block} bytes")
+            raise ValueError(
+                f"KV cache budget of {budget / (1 << 30):.3f} GiB holds no block of "
+                f"{bytes_per_block} bytes"
+            )
         return blocks

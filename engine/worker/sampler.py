@@ -44,8 +44,15 @@ _U_MAX = 1.0 - 2.0**-24
 class PendingSamples:
     """Device->host copies of one step's samples in flight (pinned buffers + a CUDA event)."""
 
-    def __init__(self, token_ids: torch.Tensor, logprob_k: list[int | None], chosen: torch.Tensor | None,
-                 top_vals: torch.Tensor | None, top_ids: torch.Tensor | None, event: torch.cuda.Event | None):
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        logprob_k: list[int | None],
+        chosen: torch.Tensor | None,
+        top_vals: torch.Tensor | None,
+        top_ids: torch.Tensor | None,
+        event: torch.cuda.Event | None,
+    ):
         self._token_ids = token_ids
         self._logprob_k = logprob_k
         self._chosen = chosen
@@ -111,8 +118,13 @@ class DeviceSamples:
         return PendingSamples(host[0], self.logprob_k, host[1], host[2], host[3], event)
 
 
-_NP_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32,
-              torch.bfloat16: np.float32, torch.float16: np.float32}
+_NP_DTYPES = {
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.float32: np.float32,
+    torch.bfloat16: np.float32,
+    torch.float16: np.float32,
+}
 
 
 def stage_values(staging: HostStaging, name: str, values, dtype: torch.dtype) -> torch.Tensor:
@@ -137,8 +149,13 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def draw_torch(logits: torch.Tensor, temperature: list[float], seeds: list[int], offsets: list[int],
-               staging: HostStaging) -> torch.Tensor:
+def draw_torch(
+    logits: torch.Tensor,
+    temperature: list[float],
+    seeds: list[int],
+    offsets: list[int],
+    staging: HostStaging,
+) -> torch.Tensor:
     """The torch backend's draw: int64 ``[N]`` on the logits' device.
 
     Rows with ``temperature <= 1e-5`` take ``argmax``; the others
@@ -158,7 +175,9 @@ def draw_torch(logits: torch.Tensor, temperature: list[float], seeds: list[int],
         noise[k].uniform_(generator=gen)
     noise.clamp_(_U_MIN, _U_MAX).log_().neg_().log_().neg_()  # Gumbel: -log(-log(u))
     rows = stage_values(staging, "draw.rows", rand, torch.int64)
-    inv_t = stage_values(staging, "draw.inv_t", [1.0 / temperature[i] for i in rand], torch.float32)[:, None]
+    inv_t = stage_values(
+        staging, "draw.inv_t", [1.0 / temperature[i] for i in rand], torch.float32
+    )[:, None]
     scores = logits.index_select(0, rows).float() * inv_t + noise
     return out.index_copy_(0, rows, scores.argmax(dim=-1))
 
@@ -176,21 +195,29 @@ class Sampler:
         ValueError: unknown backend, or ``"triton"`` on a CPU device without ``TRITON_INTERPRET=1``.
     """
 
-    def __init__(self, device: torch.device, backend: str | None = None, staging: HostStaging | None = None):
+    def __init__(
+        self, device: torch.device, backend: str | None = None, staging: HostStaging | None = None
+    ):
         self.device = torch.device(device)
         self.staging = staging if staging is not None else HostStaging(self.device)
         if backend is None:
             backend = "triton" if self.device.type == "cuda" else "torch"
         if backend not in ("triton", "torch"):
             raise ValueError(f"unknown sampler backend {backend!r}; expected 'triton' or 'torch'")
-        if backend == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if (
+            backend == "triton"
+            and self.device.type != "cuda"
+            and os.environ.get("TRITON_INTERPRET") != "1"
+        ):
             raise ValueError("the triton sampler needs a CUDA device or TRITON_INTERPRET=1")
         self.backend = backend
         # host RNG for unseeded rows; from torch's global RNG so torch.manual_seed reproduces runs
         self._rng = np.random.Generator(np.random.PCG64(int(torch.randint(0, 2**62, ()).item())))
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, requests: list[Request], eos_ids: frozenset[int]) -> DeviceSamples:
+    def __call__(
+        self, logits: torch.Tensor, requests: list[Request], eos_ids: frozenset[int]
+    ) -> DeviceSamples:
         """Launch the sampling of one token per row; no host synchronisation.
 
         Args:
@@ -207,12 +234,18 @@ class Sampler:
         dev = logits.device
 
         lp_k = [p.logprobs for p in params]
-        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(k is not None for k in lp_k) else None
+        raw_logprobs = (
+            torch.log_softmax(logits.float(), dim=-1) if any(k is not None for k in lp_k) else None
+        )
 
         eos_masked = [len(r.output_token_ids) < r.sampling_params.min_tokens for r in requests]
         filter_rows = [i for i, p in enumerate(params) if not p.greedy and self._filters(p, vocab)]
-        if any(p.logit_bias for p in params) or any(eos_masked) or any(p.needs_penalties for p in params) \
-                or filter_rows:
+        if (
+            any(p.logit_bias for p in params)
+            or any(eos_masked)
+            or any(p.needs_penalties for p in params)
+            or filter_rows
+        ):
             logits = logits.float()  # processed in place: float32 (a copy of bf16 logits)
             self._apply_logit_bias(logits, params, vocab)
             self._apply_min_tokens(logits, requests, eos_ids, vocab)
@@ -220,12 +253,16 @@ class Sampler:
                 self._apply_penalties(logits, requests, vocab)
             if filter_rows:
                 rows = self._stage("filter.rows", filter_rows, torch.int64)
-                sub = self._filtered_logits(logits.index_select(0, rows), [params[i] for i in filter_rows])
+                sub = self._filtered_logits(
+                    logits.index_select(0, rows), [params[i] for i in filter_rows]
+                )
                 logits.index_copy_(0, rows, sub)
 
         temps = [0.0 if p.greedy else float(p.temperature) for p in params]
         fresh = self._rng.integers(0, 2**63 - 1, size=n, dtype=np.int64, endpoint=True)
-        seeds = [_as_int64(p.seed) if p.seed is not None else int(fresh[i]) for i, p in enumerate(params)]
+        seeds = [
+            _as_int64(p.seed) if p.seed is not None else int(fresh[i]) for i, p in enumerate(params)
+        ]
         offsets = [r.sample_index for r in requests]
         if self.backend == "triton":
             from kernels.sampling import sample_tokens
@@ -233,8 +270,12 @@ class Sampler:
             if logits.stride(1) != 1:
                 logits = logits.contiguous()
             token_ids = sample_tokens(
-                logits, self._stage("temperature", temps, torch.float32), *self.staging.stage_many(
-                    "seeds_offsets", [np.asarray(seeds, dtype=np.int64), np.asarray(offsets, dtype=np.int64)]),
+                logits,
+                self._stage("temperature", temps, torch.float32),
+                *self.staging.stage_many(
+                    "seeds_offsets",
+                    [np.asarray(seeds, dtype=np.int64), np.asarray(offsets, dtype=np.int64)],
+                ),
                 torch.empty(n, dtype=torch.int64, device=dev),
             )
         else:
@@ -262,8 +303,10 @@ class Sampler:
                         cols.append(tok)
                         vals.append(bias)
         if rows:
-            dev = logits.device
-            idx = (self._stage("bias.rows", rows, torch.int64), self._stage("bias.cols", cols, torch.int64))
+            idx = (
+                self._stage("bias.rows", rows, torch.int64),
+                self._stage("bias.cols", cols, torch.int64),
+            )
             logits.index_put_(idx, self._stage("bias.vals", vals, logits.dtype), accumulate=True)
 
     def _apply_min_tokens(self, logits, requests, eos_ids, vocab) -> None:
@@ -277,12 +320,14 @@ class Sampler:
                         rows.append(row)
                         cols.append(tok)
         if rows:
-            dev = logits.device
-            logits[self._stage("min_tokens.rows", rows, torch.int64),
-                   self._stage("min_tokens.cols", cols, torch.int64)] = float("-inf")
+            logits[
+                self._stage("min_tokens.rows", rows, torch.int64),
+                self._stage("min_tokens.cols", cols, torch.int64),
+            ] = float("-inf")
 
     def _apply_penalties(self, logits, requests, vocab) -> None:
-        """Presence/frequency penalties (OpenAI) over outputs; repetition penalty over prompt+output."""
+        """Presence/frequency penalties (OpenAI) over outputs; repetition penalty over
+        prompt+output."""
         dev = logits.device
         n = len(requests)
         out_len = max(1, max(len(r.output_token_ids) for r in requests))
@@ -295,10 +340,16 @@ class Sampler:
         counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
         counts = counts[:, :vocab]
         sp = [r.sampling_params for r in requests]
-        presence = self._stage("penalty.presence", [p.presence_penalty for p in sp], torch.float32)[:, None]
-        frequency = self._stage("penalty.frequency", [p.frequency_penalty for p in sp], torch.float32)[:, None]
+        presence = self._stage("penalty.presence", [p.presence_penalty for p in sp], torch.float32)[
+            :, None
+        ]
+        frequency = self._stage(
+            "penalty.frequency", [p.frequency_penalty for p in sp], torch.float32
+        )[:, None]
         if any(p.repetition_penalty != 1.0 for p in sp):
-            repetition = self._stage("penalty.repetition", [p.repetition_penalty for p in sp], torch.float32)[:, None]
+            repetition = self._stage(
+                "penalty.repetition", [p.repetition_penalty for p in sp], torch.float32
+            )[:, None]
             seen = counts > 0
             prompt_len = max(1, max(r.num_prompt_tokens for r in requests))
             p_ids = torch.full((n, prompt_len), vocab, dtype=torch.int64)
@@ -327,7 +378,9 @@ class Sampler:
         """
         dev = logits.device
         n, vocab = logits.shape
-        temp = self._stage("filter.temperature", [max(p.temperature, 1e-5) for p in params], torch.float32)[:, None]
+        temp = self._stage(
+            "filter.temperature", [max(p.temperature, 1e-5) for p in params], torch.float32
+        )[:, None]
         out = logits.float().clone()
         scaled = out / temp
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]

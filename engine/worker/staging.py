@@ -86,11 +86,11 @@ class HostStaging:
         np_view = host.numpy()
         offset = 0
         for a, n in zip(arrays, sizes):
-            np_view[offset: offset + n] = a.reshape(-1)
+            np_view[offset : offset + n] = a.reshape(-1)
             offset += n
         dev = self._copy(key, host)
         out, offset = [], 0
         for a, n in zip(arrays, sizes):
-            out.append(dev[offset: offset + n].view(a.shape))
+            out.append(dev[offset : offset + n].view(a.shape))
             offset += n
         return out

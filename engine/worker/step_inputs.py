@@ -52,8 +52,12 @@ class StepTensors:
     def attention_metadata(self) -> AttentionMetadata:
         """The step's :class:`AttentionMetadata` (views of these tensors)."""
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping, block_tables=self.block_tables, seq_lens=self.seq_lens,
-            cu_seqlens_q=self.cu_seqlens_q, max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
+            slot_mapping=self.slot_mapping,
+            block_tables=self.block_tables,
+            seq_lens=self.seq_lens,
+            cu_seqlens_q=self.cu_seqlens_q,
+            max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len,
             is_decode=self.max_query_len == 1,
         )
 
@@ -86,10 +90,13 @@ class StepInputs:
 
     @property
     def is_decode(self) -> bool:
-        """One new token per sequence, and every sequence samples (a 1-token prefill chunk does not)."""
+        """One new token per sequence, and every sequence samples (a 1-token prefill chunk does
+        not)."""
         return self.max_query_len == 1 and len(self.sample_requests) == len(self.seq_lens)
 
-    def to_device(self, staging: HostStaging, prev_token_ids: torch.Tensor | None = None) -> StepTensors:
+    def to_device(
+        self, staging: HostStaging, prev_token_ids: torch.Tensor | None = None
+    ) -> StepTensors:
         """The step's tensors on the staging device, in two queued copies (no host sync).
 
         Args:
@@ -105,17 +112,31 @@ class StepInputs:
                 raise ValueError("the step has tokens in flight but no previous sampled ids")
             longs += [self.gather_dst, self.gather_src]
         dev = staging.stage_many("int64", longs)
-        block_tables, seq_lens, cu = staging.stage_many("int32", [self.block_tables, self.seq_lens,
-                                                                   self.cu_seqlens_q])
+        block_tables, seq_lens, cu = staging.stage_many(
+            "int32", [self.block_tables, self.seq_lens, self.cu_seqlens_q]
+        )
         input_ids = dev[0]
         if self.gather_dst is not None:
             input_ids.index_copy_(0, dev[4], prev_token_ids.index_select(0, dev[5]))
-        return StepTensors(input_ids, dev[1], dev[2], block_tables, seq_lens, cu, dev[3],
-                           self.max_query_len, self.max_seq_len)
+        return StepTensors(
+            input_ids,
+            dev[1],
+            dev[2],
+            block_tables,
+            seq_lens,
+            cu,
+            dev[3],
+            self.max_query_len,
+            self.max_seq_len,
+        )
 
 
-def prepare_inputs(batch: ScheduledBatch, block_size: int, block_tables: PersistentBlockTables,
-                   prev_rows: dict[str, int] | None = None) -> StepInputs:
+def prepare_inputs(
+    batch: ScheduledBatch,
+    block_size: int,
+    block_tables: PersistentBlockTables,
+    prev_rows: dict[str, int] | None = None,
+) -> StepInputs:
     """Flatten a scheduled batch into the step's index arrays (host side, numpy).
 
     Args:
@@ -144,7 +165,9 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, block_tables: Persist
             # decode of a token sampled by the step in flight: filled in on the device
             row = (prev_rows or {}).get(req.request_id)
             if row is None or n != 1 or start != req.num_tokens:
-                raise RuntimeError(f"request {req.request_id} has a token in flight but no sample row")
+                raise RuntimeError(
+                    f"request {req.request_id} has a token in flight but no sample row"
+                )
             gather_dst.append(len(ids))
             gather_src.append(row)
             ids.append(0)
@@ -159,9 +182,13 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, block_tables: Persist
     tables = block_tables.gather(rows, max_blocks)
     total = int(cu[-1])
     seq_of_token = np.repeat(np.arange(b), q_lens)
-    positions = (np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], q_lens) + np.repeat(starts, q_lens)).astype(
-        np.int64)
-    slot_mapping = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    positions = (
+        np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], q_lens) + np.repeat(starts, q_lens)
+    ).astype(np.int64)
+    slot_mapping = (
+        tables[seq_of_token, positions // block_size].astype(np.int64) * block_size
+        + positions % block_size
+    )
     return StepInputs(
         input_ids=np.asarray(ids, dtype=np.int64),
         positions=positions,

@@ -1,8 +1,8 @@
 import openai
 import pytest
 
-from engine.loader.embedded import ensure_embedded_checkpoint
 from engine.frontend.tokenizer import Tokenizer
+from engine.loader.embedded import ensure_embedded_checkpoint
 from tests.serverproc import ServerProcess
 
 
@@ -17,7 +17,9 @@ def server():
 @pytest.fixture(scope="module")
 def client(server):
     """An OpenAI client of the shared server (no retries, so a failure shows as it happened)."""
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(
+        base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")

@@ -36,10 +36,18 @@ from tests.serverproc import free_port
 MODEL = "qwen3-embedded"
 EOS = 151645
 FFFD = "\ufffd"
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather of a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
-                   "required": ["city"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
@@ -88,13 +96,27 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live():
-    ctx = build_context(build_parser().parse_args(
-        ["--max-model-len", "2048", "--reasoning-parser", "qwen3", "--num-kv-blocks", "256", "--device", "cpu"]))
+    ctx = build_context(
+        build_parser().parse_args(
+            [
+                "--max-model-len",
+                "2048",
+                "--reasoning-parser",
+                "qwen3",
+                "--num-kv-blocks",
+                "256",
+                "--device",
+                "cpu",
+            ]
+        )
+    )
     runner = ctx.engine.engine.executor
     sampler = ScriptedSampler(runner.sampler, ctx.tokenizer)
     runner.sampler = sampler
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(ctx), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(ctx), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -124,8 +146,13 @@ def chat(live: Live, content: str | list, **kw):
     messages = kw.pop("messages", None) or [{"role": "user", "content": content}]
     extra = {k: kw.pop(k) for k in list(kw) if k in EXTRA_FIELDS}
     return live.client.chat.completions.create(
-        model=MODEL, messages=messages, temperature=0, max_tokens=kw.pop("max_tokens", 64),
-        extra_body=extra or None, **kw)
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=kw.pop("max_tokens", 64),
+        extra_body=extra or None,
+        **kw,
+    )
 
 
 def collect_stream(chunks) -> dict:
@@ -134,7 +161,9 @@ def collect_stream(chunks) -> dict:
     for c in chunks:
         assert c.id == chunks[0].id and c.model == MODEL and c.created
         for ch in c.choices:
-            o = out.setdefault(ch.index, {"reasoning": "", "content": "", "calls": [], "finish": None, "order": []})
+            o = out.setdefault(
+                ch.index, {"reasoning": "", "content": "", "calls": [], "finish": None, "order": []}
+            )
             r = getattr(ch.delta, "reasoning_content", None)
             if r:
                 o["reasoning"] += r
@@ -152,36 +181,103 @@ def collect_stream(chunks) -> dict:
 
 # ---------------------------------------------------------------- chat template
 CONVERSATIONS = [
-    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}], None, {}),
-    ([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}], None, {"enable_thinking": False}),
-    ([{"role": "user", "content": [{"type": "text", "text": "Two "}, {"type": "text", "text": "parts"}]}], None, {}),
+    (
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}],
+        None,
+        {},
+    ),
+    (
+        [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        None,
+        {"enable_thinking": False},
+    ),
+    (
+        [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Two "}, {"type": "text", "text": "parts"}],
+            }
+        ],
+        None,
+        {},
+    ),
     ([{"role": "user", "content": "Weather in Paris?"}], [WEATHER_TOOL], {}),
-    ([{"role": "user", "content": "Weather in Paris?"},
-      {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-          "name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
-      {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}], [WEATHER_TOOL], {"enable_thinking": False}),
-    ([{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2", "reasoning_content": "add"},
-      {"role": "user", "content": "2+2?"}], None, {}),
+    (
+        [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {
+                            "name": "get_weather",
+                            "arguments": json.dumps({"city": "Paris"}),
+                        },
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+        ],
+        [WEATHER_TOOL],
+        {"enable_thinking": False},
+    ),
+    (
+        [
+            {"role": "user", "content": "1+1?"},
+            {"role": "assistant", "content": "2", "reasoning_content": "add"},
+            {"role": "user", "content": "2+2?"},
+        ],
+        None,
+        {},
+    ),
 ]
 
 
-@pytest.mark.parametrize("messages,tools,kwargs", CONVERSATIONS, ids=["system", "developer-nothink", "text-parts",
-                                                                      "tools", "tool-round-trip", "history"])
-def test_prompt_is_the_checkpoint_template_as_transformers_renders_it(live, hf_tokenizer, messages, tools, kwargs):
+@pytest.mark.parametrize(
+    "messages,tools,kwargs",
+    CONVERSATIONS,
+    ids=["system", "developer-nothink", "text-parts", "tools", "tool-round-trip", "history"],
+)
+def test_prompt_is_the_checkpoint_template_as_transformers_renders_it(
+    live, hf_tokenizer, messages, tools, kwargs
+):
     """The server's prompt equals transformers' apply_chat_template on the checkpoint (string and
     token count over HTTP); chat_template_kwargs reach the template; assistant messages with
     tool_calls and content null, and tool messages, are accepted."""
-    hf_messages = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
-    hf_messages = [{**m, "content": "".join(p["text"] for p in m["content"])} if isinstance(m.get("content"), list)
-                   else m for m in hf_messages]
-    expected = hf_tokenizer.apply_chat_template(hf_messages, tools=tools, add_generation_prompt=True,
-                                                tokenize=False, **kwargs)
-    body = {"model": MODEL, "messages": messages, "tools": tools, "chat_template_kwargs": kwargs or None}
+    hf_messages = [
+        {**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages
+    ]
+    hf_messages = [
+        {**m, "content": "".join(p["text"] for p in m["content"])}
+        if isinstance(m.get("content"), list)
+        else m
+        for m in hf_messages
+    ]
+    expected = hf_tokenizer.apply_chat_template(
+        hf_messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
+    )
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "tools": tools,
+        "chat_template_kwargs": kwargs or None,
+    }
     assert render_prompt(live.ctx.tokenizer, ChatCompletionRequest(**body)) == expected
     extra = {"chat_template_kwargs": kwargs} if kwargs else None
-    out = live.client.chat.completions.create(model=MODEL, messages=messages, tools=tools or openai.NOT_GIVEN,
-                                              max_tokens=1, temperature=0, extra_body=extra)
-    assert out.usage.prompt_tokens == len(hf_tokenizer(expected, add_special_tokens=False)["input_ids"])
+    out = live.client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=tools or openai.NOT_GIVEN,
+        max_tokens=1,
+        temperature=0,
+        extra_body=extra,
+    )
+    assert out.usage.prompt_tokens == len(
+        hf_tokenizer(expected, add_special_tokens=False)["input_ids"]
+    )
 
 
 def test_enable_thinking_false_prefills_an_empty_think_block(live):
@@ -192,7 +288,9 @@ def test_enable_thinking_false_prefills_an_empty_think_block(live):
 
 # ---------------------------------------------------------------- reasoning
 def test_reasoning_is_split_from_content(live):
-    live.sampler.script("[[think]]", "<think>\nThe user wants 6*7.\nThat is 42.\n</think>\n\nThe answer is 42.")
+    live.sampler.script(
+        "[[think]]", "<think>\nThe user wants 6*7.\nThat is 42.\n</think>\n\nThe answer is 42."
+    )
     out = chat(live, "[[think]] what is 6*7?")
     msg = out.choices[0].message
     assert msg.reasoning_content == "The user wants 6*7.\nThat is 42."
@@ -201,11 +299,15 @@ def test_reasoning_is_split_from_content(live):
     got = collect_stream(list(chat(live, "[[think]] what is 6*7?", stream=True)))[0]
     assert got["reasoning"] == msg.reasoning_content and got["content"] == msg.content
     assert got["finish"] == "stop"
-    assert got["order"] == sorted(got["order"], key=["reasoning", "content"].index)  # reasoning first
+    assert got["order"] == sorted(
+        got["order"], key=["reasoning", "content"].index
+    )  # reasoning first
 
 
 def test_reasoning_cut_by_max_tokens_is_all_reasoning(live):
-    ids = live.sampler.script("[[long-think]]", "<think>\nstep one, step two, step three, step four")
+    ids = live.sampler.script(
+        "[[long-think]]", "<think>\nstep one, step two, step three, step four"
+    )
     out = chat(live, "[[long-think]] go", max_tokens=6)
     assert out.choices[0].finish_reason == "length"
     assert out.choices[0].message.reasoning_content == live.ctx.tokenizer.decode(ids[2:6])
@@ -224,24 +326,41 @@ def test_thinking_off_keeps_the_answer_in_content(live):
 
     # unscripted (the real model's tokens): content is exactly the raw completion of the same prompt
     messages = [{"role": "user", "content": "Say something."}]
-    prompt = live.ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False)
-    raw = live.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+    prompt = live.ctx.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, enable_thinking=False
+    )
+    raw = (
+        live.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        .choices[0]
+        .text
+    )
     out = chat(live, "", messages=messages, max_tokens=12, **NO_THINK)
     assert out.choices[0].message.content == raw
 
 
 # ---------------------------------------------------------------- tool calls
 def test_tool_call_becomes_tool_calls(live):
-    live.sampler.script("[[tool]]", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
-                                    '"unit": "°C"}}\n</tool_call>')
+    live.sampler.script(
+        "[[tool]]",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"unit": "°C"}}\n</tool_call>',
+    )
     out = chat(live, "[[tool]] weather in Paris?", tools=[WEATHER_TOOL], **NO_THINK)
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
-    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert (
+        call.type == "function"
+        and call.id.startswith("call_")
+        and call.function.name == "get_weather"
+    )
     assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "°C"}
 
-    got = collect_stream(list(chat(live, "[[tool]] weather in Paris?", tools=[WEATHER_TOOL], stream=True, **NO_THINK)))[0]
+    got = collect_stream(
+        list(
+            chat(live, "[[tool]] weather in Paris?", tools=[WEATHER_TOOL], stream=True, **NO_THINK)
+        )
+    )[0]
     assert got["finish"] == "tool_calls" and got["content"] == ""
     (delta,) = got["calls"]
     assert delta.index == 0 and delta.id.startswith("call_") and delta.type == "function"
@@ -250,17 +369,23 @@ def test_tool_call_becomes_tool_calls(live):
 
 
 def test_reasoning_text_and_two_tool_calls(live):
-    live.sampler.script("[[two-tools]]", (
-        "<think>\nI need both cities.\n</think>\n\nChecking both.\n"
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京"}}\n</tool_call>'))
+    live.sampler.script(
+        "[[two-tools]]",
+        (
+            "<think>\nI need both cities.\n</think>\n\nChecking both.\n"
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京"}}\n</tool_call>'
+        ),
+    )
     out = chat(live, "[[two-tools]] Paris and Tokyo?", tools=[WEATHER_TOOL], tool_choice="auto")
     msg = out.choices[0].message
     assert msg.reasoning_content == "I need both cities." and msg.content == "Checking both."
     assert [json.loads(c.function.arguments)["city"] for c in msg.tool_calls] == ["Paris", "東京"]
     assert len({c.id for c in msg.tool_calls}) == 2 and out.choices[0].finish_reason == "tool_calls"
 
-    chunks = list(chat(live, "[[two-tools]] Paris and Tokyo?", tools=[WEATHER_TOOL], stream=True, n=2))
+    chunks = list(
+        chat(live, "[[two-tools]] Paris and Tokyo?", tools=[WEATHER_TOOL], stream=True, n=2)
+    )
     got = collect_stream(chunks)
     assert sorted(got) == [0, 1]
     for g in got.values():  # each choice has its own parsers
@@ -272,7 +397,9 @@ def test_reasoning_text_and_two_tool_calls(live):
 def test_tool_choice_none_and_malformed_calls_stay_text(live):
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
     live.sampler.script("[[tool-none]]", text)
-    with_tools = chat(live, "[[tool-none]] hi", tools=[WEATHER_TOOL], max_tokens=1, **NO_THINK).usage.prompt_tokens
+    with_tools = chat(
+        live, "[[tool-none]] hi", tools=[WEATHER_TOOL], max_tokens=1, **NO_THINK
+    ).usage.prompt_tokens
     out = chat(live, "[[tool-none]] hi", tools=[WEATHER_TOOL], tool_choice="none", **NO_THINK)
     assert out.usage.prompt_tokens < with_tools  # tools are not rendered into the prompt
     assert out.choices[0].message.content == text and not out.choices[0].message.tool_calls
@@ -283,7 +410,9 @@ def test_tool_choice_none_and_malformed_calls_stay_text(live):
     out = chat(live, "[[tool-bad]] hi", tools=[WEATHER_TOOL], **NO_THINK)
     assert out.choices[0].message.content == bad and not out.choices[0].message.tool_calls
     assert out.choices[0].finish_reason == "stop"
-    got = collect_stream(list(chat(live, "[[tool-bad]] hi", tools=[WEATHER_TOOL], stream=True, **NO_THINK)))[0]
+    got = collect_stream(
+        list(chat(live, "[[tool-bad]] hi", tools=[WEATHER_TOOL], stream=True, **NO_THINK))
+    )[0]
     assert got["content"] == bad and got["calls"] == [] and got["finish"] == "stop"
 
 
@@ -291,12 +420,24 @@ def test_tool_result_round_trip(live):
     live.sampler.script("[[after-tool]]", "It is sunny in Paris.")
     messages = [
         {"role": "user", "content": "[[after-tool]] Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_9", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_9",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_9", "content": "sunny"},
     ]
     out = chat(live, "", messages=messages, tools=[WEATHER_TOOL], **NO_THINK)
-    assert out.choices[0].message.content == "It is sunny in Paris." and out.choices[0].finish_reason == "stop"
+    assert (
+        out.choices[0].message.content == "It is sunny in Paris."
+        and out.choices[0].finish_reason == "stop"
+    )
 
 
 # ---------------------------------------------------------------- UTF-8 and stop strings
@@ -310,14 +451,31 @@ def test_streamed_deltas_never_contain_partial_characters(live):
 
     out = chat(live, "[[utf8]]", **NO_THINK)
     assert out.choices[0].message.content == MULTIBYTE
-    deltas = [c.choices[0].delta.content for c in chat(live, "[[utf8]]", stream=True, **NO_THINK)
-              if c.choices and c.choices[0].delta.content]
+    deltas = [
+        c.choices[0].delta.content
+        for c in chat(live, "[[utf8]]", stream=True, **NO_THINK)
+        if c.choices and c.choices[0].delta.content
+    ]
     assert "".join(deltas) == MULTIBYTE and not any(FFFD in d for d in deltas)
     assert len(deltas) > 5
 
-    with httpx.stream("POST", live.base_url + "/v1/completions", timeout=120, json={
-            "model": MODEL, "prompt": "[[utf8]]", "max_tokens": 64, "temperature": 0, "stream": True}) as r:
-        texts = [json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines() if line.startswith("data: {")]
+    with httpx.stream(
+        "POST",
+        live.base_url + "/v1/completions",
+        timeout=120,
+        json={
+            "model": MODEL,
+            "prompt": "[[utf8]]",
+            "max_tokens": 64,
+            "temperature": 0,
+            "stream": True,
+        },
+    ) as r:
+        texts = [
+            json.loads(line[6:])["choices"][0]["text"]
+            for line in r.iter_lines()
+            if line.startswith("data: {")
+        ]
     assert "".join(texts) == MULTIBYTE and not any(FFFD in t for t in texts)
 
 
@@ -327,8 +485,11 @@ def test_stop_strings_inside_multibyte_tokens(live, stop):
     expected = MULTIBYTE[: MULTIBYTE.index(stop)]
     out = chat(live, "[[utf8]]", stop=[stop], **NO_THINK)
     assert out.choices[0].message.content == expected and out.choices[0].finish_reason == "stop"
-    deltas = [c.choices[0].delta.content or "" for c in chat(live, "[[utf8]]", stop=stop, stream=True, **NO_THINK)
-              if c.choices]
+    deltas = [
+        c.choices[0].delta.content or ""
+        for c in chat(live, "[[utf8]]", stop=stop, stream=True, **NO_THINK)
+        if c.choices
+    ]
     assert "".join(deltas) == expected and not any(FFFD in d for d in deltas)
 
 
@@ -348,8 +509,9 @@ def test_request_path_makes_no_thread_pool_hop(live, monkeypatch):
 
         monkeypatch.setattr(module, "run_in_threadpool", counting)
     chat(live, "Hi", max_tokens=1)
-    with live.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                             max_tokens=2, stream=True) as stream:
+    with live.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, stream=True
+    ) as stream:
         assert list(stream)
     live.client.models.list()
     assert hops == []

@@ -32,12 +32,22 @@ FFFD = "\ufffd"
 
 
 def aclient(server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.AsyncOpenAI(
+        base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120
+    )
 
 
 #: vLLM-style fields the openai client has no argument for (sent through extra_body)
-EXTRA_FIELDS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-                "include_stop_str_in_output", "chat_template_kwargs"}
+EXTRA_FIELDS = {
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "chat_template_kwargs",
+}
 
 
 def with_extra(kw: dict) -> dict:
@@ -125,10 +135,22 @@ def test_top_k_top_p_min_p_per_request_in_one_batch(server, client):
 
     async def run():
         async with aclient(server) as ac:
-            kws = [dict(temperature=0), dict(temperature=1.0, top_k=1), dict(temperature=1.5, top_p=1e-6),
-                   dict(temperature=2.0, min_p=1.0), dict(temperature=1.0, seed=5), dict(temperature=1.0, top_k=1, seed=9)]
-            outs = await asyncio.gather(*(ac.completions.create(
-                model=MODEL, prompt=PROMPT, max_tokens=12, **with_extra(kw)) for kw in kws))
+            kws = [
+                dict(temperature=0),
+                dict(temperature=1.0, top_k=1),
+                dict(temperature=1.5, top_p=1e-6),
+                dict(temperature=2.0, min_p=1.0),
+                dict(temperature=1.0, seed=5),
+                dict(temperature=1.0, top_k=1, seed=9),
+            ]
+            outs = await asyncio.gather(
+                *(
+                    ac.completions.create(
+                        model=MODEL, prompt=PROMPT, max_tokens=12, **with_extra(kw)
+                    )
+                    for kw in kws
+                )
+            )
             return [o.choices[0].text for o in outs]
 
     texts = asyncio.run(run())
@@ -139,8 +161,11 @@ def test_top_k_top_p_min_p_per_request_in_one_batch(server, client):
 def test_lower_temperature_picks_likelier_tokens(client):
     """Seeded samples at temperature 0.05 have a higher mean (raw) log-probability than at 2.0
     (no top_k / top_p truncation, which the checkpoint defaults would otherwise apply)."""
+
     def mean_lp(t):
-        out = complete(client, temperature=t, seed=11, max_tokens=24, logprobs=0, top_k=-1, top_p=1.0)
+        out = complete(
+            client, temperature=t, seed=11, max_tokens=24, logprobs=0, top_k=-1, top_p=1.0
+        )
         lps = out.choices[0].logprobs.token_logprobs
         return sum(lps) / len(lps)
 
@@ -158,14 +183,36 @@ def test_seed_gives_the_same_text_alone_and_among_concurrent_requests(server, cl
     async def run():
         async with aclient(server) as ac:
             others = [
-                ac.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=16),
-                ac.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0.7, top_p=0.9, seed=7,
-                                           max_tokens=14, extra_body={"top_k": 5}),
-                ac.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Other prompt " * 20}],
-                                           temperature=1.2, presence_penalty=1.5, frequency_penalty=0.5,
-                                           logit_bias={str(APPLE): 3}, n=2, max_tokens=10),
-                ac.completions.create(model=MODEL, prompt="x y z", temperature=1.0, max_tokens=15, logprobs=3,
-                                      extra_body={"min_p": 0.1, "repetition_penalty": 1.3}),
+                ac.chat.completions.create(
+                    model=MODEL, messages=MESSAGES, temperature=0, max_tokens=16
+                ),
+                ac.chat.completions.create(
+                    model=MODEL,
+                    messages=MESSAGES,
+                    temperature=0.7,
+                    top_p=0.9,
+                    seed=7,
+                    max_tokens=14,
+                    extra_body={"top_k": 5},
+                ),
+                ac.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": "Other prompt " * 20}],
+                    temperature=1.2,
+                    presence_penalty=1.5,
+                    frequency_penalty=0.5,
+                    logit_bias={str(APPLE): 3},
+                    n=2,
+                    max_tokens=10,
+                ),
+                ac.completions.create(
+                    model=MODEL,
+                    prompt="x y z",
+                    temperature=1.0,
+                    max_tokens=15,
+                    logprobs=3,
+                    extra_body={"min_p": 0.1, "repetition_penalty": 1.3},
+                ),
             ]
             target = ac.chat.completions.create(model=MODEL, messages=MESSAGES, **seeded)
             res = await asyncio.gather(target, *others)
@@ -198,12 +245,18 @@ def test_presence_frequency_and_repetition_penalties(client):
     bias = {str(APPLE): 2}
 
     def toks(prompt=PROMPT, logit_bias=bias, **kw):
-        out = complete(client, prompt=prompt, max_tokens=24, logprobs=0, logit_bias=logit_bias, **kw)
+        out = complete(
+            client, prompt=prompt, max_tokens=24, logprobs=0, logit_bias=logit_bias, **kw
+        )
         return out.choices[0].logprobs.tokens
 
     base = toks()
     assert base.count(" apple") >= 10 and repeats(base) >= 10
-    for kw in (dict(presence_penalty=2.0), dict(frequency_penalty=2.0), dict(repetition_penalty=2.0)):
+    for kw in (
+        dict(presence_penalty=2.0),
+        dict(frequency_penalty=2.0),
+        dict(repetition_penalty=2.0),
+    ):
         pen = toks(**kw)
         assert pen != base, kw
         assert 1 <= pen.count(" apple") <= 2 and repeats(pen) < repeats(base), (kw, pen)
@@ -223,7 +276,9 @@ def test_stop_strings_spanning_token_boundaries_never_leak(client):
     text, pieces = ref.choices[0].text, ref.choices[0].logprobs.tokens
     stop, start = boundary_stop(pieces, text)
     never = text[start - 3 : start] + "\u2603never"  # its prefix appears in the text, then fails
-    tail = text[-3:] + "\u2603"  # a possible stop string at the very end, resolved by the length limit
+    tail = (
+        text[-3:] + "\u2603"
+    )  # a possible stop string at the very end, resolved by the length limit
     cases = [
         (dict(stop=stop), text[:start], "stop"),
         (dict(stop=[never, stop]), text[:start], "stop"),
@@ -258,8 +313,14 @@ def test_chat_stop_string_spanning_token_boundary(client):
 def test_stop_token_ids(client, tokenizer):
     ref = complete(client, max_tokens=12, logprobs=0)
     pieces = ref.choices[0].logprobs.tokens
-    k = next(i for i, p in enumerate(pieces) if i >= 3 and FFFD not in "".join(pieces[: i + 1])
-             and len(tokenizer.encode(p)) == 1 and pieces.index(p) == i)
+    k = next(
+        i
+        for i, p in enumerate(pieces)
+        if i >= 3
+        and FFFD not in "".join(pieces[: i + 1])
+        and len(tokenizer.encode(p)) == 1
+        and pieces.index(p) == i
+    )
     tok_id = tokenizer.encode(pieces[k])[0]
     out = complete(client, max_tokens=12, stop_token_ids=[tok_id])
     assert out.choices[0].text == "".join(pieces[:k])  # the stop token's own text is not included
@@ -283,7 +344,9 @@ def test_eos_ignore_eos_and_min_tokens(client):
 def test_max_tokens_and_max_completion_tokens(client):
     out = chat(client, max_tokens=3)
     assert out.usage.completion_tokens == 3 and out.choices[0].finish_reason == "length"
-    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_completion_tokens=2)
+    out = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_completion_tokens=2
+    )
     assert out.usage.completion_tokens == 2 and out.choices[0].finish_reason == "length"
     # max_completion_tokens wins over the deprecated max_tokens
     out = chat(client, max_tokens=6, max_completion_tokens=4)
@@ -303,7 +366,9 @@ def test_n_choices(client):
     texts, finishes, chunks = streamed_chat(client, n=3, temperature=1.0, seed=42, max_tokens=8)
     assert texts == dict(enumerate(contents))
     assert finishes == {c.index: c.finish_reason for c in out.choices}
-    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+    roles = [
+        c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"
+    ]
     assert sorted(roles) == [0, 1, 2]
 
     out = complete(client, prompt=["Hello world", "Goodbye"], n=2, max_tokens=4)
@@ -315,11 +380,14 @@ def test_n_choices(client):
 # ---------------------------------------------------------------- logprobs
 @pytest.fixture(scope="module")
 def hf():
-    """transformers' own tokenizer and Qwen3ForCausalLM on the embedded checkpoint (the reference)."""
+    """transformers' own tokenizer and Qwen3ForCausalLM on the embedded checkpoint (the
+    reference)."""
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
     path = ensure_embedded_checkpoint()
-    return AutoTokenizer.from_pretrained(path), Qwen3ForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    return AutoTokenizer.from_pretrained(path), Qwen3ForCausalLM.from_pretrained(
+        path, torch_dtype=torch.float32
+    ).eval()
 
 
 def raw_logprobs(model, ids: list[int]) -> torch.Tensor:
@@ -353,7 +421,9 @@ def test_chat_logprobs_are_the_raw_model_distribution(client, hf):
     # sampling settings do not change the reported values: raw, not tempered or biased
     hot = chat(client, max_tokens=1, logprobs=True, temperature=1.5, top_k=1)
     assert hot.choices[0].logprobs.content[0].logprob == pytest.approx(top_v[0].item(), abs=1e-3)
-    tempered = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1] / 1.5, dim=-1).max().item()
+    tempered = (
+        torch.log_softmax(model(torch.tensor([ids])).logits[0, -1] / 1.5, dim=-1).max().item()
+    )
     assert abs(tempered - top_v[0].item()) > 0.05
     biased = chat(client, max_tokens=1, logprobs=True, top_logprobs=0, logit_bias={str(APPLE): 100})
     e = biased.choices[0].logprobs.content[0]
@@ -368,11 +438,15 @@ def test_completion_logprobs_and_echo(client, hf, tokenizer):
     out = complete(client, max_tokens=6, logprobs=3)
     lp = out.choices[0].logprobs
     text = out.choices[0].text
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert (
+        len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    )
     assert lp.token_logprobs[0] == pytest.approx(top_v[0].item(), abs=1e-3)
-    assert sorted(lp.top_logprobs[0].values(), reverse=True) == pytest.approx(top_v.tolist(), abs=1e-3)
+    assert sorted(lp.top_logprobs[0].values(), reverse=True) == pytest.approx(
+        top_v.tolist(), abs=1e-3
+    )
     assert set(lp.top_logprobs[0]) == {hf_tok.decode([i]) for i in top_i.tolist()}
-    for tok, tlp, tops in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for tlp, tops in zip(lp.token_logprobs, lp.top_logprobs):
         assert len(tops) <= 3 and tlp == pytest.approx(max(tops.values()))  # greedy: the top one
     assert lp.text_offset[0] == 0
     assert all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
@@ -388,11 +462,25 @@ def test_completion_logprobs_and_echo(client, hf, tokenizer):
 def test_defaults_come_from_generation_config():
     defaults = generation_defaults(read_generation_config(ensure_embedded_checkpoint()))
     assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
-    common = dict(max_tokens=8, logprobs=None, num_prompt_tokens=10, max_model_len=2048,
-                  vocab_size=151936, defaults=defaults)
+    common = dict(
+        max_tokens=8,
+        logprobs=None,
+        num_prompt_tokens=10,
+        max_model_len=2048,
+        vocab_size=151936,
+        defaults=defaults,
+    )
     p = to_sampling_params(ChatCompletionRequest(messages=MESSAGES), **common)
-    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.6, 0.95, 20, 0.0, 1.0)
-    p = to_sampling_params(ChatCompletionRequest(messages=MESSAGES, temperature=0, top_k=-1, top_p=1), **common)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (
+        0.6,
+        0.95,
+        20,
+        0.0,
+        1.0,
+    )
+    p = to_sampling_params(
+        ChatCompletionRequest(messages=MESSAGES, temperature=0, top_k=-1, top_p=1), **common
+    )
     assert (p.temperature, p.top_p, p.top_k) == (0.0, 1.0, -1)
     p = to_sampling_params(CompletionRequest(prompt="x", top_p=0.5), **common)
     assert (p.temperature, p.top_p, p.top_k) == (0.6, 0.5, 20)
@@ -414,7 +502,9 @@ def test_omitted_parameters_use_the_checkpoint_defaults_over_http(client):
 # ---------------------------------------------------------------- streaming shape
 def test_stream_chunks_usage_and_no_empty_deltas(client):
     _, _, chunks = streamed_chat(client, max_tokens=8, n=2, stream_options={"include_usage": True})
-    assert all(c.id == chunks[0].id and c.model == MODEL and c.created == chunks[0].created for c in chunks)
+    assert all(
+        c.id == chunks[0].id and c.model == MODEL and c.created == chunks[0].created for c in chunks
+    )
     last = chunks[-1]
     assert last.choices == [] and last.usage.completion_tokens == 16
     assert last.usage.total_tokens == last.usage.prompt_tokens + 16
@@ -444,10 +534,23 @@ def test_streamed_deltas_never_split_characters(server, client):
     for prompt in ["你好，世界", "😀🎉👍", "数学题：一加一等于几？"]:
         full = complete(client, prompt=prompt, max_tokens=24).choices[0].text
         wide += sum(len(ch.encode()) > 1 for ch in full)
-        with httpx.stream("POST", server.base_url + "/v1/completions", timeout=120, json={
-                "model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True}) as r:
-            deltas = [json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
-                      if line.startswith("data: {")]
+        with httpx.stream(
+            "POST",
+            server.base_url + "/v1/completions",
+            timeout=120,
+            json={
+                "model": MODEL,
+                "prompt": prompt,
+                "max_tokens": 24,
+                "temperature": 0,
+                "stream": True,
+            },
+        ) as r:
+            deltas = [
+                json.loads(line[6:])["choices"][0]["text"]
+                for line in r.iter_lines()
+                if line.startswith("data: {")
+            ]
         assert "".join(deltas) == full
         if FFFD not in full:
             assert not any(FFFD in d for d in deltas), prompt

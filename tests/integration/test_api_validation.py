@@ -19,8 +19,16 @@ MODEL = "qwen3-embedded"
 MESSAGES = [{"role": "user", "content": "Tell me a short story."}]
 GREEDY = {"model": MODEL, "messages": MESSAGES, "temperature": 0, "max_tokens": 24}
 ERROR_KEYS = {"message", "type", "param", "code"}
-EXTRA_FIELDS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-                "include_stop_str_in_output", "chat_template_kwargs"}
+EXTRA_FIELDS = {
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "chat_template_kwargs",
+}
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +60,26 @@ BAD_REQUESTS = [
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": "hello"}, "messages"),
     ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
-    ("chat", {"messages": [{"role": "user", "content": {"type": "text", "text": "hi"}}]}, "messages.0.content"),
-    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages.0.content"),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": {"type": "text", "text": "hi"}}]},
+        "messages.0.content",
+    ),
+    (
+        "chat",
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ]
+        },
+        "messages.0.content",
+    ),
     ("chat", {"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}, "messages.1.content"),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]},
+        "messages.1.content",
+    ),
     ("chat", {"tools": [{"type": "function"}]}, "tools.0.function"),
     ("chat", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ("chat", {"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
@@ -86,7 +109,11 @@ BAD_REQUESTS = [
     ("chat", {"max_tokens": None, "max_completion_tokens": 2040}, "max_completion_tokens"),
     ("completions", {"max_tokens": 2047}, "max_tokens"),
     ("completions", {"prompt": LONG_PROMPT}, "prompt"),
-    ("chat", {"messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": None}, "messages"),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": None},
+        "messages",
+    ),
     # logprobs
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
@@ -132,60 +159,103 @@ def test_context_length_message_gives_both_numbers(client):
     with pytest.raises(openai.BadRequestError) as e:
         send(client, "chat", {"max_tokens": 2040})
     err = e.value.body
-    prompt_tokens = client.chat.completions.create(**{**GREEDY, "max_tokens": 1}).usage.prompt_tokens
+    prompt_tokens = client.chat.completions.create(
+        **{**GREEDY, "max_tokens": 1}
+    ).usage.prompt_tokens
     assert "2048" in err["message"] and f"{prompt_tokens} in the prompt" in err["message"]
     assert "2040 for the completion" in err["message"] and err["code"] == "context_length_exceeded"
 
 
 def test_invalid_json_is_400(server):
-    for raw in (b"{not json", b"[" * 100_000, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'):
-        r = httpx.post(server.base_url + "/v1/chat/completions", content=raw,
-                       headers={"content-type": "application/json"}, timeout=60)
+    for raw in (
+        b"{not json",
+        b"[" * 100_000,
+        b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+    ):
+        r = httpx.post(
+            server.base_url + "/v1/chat/completions",
+            content=raw,
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
         assert r.status_code == 400 and set(r.json()["error"]) == ERROR_KEYS
 
 
 def test_empty_body_gets_a_clear_message(server):
     for endpoint in ("/v1/chat/completions", "/v1/completions"):
-        r = httpx.post(server.base_url + endpoint, headers={"content-type": "application/json"}, timeout=60)
+        r = httpx.post(
+            server.base_url + endpoint, headers={"content-type": "application/json"}, timeout=60
+        )
         assert r.status_code == 400 and "body is empty" in r.json()["error"]["message"]
 
 
 def test_unknown_model_is_404(client):
-    for call in (lambda: client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=1),
-                 lambda: client.completions.create(model="gpt-4o", prompt="hi", max_tokens=1)):
+    for call in (
+        lambda: client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=1),
+        lambda: client.completions.create(model="gpt-4o", prompt="hi", max_tokens=1),
+    ):
         with pytest.raises(openai.NotFoundError) as e:
             call()
         err = e.value.response.json()["error"]
-        assert set(err) == ERROR_KEYS and err["param"] == "model" and err["code"] == "model_not_found"
+        assert (
+            set(err) == ERROR_KEYS and err["param"] == "model" and err["code"] == "model_not_found"
+        )
         assert "gpt-4o" in err["message"]
 
 
 def test_oversized_body_is_413(server):
     """The default limit (4 MiB) holds for a declared Content-Length and for a chunked body."""
-    big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a" * (5 << 20)}]}).encode()
-    r = httpx.post(server.base_url + "/v1/chat/completions", content=big,
-                   headers={"content-type": "application/json"}, timeout=60)
+    big = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "a" * (5 << 20)}]}
+    ).encode()
+    r = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        content=big,
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
     assert r.status_code == 413 and set(r.json()["error"]) == ERROR_KEYS
 
     def chunks():
         for i in range(0, len(big), 1 << 16):
             yield big[i : i + (1 << 16)]
 
-    r = httpx.post(server.base_url + "/v1/chat/completions", content=chunks(),
-                   headers={"content-type": "application/json"}, timeout=60)
+    r = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        content=chunks(),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
     assert r.status_code == 413 and set(r.json()["error"]) == ERROR_KEYS
 
 
 def test_unknown_fields_are_ignored_and_text_parts_accepted(client, baseline):
-    out = client.chat.completions.create(**GREEDY, extra_body={
-        "metadata": {"k": "v"}, "store": False, "parallel_tool_calls": False, "service_tier": "auto",
-        "frobnicate": [1, 2, {"x": None}], "messages_extra": True})
+    out = client.chat.completions.create(
+        **GREEDY,
+        extra_body={
+            "metadata": {"k": "v"},
+            "store": False,
+            "parallel_tool_calls": False,
+            "service_tier": "auto",
+            "frobnicate": [1, 2, {"x": None}],
+            "messages_extra": True,
+        },
+    )
     assert out.choices[0].message.content == baseline
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me a "},
-                                          {"type": "text", "text": "short story."}]}]
+    parts = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Tell me a "},
+                {"type": "text", "text": "short story."},
+            ],
+        }
+    ]
     out = client.chat.completions.create(**{**GREEDY, "messages": parts})
     assert out.choices[0].message.content == baseline
-    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, extra_body={"whatever": 1})
+    out = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=2, extra_body={"whatever": 1}
+    )
     assert out.usage.completion_tokens == 2
 
 
@@ -200,15 +270,22 @@ EDGE_REQUESTS = [
     {"repetition_penalty": 1e-6, "temperature": 0.5},
     {"min_p": 1.0, "temperature": 2.0},
     {"temperature": 1e-9},
-    {"logit_bias": {str(i): (100 if i % 2 else -100) for i in range(0, 600, 3)}, "temperature": 1.0},
+    {
+        "logit_bias": {str(i): (100 if i % 2 else -100) for i in range(0, 600, 3)},
+        "temperature": 1.0,
+    },
     {"logprobs": True, "top_logprobs": 20, "n": 4, "temperature": 1.0},
     {"stop": [str(i) for i in range(16)], "stop_token_ids": [0, 151643], "min_tokens": 2},
     {"ignore_eos": True, "logit_bias": {"151645": 100}},
     {"presence_penalty": -2, "frequency_penalty": 2, "temperature": 1.0},
     {"n": 16, "max_tokens": 1, "temperature": 1.0},
     {"chat_template_kwargs": {"enable_thinking": False, "custom": {"nested": [1, 2]}}},
-    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-     "tool_choice": "auto"},
+    {
+        "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        ],
+        "tool_choice": "auto",
+    },
 ]
 
 
@@ -217,8 +294,9 @@ def test_no_input_crashes_the_engine_or_changes_another_output(server, baseline)
     text stays the reference, the server stays healthy, and greedy output is unchanged after."""
 
     async def run():
-        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
-                                      timeout=120) as ac:
+        async with openai.AsyncOpenAI(
+            base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120
+        ) as ac:
 
             async def victim():
                 text = ""
@@ -235,20 +313,28 @@ def test_no_input_crashes_the_engine_or_changes_another_output(server, baseline)
 
             task = asyncio.ensure_future(victim())
             await asyncio.sleep(0.05)
-            results = await asyncio.gather(*(one(e, b) for e, b, _ in BAD_REQUESTS),
-                                           *(one("chat", b) for b in EDGE_REQUESTS),
-                                           *(one("completions", {k: v for k, v in b.items() if k not in CHAT_ONLY})
-                                             for b in EDGE_REQUESTS))
+            results = await asyncio.gather(
+                *(one(e, b) for e, b, _ in BAD_REQUESTS),
+                *(one("chat", b) for b in EDGE_REQUESTS),
+                *(
+                    one("completions", {k: v for k, v in b.items() if k not in CHAT_ONLY})
+                    for b in EDGE_REQUESTS
+                ),
+            )
             return await task, results
 
     text, results = asyncio.run(run())
     assert text == baseline
     statuses = [s for s, _ in results]
     assert statuses[: len(BAD_REQUESTS)] == [400] * len(BAD_REQUESTS)
-    assert statuses[len(BAD_REQUESTS):] == [200] * (2 * len(EDGE_REQUESTS))
-    n16 = results[len(BAD_REQUESTS) + EDGE_REQUESTS.index({"n": 16, "max_tokens": 1, "temperature": 1.0})][1]
+    assert statuses[len(BAD_REQUESTS) :] == [200] * (2 * len(EDGE_REQUESTS))
+    n16 = results[
+        len(BAD_REQUESTS) + EDGE_REQUESTS.index({"n": 16, "max_tokens": 1, "temperature": 1.0})
+    ][1]
     assert [c.index for c in n16.choices] == list(range(16))
 
     assert httpx.get(server.base_url + "/health").json() == {"status": "ok"}
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(
+        base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120
+    )
     assert client.chat.completions.create(**GREEDY).choices[0].message.content == baseline

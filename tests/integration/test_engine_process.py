@@ -24,21 +24,34 @@ def proc_server():
 def test_process_engine_serves_streams_and_frees_blocks(proc_server):
     base = proc_server.base_url
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
-    kwargs = dict(model="qwen3-embedded", messages=[{"role": "user", "content": "hi there"}], temperature=0,
-                  max_tokens=12)
+    kwargs = dict(
+        model="qwen3-embedded",
+        messages=[{"role": "user", "content": "hi there"}],
+        temperature=0,
+        max_tokens=12,
+    )
     full = client.chat.completions.create(**kwargs)
     chunks = list(client.chat.completions.create(stream=True, **kwargs))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == full.choices[0].message.content
+    )
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
     # hang up mid-stream: the engine process aborts it and frees its blocks
-    with httpx.stream("POST", base + "/v1/completions", json={"prompt": "a b c", "max_tokens": 400, "stream": True,
-                                                               "ignore_eos": True}, timeout=60) as r:
+    with httpx.stream(
+        "POST",
+        base + "/v1/completions",
+        json={"prompt": "a b c", "max_tokens": 400, "stream": True, "ignore_eos": True},
+        timeout=60,
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break
     for _ in range(50):
         m = scrape(base)
-        if m["qwen_serve:num_requests_running"] == 0 and m["qwen_serve:num_free_kv_blocks"] == num_kv_blocks(m):
+        if m["qwen_serve:num_requests_running"] == 0 and m[
+            "qwen_serve:num_free_kv_blocks"
+        ] == num_kv_blocks(m):
             break
         time.sleep(0.1)
     assert m["qwen_serve:num_free_kv_blocks"] == num_kv_blocks(m)
@@ -48,7 +61,10 @@ def test_process_engine_serves_streams_and_frees_blocks(proc_server):
 def test_engine_process_death_fails_requests_and_health():
     srv = ServerProcess("--engine-mode", "process", "--max-model-len", "512").wait_ready()
     try:
-        children = [int(p) for p in open(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read().split()]
+        children = [
+            int(p)
+            for p in open(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read().split()
+        ]
         engine_pids = [p for p in children if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
         assert engine_pids, children
         os.kill(engine_pids[0], signal.SIGKILL)
@@ -57,7 +73,9 @@ def test_engine_process_death_fails_requests_and_health():
                 break
             time.sleep(0.1)
         assert httpx.get(srv.base_url + "/health", timeout=30).status_code == 503
-        r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=30)
+        r = httpx.post(
+            srv.base_url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=30
+        )
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
     finally:
         srv.stop()
@@ -71,14 +89,19 @@ def test_no_deadlock_when_outputs_pile_up_and_a_large_command_is_sent():
     import asyncio
     import threading
 
-    from engine.core.config import EngineConfig
-    from engine.loader.embedded import ensure_embedded_checkpoint
-    from engine.frontend.process_core import ProcessCore
     from engine.core.commands import AbortRequest, AddRequest
+    from engine.core.config import EngineConfig
     from engine.core.request import SamplingParams
+    from engine.frontend.process_core import ProcessCore
+    from engine.loader.embedded import ensure_embedded_checkpoint
 
-    cfg = EngineConfig(model=str(ensure_embedded_checkpoint()), device="cpu", max_model_len=1024,
-                       max_num_seqs=256, num_kv_blocks=2048)
+    cfg = EngineConfig(
+        model=str(ensure_embedded_checkpoint()),
+        device="cpu",
+        max_model_len=1024,
+        max_num_seqs=256,
+        num_kv_blocks=2048,
+    )
     core = ProcessCore(cfg, frozenset())
     got = {"msgs": 0}
 
@@ -90,8 +113,10 @@ def test_no_deadlock_when_outputs_pile_up_and_a_large_command_is_sent():
         await asyncio.sleep(1.0)
         time.sleep(6.0)  # the loop busy elsewhere: outputs back up in the pipe
         sender = threading.Thread(
-            target=core.send, args=(AddRequest("big", list(range(1, 120000)), SamplingParams(max_tokens=1)),),
-            daemon=True)
+            target=core.send,
+            args=(AddRequest("big", list(range(1, 120000)), SamplingParams(max_tokens=1)),),
+            daemon=True,
+        )
         sender.start()
         sender.join(30)
         sent = not sender.is_alive()
@@ -101,7 +126,9 @@ def test_no_deadlock_when_outputs_pile_up_and_a_large_command_is_sent():
         return sent
 
     try:
-        assert asyncio.run(scenario()), "the large command never left: parent and engine blocked each other"
+        assert asyncio.run(scenario()), (
+            "the large command never left: parent and engine blocked each other"
+        )
         assert got["msgs"] > 0
     finally:
         if core.is_alive():

@@ -7,8 +7,8 @@ import time
 import httpx
 import pytest
 
-from engine.loader.embedded import ensure_embedded_checkpoint
 from engine.frontend.tokenizer import Tokenizer
+from engine.loader.embedded import ensure_embedded_checkpoint
 from tests.metricsutil import num_kv_blocks, scrape
 from tests.serverproc import ServerProcess
 
@@ -43,13 +43,21 @@ def test_metrics_match_what_was_sent(fresh_server):
 
     # A, B: same prompt, 7 tokens each (length); B reuses A's two full blocks from the prefix cache
     for _ in range(2):
-        r = httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 7, "ignore_eos": True,
-                                                       "temperature": 0}, timeout=60)
+        r = httpx.post(
+            base + "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 7, "ignore_eos": True, "temperature": 0},
+            timeout=60,
+        )
         assert r.json()["usage"]["completion_tokens"] == 7
     # C: forced first token that is also a stop token -> finish "stop" after 1 token
     forced = tok.encode(" blue")[0]
-    chat = {"messages": [{"role": "user", "content": "colour?"}], "max_tokens": 5, "temperature": 0,
-            "logit_bias": {str(forced): 100}, "stop_token_ids": [forced]}
+    chat = {
+        "messages": [{"role": "user", "content": "colour?"}],
+        "max_tokens": 5,
+        "temperature": 0,
+        "logit_bias": {str(forced): 100},
+        "stop_token_ids": [forced],
+    }
     rc = httpx.post(base + "/v1/chat/completions", json=chat, timeout=60).json()
     assert rc["choices"][0]["finish_reason"] == "stop" and rc["usage"]["completion_tokens"] == 1
     prompt_c = rc["usage"]["prompt_tokens"]
@@ -79,8 +87,12 @@ def test_metrics_match_what_was_sent(fresh_server):
     assert "max_model_len=512" in info and "block_size=16" in info and "dtype=float32" in info
 
     # D: a stream the client abandons -> one abort, blocks freed
-    with httpx.stream("POST", base + "/v1/completions", json={"prompt": prompt, "max_tokens": 300, "stream": True,
-                                                               "ignore_eos": True}, timeout=60) as r:
+    with httpx.stream(
+        "POST",
+        base + "/v1/completions",
+        json={"prompt": prompt, "max_tokens": 300, "stream": True, "ignore_eos": True},
+        timeout=60,
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break

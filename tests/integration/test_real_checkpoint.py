@@ -12,11 +12,14 @@ import openai
 import pytest
 
 from engine.core.config import EngineConfig
-from engine.worker.build import build_engine
 from engine.core.request import SamplingParams
 from engine.frontend.tokenizer import Tokenizer
+from engine.worker.build import build_engine
 from tests.integration.real_checkpoint_reference import (
-    CHAT_PROMPTS, REAL_CHECKPOINT_DIR, real_checkpoint_available, transformers_greedy_ids,
+    CHAT_PROMPTS,
+    REAL_CHECKPOINT_DIR,
+    real_checkpoint_available,
+    transformers_greedy_ids,
 )
 from tests.serverproc import ServerProcess
 
@@ -30,15 +33,22 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 def real_server():
-    srv = ServerProcess("--model", str(REAL_CHECKPOINT_DIR), "--max-model-len", "2048").wait_ready(300)
+    srv = ServerProcess("--model", str(REAL_CHECKPOINT_DIR), "--max-model-len", "2048").wait_ready(
+        300
+    )
     yield srv
     srv.stop()
 
 
 def test_engine_greedy_ids_equal_transformers():
     tok = Tokenizer(REAL_CHECKPOINT_DIR)
-    engine = build_engine(EngineConfig(model=str(REAL_CHECKPOINT_DIR), max_model_len=2048), eos_token_ids=tok.eos_token_ids)
-    prompts = [tok.encode(tok.apply_chat_template(m, add_generation_prompt=True)) for m in CHAT_PROMPTS]
+    engine = build_engine(
+        EngineConfig(model=str(REAL_CHECKPOINT_DIR), max_model_len=2048),
+        eos_token_ids=tok.eos_token_ids,
+    )
+    prompts = [
+        tok.encode(tok.apply_chat_template(m, add_generation_prompt=True)) for m in CHAT_PROMPTS
+    ]
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
     for messages, out in zip(CHAT_PROMPTS, outs):
         expected = transformers_greedy_ids(REAL_CHECKPOINT_DIR, messages, max_new_tokens=MAX_NEW)
@@ -46,9 +56,14 @@ def test_engine_greedy_ids_equal_transformers():
 
 
 def test_server_answers_with_working_code(real_server):
-    client = openai.OpenAI(base_url=real_server.base_url + "/v1", api_key="unused", timeout=600, max_retries=0)
+    client = openai.OpenAI(
+        base_url=real_server.base_url + "/v1", api_key="unused", timeout=600, max_retries=0
+    )
     r = client.chat.completions.create(
-        model=REAL_CHECKPOINT_DIR.name, messages=CHAT_PROMPTS[0], temperature=0, max_tokens=80,
+        model=REAL_CHECKPOINT_DIR.name,
+        messages=CHAT_PROMPTS[0],
+        temperature=0,
+        max_tokens=80,
         extra_body={"repetition_penalty": 1.0},
     )
     text = r.choices[0].message.content
@@ -62,7 +77,11 @@ def test_server_answers_with_working_code(real_server):
 
     # streamed greedy text equals the non-streamed text
     stream = client.chat.completions.create(
-        model=REAL_CHECKPOINT_DIR.name, messages=CHAT_PROMPTS[0], temperature=0, max_tokens=80, stream=True,
+        model=REAL_CHECKPOINT_DIR.name,
+        messages=CHAT_PROMPTS[0],
+        temperature=0,
+        max_tokens=80,
+        stream=True,
         extra_body={"repetition_penalty": 1.0},
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text

@@ -7,6 +7,7 @@ import torch
 
 from kernels.decode_attention import choose_num_splits, decode_attention, decode_scratch
 from kernels.reference import decode_attention_ref
+
 from .test_prefill_attention import TOL, make_paged, rel_err
 
 CASES = [
@@ -39,8 +40,16 @@ def test_decode_matches_reference(device, seq_lens, hq, hkv, d, block_size, dtyp
     po.fill_(float("nan"))
     plse.fill_(float("nan"))
     res = decode_attention(
-        q.to(device), k_cache.to(device), v_cache.to(device), block_tables.to(device), sl.to(device),
-        out, scale, po, plse, num_splits,
+        q.to(device),
+        k_cache.to(device),
+        v_cache.to(device),
+        block_tables.to(device),
+        sl.to(device),
+        out,
+        scale,
+        po,
+        plse,
+        num_splits,
     )
     assert res is out
     assert torch.isfinite(out).all(), f"unwritten or NaN output (seed={seed})"
@@ -85,14 +94,18 @@ def test_decode_rejects_bad_inputs(device):
         decode_attention(q, kc, kc, bt, sl, torch.empty_like(q), 0.1, po.half(), plse, 2)
     cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
     with pytest.raises(ValueError):  # int64 cu_seqlens_q
-        decode_attention(q, kc, kc, bt, sl, torch.empty_like(q), 0.1, po, plse, 2, cu_seqlens_q=cu.long())
+        decode_attention(
+            q, kc, kc, bt, sl, torch.empty_like(q), 0.1, po, plse, 2, cu_seqlens_q=cu.long()
+        )
     with pytest.raises(ValueError):  # B + 1 = 4 entries against 2 block-table rows
-        decode_attention(q, kc, kc, bt, sl, torch.empty_like(q), 0.1, po, plse, 2, cu_seqlens_q=cu[[0, 1, 2, 2]])
+        decode_attention(
+            q, kc, kc, bt, sl, torch.empty_like(q), 0.1, po, plse, 2, cu_seqlens_q=cu[[0, 1, 2, 2]]
+        )
 
 
 VARLEN_CASES = [
-    # q_lens (0: padding sequence, 1: decode row, > 1: prompt chunk), cached prefix lens, Hq, Hkv, D,
-    # block_size, dtype, num_splits, padding tokens past cu_seqlens_q[B]
+    # q_lens (0: padding sequence, 1: decode row, > 1: prompt chunk), cached prefix lens, Hq, Hkv,
+    # D, block_size, dtype, num_splits, padding tokens past cu_seqlens_q[B]
     ([1, 0, 5, 1, 1, 17, 0, 0], [40, 0, 10, 0, 100, 7, 0, 0], 8, 2, 64, 16, torch.float32, 1, 6),
     ([3, 1, 0, 1, 1, 0], [0, 300, 0, 15, 64, 0], 8, 2, 128, 32, torch.bfloat16, 4, 3),
     ([0, 1, 40, 1], [0, 129, 33, 16], 4, 1, 64, 16, torch.float16, 3, 0),
@@ -100,8 +113,9 @@ VARLEN_CASES = [
 
 
 @pytest.mark.parametrize("q_lens,ctx_lens,hq,hkv,d,block_size,dtype,num_splits,pad", VARLEN_CASES)
-def test_decode_varlen_computes_decode_rows_only(device, q_lens, ctx_lens, hq, hkv, d, block_size, dtype,
-                                                 num_splits, pad):
+def test_decode_varlen_computes_decode_rows_only(
+    device, q_lens, ctx_lens, hq, hkv, d, block_size, dtype, num_splits, pad
+):
     """Mixed-step mode (cu_seqlens_q): the row cu_seqlens_q[b] of every sequence with one new token
     matches decode_attention_ref; rows of other sequences and padding rows keep their sentinel."""
     seed = int.from_bytes(os.urandom(4), "little")
@@ -118,7 +132,9 @@ def test_decode_varlen_computes_decode_rows_only(device, q_lens, ctx_lens, hq, h
     rows = cu[dec].long()
     scale = d**-0.5
     ref = torch.empty(len(dec), hq, d)
-    decode_attention_ref(q[rows].float(), k_cache.float(), v_cache.float(), block_tables[dec], sl[dec], ref, scale)
+    decode_attention_ref(
+        q[rows].float(), k_cache.float(), v_cache.float(), block_tables[dec], sl[dec], ref, scale
+    )
 
     sentinel = 7.0
     out = torch.full((t, hq, d), sentinel, dtype=dtype, device=device)
@@ -126,8 +142,17 @@ def test_decode_varlen_computes_decode_rows_only(device, q_lens, ctx_lens, hq, h
     po.fill_(float("nan"))
     plse.fill_(float("nan"))
     res = decode_attention(
-        q.to(device), k_cache.to(device), v_cache.to(device), block_tables.to(device), sl.to(device),
-        out, scale, po, plse, num_splits, cu_seqlens_q=cu.to(device),
+        q.to(device),
+        k_cache.to(device),
+        v_cache.to(device),
+        block_tables.to(device),
+        sl.to(device),
+        out,
+        scale,
+        po,
+        plse,
+        num_splits,
+        cu_seqlens_q=cu.to(device),
     )
     assert res is out
     out = out.cpu()
@@ -135,5 +160,6 @@ def test_decode_varlen_computes_decode_rows_only(device, q_lens, ctx_lens, hq, h
     assert err <= TOL[dtype], f"rel err {err:.2e} (seed={seed})"
     untouched = torch.ones(t, dtype=torch.bool)
     untouched[rows] = False
-    assert (out[untouched] == sentinel).all(), f"rows of skipped sequences or padding written (seed={seed})"
-
+    assert (out[untouched] == sentinel).all(), (
+        f"rows of skipped sequences or padding written (seed={seed})"
+    )

@@ -48,4 +48,10 @@ def test_store_rejects_bad_inputs(device):
     with pytest.raises(ValueError):
         store_kv_cache(key.half(), key.half(), k_cache, k_cache.clone(), slots)
     with pytest.raises(ValueError):
-        store_kv_cache(torch.zeros(3, 4, 64, device=device), torch.zeros(3, 4, 64, device=device), k_cache, k_cache.clone(), slots)
+        store_kv_cache(
+            torch.zeros(3, 4, 64, device=device),
+            torch.zeros(3, 4, 64, device=device),
+            k_cache,
+            k_cache.clone(),
+            slots,
+        )

@@ -30,15 +30,21 @@ def make_paged(seq_lens, h_kv, d, block_size, dtype, g):
     v_cache = torch.full_like(k_cache, float("nan"))
     max_blocks = max(nblk) + 2
     # entries past a sequence's last block point at NaN-filled spare blocks
-    block_tables = perm[-spare:][torch.randint(0, spare, (len(seq_lens), max_blocks), generator=g)].to(torch.int32)
+    block_tables = perm[-spare:][
+        torch.randint(0, spare, (len(seq_lens), max_blocks), generator=g)
+    ].to(torch.int32)
     used = 0
     for b, n in enumerate(seq_lens):
         blocks = perm[used : used + nblk[b]]
         used += nblk[b]
         block_tables[b, : nblk[b]] = blocks.to(torch.int32)
         for i in range(n):
-            k_cache[blocks[i // block_size], i % block_size] = torch.randn(h_kv, d, generator=g).to(dtype)
-            v_cache[blocks[i // block_size], i % block_size] = torch.randn(h_kv, d, generator=g).to(dtype)
+            k_cache[blocks[i // block_size], i % block_size] = torch.randn(h_kv, d, generator=g).to(
+                dtype
+            )
+            v_cache[blocks[i // block_size], i % block_size] = torch.randn(h_kv, d, generator=g).to(
+                dtype
+            )
     return k_cache, v_cache, block_tables
 
 
@@ -76,12 +82,21 @@ def test_prefill_matches_reference(device, q_lens, ctx_lens, hq, hkv, d, block_s
     sl = torch.tensor(seq_lens, dtype=torch.int32)
     scale = d**-0.5
     ref = torch.empty(t, hq, d)
-    prefill_attention_ref(q.float(), k_cache.float(), v_cache.float(), block_tables, cu, sl, ref, scale, causal)
+    prefill_attention_ref(
+        q.float(), k_cache.float(), v_cache.float(), block_tables, cu, sl, ref, scale, causal
+    )
 
     out = torch.full((t, hq, d), float("nan"), dtype=dtype, device=device)
     res = prefill_attention(
-        q.to(device), k_cache.to(device), v_cache.to(device), block_tables.to(device), cu.to(device),
-        sl.to(device), out, scale, causal,
+        q.to(device),
+        k_cache.to(device),
+        v_cache.to(device),
+        block_tables.to(device),
+        cu.to(device),
+        sl.to(device),
+        out,
+        scale,
+        causal,
     )
     assert res is out
     assert torch.isfinite(out).all(), f"unwritten or NaN output (seed={seed})"
@@ -145,14 +160,18 @@ def test_prefill_padding_matches_unpadded(
     out = torch.full((t, hq, d), float("nan"), dtype=dtype, device=device)
     prefill_attention(*dev(q, k_cache, v_cache, block_tables, cu, sl), out, scale, causal)
     ref = torch.empty(t, hq, d)
-    prefill_attention_ref(q.float(), k_cache.float(), v_cache.float(), block_tables, cu, sl, ref, scale, causal)
+    prefill_attention_ref(
+        q.float(), k_cache.float(), v_cache.float(), block_tables, cu, sl, ref, scale, causal
+    )
     assert rel_err(out.cpu(), ref) <= TOL[dtype], f"seed={seed}"
 
     # padded: NaN query rows past the real tokens, empty sequences with zero block-table rows
     q_pad = torch.cat([q, torch.full((pad_tokens, hq, d), float("nan"), dtype=dtype)])
     cu_pad = torch.cat([cu, cu[-1:].repeat(len(pad_seq_lens))])
     sl_pad = torch.cat([sl, torch.tensor(pad_seq_lens, dtype=torch.int32)])
-    bt_pad = torch.cat([block_tables, torch.zeros(len(pad_seq_lens), block_tables.shape[1], dtype=torch.int32)])
+    bt_pad = torch.cat(
+        [block_tables, torch.zeros(len(pad_seq_lens), block_tables.shape[1], dtype=torch.int32)]
+    )
     sentinel = 7.0
     out_pad = torch.full((t + pad_tokens, hq, d), sentinel, dtype=dtype, device=device)
     prefill_attention(*dev(q_pad, k_cache, v_cache, bt_pad, cu_pad, sl_pad), out_pad, scale, causal)
@@ -190,8 +209,16 @@ def test_prefill_mixed_batch_matches_reference(device, block_m, causal):
     out = torch.full(q.shape, float("nan"), device=device)
     cfg = {"BLOCK_M": block_m, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     prefill_attention(
-        q.to(device), k_cache.to(device), v_cache.to(device), block_tables.to(device), cu.to(device),
-        sl.to(device), out, d**-0.5, causal, config=cfg,
+        q.to(device),
+        k_cache.to(device),
+        v_cache.to(device),
+        block_tables.to(device),
+        cu.to(device),
+        sl.to(device),
+        out,
+        d**-0.5,
+        causal,
+        config=cfg,
     )
     assert torch.isfinite(out).all(), f"unwritten or NaN output (seed={seed})"
     err = rel_err(out.cpu(), ref)
@@ -216,13 +243,23 @@ def test_prefill_skip_decode_rows(device, q_lens, ctx_lens, pad, hq, hkv, d, dty
     q = torch.randn(t + pad, hq, d, generator=g).to(dtype)
     cu, sl = _cu(q_lens), torch.tensor(seq_lens, dtype=torch.int32)
     ref = torch.empty(t + pad, hq, d)
-    prefill_attention_ref(q.float(), k_cache.float(), v_cache.float(), block_tables, cu, sl, ref, d**-0.5)
+    prefill_attention_ref(
+        q.float(), k_cache.float(), v_cache.float(), block_tables, cu, sl, ref, d**-0.5
+    )
     sentinel = 7.0
     out = torch.full(q.shape, sentinel, dtype=dtype, device=device)
     cfg = {"BLOCK_M": block_m, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     prefill_attention(
-        q.to(device), k_cache.to(device), v_cache.to(device), block_tables.to(device), cu.to(device),
-        sl.to(device), out, d**-0.5, config=cfg, skip_decode_rows=True,
+        q.to(device),
+        k_cache.to(device),
+        v_cache.to(device),
+        block_tables.to(device),
+        cu.to(device),
+        sl.to(device),
+        out,
+        d**-0.5,
+        config=cfg,
+        skip_decode_rows=True,
     )
     out = out.cpu()
     computed = torch.zeros(t + pad, dtype=torch.bool)

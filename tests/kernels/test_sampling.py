@@ -21,8 +21,15 @@ def run(logits, temp, seeds, offsets, num_splits=None, config=BLOCK):
     dev = logits.device
     n = logits.shape[0]
     out = torch.full((n,), -7, dtype=torch.int64, device=dev)
-    res = sample_tokens(logits, temp.to(dev), seeds.to(dev), offsets.to(dev), out, num_splits=num_splits,
-                        config=config)
+    res = sample_tokens(
+        logits,
+        temp.to(dev),
+        seeds.to(dev),
+        offsets.to(dev),
+        out,
+        num_splits=num_splits,
+        config=config,
+    )
     assert res is out
     return out.cpu()
 
@@ -35,7 +42,7 @@ def test_greedy_matches_argmax(device, dtype, vocab, num_splits):
     # a wider buffer: row stride != vocab; coarse values give many ties
     buf = torch.randn(n, vocab + 5, generator=g)
     buf[:3] = torch.randint(-3, 3, (3, vocab + 5), generator=g).float()
-    buf[3, 1500 % vocab:] = float("-inf")  # a -inf tail
+    buf[3, 1500 % vocab :] = float("-inf")  # a -inf tail
     buf[4] = float("-inf")  # a whole row of -inf: index 0, as torch.argmax
     buf[5, -40 % vocab] = 1e4  # one large value late in the row
     logits = buf.to(dtype)[:, :vocab]
@@ -63,17 +70,22 @@ def test_random_rows_match_reference(device, dtype, num_splits):
 
 
 def test_row_draw_independent_of_batch(device):
-    """Same (seed, offset) and logits -> same token, whatever the other rows and the row position."""
+    """Same (seed, offset) and logits -> same token, whatever the other rows and the row
+    position."""
     g = torch.Generator().manual_seed(3)
     vocab = 2048
     row = torch.randn(vocab, generator=g)
-    alone = run(row[None].to(device), torch.tensor([0.9]), torch.tensor([42]), torch.tensor([17]))[0]
+    alone = run(row[None].to(device), torch.tensor([0.9]), torch.tensor([42]), torch.tensor([17]))[
+        0
+    ]
     others = torch.randn(4, vocab, generator=g)
     for pos, splits in [(0, 1), (2, 2), (4, 1)]:
         logits = torch.cat([others[:pos], row[None], others[pos:]])
         temp = torch.tensor([0.5, 0.0, 1.0, 2.0])
         temp = torch.cat([temp[:pos], torch.tensor([0.9]), temp[pos:]])
-        seeds = torch.cat([torch.arange(100, 100 + pos), torch.tensor([42]), torch.arange(200, 204 - pos)])
+        seeds = torch.cat(
+            [torch.arange(100, 100 + pos), torch.tensor([42]), torch.arange(200, 204 - pos)]
+        )
         offsets = torch.cat([torch.full((pos,), 17), torch.tensor([17]), torch.arange(4 - pos)])
         got = run(logits.to(device), temp, seeds, offsets, splits)
         assert got[pos] == alone, (pos, splits)
@@ -90,33 +102,52 @@ def test_offsets_and_seeds_change_the_draw():
     flat = torch.zeros(16, vocab)
     toks = run(flat, torch.ones(16), torch.full((16,), 5), torch.arange(16), config={"BLOCK_V": 64})
     assert len(set(toks.tolist())) >= 8
-    assert torch.equal(toks, sample_tokens_ref(flat, torch.ones(16), torch.full((16,), 5), torch.arange(16)))
+    assert torch.equal(
+        toks, sample_tokens_ref(flat, torch.ones(16), torch.full((16,), 5), torch.arange(16))
+    )
 
 
 def _chi_square_bound(df: int) -> float:
-    return df + 8 * math.sqrt(2 * df) + 25  # far beyond the 1e-6 quantile; a wrong law gives hundreds
+    return (
+        df + 8 * math.sqrt(2 * df) + 25
+    )  # far beyond the 1e-6 quantile; a wrong law gives hundreds
 
 
 @pytest.mark.parametrize("temp", [1.0, 0.6])
 def test_reference_draws_follow_softmax(temp):
-    """20000 draws of one row over offsets 0..19999 (the reference; the kernel matches it bitwise)."""
+    """20000 draws of one row over offsets 0..19999 (the reference; the kernel matches it
+    bitwise)."""
     vocab, n = 32, 20000
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(1)) * 1.5
-    toks = sample_tokens_ref(logits.repeat(n, 1), torch.full((n,), temp), torch.full((n,), 1234), torch.arange(n))
+    toks = sample_tokens_ref(
+        logits.repeat(n, 1), torch.full((n,), temp), torch.full((n,), 1234), torch.arange(n)
+    )
     probs = torch.softmax(logits.double() / temp, dim=0)
     counts = Counter(toks.tolist())
-    stat = sum((counts.get(t, 0) - n * float(probs[t])) ** 2 / (n * float(probs[t])) for t in range(vocab))
+    stat = sum(
+        (counts.get(t, 0) - n * float(probs[t])) ** 2 / (n * float(probs[t])) for t in range(vocab)
+    )
     assert stat < _chi_square_bound(vocab - 1), stat
     wrong = torch.softmax(logits.double() / (temp * 1.25), dim=0)
-    stat_w = sum((counts.get(t, 0) - n * float(wrong[t])) ** 2 / (n * float(wrong[t])) for t in range(vocab))
-    assert stat_w > _chi_square_bound(vocab - 1), "the bound is too loose to detect a wrong temperature"
+    stat_w = sum(
+        (counts.get(t, 0) - n * float(wrong[t])) ** 2 / (n * float(wrong[t])) for t in range(vocab)
+    )
+    assert stat_w > _chi_square_bound(vocab - 1), (
+        "the bound is too loose to detect a wrong temperature"
+    )
 
 
 def test_kernel_draws_follow_softmax(device):
     """A direct (smaller) check of the kernel: 300 draws over 4 tokens of different probability."""
     n = 300
     logits = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4])).repeat(n, 1)
-    toks = run(logits.to(device), torch.ones(n), torch.full((n,), 99), torch.arange(n), config={"BLOCK_V": 16})
+    toks = run(
+        logits.to(device),
+        torch.ones(n),
+        torch.full((n,), 99),
+        torch.arange(n),
+        config={"BLOCK_V": 16},
+    )
     probs = [0.1, 0.2, 0.3, 0.4]
     counts = Counter(toks.tolist())
     stat = sum((counts.get(t, 0) - n * p) ** 2 / (n * p) for t, p in enumerate(probs))
@@ -136,10 +167,13 @@ def test_choose_sampling_splits():
 
 def test_rejects_bad_inputs(device):
     n, v = 2, 64
-    ok = dict(logits=torch.zeros(n, v, device=device), temperature=torch.ones(n, device=device),
-              seeds=torch.zeros(n, dtype=torch.int64, device=device),
-              offsets=torch.zeros(n, dtype=torch.int64, device=device),
-              out=torch.empty(n, dtype=torch.int64, device=device))
+    ok = dict(
+        logits=torch.zeros(n, v, device=device),
+        temperature=torch.ones(n, device=device),
+        seeds=torch.zeros(n, dtype=torch.int64, device=device),
+        offsets=torch.zeros(n, dtype=torch.int64, device=device),
+        out=torch.empty(n, dtype=torch.int64, device=device),
+    )
     bad = [
         dict(logits=torch.zeros(n, v, dtype=torch.float16, device=device)),
         dict(logits=torch.zeros(n, v, 1, device=device)),

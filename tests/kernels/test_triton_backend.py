@@ -59,7 +59,13 @@ def test_triton_backend_matches_torch_backend(device, dtype):
     v_cache = torch.zeros_like(k_cache)
     torch_be, triton_be = TorchAttentionBackend(), TritonAttentionBackend()
     # two chunks of prefill (the second attends to the cached first chunk), then 3 decode steps
-    steps = [([0, 0], [20, 33]), ([20, 33], [17, 1]), ([37, 34], [1, 1]), ([38, 35], [1, 1]), ([39, 36], [1, 1])]
+    steps = [
+        ([0, 0], [20, 33]),
+        ([20, 33], [17, 1]),
+        ([37, 34], [1, 1]),
+        ([38, 35], [1, 1]),
+        ([39, 36], [1, 1]),
+    ]
     scratch_ids = set()
     for ctx_lens, q_lens in steps:
         t = sum(q_lens)
@@ -67,14 +73,24 @@ def test_triton_backend_matches_torch_backend(device, dtype):
         k = torch.randn(t, hkv, d, generator=g).to(dtype)
         v = torch.randn(t, hkv, d, generator=g).to(dtype)
         ref = torch_be.forward(
-            q.float(), k.float(), v.float(), ref_k, ref_v, _meta(block_tables, ctx_lens, q_lens, bs, "cpu"), d**-0.5
+            q.float(),
+            k.float(),
+            v.float(),
+            ref_k,
+            ref_v,
+            _meta(block_tables, ctx_lens, q_lens, bs, "cpu"),
+            d**-0.5,
         )
         meta = _meta(block_tables, ctx_lens, q_lens, bs, device)
-        out = triton_be.forward(q.to(device), k.to(device), v.to(device), k_cache, v_cache, meta, d**-0.5)
+        out = triton_be.forward(
+            q.to(device), k.to(device), v.to(device), k_cache, v_cache, meta, d**-0.5
+        )
         assert out.shape == (t, hq, d) and out.dtype == dtype
         err = ((out.cpu().float() - ref).norm() / ref.norm()).item()
         assert err <= tol, f"step {ctx_lens}+{q_lens}: rel err {err:.2e} (seed={seed})"
-        assert torch.equal(k_cache.cpu(), ref_k.to(dtype)) and torch.equal(v_cache.cpu(), ref_v.to(dtype))
+        assert torch.equal(k_cache.cpu(), ref_k.to(dtype)) and torch.equal(
+            v_cache.cpu(), ref_v.to(dtype)
+        )
         scratch_ids |= {id(buf[0]) for buf in triton_be._scratch.values()}
     assert len(scratch_ids) <= 1  # decode scratch allocated once and reused
 
@@ -83,11 +99,18 @@ def test_triton_backend_matches_torch_backend(device, dtype):
     "dtype,num_sms,max_seq_len,split_mixed",
     [
         (torch.float32, 4, None, True),  # one decode split
-        (torch.bfloat16, 64, 1024, True),  # several splits (max_seq_len as a captured graph passes it)
+        (
+            torch.bfloat16,
+            64,
+            1024,
+            True,
+        ),  # several splits (max_seq_len as a captured graph passes it)
         (torch.float32, 4, None, False),  # the single prefill launch
     ],
 )
-def test_triton_backend_mixed_step_matches_reference(device, dtype, num_sms, max_seq_len, split_mixed):
+def test_triton_backend_mixed_step_matches_reference(
+    device, dtype, num_sms, max_seq_len, split_mixed
+):
     """A mixed step (decodes + prompt chunks, cached prefixes, padding tokens past cu_seqlens_q[B]
     and padding sequences with stale block tables) equals prefill_attention_ref on every real row,
     whether the decode rows go through the decode kernel or the prefill kernel."""
@@ -102,8 +125,9 @@ def test_triton_backend_mixed_step_matches_reference(device, dtype, num_sms, max
     num_blocks = k_cache.shape[0]
     pad_seqs = [i for i, n in enumerate(q_lens) if not n]
     # stale values of earlier steps in the padding sequences' rows (a graph's static buffers)
-    block_tables[pad_seqs] = torch.randint(0, num_blocks, (len(pad_seqs), block_tables.shape[1]), generator=g,
-                                           dtype=torch.int32)
+    block_tables[pad_seqs] = torch.randint(
+        0, num_blocks, (len(pad_seqs), block_tables.shape[1]), generator=g, dtype=torch.int32
+    )
     t = sum(q_lens)
     q = torch.randn(t + pad_tokens, hq, d, generator=g).to(dtype)
     k = torch.randn(t + pad_tokens, hkv, d, generator=g).to(dtype)
@@ -118,14 +142,19 @@ def test_triton_backend_mixed_step_matches_reference(device, dtype, num_sms, max
     ref_k, ref_v = k_cache.float(), v_cache.float()
     store_kv_cache_ref(k.float(), v.float(), ref_k, ref_v, meta.slot_mapping)
     ref = torch.zeros(t, hq, d)
-    prefill_attention_ref(q[:t].float(), ref_k, ref_v, block_tables, meta.cu_seqlens_q, meta.seq_lens, ref, d**-0.5)
+    prefill_attention_ref(
+        q[:t].float(), ref_k, ref_v, block_tables, meta.cu_seqlens_q, meta.seq_lens, ref, d**-0.5
+    )
 
     be = TritonAttentionBackend(split_mixed_steps=split_mixed)
     be._num_sms[torch.device(device)] = num_sms
-    dev_meta = AttentionMetadata(**{f: (x.to(device) if isinstance(x, torch.Tensor) else x)
-                                    for f, x in vars(meta).items()})
+    dev_meta = AttentionMetadata(
+        **{f: (x.to(device) if isinstance(x, torch.Tensor) else x) for f, x in vars(meta).items()}
+    )
     k_cache, v_cache = k_cache.to(device), v_cache.to(device)
-    out = be.forward(q.to(device), k.to(device), v.to(device), k_cache, v_cache, dev_meta, d**-0.5).cpu()
+    out = be.forward(
+        q.to(device), k.to(device), v.to(device), k_cache, v_cache, dev_meta, d**-0.5
+    ).cpu()
     assert out.shape == q.shape and out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     dec_rows = [int(meta.cu_seqlens_q[i]) for i, n in enumerate(q_lens) if n == 1]

@@ -367,8 +367,20 @@ class ChatStreamUser(HttpUser):
         fire = self.environment.events.request.fire
         ttft = reader.ttft
         if ttft is not None:
-            fire(request_type=SSE_TYPE, name=TTFT_NAME, response_time=ttft * 1000.0,
-                 response_length=0, exception=None, context={})
+            fire(
+                request_type=SSE_TYPE,
+                name=TTFT_NAME,
+                response_time=ttft * 1000.0,
+                response_length=0,
+                exception=None,
+                context={},
+            )
         for gap in reader.itls:
-            fire(request_type=SSE_TYPE, name=ITL_NAME, response_time=gap * 1000.0,
-                 response_length=0, exception=None, context={})
+            fire(
+                request_type=SSE_TYPE,
+                name=ITL_NAME,
+                response_time=gap * 1000.0,
+                response_length=0,
+                exception=None,
+                context={},
+            )

@@ -86,27 +86,43 @@ def server_url():
 
 def _run_locust(base_url: str) -> tuple[list[dict], subprocess.CompletedProcess]:
     cmd = [
-        sys.executable, "-m", "locust",
-        "-f", str(LOCUSTFILE),
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
         "--headless",
-        "-u", str(USERS),
-        "-r", str(SPAWN_RATE),
-        "-t", f"{RUN_TIME_S}s",
-        "--stop-timeout", str(STOP_TIMEOUT_S),
-        "--host", base_url,
+        "-u",
+        str(USERS),
+        "-r",
+        str(SPAWN_RATE),
+        "-t",
+        f"{RUN_TIME_S}s",
+        "--stop-timeout",
+        str(STOP_TIMEOUT_S),
+        "--host",
+        base_url,
         "--only-summary",
         "--json",  # final stats on stdout, written after every user has stopped
     ]
     env = _child_env()
     env["QWEN_LOCUST_WAIT_FOR_SERVER_S"] = "30"
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=RUN_TIME_S + STOP_TIMEOUT_S + 90)
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIME_S + STOP_TIMEOUT_S + 90,
+    )
     out = proc.stdout
     try:
-        stats = json.loads(out[out.index("["):])
+        stats = json.loads(out[out.index("[") :])
     except ValueError:
-        pytest.fail(f"no JSON stats from locust (exit {proc.returncode})\n"
-                    f"stdout:\n{out[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
+        pytest.fail(
+            f"no JSON stats from locust (exit {proc.returncode})\n"
+            f"stdout:\n{out[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+        )
     return stats, proc
 
 
@@ -126,7 +142,8 @@ def test_locust_headless_matches_server_metrics(server_url):
     assert n >= USERS, f"only {n} chat requests in {RUN_TIME_S} s; {diag}"
     ttft = entries.get(("SSE", "TTFT"))
     assert ttft is not None and ttft["num_requests"] == n, (
-        f"TTFT entries {ttft and ttft['num_requests']} != {n} requests")
+        f"TTFT entries {ttft and ttft['num_requests']} != {n} requests"
+    )
 
     # The server records a request when it finishes, which may trail the client's [DONE] by a
     # moment: wait until the counters reach n (or time runs out), then compare exactly.
@@ -142,7 +159,8 @@ def test_locust_headless_matches_server_metrics(server_url):
     missing = [name for name in names if name not in after]
     assert not missing, f"metrics missing from /metrics: {missing}"
     assert deltas == {name: float(n) for name in names}, (
-        f"server counters moved by {deltas}, locust counted {n} requests")
+        f"server counters moved by {deltas}, locust counted {n} requests"
+    )
     bad = {
         key[1]: value - reasons_before.get(key, 0.0)
         for key, value in reasons_after.items()

@@ -19,7 +19,9 @@ from server.factory import build_context
 
 @pytest.fixture(scope="module", params=["off", "on"], ids=["sync", "async"])
 def ctx(request):
-    return build_context(build_parser().parse_args(["--max-model-len", "512", "--async-scheduling", request.param]))
+    return build_context(
+        build_parser().parse_args(["--max-model-len", "512", "--async-scheduling", request.param])
+    )
 
 
 def test_model_step_exception_fails_only_that_step(ctx):
@@ -38,8 +40,14 @@ def test_model_step_exception_fails_only_that_step(ctx):
         ctx.engine.start()
         try:
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
-                body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://test", timeout=60
+            ) as c:
+                body = {
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 4,
+                    "temperature": 0,
+                }
                 runner.launch = flaky
                 failed = await c.post("/v1/chat/completions", json=body)
                 ok = await c.post("/v1/chat/completions", json=body)
@@ -61,7 +69,10 @@ def test_model_step_exception_fails_only_that_step(ctx):
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
     assert events[-1] == "data: [DONE]"
     assert any("error" in json.loads(e[6:]) for e in events[:-1])
-    assert after.status_code == 200 and after.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert after.status_code == 200 and after.json()["choices"][0]["finish_reason"] in (
+        "stop",
+        "length",
+    )
     assert health.status_code == 200
     assert 'qwen_serve:request_success_total{finished_reason="error"' in metrics
     bm = ctx.engine.engine.kv_cache_manager
@@ -81,7 +92,9 @@ def test_device_error_stops_the_engine_and_fails_requests():
         ctx2.engine.start()
         try:
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://test", timeout=60
+            ) as c:
                 runner.launch = broken
                 body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
                 failed = await c.post("/v1/chat/completions", json=body)

@@ -1,4 +1,5 @@
-"""Overload, abort storms and impossible prompts against a server whose KV cache fits ~10 requests."""
+"""Overload, abort storms and impossible prompts against a server whose KV cache fits ~10
+requests."""
 
 from __future__ import annotations
 
@@ -18,19 +19,40 @@ NUM_BLOCKS = 40
 
 @pytest.fixture(scope="module")
 def small_server():
-    srv = ServerProcess("--num-kv-blocks", str(NUM_BLOCKS), "--max-num-seqs", "32", "--max-model-len", "512",
-                        "--max-num-batched-tokens", "256").wait_ready()
+    srv = ServerProcess(
+        "--num-kv-blocks",
+        str(NUM_BLOCKS),
+        "--max-num-seqs",
+        "32",
+        "--max-model-len",
+        "512",
+        "--max-num-batched-tokens",
+        "256",
+    ).wait_ready()
     yield srv
     srv.stop()
 
 
 def _prompt(i: int) -> str:
     rng = random.Random(i)
-    words = ["alpha", "beta", "gamma", "delta", "kernel", "block", "cache", "token", "river", "stone"]
+    words = [
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "kernel",
+        "block",
+        "cache",
+        "token",
+        "river",
+        "stone",
+    ]
     return " ".join(rng.choice(words) for _ in range(25 + i % 10))
 
 
-async def _stream_text(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int) -> tuple[str, str]:
+async def _stream_text(
+    client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int
+) -> tuple[str, str]:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     text, finish = "", None
     async with client.stream("POST", base + "/v1/completions", json=body) as r:
@@ -50,7 +72,9 @@ def _wait_idle(base: str, timeout: float = 30) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         m = scrape(base)
-        idle = m["qwen_serve:num_requests_running"] == 0 and m["qwen_serve:num_requests_waiting"] == 0
+        idle = (
+            m["qwen_serve:num_requests_running"] == 0 and m["qwen_serve:num_requests_waiting"] == 0
+        )
         if idle and m["qwen_serve:num_free_kv_blocks"] == num_kv_blocks(m):
             return m
         if time.monotonic() > deadline:
@@ -72,7 +96,9 @@ def test_overload_200_streams_complete_with_preemption(small_server):
     async def storm():
         async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=250)) as c:
             return await asyncio.wait_for(
-                asyncio.gather(*(_stream_text(c, base, prompts[i % 10], 12) for i in range(200))), timeout=300)
+                asyncio.gather(*(_stream_text(c, base, prompts[i % 10], 12) for i in range(200))),
+                timeout=300,
+            )
 
     t0 = time.monotonic()
     results = asyncio.run(storm())
@@ -83,10 +109,16 @@ def test_overload_200_streams_complete_with_preemption(small_server):
     after = _wait_idle(base)
     assert after["qwen_serve:num_free_kv_blocks"] == num_kv_blocks(after) == NUM_BLOCKS
     assert total_requests(after) - total_requests(before) == 200
-    assert after["qwen_serve:num_preemptions_total"] > before.get("qwen_serve:num_preemptions_total", 0) or \
-        after["qwen_serve:request_queue_time_seconds_count"] > before["qwen_serve:request_queue_time_seconds_count"]
-    print(f"\n200 streams in {elapsed:.1f}s, preemptions "
-          f"{after['qwen_serve:num_preemptions_total'] - before.get('qwen_serve:num_preemptions_total', 0):.0f}")
+    assert (
+        after["qwen_serve:num_preemptions_total"]
+        > before.get("qwen_serve:num_preemptions_total", 0)
+        or after["qwen_serve:request_queue_time_seconds_count"]
+        > before["qwen_serve:request_queue_time_seconds_count"]
+    )
+    preempted = after["qwen_serve:num_preemptions_total"] - before.get(
+        "qwen_serve:num_preemptions_total", 0
+    )
+    print(f"\n200 streams in {elapsed:.1f}s, preemptions {preempted:.0f}")
 
 
 def test_abort_storm_frees_every_block(small_server):
@@ -114,14 +146,16 @@ def test_abort_storm_frees_every_block(small_server):
     assert m["qwen_serve:num_requests_running"] == 0 and m["qwen_serve:num_requests_waiting"] == 0
     assert m["qwen_serve:num_free_kv_blocks"] == NUM_BLOCKS
     aborted = m.get("qwen_serve:request_success_total{finished_reason=abort}", 0) - before.get(
-        "qwen_serve:request_success_total{finished_reason=abort}", 0)
+        "qwen_serve:request_success_total{finished_reason=abort}", 0
+    )
     assert aborted == 100
     # generation stopped: no request ran to its 400-token limit and the counter is still
     gen = m["qwen_serve:generation_tokens_total"]
     time.sleep(1.0)
     assert scrape(base)["qwen_serve:generation_tokens_total"] == gen
     assert m.get("qwen_serve:request_success_total{finished_reason=length}", 0) == before.get(
-        "qwen_serve:request_success_total{finished_reason=length}", 0)
+        "qwen_serve:request_success_total{finished_reason=length}", 0
+    )
 
 
 def test_prompt_that_never_fits_is_rejected_and_others_continue(small_server):

@@ -20,21 +20,33 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 @pytest.fixture(scope="module")
 def keyed_server():
-    srv = ServerProcess("--max-model-len", "512", "--max-body-bytes", "20000", "--max-prompt-tokens", "300",
-                        env={"QWEN_SERVE_API_KEY": KEY}).wait_ready()
+    srv = ServerProcess(
+        "--max-model-len",
+        "512",
+        "--max-body-bytes",
+        "20000",
+        "--max-prompt-tokens",
+        "300",
+        env={"QWEN_SERVE_API_KEY": KEY},
+    ).wait_ready()
     yield srv
     srv.stop()
 
 
 def test_api_key_required_on_v1_only(keyed_server):
     base = keyed_server.base_url
-    for method, path, body in [("POST", "/v1/chat/completions", CHAT), ("POST", "/v1/completions", {"prompt": "a"}),
-                               ("GET", "/v1/models", None)]:
+    for method, path, body in [
+        ("POST", "/v1/chat/completions", CHAT),
+        ("POST", "/v1/completions", {"prompt": "a"}),
+        ("GET", "/v1/models", None),
+    ]:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             r = httpx.request(method, base + path, json=body, headers=headers, timeout=60)
             assert r.status_code == 401, (path, headers)
             assert r.json()["error"]["code"] == "invalid_api_key"
-        ok = httpx.request(method, base + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        ok = httpx.request(
+            method, base + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+        )
         assert ok.status_code == 200, ok.text
     assert httpx.get(base + "/health").status_code == 200
     assert httpx.get(base + "/metrics").status_code == 200
@@ -48,7 +60,11 @@ def test_limits(keyed_server):
     assert r.status_code == 413 and "error" in r.json()
     r = httpx.post(base + "/v1/chat/completions", json={**CHAT, "n": 17}, headers=auth)
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
-    r = httpx.post(base + "/v1/chat/completions", json={**CHAT, "stop": [str(i) for i in range(17)]}, headers=auth)
+    r = httpx.post(
+        base + "/v1/chat/completions",
+        json={**CHAT, "stop": [str(i) for i in range(17)]},
+        headers=auth,
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
     long_prompt = {"messages": [{"role": "user", "content": "hello " * 400}]}
     r = httpx.post(base + "/v1/chat/completions", json=long_prompt, headers=auth)
@@ -60,7 +76,9 @@ def test_template_reaching_python_internals_fails_safely(tmp_path):
     model = tmp_path / "evil"
     shutil.copytree(src, model)
     cfg = json.loads((model / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = "{{ ''.__class__.__mro__[1].__subclasses__() }}{{ messages[0]['content'] }}"
+    cfg["chat_template"] = (
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}{{ messages[0]['content'] }}"
+    )
     (model / "tokenizer_config.json").write_text(json.dumps(cfg))
     for extra in model.glob("chat_template.jinja"):
         extra.unlink()
@@ -69,17 +87,29 @@ def test_template_reaching_python_internals_fails_safely(tmp_path):
         r = httpx.post(srv.base_url + "/v1/chat/completions", json=CHAT, timeout=60)
         assert r.status_code == 400
         assert "template" in r.json()["error"]["message"].lower()
-        assert "subclasses" not in r.text or "unsafe" in r.text.lower() or "security" in r.text.lower()
+        assert (
+            "subclasses" not in r.text or "unsafe" in r.text.lower() or "security" in r.text.lower()
+        )
         assert httpx.get(srv.base_url + "/health").status_code == 200
         # plain completions do not use the template and still work
-        assert httpx.post(srv.base_url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
+        assert (
+            httpx.post(
+                srv.base_url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}
+            ).status_code
+            == 200
+        )
     finally:
         srv.stop()
 
 
 def _stream_until_done(base: str, max_tokens: int, out: dict) -> None:
-    body = {"prompt": "once upon a time", "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "prompt": "once upon a time",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     events = []
     try:
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:

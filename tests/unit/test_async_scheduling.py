@@ -1,5 +1,6 @@
 """Async scheduling (step N+1 scheduled and launched before step N's samples reach the host):
-same tokens as synchronous steps, stops and aborts with a token in flight, exact block accounting."""
+same tokens as synchronous steps, stops and aborts with a token in flight, exact block
+accounting."""
 
 from __future__ import annotations
 
@@ -8,15 +9,21 @@ import random
 import pytest
 import torch
 
+from engine.core.commands import AddRequest
 from engine.core.config import EngineConfig
-from engine.worker.build import build_engine
-from engine.core.commands import AbortRequest, AddRequest
 from engine.core.request import FinishReason, SamplingParams
+from engine.worker.build import build_engine
 
 
 def _engine(path, async_scheduling, eos=frozenset(), **kw):
-    cfg = dict(model=path, block_size=8, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=48,
-               async_scheduling=async_scheduling)
+    cfg = dict(
+        model=path,
+        block_size=8,
+        num_kv_blocks=64,
+        max_num_seqs=8,
+        max_num_batched_tokens=48,
+        async_scheduling=async_scheduling,
+    )
     cfg.update(kw)
     return build_engine(EngineConfig(**cfg), eos_token_ids=eos)
 
@@ -48,8 +55,12 @@ def test_async_equals_sync_for_greedy_seeded_and_mixed_lengths(tiny_checkpoint):
     requests = []
     for i in range(12):
         prompt = [rng.randrange(384) for _ in range(rng.randint(1, 60))]
-        params = SamplingParams(temperature=rng.choice([0.0, 0.9]), seed=i, max_tokens=rng.randint(1, 20),
-                                logprobs=rng.choice([None, 2]))
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 0.9]),
+            seed=i,
+            max_tokens=rng.randint(1, 20),
+            logprobs=rng.choice([None, 2]),
+        )
         requests.append((f"r{i}", prompt, params))
     sync = _run(_engine(path, False), requests)
     eng = _engine(path, True)
@@ -63,15 +74,20 @@ def test_eos_stop_with_the_next_step_in_flight(tiny_checkpoint):
     its extra row is dropped and its blocks are freed."""
     path, _ = tiny_checkpoint
     prompt = torch.randint(0, 384, (20,), generator=torch.Generator().manual_seed(1)).tolist()
-    free_run = _engine(path, False).generate([prompt], SamplingParams(temperature=0.0, max_tokens=12,
-                                                                      ignore_eos=True))[0]
+    free_run = _engine(path, False).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    )[0]
     eos = free_run[4]  # greedy token at output index 4 becomes the EOS id
     first = free_run.index(eos)
     for async_scheduling in (False, True):
         eng = _engine(path, async_scheduling, eos=frozenset([eos]))
-        tokens, reasons, _ = _run(eng, [("a", prompt, SamplingParams(temperature=0.0, max_tokens=12)),
-                                       ("b", prompt[:7], SamplingParams(temperature=0.0, max_tokens=12,
-                                                                        ignore_eos=True))])
+        tokens, reasons, _ = _run(
+            eng,
+            [
+                ("a", prompt, SamplingParams(temperature=0.0, max_tokens=12)),
+                ("b", prompt[:7], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)),
+            ],
+        )
         assert tokens["a"] == free_run[: first + 1] and reasons["a"] == FinishReason.STOP
         assert len(tokens["b"]) == 12 and reasons["b"] == FinishReason.LENGTH
 
@@ -102,9 +118,11 @@ def test_penalties_and_min_tokens_run_synchronously(tiny_checkpoint, async_sched
     so it sees every earlier token: results equal the synchronous engine's."""
     path, _ = tiny_checkpoint
     prompt = list(range(3, 40))
-    reqs = [("p", prompt, SamplingParams(temperature=0.0, max_tokens=10, frequency_penalty=1.5)),
-            ("m", prompt[:9], SamplingParams(temperature=0.0, max_tokens=10, min_tokens=6)),
-            ("g", prompt[:20], SamplingParams(temperature=0.0, max_tokens=10))]
+    reqs = [
+        ("p", prompt, SamplingParams(temperature=0.0, max_tokens=10, frequency_penalty=1.5)),
+        ("m", prompt[:9], SamplingParams(temperature=0.0, max_tokens=10, min_tokens=6)),
+        ("g", prompt[:20], SamplingParams(temperature=0.0, max_tokens=10)),
+    ]
     ref = _run(_engine(path, False, eos=frozenset([7])), reqs)
     got = _run(_engine(path, async_scheduling, eos=frozenset([7])), reqs)
     assert got[:2] == ref[:2]
@@ -137,7 +155,9 @@ def test_error_while_waiting_for_samples_fails_only_that_step(tiny_checkpoint, a
         mr.StepHandle.result = real
     failed = [o for o in outs if o.error]
     assert [o.request_id for o in failed] == ["a"] and failed[0].finish_reason == FinishReason.ERROR
-    tokens, reasons, _ = _run(eng, [("b", list(range(20, 30)), SamplingParams(temperature=0.0, max_tokens=5))])
+    tokens, reasons, _ = _run(
+        eng, [("b", list(range(20, 30)), SamplingParams(temperature=0.0, max_tokens=5))]
+    )
     assert len(tokens["b"]) == 5 and reasons["b"] == FinishReason.LENGTH
 
 
@@ -159,17 +179,28 @@ def test_outputs_produced_before_a_device_error_are_delivered(tiny_checkpoint):
         return real_launch(batch, eos_ids, prev)
 
     runner.launch = launch
-    commands = [[AddRequest("done", list(range(8)), SamplingParams(temperature=0.0, max_tokens=1)),
-                 AddRequest("long", list(range(9)), SamplingParams(temperature=0.0, max_tokens=50))],
-                [AddRequest("pen", list(range(7)), SamplingParams(temperature=0.0, max_tokens=5,
-                                                                 presence_penalty=0.5))]]
+    commands = [
+        [
+            AddRequest("done", list(range(8)), SamplingParams(temperature=0.0, max_tokens=1)),
+            AddRequest("long", list(range(9)), SamplingParams(temperature=0.0, max_tokens=50)),
+        ],
+        [
+            AddRequest(
+                "pen",
+                list(range(7)),
+                SamplingParams(temperature=0.0, max_tokens=5, presence_penalty=0.5),
+            )
+        ],
+    ]
     emitted = []
 
     def next_commands(timeout):
         return commands.pop(0) if commands else []
 
     with pytest.raises(RuntimeError, match="CUDA error"):
-        run_engine_loop(eng, next_commands, lambda outs, stats: emitted.extend(outs), log_interval=0)
+        run_engine_loop(
+            eng, next_commands, lambda outs, stats: emitted.extend(outs), log_interval=0
+        )
     last = {o.request_id: o for o in emitted if o.finished}
     assert last["done"].finish_reason == FinishReason.LENGTH and last["done"].error is None
     assert last["long"].error and last["pen"].error
@@ -177,8 +208,10 @@ def test_outputs_produced_before_a_device_error_are_delivered(tiny_checkpoint):
 
 def test_warmup_shapes_respect_max_model_len_and_max_num_seqs(tiny_checkpoint):
     path, _ = tiny_checkpoint
-    for kw in (dict(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=128),
-               dict(max_num_seqs=64, max_num_batched_tokens=256, max_model_len=16),
-               dict(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=8)):
+    for kw in (
+        dict(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=128),
+        dict(max_num_seqs=64, max_num_batched_tokens=256, max_model_len=16),
+        dict(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=8),
+    ):
         eng = _engine(path, True, **kw)
         eng.executor.warmup()

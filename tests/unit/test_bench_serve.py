@@ -1,4 +1,5 @@
-"""bench/serve.py's client: SSE splitting across reads, vllm-style TTFT/ITL per chunk, work split."""
+"""bench/serve.py's client: SSE splitting across reads, vllm-style TTFT/ITL per chunk, work
+split."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from bench import serve
 
 
 def _chunk(delta: dict | None, finish=None, usage=None) -> bytes:
-    body = {"id": "c", "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    body = {
+        "id": "c",
+        "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
     if usage is not None:
         body["usage"] = usage
     return b"data: " + json.dumps(body).encode() + b"\n\n"
@@ -41,11 +45,17 @@ def test_one_request_times_chunks_as_vllm_bench_serve(monkeypatch):
     clock = [0.0]
     monkeypatch.setattr(serve.time, "perf_counter", lambda: clock[0])
     reads = [
-        (0.010, _chunk({"role": "assistant", "content": ""})),  # sent before the engine ran: not TTFT
-        (0.050, _chunk({"content": "Hel"})),                      # first content: TTFT 50 ms
-        (0.060, _chunk({"content": "lo"}) + _chunk({"content": " w"})),  # one read, two chunks: 10 ms, 0 ms
-        (0.075, _chunk({"content": "orld"})),                     # 15 ms
-        (0.076, _chunk({}, finish="length")),                     # the finish chunk is a chunk too: 1 ms
+        (
+            0.010,
+            _chunk({"role": "assistant", "content": ""}),
+        ),  # sent before the engine ran: not TTFT
+        (0.050, _chunk({"content": "Hel"})),  # first content: TTFT 50 ms
+        (
+            0.060,
+            _chunk({"content": "lo"}) + _chunk({"content": " w"}),
+        ),  # one read, two chunks: 10 ms, 0 ms
+        (0.075, _chunk({"content": "orld"})),  # 15 ms
+        (0.076, _chunk({}, finish="length")),  # the finish chunk is a chunk too: 1 ms
         (0.080, _chunk(None, usage={"completion_tokens": 5}) + b"data: [DONE]\n\n"),
     ]
     r = asyncio.run(serve.one_request(_ScriptedClient(reads, clock), "u", "m", "p", 5))

@@ -14,8 +14,9 @@ from engine.core.scheduler import ScheduledBatch
 from engine.worker.block_table import PersistentBlockTables
 
 
-def make_batch(entries: list[tuple[str, list[int], bool]],
-               finished: list[str] = ()) -> ScheduledBatch:
+def make_batch(
+    entries: list[tuple[str, list[int], bool]], finished: list[str] = ()
+) -> ScheduledBatch:
     """A batch of (request id, new block ids, reset) entries, releasing ``finished`` first."""
     return ScheduledBatch(
         requests=[Request(rid, [1], SamplingParams(), max_len=1000) for rid, _, _ in entries],

@@ -8,8 +8,8 @@ from datetime import datetime
 import pytest
 from jinja2.exceptions import SecurityError, TemplateError
 
-from engine.loader.embedded import ensure_embedded_checkpoint
 from engine.frontend.tokenizer import ChatTemplateError, Tokenizer
+from engine.loader.embedded import ensure_embedded_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,9 @@ def test_env_default_is_used(monkeypatch):
     assert args.async_scheduling == "off" and int(args.port) == 9123
 
 
-@pytest.mark.parametrize("name,value", [("ASYNC_SCHEDULING", "true"), ("ENGINE_MODE", "fast"), ("DTYPE", "fp8")])
+@pytest.mark.parametrize(
+    "name,value", [("ASYNC_SCHEDULING", "true"), ("ENGINE_MODE", "fast"), ("DTYPE", "fp8")]
+)
 def test_env_value_outside_the_choices_is_a_clear_error(monkeypatch, capsys, name, value):
     monkeypatch.setenv(f"QWEN_SERVE_{name}", value)
     with pytest.raises(SystemExit) as exc:
@@ -24,24 +26,41 @@ def test_env_value_outside_the_choices_is_a_clear_error(monkeypatch, capsys, nam
     assert f"QWEN_SERVE_{name}" in err and repr(value) in err
 
 
-@pytest.mark.parametrize("value,expected", [("1", True), ("true", True), ("YES", True), ("on", True),
-                                            ("0", False), ("false", False), ("no", False), ("off", False), ("", False)])
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        ("1", True),
+        ("true", True),
+        ("YES", True),
+        ("on", True),
+        ("0", False),
+        ("false", False),
+        ("no", False),
+        ("off", False),
+        ("", False),
+    ],
+)
 def test_switches_read_true_and_false_from_the_environment(monkeypatch, value, expected):
     monkeypatch.setenv("QWEN_SERVE_NO_PREFIX_CACHING", value)
     assert build_parser().parse_args([]).no_prefix_caching is expected
     assert build_parser().parse_args(["--no-prefix-caching"]).no_prefix_caching is True
 
 
-@pytest.mark.parametrize("env,value,fragment", [
-    ("NO_PREFIX_CACHING", "maybe", "invalid switch value"),
-    ("PORT", "abc", "invalid int value"),
-    ("PORT", "99999", "out of range"),
-    ("MAX_MODEL_LEN", "-5", "out of range"),
-    ("GPU_MEMORY_UTILIZATION", "1.5", "out of range"),
-    ("DEVICE", "gpu", "invalid device"),
-    ("MODEL", "Qwen/Qwen3-0.6B", "not a local directory"),
-])
-def test_bad_environment_values_are_one_line_errors_naming_the_variable(monkeypatch, capsys, env, value, fragment):
+@pytest.mark.parametrize(
+    "env,value,fragment",
+    [
+        ("NO_PREFIX_CACHING", "maybe", "invalid switch value"),
+        ("PORT", "abc", "invalid int value"),
+        ("PORT", "99999", "out of range"),
+        ("MAX_MODEL_LEN", "-5", "out of range"),
+        ("GPU_MEMORY_UTILIZATION", "1.5", "out of range"),
+        ("DEVICE", "gpu", "invalid device"),
+        ("MODEL", "Qwen/Qwen3-0.6B", "not a local directory"),
+    ],
+)
+def test_bad_environment_values_are_one_line_errors_naming_the_variable(
+    monkeypatch, capsys, env, value, fragment
+):
     monkeypatch.setenv(f"QWEN_SERVE_{env}", value)
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args([])

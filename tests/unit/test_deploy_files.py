@@ -8,9 +8,9 @@ skipped otherwise (Debian: apt-get install -y --no-install-recommends docker-com
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
-import fnmatch
 import re
 import shlex
 import shutil
@@ -36,44 +36,80 @@ SERVER_PORT = 8000
 # Server flags (python -m server --help); each is also QWEN_SERVE_<FLAG>. Host and port are
 # fixed inside the image, the others pass through docker/compose.yaml.
 SERVER_FLAGS = [
-    "model", "host", "port", "dtype", "device", "max-model-len", "block-size", "num-kv-blocks",
-    "kv-cache-memory-gb", "max-num-seqs", "max-num-batched-tokens", "served-model-name",
-    "attention-backend", "api-key", "log-level", "reasoning-parser", "no-prefix-caching",
+    "model",
+    "host",
+    "port",
+    "dtype",
+    "device",
+    "max-model-len",
+    "block-size",
+    "num-kv-blocks",
+    "kv-cache-memory-gb",
+    "max-num-seqs",
+    "max-num-batched-tokens",
+    "served-model-name",
+    "attention-backend",
+    "api-key",
+    "log-level",
+    "reasoning-parser",
+    "no-prefix-caching",
 ]
 FIXED_IN_IMAGE = {"host", "port"}
 
 # The server's Prometheus metrics (server/metrics.py).
 GAUGES = {
-    "qwen_serve:num_requests_running", "qwen_serve:num_requests_waiting",
-    "qwen_serve:kv_cache_usage_perc", "qwen_serve:num_free_kv_blocks",
-    "qwen_serve:gpu_memory_allocated_bytes", "qwen_serve:gpu_memory_reserved_bytes",
-    "qwen_serve:gpu_memory_total_bytes", "process_resident_memory_bytes",
+    "qwen_serve:num_requests_running",
+    "qwen_serve:num_requests_waiting",
+    "qwen_serve:kv_cache_usage_perc",
+    "qwen_serve:num_free_kv_blocks",
+    "qwen_serve:gpu_memory_allocated_bytes",
+    "qwen_serve:gpu_memory_reserved_bytes",
+    "qwen_serve:gpu_memory_total_bytes",
+    "process_resident_memory_bytes",
 }
 COUNTERS = {
-    "qwen_serve:prompt_tokens_total", "qwen_serve:generation_tokens_total",
-    "qwen_serve:request_success_total", "qwen_serve:num_preemptions_total",
-    "qwen_serve:prefix_cache_queries_total", "qwen_serve:prefix_cache_hits_total",
+    "qwen_serve:prompt_tokens_total",
+    "qwen_serve:generation_tokens_total",
+    "qwen_serve:request_success_total",
+    "qwen_serve:num_preemptions_total",
+    "qwen_serve:prefix_cache_queries_total",
+    "qwen_serve:prefix_cache_hits_total",
 }
 HISTOGRAMS = {
-    "qwen_serve:time_to_first_token_seconds", "qwen_serve:inter_token_latency_seconds",
-    "qwen_serve:e2e_request_latency_seconds", "qwen_serve:request_queue_time_seconds",
-    "qwen_serve:request_prompt_tokens", "qwen_serve:request_generation_tokens",
+    "qwen_serve:time_to_first_token_seconds",
+    "qwen_serve:inter_token_latency_seconds",
+    "qwen_serve:e2e_request_latency_seconds",
+    "qwen_serve:request_queue_time_seconds",
+    "qwen_serve:request_prompt_tokens",
+    "qwen_serve:request_generation_tokens",
     "qwen_serve:iteration_tokens_total",
 }
 INFOS = {"qwen_serve:model_info"}
-SERIES = (GAUGES | COUNTERS | INFOS
-          | {h + suffix for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")})
+SERIES = (
+    GAUGES
+    | COUNTERS
+    | INFOS
+    | {h + suffix for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
+)
 
 REQUIRED_PANELS = [
-    "request rate", "output tokens/s", "ttft p50/p99", "itl p50/p99", "kv cache usage",
-    "running / waiting", "gpu memory", "preemptions",
+    "request rate",
+    "output tokens/s",
+    "ttft p50/p99",
+    "itl p50/p99",
+    "kv cache usage",
+    "running / waiting",
+    "gpu memory",
+    "preemptions",
 ]
 
 
 # --------------------------------------------------------------------------------------------
 # compose helpers
 # --------------------------------------------------------------------------------------------
-_VAR = re.compile(r"\$(?:\$|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
+_VAR = re.compile(
+    r"\$(?:\$|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))"
+)
 
 
 def interpolate(value: str) -> str:
@@ -163,7 +199,7 @@ def host_path(service: dict, container_path: str) -> Path | None:
                 best = (source, target)
     if best is None:
         return None
-    rest = container_path[len(best[1]):].lstrip("/")
+    rest = container_path[len(best[1]) :].lstrip("/")
     return (DOCKER / best[0] / rest).resolve()
 
 
@@ -171,8 +207,13 @@ def server_flags() -> list[str]:
     """SERVER_FLAGS plus every flag `python -m server --help` lists (when the server runs here)."""
     flags = set(SERVER_FLAGS)
     try:
-        result = subprocess.run([sys.executable, "-m", "server", "--help"], cwd=REPO,
-                                capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [sys.executable, "-m", "server", "--help"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     except (OSError, subprocess.TimeoutExpired):
         result = None
     if result is not None and result.returncode == 0:
@@ -206,13 +247,17 @@ def test_compose_gpu_and_cpu_servers_are_interchangeable(compose):
     gpu, cpu = svc["server"], svc["server-cpu"]
 
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
-    assert any("gpu" in (d.get("capabilities") or []) and d.get("driver") == "nvidia"
-               for d in devices), devices
+    assert any(
+        "gpu" in (d.get("capabilities") or []) and d.get("driver") == "nvidia" for d in devices
+    ), devices
     assert "devices" not in str(cpu.get("deploy", "")), "server-cpu must not reserve a GPU"
 
     for service in (gpu, cpu):
-        aliases = [a for net in (service.get("networks") or {}).values()
-                   for a in ((net or {}).get("aliases") or [])]
+        aliases = [
+            a
+            for net in (service.get("networks") or {}).values()
+            for a in ((net or {}).get("aliases") or [])
+        ]
         assert "server" in aliases, "both servers answer to the network alias `server`"
         assert [parse_port(p)[2] for p in service["ports"]] == [SERVER_PORT]
     assert set(gpu["networks"]) == set(cpu["networks"])
@@ -258,22 +303,29 @@ def test_compose_files_and_volumes_exist(compose):
                 assert (DOCKER / source).exists(), f"{name}: {source} does not exist"
         # any absolute path a service is told about (env, command) that lies under a bind
         # mount must exist on this side of the mount
-        for text in _walk_strings([service.get("environment"), service.get("command"),
-                                   service.get("entrypoint")]):
+        for text in _walk_strings(
+            [service.get("environment"), service.get("command"), service.get("entrypoint")]
+        ):
             for word in interpolate(text).split():
                 if word.startswith("/"):
                     path = host_path(service, word)
                     if path is not None:
                         assert path.exists(), f"{name}: {word} -> {path} does not exist"
     for name in named:
-        assert any(source == name for s in services(compose).values()
-                   for source, _, _ in mounts_of(s)), f"volume {name} is unused"
+        assert any(
+            source == name for s in services(compose).values() for source, _, _ in mounts_of(s)
+        ), f"volume {name} is unused"
 
 
 def test_compose_ports(compose):
     svc = services(compose)
-    expected = {"server": 8000, "server-cpu": 8000, "prometheus": 9090, "grafana": 3000,
-                "locust": 8089}
+    expected = {
+        "server": 8000,
+        "server-cpu": 8000,
+        "prometheus": 9090,
+        "grafana": 3000,
+        "locust": 8089,
+    }
     host_ports: dict[int, str] = {}
     for name, container_port in expected.items():
         ports = [parse_port(p) for p in svc[name].get("ports") or []]
@@ -292,10 +344,14 @@ def test_compose_monitoring_wiring(compose):
     assert host_path(prom, "/etc/prometheus/prometheus.yml") == PROMETHEUS.resolve()
 
     grafana = svc["grafana"]
-    assert host_path(grafana, "/etc/grafana/provisioning/datasources/prometheus.yaml") == \
-        GRAFANA_DATASOURCES.resolve()
-    assert host_path(grafana, "/etc/grafana/provisioning/dashboards/dashboards.yaml") == \
-        GRAFANA_PROVIDERS.resolve()
+    assert (
+        host_path(grafana, "/etc/grafana/provisioning/datasources/prometheus.yaml")
+        == GRAFANA_DATASOURCES.resolve()
+    )
+    assert (
+        host_path(grafana, "/etc/grafana/provisioning/dashboards/dashboards.yaml")
+        == GRAFANA_PROVIDERS.resolve()
+    )
     providers = yaml.safe_load(GRAFANA_PROVIDERS.read_text())
     assert providers["apiVersion"] == 1
     paths = [p["options"]["path"] for p in providers["providers"] if p.get("type") == "file"]
@@ -369,8 +425,9 @@ def _global_args(instructions) -> dict[str, str]:
 
 
 def _substitute(text: str, args: dict[str, str]) -> str:
-    return re.sub(r"\$\{(\w+)\}|\$(\w+)",
-                  lambda m: args.get(m.group(1) or m.group(2), m.group(0)), text)
+    return re.sub(
+        r"\$\{(\w+)\}|\$(\w+)", lambda m: args.get(m.group(1) or m.group(2), m.group(0)), text
+    )
 
 
 def dockerfile_stages() -> list[tuple[str, list[tuple[str, str]]]]:
@@ -458,8 +515,11 @@ def _project_packages() -> list[str]:
         pytest.skip("tomllib needs Python 3.11")
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
     include = project["tool"]["setuptools"]["packages"]["find"]["include"]
-    packages = sorted(".".join(p.relative_to(REPO).parts[:-1]) for p in REPO.glob("*/**/__init__.py")
-                      if p.parts[len(REPO.parts)] in ("server", "engine", "kernels"))
+    packages = sorted(
+        ".".join(p.relative_to(REPO).parts[:-1])
+        for p in REPO.glob("*/**/__init__.py")
+        if p.parts[len(REPO.parts)] in ("server", "engine", "kernels")
+    )
     unshipped = [p for p in packages if not any(fnmatch.fnmatch(p, pat) for pat in include)]
     assert not unshipped, f"packages the wheel would not contain: {unshipped}"
     return packages
@@ -469,22 +529,26 @@ def test_dockerfile_stages_and_runtime_contract():
     stages = dict(dockerfile_stages())
     assert set(stages) == {"cpu", "cuda"}, list(stages)
     assert dockerfile_stages()[-1][0] == "cuda", "a plain `docker build` builds the GPU image"
-    assert re.fullmatch(r"pytorch/pytorch:2\.\d+\.\d+-cuda12\.\d+-cudnn\d+-runtime",
-                        stages["cuda"][0][1]), stages["cuda"][0][1]
+    assert re.fullmatch(
+        r"pytorch/pytorch:2\.\d+\.\d+-cuda12\.\d+-cudnn\d+-runtime", stages["cuda"][0][1]
+    ), stages["cuda"][0][1]
     assert stages["cpu"][0][1] == "python:3.11-slim"
 
     global_args = _global_args(dockerfile_instructions())
     cpu_args = _stage_args(stages["cpu"], global_args)
     cpu_runs = [_substitute(rest, cpu_args) for word, rest in stages["cpu"] if word == "RUN"]
-    assert any("torch==2.13.0" in r and "--index-url https://download.pytorch.org/whl/cpu" in r
-               for r in cpu_runs), cpu_runs
+    assert any(
+        "torch==2.13.0" in r and "--index-url https://download.pytorch.org/whl/cpu" in r
+        for r in cpu_runs
+    ), cpu_runs
 
     for name, instructions in stages.items():
         words = [w for w, _ in instructions]
         users = [rest for w, rest in instructions if w == "USER"]
         assert users and users[-1].split(":")[0] not in ("root", "0"), f"{name}: non-root USER"
-        assert words.index("USER") > max(i for i, w in enumerate(words) if w == "RUN"), \
+        assert words.index("USER") > max(i for i, w in enumerate(words) if w == "RUN"), (
             f"{name}: USER comes after the last RUN"
+        )
 
         health = [rest for w, rest in instructions if w == "HEALTHCHECK"]
         assert len(health) == 1, name
@@ -534,11 +598,20 @@ def test_dockerfile_copy_sources_exist_and_are_not_dockerignored():
 
 
 def test_dockerignore_keeps_the_context_small():
-    for path in (".venv/bin/python", ".git/HEAD", "checkpoints/x/model.safetensors",
-                 "tests/load/locustfile.py", "server/__pycache__/app.cpython-311.pyc"):
+    for path in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "checkpoints/x/model.safetensors",
+        "tests/load/locustfile.py",
+        "server/__pycache__/app.cpython-311.pyc",
+    ):
         assert dockerignored(path), path
-    for path in ("pyproject.toml", "server/__init__.py", "engine/models/__init__.py",
-                 "kernels/__init__.py"):
+    for path in (
+        "pyproject.toml",
+        "server/__init__.py",
+        "engine/models/__init__.py",
+        "kernels/__init__.py",
+    ):
         assert not dockerignored(path), path
 
 
@@ -549,9 +622,11 @@ def test_prometheus_scrapes_the_server():
     config = yaml.safe_load(PROMETHEUS.read_text())
     assert "scrape_interval" in config.get("global", {})
     jobs = [
-        job for job in config["scrape_configs"]
-        if any(f"server:{SERVER_PORT}" in sc.get("targets", [])
-               for sc in job.get("static_configs", []))
+        job
+        for job in config["scrape_configs"]
+        if any(
+            f"server:{SERVER_PORT}" in sc.get("targets", []) for sc in job.get("static_configs", [])
+        )
     ]
     assert len(jobs) == 1, config["scrape_configs"]
     assert jobs[0].get("metrics_path", "/metrics") == "/metrics"
@@ -564,8 +639,12 @@ def test_prometheus_config_with_promtool():
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool not installed")
-    result = subprocess.run([promtool, "check", "config", "--syntax-only", str(PROMETHEUS)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [promtool, "check", "config", "--syntax-only", str(PROMETHEUS)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -573,18 +652,82 @@ def test_prometheus_config_with_promtool():
 # Grafana
 # --------------------------------------------------------------------------------------------
 PROMQL_FUNCTIONS = {
-    "abs", "absent", "absent_over_time", "avg", "avg_over_time", "bottomk", "ceil", "changes",
-    "clamp", "clamp_max", "clamp_min", "count", "count_over_time", "count_values", "delta",
-    "deriv", "exp", "floor", "group", "histogram_avg", "histogram_count", "histogram_fraction",
-    "histogram_quantile", "histogram_sum", "idelta", "increase", "irate", "label_join",
-    "label_replace", "last_over_time", "ln", "log10", "log2", "max", "max_over_time", "min",
-    "min_over_time", "predict_linear", "present_over_time", "quantile", "quantile_over_time",
-    "rate", "resets", "round", "scalar", "sgn", "sort", "sort_desc", "sqrt", "stddev",
-    "stddev_over_time", "stdvar", "stdvar_over_time", "sum", "sum_over_time", "time",
-    "timestamp", "topk", "vector",
+    "abs",
+    "absent",
+    "absent_over_time",
+    "avg",
+    "avg_over_time",
+    "bottomk",
+    "ceil",
+    "changes",
+    "clamp",
+    "clamp_max",
+    "clamp_min",
+    "count",
+    "count_over_time",
+    "count_values",
+    "delta",
+    "deriv",
+    "exp",
+    "floor",
+    "group",
+    "histogram_avg",
+    "histogram_count",
+    "histogram_fraction",
+    "histogram_quantile",
+    "histogram_sum",
+    "idelta",
+    "increase",
+    "irate",
+    "label_join",
+    "label_replace",
+    "last_over_time",
+    "ln",
+    "log10",
+    "log2",
+    "max",
+    "max_over_time",
+    "min",
+    "min_over_time",
+    "predict_linear",
+    "present_over_time",
+    "quantile",
+    "quantile_over_time",
+    "rate",
+    "resets",
+    "round",
+    "scalar",
+    "sgn",
+    "sort",
+    "sort_desc",
+    "sqrt",
+    "stddev",
+    "stddev_over_time",
+    "stdvar",
+    "stdvar_over_time",
+    "sum",
+    "sum_over_time",
+    "time",
+    "timestamp",
+    "topk",
+    "vector",
 }
-PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and",
-                   "or", "unless", "offset", "atan2", "inf", "nan"}
+PROMQL_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "atan2",
+    "inf",
+    "nan",
+}
 
 
 def promql_names(expr: str) -> tuple[set[str], set[str]]:
@@ -598,7 +741,7 @@ def promql_names(expr: str) -> tuple[set[str], set[str]]:
     metrics, functions = set(), set()
     for match in re.finditer(r"(?<![\w.:])[A-Za-z_:][A-Za-z0-9_:]*", s):
         token = match.group(0)
-        if s[match.end():].lstrip().startswith("("):
+        if s[match.end() :].lstrip().startswith("("):
             functions.add(token)
         elif token.lower() not in PROMQL_KEYWORDS:
             metrics.add(token)
@@ -606,12 +749,16 @@ def promql_names(expr: str) -> tuple[set[str], set[str]]:
 
 
 def test_promql_name_parser():
-    expr = ('histogram_quantile(0.99, sum by (le) (rate(qwen_serve:time_to_first_token_seconds_'
-            'bucket{model_name=~"$model", x="a{b}"}[$__rate_interval]))) / on(instance) '
-            'clamp_min(sum without (le) (process_resident_memory_bytes offset 5m), 1e3)')
+    expr = (
+        "histogram_quantile(0.99, sum by (le) (rate(qwen_serve:time_to_first_token_seconds_"
+        'bucket{model_name=~"$model", x="a{b}"}[$__rate_interval]))) / on(instance) '
+        "clamp_min(sum without (le) (process_resident_memory_bytes offset 5m), 1e3)"
+    )
     metrics, functions = promql_names(expr)
-    assert metrics == {"qwen_serve:time_to_first_token_seconds_bucket",
-                       "process_resident_memory_bytes"}
+    assert metrics == {
+        "qwen_serve:time_to_first_token_seconds_bucket",
+        "process_resident_memory_bytes",
+    }
     assert functions == {"histogram_quantile", "sum", "rate", "clamp_min"}
 
 
@@ -683,7 +830,11 @@ def test_grafana_dashboard_layout(dashboard):
         g = panel["gridPos"]
         assert 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0, panel.get("title")
         for other_title, o in boxes:
-            overlap = (g["x"] < o["x"] + o["w"] and o["x"] < g["x"] + g["w"]
-                       and g["y"] < o["y"] + o["h"] and o["y"] < g["y"] + g["h"])
+            overlap = (
+                g["x"] < o["x"] + o["w"]
+                and o["x"] < g["x"] + g["w"]
+                and g["y"] < o["y"] + o["h"]
+                and o["y"] < g["y"] + g["h"]
+            )
             assert not overlap, f"{panel.get('title')!r} overlaps {other_title!r}"
         boxes.append((panel.get("title"), g))

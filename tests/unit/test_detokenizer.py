@@ -7,8 +7,8 @@ import random
 import pytest
 
 from engine.frontend.detokenizer import IncrementalDetokenizer
-from engine.loader.embedded import bytes_to_unicode, ensure_embedded_checkpoint
 from engine.frontend.tokenizer import Tokenizer
+from engine.loader.embedded import bytes_to_unicode, ensure_embedded_checkpoint
 
 FFFD = "\ufffd"
 

@@ -106,7 +106,9 @@ GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
 def _layer(name: str) -> tuple[str, int] | None:
     best = None
     for prefix, layer in LAYERS.items():
-        if (name == prefix or name.startswith(prefix + ".")) and (best is None or len(prefix) > len(best[0])):
+        if (name == prefix or name.startswith(prefix + ".")) and (
+            best is None or len(prefix) > len(best[0])
+        ):
             best = (prefix, layer)
     return best
 
@@ -125,7 +127,7 @@ def test_no_import_cycle():
         stack.append(m)
         for dep in sorted(GRAPH[m][0]):
             if state.get(dep) == 1:
-                cycle = stack[stack.index(dep):] + [dep]
+                cycle = stack[stack.index(dep) :] + [dep]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if dep not in state:
                 visit(dep)
@@ -179,24 +181,43 @@ def test_engine_core_reaches_no_torch_statically():
     for m in core:
         for dep in _reachable(m):
             ext = GRAPH[dep][1]
-            assert not ext & (TORCH | {"numpy", "safetensors", "transformers"}), \
+            assert not ext & (TORCH | {"numpy", "safetensors", "transformers"}), (
                 f"{m} reaches {dep}, which imports {ext & (TORCH | {'numpy'})}"
+            )
 
 
 def test_engine_core_imports_no_torch_at_run_time():
     core = sorted(m for m in MODULES if m.startswith("engine.core."))
-    code = ("import sys\n" + "".join(f"import {m}\n" for m in core)
-            + "bad = sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'triton', 'numpy'))\n"
-            + "print(','.join(bad[:5]))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in core)
+        + (
+            "bad = sorted(k for k in sys.modules "
+            "if k.split('.')[0] in ('torch', 'triton', 'numpy'))\n"
+        )
+        + "print(','.join(bad[:5]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == "", f"importing engine.core loads {out.stdout.strip()}"
 
 
 def test_the_graph_reader_finds_an_edge_between_every_adjacent_layer():
     """The rules are not vacuous: the real graph has edges of every allowed kind."""
-    edges = {(s[0], d[0]) for m, (deps, _) in GRAPH.items() for dep in deps
-             if (s := _layer(m)) and (d := _layer(dep)) and s[0] != d[0]}
-    for pair in [("server", "engine.frontend"), ("engine.frontend", "engine.worker"),
-                 ("engine.worker", "engine.models"), ("engine.models", "engine.attention"),
-                 ("engine.attention", "kernels")]:
-        assert pair in edges, f"no import from {pair[0]} to {pair[1]}: the graph reader misses imports"
+    edges = {
+        (s[0], d[0])
+        for m, (deps, _) in GRAPH.items()
+        for dep in deps
+        if (s := _layer(m)) and (d := _layer(dep)) and s[0] != d[0]
+    }
+    for pair in [
+        ("server", "engine.frontend"),
+        ("engine.frontend", "engine.worker"),
+        ("engine.worker", "engine.models"),
+        ("engine.models", "engine.attention"),
+        ("engine.attention", "kernels"),
+    ]:
+        assert pair in edges, (
+            f"no import from {pair[0]} to {pair[1]}: the graph reader misses imports"
+        )

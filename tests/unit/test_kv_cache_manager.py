@@ -75,8 +75,12 @@ def run_prompt(kv: KVCacheManager, req: Request) -> None:
 def snapshot(kv: KVCacheManager, *reqs: Request):
     p = kv.pool
     return (
-        list(p.ref_counts), list(p.free_queue), dict(p.cached), list(p.block_keys),
-        kv.prefix_queries, kv.prefix_hits,
+        list(p.ref_counts),
+        list(p.free_queue),
+        dict(p.cached),
+        list(p.block_keys),
+        kv.prefix_queries,
+        kv.prefix_hits,
         [(blocks(kv, r), r.num_computed_tokens, r.num_cached_tokens) for r in reqs],
     )
 
@@ -354,8 +358,9 @@ def test_freed_cached_blocks_reused_in_lru_order_until_evicted():
     kv.check_integrity()
     assert list(kv.pool.free_queue)[-3:] == a2_blocks[::-1]
     order = list(kv.pool.free_queue)
-    assert order == (never_used[1:] + [a_blocks[2]] + b_blocks[::-1]
-                     + [never_used[0], a_blocks[1], a_blocks[0]])
+    assert order == (
+        never_used[1:] + [a_blocks[2]] + b_blocks[::-1] + [never_used[0], a_blocks[1], a_blocks[0]]
+    )
 
     # allocate 4 blocks: evicts the never used one, a's old tail, b's tail and b1
     filler = make_req("f", rand_tokens(rng, 4 * bs))
@@ -700,8 +705,9 @@ class Model:
             b = table[pos // self.bs]
             # another request may hold the block only through a hit taken in this same step,
             # on exactly the tokens written here (the end-of-step content check verifies that)
-            assert rc[b] == 1 or b in step_hits, \
+            assert rc[b] == 1 or b in step_hits, (
                 f"step writes position {pos} into block {b} shared by {rc[b]} requests"
+            )
             assert self.phys[b][pos % self.bs] is None, f"position {pos} of block {b} written twice"
             self.phys[b][pos % self.bs] = toks[pos]
 
@@ -710,7 +716,7 @@ class Model:
         the cache."""
         table = self.tables.pop(req.request_id, [])
         self.registered.pop(req.request_id, None)
-        for b in table[req.num_computed_tokens // self.bs:]:
+        for b in table[req.num_computed_tokens // self.bs :]:
             self._uncache(b)
         rc = self.refs(len(self.phys))
         for b in reversed(table):
@@ -731,8 +737,20 @@ def test_randomized_operations_against_model(seed, caching):
     running: dict[str, Request] = {}
     waiting: list[Request] = []  # preempted, to be re-admitted (with hits on their own blocks)
     counter = 0
-    stats = dict(admit=0, hit_blocks=0, same_step_hits=0, full=0, grow=0, finish=0, abort=0,
-                 preempt=0, readmit=0, failed_steps=0, steps=0, dropped_on_free=0)
+    stats = dict(
+        admit=0,
+        hit_blocks=0,
+        same_step_hits=0,
+        full=0,
+        grow=0,
+        finish=0,
+        abort=0,
+        preempt=0,
+        readmit=0,
+        failed_steps=0,
+        steps=0,
+        dropped_on_free=0,
+    )
     step: dict[str, int] = {}  # request id -> tokens the open step computes for it
     step_hits: set[int] = set()  # blocks handed out as hits in the open step
     step_registered: set[int] = set()  # blocks registered during the open step
@@ -854,7 +872,8 @@ def test_randomized_operations_against_model(seed, caching):
                     req = rng.choice(candidates)
                     if req.num_computed_tokens == req.num_tokens:
                         req.output_token_ids.extend(
-                            rng.randrange(vocab) for _ in range(rng.choice([1, 1, 1, 2, bs])))
+                            rng.randrange(vocab) for _ in range(rng.choice([1, 1, 1, 2, bs]))
+                        )
                     n = rng.randint(1, req.num_tokens - req.num_computed_tokens)
                     expect = model.allocate(req, n, None)
                     got = kv.allocate_slots(req, n)

@@ -35,9 +35,21 @@ def _fresh_dynamo(one_torch_thread):
 
 def _config() -> ModelConfig:
     return ModelConfig(
-        architecture="Qwen3ForCausalLM", model_type="qwen3", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-        max_position_embeddings=512, tie_word_embeddings=True, attention_bias=False, qk_norm=True,
+        architecture="Qwen3ForCausalLM",
+        model_type="qwen3",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        qk_norm=True,
         dtype="float32",
     )
 
@@ -73,9 +85,13 @@ def _step(gen: torch.Generator, q_lens: list[int], cached: list[int]):
     for i, t in enumerate(tables):
         block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64), block_tables=block_tables,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-        max_query_len=max(q_lens), max_seq_len=max(seq_lens), is_decode=max(q_lens) == 1,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=block_tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        is_decode=max(q_lens) == 1,
     )
     ids = torch.randint(0, VOCAB, (len(positions),), generator=gen)
     return ids, torch.tensor(positions, dtype=torch.int64), meta
@@ -104,7 +120,13 @@ def _compare(backend_name: str, steps: int, seed: int) -> None:
             ids, pos, meta = _step(gen, q_lens, cached)
             want = eager(ids, pos, caches_e, meta)
             got = compiled(ids, pos, caches_c, meta)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {i} {q_lens}: {m}")
+            torch.testing.assert_close(
+                got,
+                want,
+                rtol=1e-5,
+                atol=1e-5,
+                msg=lambda m, i=i, q_lens=q_lens: f"step {i} {q_lens}: {m}",
+            )
             for (ke, ve), (kc, vc) in zip(caches_e, caches_c):
                 torch.testing.assert_close(kc, ke, rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(vc, ve, rtol=1e-5, atol=1e-5)
@@ -154,8 +176,11 @@ def test_compile_failure_falls_back_to_eager(monkeypatch, caplog):
     gen = torch.Generator().manual_seed(3)
     ids, pos, meta = _step(gen, [5, 9], [0, 17])
     caches = [(k.double(), v.double()) for k, v in _caches()]
-    with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="engine.models.compile"), \
-            torch._dynamo.config.patch(suppress_errors=False):
+    with (
+        torch.inference_mode(),
+        caplog.at_level(logging.WARNING, logger="engine.models.compile"),
+        torch._dynamo.config.patch(suppress_errors=False),
+    ):
         got = compiled(ids, pos, caches, meta)
         want = eager(ids, pos, [(k.double(), v.double()) for k, v in _caches()], meta)
     assert compiled._compiled._compiled is None
@@ -175,9 +200,20 @@ def tiny_qwen3_dir(tmp_path_factory):
     from transformers import Qwen3ForCausalLM as HFQwen3
 
     torch.manual_seed(4321)
-    model = HFQwen3(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0))
+    model = HFQwen3(
+        Qwen3Config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+            rope_theta=10000.0,
+        )
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name:
@@ -194,8 +230,16 @@ def test_engine_greedy_outputs_equal_with_and_without_compile(tiny_qwen3_dir):
     params = SamplingParams(temperature=0.0, max_tokens=10)
     outs = {}
     for mode in ("none", "model"):
-        eng = build_engine(EngineConfig(model=tiny_qwen3_dir, num_kv_blocks=32, block_size=BLOCK,
-                                     max_num_batched_tokens=24, compile_mode=mode), eos_token_ids=frozenset())
+        eng = build_engine(
+            EngineConfig(
+                model=tiny_qwen3_dir,
+                num_kv_blocks=32,
+                block_size=BLOCK,
+                max_num_batched_tokens=24,
+                compile_mode=mode,
+            ),
+            eos_token_ids=frozenset(),
+        )
         outs[mode] = eng.generate(prompts, params)
         if mode == "model":
             assert eng.executor.model._compiled._compiled is not None

@@ -1,4 +1,5 @@
-"""The engine against transformers' Qwen3ForCausalLM / Qwen2ForCausalLM on random tiny checkpoints."""
+"""The engine against transformers' Qwen3ForCausalLM / Qwen2ForCausalLM on random tiny
+checkpoints."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import pytest
 import torch
 
 from engine.core.config import EngineConfig
-from engine.worker.build import build_engine
 from engine.core.request import SamplingParams
+from engine.worker.build import build_engine
 from tests.engine_helpers import logits_for
 
 
@@ -23,7 +24,9 @@ def test_prefill_logits_match_transformers(tiny_checkpoint):
     gen = torch.Generator().manual_seed(7)
     lengths = [1, 7, 16, 33, 50]
     prompts = [torch.randint(0, 384, (n,), generator=gen).tolist() for n in lengths]
-    reqs = [eng.add_request(f"r{i}", p, SamplingParams(max_tokens=1)) for i, p in enumerate(prompts)]
+    reqs = [
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=1)) for i, p in enumerate(prompts)
+    ]
     batch = eng.scheduler.schedule()
     assert [r.request_id for r in batch.requests] == [r.request_id for r in reqs]
     logits = logits_for(eng, batch)
@@ -68,16 +71,27 @@ def test_greedy_generation_with_preemption_matches_transformers(tiny_checkpoint,
     lengths = [3, 9, 17, 24, 31, 40, 12, 5]
     prompts = [torch.randint(0, 384, (n,), generator=gen).tolist() for n in lengths]
     # 8 requests need up to ceil((40 + 32) / 16) = 5 blocks each; 16 blocks force preemption
-    eng = _engine(path, num_kv_blocks=16, max_num_batched_tokens=64, enable_prefix_caching=False,
-                  async_scheduling=async_scheduling)
+    eng = _engine(
+        path,
+        num_kv_blocks=16,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+        async_scheduling=async_scheduling,
+    )
     outs = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32))
     assert eng.scheduler.num_preemptions >= 1
     assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
     eng.kv_cache_manager.check_integrity()
     for p, out in zip(prompts, outs):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+            ref = hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=32,
+                min_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()
         assert out == ref
 
 
@@ -86,13 +100,17 @@ def test_generation_equal_with_and_without_prefix_cache(tiny_checkpoint, async_s
     path, _ = tiny_checkpoint
     gen = torch.Generator().manual_seed(5)
     shared = torch.randint(0, 384, (37,), generator=gen).tolist()
-    prompts = [shared + torch.randint(0, 384, (n,), generator=gen).tolist() for n in (1, 6, 20)] + [shared]
+    prompts = [shared + torch.randint(0, 384, (n,), generator=gen).tolist() for n in (1, 6, 20)] + [
+        shared
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=12)
     base = _engine(path, enable_prefix_caching=False).generate(prompts, params)
     eng = _engine(path, enable_prefix_caching=True, async_scheduling=async_scheduling)
     first = eng.generate(prompts[:1], params)
     rest = eng.generate(prompts[1:], params)
     assert first + rest == base
-    assert eng.kv_cache_manager.prefix_hits >= 3 * 32  # two full shared blocks reused by three requests
+    assert (
+        eng.kv_cache_manager.prefix_hits >= 3 * 32
+    )  # two full shared blocks reused by three requests
     assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
     eng.kv_cache_manager.check_integrity()

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from engine.core.config import EngineConfig
-from engine.worker.cuda_graph import PrefillGraphs, prefill_capture_sizes
-from engine.worker.build import build_engine
 from engine.core.request import SamplingParams
+from engine.worker.build import build_engine
+from engine.worker.cuda_graph import PrefillGraphs, prefill_capture_sizes
 
 
 @pytest.mark.parametrize("max_tokens", [1, 16, 17, 100, 512, 2048, 3000, 8192, 20000])
@@ -26,18 +26,35 @@ def test_capture_sizes_cover_every_step_with_bounded_padding(max_tokens):
 
 
 def _engine(path, async_scheduling, graphs: bool, budget: int):
-    cfg = EngineConfig(model=path, block_size=8, num_kv_blocks=96, max_num_seqs=6, max_num_batched_tokens=budget,
-                       async_scheduling=async_scheduling)
+    cfg = EngineConfig(
+        model=path,
+        block_size=8,
+        num_kv_blocks=96,
+        max_num_seqs=6,
+        max_num_batched_tokens=budget,
+        async_scheduling=async_scheduling,
+    )
     eng = build_engine(cfg, eos_token_ids=frozenset())
-    if graphs:  # what the runner builds on CUDA; without CUDA, run() executes the padded forward eagerly
+    if (
+        graphs
+    ):  # what the runner builds on CUDA; without CUDA, run() executes the padded forward eagerly
         r = eng.executor
-        g = PrefillGraphs(r.model, r.kv_caches, budget, cfg.max_num_seqs,
-                          r.block_tables.width, r.cache_info.max_model_len, r.device)
+        g = PrefillGraphs(
+            r.model,
+            r.kv_caches,
+            budget,
+            cfg.max_num_seqs,
+            r.block_tables.width,
+            r.cache_info.max_model_len,
+            r.device,
+        )
         # stale values from "earlier steps" everywhere: a step must overwrite all it relies on
         gen = torch.Generator().manual_seed(0)
         s = g.inputs
         s.input_ids.random_(0, 384, generator=gen)
-        s.positions.random_(0, r.cache_info.max_model_len, generator=gen)  # earlier steps: valid positions
+        s.positions.random_(
+            0, r.cache_info.max_model_len, generator=gen
+        )  # earlier steps: valid positions
         s.slot_mapping.random_(0, cfg.num_kv_blocks * cfg.block_size, generator=gen)
         s.block_tables.random_(0, cfg.num_kv_blocks, generator=gen)
         s.seq_lens.random_(1, 40, generator=gen)
@@ -74,7 +91,9 @@ def test_padded_graph_steps_equal_eager_steps(tiny_checkpoint, one_torch_thread,
     for i in range(10):
         tail = [rng.randrange(384) for _ in range(rng.randint(1, 70))]
         prompt = shared + tail if i % 3 == 0 else tail
-        params = SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=i, max_tokens=rng.randint(1, 12), logprobs=2)
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 0.8]), seed=i, max_tokens=rng.randint(1, 12), logprobs=2
+        )
         requests.append((f"r{i}", prompt, params))
     # budget 40: long prompts are chunked and chunks mix with decodes; 40 is not a capture size
     eager = _run(_engine(path, async_scheduling, graphs=False, budget=40), requests)

@@ -1,4 +1,5 @@
-"""PromptEncoder: tiktoken's BPE on the request path gives exactly the ids of tokenizers, or is not used."""
+"""PromptEncoder: tiktoken's BPE on the request path gives exactly the ids of tokenizers, or is
+not used."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import shutil
 
 import pytest
 
-from engine.loader.embedded import ensure_embedded_checkpoint
 from engine.frontend.tokenizer import Tokenizer
+from engine.loader.embedded import ensure_embedded_checkpoint
 from server.prompt_encoder import CHECK_TEXTS, PromptEncoder
 from tests.unit.test_tokenizer import SAMPLES, _random_text
 
@@ -32,10 +33,20 @@ def test_same_ids_as_tokenizers(tok, encoder):
     rng = random.Random(7)
     texts = list(SAMPLES) + list(CHECK_TEXTS) + [_random_text(rng) for _ in range(300)]
     # NFD text around added tokens: NFC must not join a mark with the token's last character
-    texts += ["<think>\u0338x", "e\u0301<|im_end|>\u0301", "<|im_start|>>\u0338", "a\u0308<tool_call>\u0308"]
+    texts += [
+        "<think>\u0338x",
+        "e\u0301<|im_end|>\u0301",
+        "<|im_start|>>\u0338",
+        "a\u0308<tool_call>\u0308",
+    ]
     # decodings of random ids, added tokens included: words tokenizers has never cached
-    texts += [tok.decode([rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 400))],
-                         skip_special_tokens=False) for _ in range(100)]
+    texts += [
+        tok.decode(
+            [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 400))],
+            skip_special_tokens=False,
+        )
+        for _ in range(100)
+    ]
     for text in texts:
         assert encoder.encode(text) == tok.encode(text), repr(text)
 
@@ -57,12 +68,23 @@ def _edited_copy(tmp_path, edit) -> Tokenizer:
     return Tokenizer(tmp_path)
 
 
-@pytest.mark.parametrize("edit", [
-    lambda s: s.update(normalizer={"type": "NFKC"}),
-    lambda s: s["added_tokens"][0].update(lstrip=True),
-    lambda s: s["model"]["merges"].reverse(),
-    lambda s: s.update(truncation={"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}),
-], ids=["nfkc-normalizer", "lstrip-added-token", "merges-not-in-rank-order", "truncation"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda s: s.update(normalizer={"type": "NFKC"}),
+        lambda s: s["added_tokens"][0].update(lstrip=True),
+        lambda s: s["model"]["merges"].reverse(),
+        lambda s: s.update(
+            truncation={
+                "direction": "Right",
+                "max_length": 8,
+                "strategy": "LongestFirst",
+                "stride": 0,
+            }
+        ),
+    ],
+    ids=["nfkc-normalizer", "lstrip-added-token", "merges-not-in-rank-order", "truncation"],
+)
 def test_other_shapes_fall_back_to_tokenizers(tmp_path, edit):
     tok = _edited_copy(tmp_path, edit)
     enc = PromptEncoder(tok)
@@ -72,7 +94,8 @@ def test_other_shapes_fall_back_to_tokenizers(tmp_path, edit):
 
 
 def test_long_prompts_are_encoded_off_the_event_loop(tok, encoder):
-    """A long prompt is encoded in a worker thread (the encoders release the GIL), a short one inline."""
+    """A long prompt is encoded in a worker thread (the encoders release the GIL), a short one
+    inline."""
     import asyncio
     import threading
 

@@ -9,20 +9,32 @@ from server.reasoning import Qwen3ReasoningParser
 
 CASES = {
     "plain": ("Hello, world.\nSecond line.", None, "Hello, world.\nSecond line."),
-    "think_answer": ("<think>\nLet me think.\nOK.\n</think>\n\nThe answer is 4.",
-                     "Let me think.\nOK.", "The answer is 4."),
+    "think_answer": (
+        "<think>\nLet me think.\nOK.\n</think>\n\nThe answer is 4.",
+        "Let me think.\nOK.",
+        "The answer is 4.",
+    ),
     "unclosed_think": ("<think>\nStill thinking about it\n", "Still thinking about it\n", None),
     "think_no_answer": ("<think>\nonly reasoning\n</think>\n\n", "only reasoning", None),
     "empty_think": ("<think>\n\n</think>\n\nHi", None, "Hi"),
     "only_open_tag": ("<think>", None, None),
     "empty": ("", None, None),
-    "tool_call_after_think": ('<think>\nuse tool\n</think>\n\n<tool_call>\n{"name": "f", '
-                              '"arguments": {}}\n</tool_call>', "use tool",
-                              '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'),
-    "chinese_emoji": ("<think>\n让我想想 🤔\n</think>\n\n答案是 42 🎉", "让我想想 🤔", "答案是 42 🎉"),
+    "tool_call_after_think": (
+        '<think>\nuse tool\n</think>\n\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+        "use tool",
+        '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+    ),
+    "chinese_emoji": (
+        "<think>\n让我想想 🤔\n</think>\n\n答案是 42 🎉",
+        "让我想想 🤔",
+        "答案是 42 🎉",
+    ),
     "chinese_plain": ("你好，世界 🌍", None, "你好，世界 🌍"),
-    "lt_not_tags": ("<think>\nis a < b? </thinking> <think>\n</think>\n\nyes, a < b <tool",
-                    "is a < b? </thinking> <think>", "yes, a < b <tool"),
+    "lt_not_tags": (
+        "<think>\nis a < b? </thinking> <think>\n</think>\n\nyes, a < b <tool",
+        "is a < b? </thinking> <think>",
+        "yes, a < b <tool",
+    ),
     "lt_plain": ("a < b and <th", None, "a < b and <th"),
     "tag_prefix_at_end": ("<thi", None, "<thi"),
     "unclosed_partial_end_tag": ("<think>\nhmm\n</thi", "hmm\n</thi", None),

@@ -18,8 +18,8 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.core.request import Request, SamplingParams
 from engine.core.outputs import SampleOutput
+from engine.core.request import Request, SamplingParams
 from engine.worker.sampler import DeviceSamples, PendingSamples, Sampler
 
 CPU = torch.device("cpu")
@@ -103,7 +103,9 @@ def ref_probs(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def make_req(rid, params, prompt=None, output=None, rng=None, vocab=64):
     rng = rng or random.Random(0)
-    prompt = prompt if prompt is not None else [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+    prompt = (
+        prompt if prompt is not None else [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+    )
     req = Request(rid, list(prompt), params, max_len=1 << 20)
     if output is None:
         output = [rng.randrange(vocab) for _ in range(rng.randint(0, 12))]
@@ -121,7 +123,9 @@ def random_params(rng: random.Random, vocab: int) -> SamplingParams:
         presence_penalty=rng.choice([0.0, 0.0, 0.8, -0.5]),
         frequency_penalty=rng.choice([0.0, 0.0, 0.4, -0.3]),
         repetition_penalty=rng.choice([1.0, 1.0, 1.3, 0.8]),
-        logit_bias=rng.choice([None, {rng.randrange(vocab): rng.uniform(-5, 5), vocab + 3: 9.0, -1: 9.0}]),
+        logit_bias=rng.choice(
+            [None, {rng.randrange(vocab): rng.uniform(-5, 5), vocab + 3: 9.0, -1: 9.0}]
+        ),
         min_tokens=rng.choice([0, 0, 5]),
         stop_token_ids=rng.choice([[], [rng.randrange(vocab)]]),
         ignore_eos=rng.random() < 0.2,
@@ -135,13 +139,17 @@ def normalised(p: torch.Tensor) -> torch.Tensor:
 
 def chi_square(counts: Counter, probs: torch.Tensor, n: int) -> tuple[float, int]:
     support = [t for t in range(probs.numel()) if probs[t] > 0]
-    stat = sum((counts.get(t, 0) - n * float(probs[t])) ** 2 / (n * float(probs[t])) for t in support)
+    stat = sum(
+        (counts.get(t, 0) - n * float(probs[t])) ** 2 / (n * float(probs[t])) for t in support
+    )
     return stat, max(len(support) - 1, 1)
 
 
 def assert_chi_square_ok(counts: Counter, probs: torch.Tensor, n: int) -> None:
     allowed = {t for t in range(probs.numel()) if probs[t] > 0}
-    assert set(counts) <= allowed, f"sampled tokens outside the allowed set: {set(counts) - allowed}"
+    assert set(counts) <= allowed, (
+        f"sampled tokens outside the allowed set: {set(counts) - allowed}"
+    )
     stat, df = chi_square(counts, probs, n)
     # far beyond the 1e-6 quantile for these df; a wrong distribution gives hundreds or more
     assert stat < df + 8 * math.sqrt(2 * df) + 25, f"chi-square {stat:.1f} with {df} dof"
@@ -150,7 +158,8 @@ def assert_chi_square_ok(counts: Counter, probs: torch.Tensor, n: int) -> None:
 # --------------------------------------------------------------------------- filtering
 @pytest.mark.parametrize("seed", range(6))
 def test_filtered_distribution_matches_reference(seed):
-    """temperature, top_k, top_p, min_p and their combinations, rows of different params in one batch."""
+    """temperature, top_k, top_p, min_p and their combinations, rows of different params in one
+    batch."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     vocab = 64
@@ -158,12 +167,14 @@ def test_filtered_distribution_matches_reference(seed):
     logits = torch.randn(n, vocab, generator=gen) * rng.choice([1.0, 3.0])
     params = []
     for _ in range(n):
-        params.append(SamplingParams(
-            temperature=rng.choice([0.25, 0.7, 1.0, 1.5]),
-            top_k=rng.choice([-1, 0, 1, 2, 5, 20, vocab, vocab + 1]),
-            top_p=rng.choice([1.0, 0.05, 0.3, 0.5, 0.8, 0.95]),
-            min_p=rng.choice([0.0, 0.01, 0.1, 0.5]),
-        ))
+        params.append(
+            SamplingParams(
+                temperature=rng.choice([0.25, 0.7, 1.0, 1.5]),
+                top_k=rng.choice([-1, 0, 1, 2, 5, 20, vocab, vocab + 1]),
+                top_p=rng.choice([1.0, 0.05, 0.3, 0.5, 0.8, 0.95]),
+                min_p=rng.choice([0.0, 0.01, 0.1, 0.5]),
+            )
+        )
     got = normalised(filtered_probs(logits.clone(), params))
     for row, p in enumerate(params):
         ref = ref_probs(logits[row], p)
@@ -192,9 +203,11 @@ def test_unfiltered_row_keeps_its_whole_distribution_next_to_filtered_rows():
 
 def test_each_filter_alone_keeps_the_expected_tokens():
     logits = torch.log(torch.tensor([[0.05, 0.4, 0.1, 0.3, 0.15]]))  # order: 1, 3, 4, 2, 0
+
     def kept(**kw):
         probs = filtered_probs(logits.clone(), [SamplingParams(**kw)])[0]
         return {t for t in range(5) if probs[t] > 0}
+
     assert kept() == {0, 1, 2, 3, 4}
     assert kept(top_k=1) == {1}
     assert kept(top_k=3) == {1, 3, 4}
@@ -212,19 +225,30 @@ def test_each_filter_alone_keeps_the_expected_tokens():
     assert kept(temperature=5.0, top_p=0.5) == {1, 3, 4}
 
 
-@pytest.mark.parametrize("case", [
-    dict(temperature=1.0),
-    dict(temperature=0.5),
-    dict(temperature=1.8),
-    dict(top_k=4),
-    dict(top_p=0.7),
-    dict(min_p=0.15),
-    dict(temperature=0.8, top_k=6, top_p=0.9, min_p=0.05),
-    dict(temperature=1.3, top_k=8, presence_penalty=0.7, frequency_penalty=0.3, repetition_penalty=1.4,
-         logit_bias={0: 1.5, 5: -2.0}),
-], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items() if k != "logit_bias"))
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(temperature=1.0),
+        dict(temperature=0.5),
+        dict(temperature=1.8),
+        dict(top_k=4),
+        dict(top_p=0.7),
+        dict(min_p=0.15),
+        dict(temperature=0.8, top_k=6, top_p=0.9, min_p=0.05),
+        dict(
+            temperature=1.3,
+            top_k=8,
+            presence_penalty=0.7,
+            frequency_penalty=0.3,
+            repetition_penalty=1.4,
+            logit_bias={0: 1.5, 5: -2.0},
+        ),
+    ],
+    ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items() if k != "logit_bias"),
+)
 def test_sample_frequencies_match_reference(case):
-    """End to end through ``Sampler.__call__``: many draws of one row, frequencies vs the reference."""
+    """End to end through ``Sampler.__call__``: many draws of one row, frequencies vs the
+    reference."""
     torch.manual_seed(1234)
     vocab, n = 12, 20000
     base = torch.randn(vocab, generator=torch.Generator().manual_seed(99)) * 1.5
@@ -253,7 +277,8 @@ def test_chi_square_check_detects_a_wrong_distribution():
 # --------------------------------------------------------------------------- processors
 @pytest.mark.parametrize("seed", range(4))
 def test_greedy_and_processed_logits_match_reference(seed, backend):
-    """Bias, min_tokens, penalties: processed logits equal the reference; greedy takes their argmax."""
+    """Bias, min_tokens, penalties: processed logits equal the reference; greedy takes their
+    argmax."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(100 + seed)
     vocab, n = 40, 32
@@ -273,7 +298,7 @@ def test_greedy_and_processed_logits_match_reference(seed, backend):
     torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
 
     out = sample(s, logits.clone(), reqs, eos)
-    for i, r in enumerate(reqs[: n // 2]):
+    for i in range(n // 2):
         assert out.token_ids[i] == int(ref[i].argmax()), f"greedy row {i}"
     for i, r in enumerate(reqs):  # sampled tokens are always allowed by the reference
         assert ref_probs(ref[i], r.sampling_params)[out.token_ids[i]] > 0, f"row {i}"
@@ -281,11 +306,13 @@ def test_greedy_and_processed_logits_match_reference(seed, backend):
 
 def test_penalties_change_the_greedy_choice(backend):
     base = torch.tensor([[0.0, 3.0, 2.9, 1.0, -1.0, 2.0, 0.5, -2.0]])
+
     def greedy(**kw):
         prompt = kw.pop("prompt", [0])
         output = kw.pop("output", [])
         req = make_req("r", SamplingParams(temperature=0.0, **kw), prompt=prompt, output=output)
         return sample(Sampler(CPU, backend), base.clone(), [req], frozenset()).token_ids[0]
+
     assert greedy() == 1
     assert greedy(output=[1]) == 1  # no penalty configured
     assert greedy(output=[1], presence_penalty=0.2) == 2  # 3.0 - 0.2 < 2.9
@@ -294,10 +321,14 @@ def test_penalties_change_the_greedy_choice(backend):
     assert greedy(output=[1], frequency_penalty=0.06) == 1  # counts matter: one use only
     assert greedy(output=[1, 2], presence_penalty=1.5) == 5  # both penalised below 2.0
     assert greedy(prompt=[1], repetition_penalty=1.2) == 2  # over the prompt too: 3.0 / 1.2
-    assert greedy(prompt=[1], presence_penalty=5.0, frequency_penalty=5.0) == 1  # not over the prompt
+    assert (
+        greedy(prompt=[1], presence_penalty=5.0, frequency_penalty=5.0) == 1
+    )  # not over the prompt
     # repetition on a negative logit multiplies (pushes it further down); bias can lift it
     assert greedy(prompt=[4], logit_bias={4: 4.5}) == 4
-    assert greedy(prompt=[4], logit_bias={4: 4.5}, repetition_penalty=2.0) == 1  # (-1 + 4.5) / 2 = 1.75
+    assert (
+        greedy(prompt=[4], logit_bias={4: 4.5}, repetition_penalty=2.0) == 1
+    )  # (-1 + 4.5) / 2 = 1.75
     assert greedy(logit_bias={7: 10.0}) == 7
     assert greedy(logit_bias={99: 100.0, -5: 100.0}) == 1  # out of the vocabulary: ignored
 
@@ -306,8 +337,11 @@ def test_logit_bias_matches_reference_per_row():
     vocab = 16
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(3, vocab, generator=gen)
-    params = [SamplingParams(logit_bias={1: 2.0, 5: -100.0}), SamplingParams(),
-              SamplingParams(logit_bias={1: -0.5})]
+    params = [
+        SamplingParams(logit_bias={1: 2.0, 5: -100.0}),
+        SamplingParams(),
+        SamplingParams(logit_bias={1: -0.5}),
+    ]
     got = logits.clone()
     Sampler(CPU)._apply_logit_bias(got, params, vocab)
     expect = logits.clone()
@@ -330,16 +364,30 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
         assert sample(Sampler(CPU), base.clone(), [req], eos).token_ids[0] == expect, n_out
     # ignore_eos: EOS is not masked (it does not end the request anyway), stop ids still are
     p2 = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[8], ignore_eos=True)
-    assert sample(Sampler(CPU), base.clone(), [make_req("r", p2, prompt=[1], output=[])], eos).token_ids[0] == EOS
+    assert (
+        sample(
+            Sampler(CPU), base.clone(), [make_req("r", p2, prompt=[1], output=[])], eos
+        ).token_ids[0]
+        == EOS
+    )
     base2 = base.clone()
     base2[0, EOS] = -1.0
-    assert sample(Sampler(CPU), base2, [make_req("r", p2, prompt=[1], output=[])], eos).token_ids[0] == 2
+    assert (
+        sample(Sampler(CPU), base2, [make_req("r", p2, prompt=[1], output=[])], eos).token_ids[0]
+        == 2
+    )
     # random sampling below min_tokens never draws them, mixed with rows that may
     torch.manual_seed(0)
     flat = torch.zeros(400, vocab)
-    reqs = [make_req(f"r{i}", SamplingParams(temperature=1.0, min_tokens=2 if i % 2 else 0,
-                                             stop_token_ids=[8]), prompt=[1], output=[0])
-            for i in range(400)]
+    reqs = [
+        make_req(
+            f"r{i}",
+            SamplingParams(temperature=1.0, min_tokens=2 if i % 2 else 0, stop_token_ids=[8]),
+            prompt=[1],
+            output=[0],
+        )
+        for i in range(400)
+    ]
     toks = sample(Sampler(CPU), flat, reqs, eos).token_ids
     masked = Counter(t for i, t in enumerate(toks) if i % 2)
     free = Counter(t for i, t in enumerate(toks) if not i % 2)
@@ -384,11 +432,17 @@ def test_seed_gives_same_tokens_alone_and_in_a_batch(backend):
     seq_again, seq_other = [], []
     for _ in range(steps):
         row = torch.randn(6, vocab, generator=gen)[3:4]
-        seq_again.append(sample(again, row.clone(), [make_req("y", params, output=seq_again)], frozenset())
-                         .token_ids[0])
+        seq_again.append(
+            sample(
+                again, row.clone(), [make_req("y", params, output=seq_again)], frozenset()
+            ).token_ids[0]
+        )
         p2 = SamplingParams(temperature=1.0, top_k=30, top_p=0.95, seed=4321)
-        seq_other.append(sample(other, row.clone(), [make_req("z", p2, output=seq_other)], frozenset())
-                         .token_ids[0])
+        seq_other.append(
+            sample(
+                other, row.clone(), [make_req("z", p2, output=seq_other)], frozenset()
+            ).token_ids[0]
+        )
     assert seq_again == alone
     assert seq_other != alone
 
@@ -424,7 +478,9 @@ def test_logprobs_from_raw_distribution_and_sorted(backend):
             continue
         chosen, alts = out.logprobs[i]
         tok = out.token_ids[i]
-        assert chosen == pytest.approx(float(raw[i, tok]), abs=1e-5), "logprob of the raw distribution"
+        assert chosen == pytest.approx(float(raw[i, tok]), abs=1e-5), (
+            "logprob of the raw distribution"
+        )
         assert len(alts) == k
         ids_ = [t for t, _ in alts]
         vals = [v for _, v in alts]
@@ -439,8 +495,10 @@ def test_no_logprobs_requested_gives_none_and_processing_does_not_leak(backend):
     """Raw logprobs are unaffected by a huge bias that decides the sampled token."""
     vocab = 10
     logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(4))
-    reqs = [make_req("a", SamplingParams(temperature=0.0, logit_bias={9: 50.0}, logprobs=2), output=[]),
-            make_req("b", SamplingParams(temperature=0.0), output=[])]
+    reqs = [
+        make_req("a", SamplingParams(temperature=0.0, logit_bias={9: 50.0}, logprobs=2), output=[]),
+        make_req("b", SamplingParams(temperature=0.0), output=[]),
+    ]
     out = sample(Sampler(CPU, backend), logits.clone(), reqs, frozenset())
     assert out.token_ids[0] == 9
     raw = torch.log_softmax(logits.double(), dim=-1)
@@ -457,13 +515,19 @@ def test_bf16_logits_and_unprocessed_fast_path(backend):
     vocab, n = 300, 4
     logits = (torch.randn(n, vocab, generator=torch.Generator().manual_seed(6)) * 3).bfloat16()
     before = logits.clone()
-    plain = [make_req(f"p{i}", SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i), output=[])
-             for i in range(n)]
+    plain = [
+        make_req(f"p{i}", SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i), output=[])
+        for i in range(n)
+    ]
     out = sample(Sampler(CPU, backend), logits, plain, frozenset())
     assert torch.equal(logits, before)
-    assert out.token_ids[1] == int(logits[1].float().argmax()) and out.token_ids[3] == int(logits[3].float().argmax())
-    processed = [make_req("q0", SamplingParams(temperature=0.0, logit_bias={7: 100.0}), output=[]),
-                 make_req("q1", SamplingParams(temperature=0.7, top_k=1, logprobs=2), output=[])]
+    assert out.token_ids[1] == int(logits[1].float().argmax()) and out.token_ids[3] == int(
+        logits[3].float().argmax()
+    )
+    processed = [
+        make_req("q0", SamplingParams(temperature=0.0, logit_bias={7: 100.0}), output=[]),
+        make_req("q1", SamplingParams(temperature=0.7, top_k=1, logprobs=2), output=[]),
+    ]
     out = sample(Sampler(CPU, backend), logits[:2], processed, frozenset())
     assert out.token_ids == [7, int(logits[1].float().argmax())]
     raw = torch.log_softmax(logits[1].double(), dim=-1)
@@ -490,7 +554,6 @@ def test_pending_samples_on_cpu():
     dev = Sampler(CPU)(logits, reqs, frozenset())
     assert dev.chosen_logprobs is None and dev.top_ids is None
     pending = dev.to_host()
-    assert pending.ready()
     out = pending.wait()
     assert out is pending.wait()
     assert out.token_ids == logits.argmax(dim=-1).tolist() and out.logprobs == [None, None]

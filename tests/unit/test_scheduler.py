@@ -45,8 +45,9 @@ class CheckedScheduler(Scheduler):
         return batch
 
 
-def check_deltas(s: CheckedScheduler, batch: ScheduledBatch, running_before: set[str],
-                 live_before: set[str]) -> None:
+def check_deltas(
+    s: CheckedScheduler, batch: ScheduledBatch, running_before: set[str], live_before: set[str]
+) -> None:
     """The batch's block-table deltas, replayed into a mirror, give the manager's tables."""
     kv = s.kv_cache_manager
     n = len(batch.requests)
@@ -82,10 +83,13 @@ def check_deltas(s: CheckedScheduler, batch: ScheduledBatch, running_before: set
         assert len(s.tables) == len(s.mirror)
 
 
-def make_sched(num_blocks=64, block_size=4, max_num_seqs=256, budget=1024, chunked=True, caching=False):
+def make_sched(
+    num_blocks=64, block_size=4, max_num_seqs=256, budget=1024, chunked=True, caching=False
+):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
-    return CheckedScheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                            enable_chunked_prefill=chunked)
+    return CheckedScheduler(
+        kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
+    )
 
 
 def make_req(rid, n_prompt, max_tokens=16, rng=None, tokens=None):
@@ -111,7 +115,9 @@ def check_batch(s: Scheduler, batch: ScheduledBatch) -> None:
         assert len(blocks_of(s, r)) == kv.blocks_needed(r.num_computed_tokens + n)
         if not s.enable_chunked_prefill:  # whole, unless a recompute longer than the budget
             assert n == r.num_tokens - r.num_computed_tokens or (
-                r.output_token_ids and r.num_tokens - r.num_computed_tokens > s.max_num_batched_tokens)
+                r.output_token_ids
+                and r.num_tokens - r.num_computed_tokens > s.max_num_batched_tokens
+            )
     for r in s.waiting:
         assert r.status == RequestStatus.WAITING and r.num_computed_tokens == 0
         assert blocks_of(s, r) == []
@@ -126,12 +132,17 @@ def check_batch(s: Scheduler, batch: ScheduledBatch) -> None:
 
 def sim_step(s: Scheduler, batch: ScheduledBatch, rng: random.Random) -> list[Request]:
     """The engine's part of a step; returns the requests that finished (max_tokens)."""
-    sample = [r for r, n in zip(batch.requests, batch.num_new_tokens)
-              if r.num_computed_tokens + n == r.num_tokens]
+    sample = [
+        r
+        for r, n in zip(batch.requests, batch.num_new_tokens)
+        if r.num_computed_tokens + n == r.num_tokens
+    ]
     starts = [r.num_computed_tokens for r in batch.requests]
     num_prompt = s.update_after_launch(batch, sample)
-    assert num_prompt == sum(max(0, min(c + n, r.num_prompt_tokens) - c)
-                             for r, c, n in zip(batch.requests, starts, batch.num_new_tokens))
+    assert num_prompt == sum(
+        max(0, min(c + n, r.num_prompt_tokens) - c)
+        for r, c, n in zip(batch.requests, starts, batch.num_new_tokens)
+    )
     for r, c, n in zip(batch.requests, starts, batch.num_new_tokens):
         assert r.num_computed_tokens == c + n
     assert all(r.num_output_placeholders == 1 for r in sample)
@@ -200,7 +211,7 @@ def test_admission_randomized_blocks_seqs_budget(seed):
         expect.append((r.request_id, n))
     assert list(zip(ids(batch.requests), batch.num_new_tokens)) == expect
     assert s.kv_cache_manager.num_free_blocks == free
-    assert ids(s.waiting) == ids(reqs[len(expect):])
+    assert ids(s.waiting) == ids(reqs[len(expect) :])
 
 
 def test_admission_bounded_by_max_num_seqs():
@@ -243,9 +254,15 @@ def test_admission_bounded_by_token_budget_with_chunking():
         s.add_request(r)
     batch = s.schedule()
     check_batch(s, batch)
-    assert list(zip(ids(batch.requests), batch.num_new_tokens)) == [("r0", 10), ("r1", 10), ("r2", 5)]
+    assert list(zip(ids(batch.requests), batch.num_new_tokens)) == [
+        ("r0", 10),
+        ("r1", 10),
+        ("r2", 5),
+    ]
     sim_step(s, batch, rng)
-    assert reqs[2].num_computed_tokens == 5 and reqs[2].output_token_ids == []  # no sample mid-prefill
+    assert (
+        reqs[2].num_computed_tokens == 5 and reqs[2].output_token_ids == []
+    )  # no sample mid-prefill
     batch = s.schedule()
     check_batch(s, batch)
     assert list(zip(ids(batch.requests), batch.num_new_tokens)) == [("r0", 1), ("r1", 1), ("r2", 5)]
@@ -283,13 +300,21 @@ def test_every_running_request_decodes_each_step_when_budget_allows(seed, cachin
     caching: prompts behind shared prefixes, admitted with hits, sharing within a step)."""
     rng = random.Random(100 + seed)
     bs = rng.choice([2, 4, 8])
-    s = make_sched(num_blocks=rng.randint(12, 40), block_size=bs, max_num_seqs=rng.randint(2, 10),
-                   budget=rng.randint(16, 64), chunked=rng.random() < 0.7, caching=caching)
+    s = make_sched(
+        num_blocks=rng.randint(12, 40),
+        block_size=bs,
+        max_num_seqs=rng.randint(2, 10),
+        budget=rng.randint(16, 64),
+        chunked=rng.random() < 0.7,
+        caching=caching,
+    )
     cap = s.kv_cache_manager.num_blocks * bs
     max_len = min(s.max_num_batched_tokens, cap // 3)
     if not caching:
-        pending = [make_req(f"r{i}", rng.randint(1, max_len),
-                            max_tokens=rng.randint(1, 20), rng=rng) for i in range(30)]
+        pending = [
+            make_req(f"r{i}", rng.randint(1, max_len), max_tokens=rng.randint(1, 20), rng=rng)
+            for i in range(30)
+        ]
     else:
         prefixes, pending = [], []
         for i in range(30):  # runs of requests behind a new prefix, sometimes an older one
@@ -320,14 +345,17 @@ def test_every_running_request_decodes_each_step_when_budget_allows(seed, cachin
             need = sum(r.num_tokens - r.num_computed_tokens for r in before)
             if need <= s.max_num_batched_tokens:
                 assert batch.requests[:k] == before, "every running request is scheduled"
-                assert batch.num_new_tokens[:k] == [r.num_tokens - r.num_computed_tokens for r in before]
+                assert batch.num_new_tokens[:k] == [
+                    r.num_tokens - r.num_computed_tokens for r in before
+                ]
         else:
             assert batch.requests[k:] == [], "no admission in a step that preempted"
         admitted = batch.requests[k:]
         for j, r in enumerate(admitted):  # a hit on blocks allocated for an earlier admission
             mine = set(blocks_of(s, r))
-            same_step += any(mine & set(blocks_of(s, q)[q.num_computed_tokens // bs:])
-                             for q in admitted[:j])
+            same_step += any(
+                mine & set(blocks_of(s, q)[q.num_computed_tokens // bs :]) for q in admitted[:j]
+            )
         finished += sim_step(s, batch, rng)
         if not pending and not s.has_work():
             break
@@ -449,12 +477,16 @@ def test_request_preempts_itself_when_it_is_the_newest():
     assert s.kv_cache_manager.num_free_blocks == 2
 
 
-@pytest.mark.parametrize("budget,a_len,a_max,b_len,b_max,num_blocks", [
-    (16, 4, 24, 14, 12, 8),  # the recompute of b exceeds the budget
-    (8, 2, 40, 6, 30, 12),  # ... by more than twice: it takes several steps
-])
+@pytest.mark.parametrize(
+    "budget,a_len,a_max,b_len,b_max,num_blocks",
+    [
+        (16, 4, 24, 14, 12, 8),  # the recompute of b exceeds the budget
+        (8, 2, 40, 6, 30, 12),  # ... by more than twice: it takes several steps
+    ],
+)
 def test_preempted_request_longer_than_budget_without_chunking_still_finishes(
-        budget, a_len, a_max, b_len, b_max, num_blocks):
+    budget, a_len, a_max, b_len, b_max, num_blocks
+):
     """With chunked prefill off, a recompute of prompt + outputs may exceed the token budget."""
     rng = random.Random(9)
     s = make_sched(num_blocks=num_blocks, block_size=4, budget=budget, chunked=False)
@@ -644,7 +676,9 @@ def test_failed_step_leaves_no_uncomputed_blocks_in_the_prefix_cache():
     assert len(kv.pool.cached) == 2
     outs = s.fail(batch.requests, "boom")  # the launch failed: nothing was computed
     assert [(o.request_id, o.finish_reason, o.error) for o in outs] == [
-        ("a", FinishReason.ERROR, "boom"), ("b", FinishReason.ERROR, "boom")]
+        ("a", FinishReason.ERROR, "boom"),
+        ("b", FinishReason.ERROR, "boom"),
+    ]
     assert s.fail(batch.requests, "again") == []
     kv.check_integrity()
     assert kv.pool.cached == {} and kv.num_free_blocks == 16
@@ -665,7 +699,9 @@ def test_failed_step_leaves_no_uncomputed_blocks_in_the_prefix_cache():
 
 # --------------------------------------------------------------------------- engine level
 def _engine(path, **kw):
-    cfg = dict(model=path, block_size=8, num_kv_blocks=16, max_num_seqs=8, max_num_batched_tokens=48)
+    cfg = dict(
+        model=path, block_size=8, num_kv_blocks=16, max_num_seqs=8, max_num_batched_tokens=48
+    )
     cfg.update(kw)
     return build_engine(EngineConfig(**cfg), eos_token_ids=frozenset())
 
@@ -686,11 +722,14 @@ def test_request_that_can_never_fit_is_rejected_and_does_not_block_others(tiny_c
     gen = torch.Generator().manual_seed(12)
     eng = _engine(path, num_kv_blocks=6)  # 48 tokens of KV: max_model_len lowered to 48
     assert eng.max_model_len == 48
-    ok1 = eng.add_request("ok1", torch.randint(0, 384, (20,), generator=gen).tolist(),
-                          SamplingParams(max_tokens=5))
+    ok1 = eng.add_request(
+        "ok1", torch.randint(0, 384, (20,), generator=gen).tolist(), SamplingParams(max_tokens=5)
+    )
     for n in (48, 60, 300):
         with pytest.raises(RequestRejected):
-            eng.add_request(f"big{n}", torch.randint(0, 384, (n,), generator=gen).tolist(), SamplingParams())
+            eng.add_request(
+                f"big{n}", torch.randint(0, 384, (n,), generator=gen).tolist(), SamplingParams()
+            )
         assert f"big{n}" not in eng.requests
     with pytest.raises(RequestRejected):
         eng.add_request("empty", [], SamplingParams())
@@ -698,8 +737,9 @@ def test_request_that_can_never_fit_is_rejected_and_does_not_block_others(tiny_c
         eng.add_request("oov", [1, 384], SamplingParams())
     with pytest.raises(RequestRejected):
         eng.add_request("ok1", [1, 2], SamplingParams())  # duplicate id
-    ok2 = eng.add_request("ok2", torch.randint(0, 384, (47,), generator=gen).tolist(),
-                          SamplingParams(max_tokens=5))
+    ok2 = eng.add_request(
+        "ok2", torch.randint(0, 384, (47,), generator=gen).tolist(), SamplingParams(max_tokens=5)
+    )
     assert ids(eng.scheduler.waiting) == ["ok1", "ok2"]
     finished = {}
     for _ in range(100):
@@ -709,7 +749,9 @@ def test_request_that_can_never_fit_is_rejected_and_does_not_block_others(tiny_c
         check_engine(eng)
         finished.update({o.request_id: o.finish_reason for o in outs if o.finished})
     assert finished == {"ok1": FinishReason.LENGTH, "ok2": FinishReason.LENGTH}
-    assert len(ok1.output_token_ids) == 5 and len(ok2.output_token_ids) == 1  # 47 + 1 = max_model_len
+    assert (
+        len(ok1.output_token_ids) == 5 and len(ok2.output_token_ids) == 1
+    )  # 47 + 1 = max_model_len
     assert eng.requests == {} and eng.kv_cache_manager.num_free_blocks == 6
 
     # chunked prefill off: a prompt over the token budget can never be scheduled
@@ -723,21 +765,44 @@ def test_request_that_can_never_fit_is_rejected_and_does_not_block_others(tiny_c
     assert [o.request_id for o in outs if o.finished] == ["fits"]
 
 
-@pytest.mark.parametrize("caching,chunked,async_scheduling",
-                         [(False, True, False), (True, True, False), (False, False, False), (True, False, False),
-                          (False, True, True), (True, True, True)],
-                         ids=["no-cache", "prefix-cache", "no-cache-unchunked", "prefix-cache-unchunked",
-                              "no-cache-async", "prefix-cache-async"])
-def test_block_accounting_after_finish_abort_preempt(tiny_checkpoint, caching, chunked, async_scheduling):
+@pytest.mark.parametrize(
+    "caching,chunked,async_scheduling",
+    [
+        (False, True, False),
+        (True, True, False),
+        (False, False, False),
+        (True, False, False),
+        (False, True, True),
+        (True, True, True),
+    ],
+    ids=[
+        "no-cache",
+        "prefix-cache",
+        "no-cache-unchunked",
+        "prefix-cache-unchunked",
+        "no-cache-async",
+        "prefix-cache-async",
+    ],
+)
+def test_block_accounting_after_finish_abort_preempt(
+    tiny_checkpoint, caching, chunked, async_scheduling
+):
     """Block accounting: after any mix of finished, aborted and preempted requests every block
     is free again (with async scheduling too: aborts and preemptions with a token in flight)."""
     path, _ = tiny_checkpoint
     rng = random.Random(20 + caching + 2 * chunked)
     bs, num_blocks = 8, (14 if chunked else 9)
     budget = 40 if chunked else 24  # unchunked: recomputes (prompt + outputs) exceed the budget
-    eng = _engine(path, block_size=bs, num_kv_blocks=num_blocks, max_num_seqs=6,
-                  max_num_batched_tokens=budget,
-                  enable_prefix_caching=caching, enable_chunked_prefill=chunked, async_scheduling=async_scheduling)
+    eng = _engine(
+        path,
+        block_size=bs,
+        num_kv_blocks=num_blocks,
+        max_num_seqs=6,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=caching,
+        enable_chunked_prefill=chunked,
+        async_scheduling=async_scheduling,
+    )
     kv = eng.kv_cache_manager
     max_len = eng.max_model_len
     N = 40
@@ -795,8 +860,15 @@ def test_block_accounting_after_finish_abort_preempt(tiny_checkpoint, caching, c
         assert len(outputs[rid]) == min(sp.max_tokens, max_len - len(prompt))
     check = [rid for rid in finished if params[rid][1].greedy or params[rid][1].seed is not None]
     assert len(check) > 5
-    ref = _engine(path, block_size=bs, num_kv_blocks=256, max_num_seqs=64, max_num_batched_tokens=4096,
-                  max_model_len=max_len, enable_prefix_caching=False)
+    ref = _engine(
+        path,
+        block_size=bs,
+        num_kv_blocks=256,
+        max_num_seqs=64,
+        max_num_batched_tokens=4096,
+        max_model_len=max_len,
+        enable_prefix_caching=False,
+    )
     ref_out = ref.generate([params[rid][0] for rid in check], [params[rid][1] for rid in check])
     assert ref.scheduler.num_preemptions == 0
     assert [outputs[rid] for rid in check] == ref_out

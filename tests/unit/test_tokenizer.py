@@ -8,6 +8,7 @@ import unicodedata
 
 import pytest
 
+from engine.frontend.tokenizer import Tokenizer
 from engine.loader.embedded import (
     ADDED_TOKENS,
     QWEN2_PRETOKENIZE_REGEX,
@@ -15,7 +16,6 @@ from engine.loader.embedded import (
     load_tiktoken_ranks,
     qwen_tiktoken_path,
 )
-from engine.frontend.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,10 @@ import pytest
 
 from server.tool_parser import Qwen3ToolParser
 
-W = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
-     '\n</tool_call>')
+W = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
+    "\n</tool_call>"
+)
 T = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "东京 🗼"}}\n</tool_call>'
 BAD = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\n</tool_call>'
 WEATHER = ("get_weather", '{"city": "Paris", "unit": "c"}')
@@ -20,24 +22,42 @@ CASES = {  # text -> (content, [(name, arguments)])
     "plain": ("Just an answer.\nWith two lines.", "Just an answer.\nWith two lines.", []),
     "one_call": (W, None, [WEATHER]),
     "two_calls": (W + "\n" + T, None, [WEATHER, TIME]),
-    "content_then_call": ("Let me check the weather.\n\n" + W, "Let me check the weather.",
-                          [WEATHER]),
-    "text_between_and_after": ("a\n" + W + "\nb\n" + T + "\n\nc \n", "a\n\nb\n\n\nc",
-                               [WEATHER, TIME]),
+    "content_then_call": (
+        "Let me check the weather.\n\n" + W,
+        "Let me check the weather.",
+        [WEATHER],
+    ),
+    "text_between_and_after": (
+        "a\n" + W + "\nb\n" + T + "\n\nc \n",
+        "a\n\nb\n\n\nc",
+        [WEATHER, TIME],
+    ),
     "malformed_json": (BAD, BAD, []),
     "malformed_then_good": ("x " + BAD + "\n" + T, "x " + BAD, [TIME]),
     "not_an_object": ("<tool_call>[1, 2]</tool_call>", "<tool_call>[1, 2]</tool_call>", []),
     "empty_block": ("<tool_call></tool_call>", "<tool_call></tool_call>", []),
-    "string_arguments": ('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>',
-                         None, [("f", '{"x": 1}')]),
+    "string_arguments": (
+        '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>',
+        None,
+        [("f", '{"x": 1}')],
+    ),
     "no_arguments": ('<tool_call>{"name": "f"}</tool_call>', None, [("f", "{}")]),
-    "unclosed_valid": ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n', None,
-                       [("f", '{"a": 1}')]),
-    "unclosed_truncated": ('ok <tool_call>\n{"name": "f", "argu',
-                           'ok <tool_call>\n{"name": "f", "argu', []),
+    "unclosed_valid": (
+        '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n',
+        None,
+        [("f", '{"a": 1}')],
+    ),
+    "unclosed_truncated": (
+        'ok <tool_call>\n{"name": "f", "argu',
+        'ok <tool_call>\n{"name": "f", "argu',
+        [],
+    ),
     "chinese_emoji": ("好的，我来查一下 😊\n" + T, "好的，我来查一下 😊", [TIME]),
-    "lt_not_tags": ("if a < b and b <tool x then <tool_cal",
-                    "if a < b and b <tool x then <tool_cal", []),
+    "lt_not_tags": (
+        "if a < b and b <tool x then <tool_cal",
+        "if a < b and b <tool x then <tool_cal",
+        [],
+    ),
     "tool_prefix_at_end": ("the end <tool", "the end <tool", []),
     "close_tag_outside": ("a </tool_call> b", "a </tool_call> b", []),
     "whitespace_only": ("  \n\n ", None, []),

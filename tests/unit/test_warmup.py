@@ -10,8 +10,10 @@ from engine.worker.build import build_engine
 
 def test_warmup_stores_nothing_and_leaves_engine_usable(tiny_checkpoint):
     path, _ = tiny_checkpoint
-    eng = build_engine(EngineConfig(model=path, block_size=16, num_kv_blocks=8, max_num_batched_tokens=64),
-                    eos_token_ids=frozenset())
+    eng = build_engine(
+        EngineConfig(model=path, block_size=16, num_kv_blocks=8, max_num_batched_tokens=64),
+        eos_token_ids=frozenset(),
+    )
     runner = eng.executor
     for k, v in runner.kv_caches:
         k.normal_()
