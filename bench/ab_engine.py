@@ -53,6 +53,8 @@ def main() -> None:
     ap.add_argument(
         "--seed", type=int, default=0, help="seed of the latency prompts (distinct per run)"
     )
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--num-seqs", type=int, default=256, help="requests of the offline workload")
     args = ap.parse_args()
     tree = Path(args.tree).resolve()
     build, EngineConfig, SamplingParams = load_engine_api(tree)
@@ -61,37 +63,40 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from bench.common import nano_vllm_workload
 
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     t0 = time.perf_counter()
     eng = build(
         EngineConfig(
             model=args.ckpt,
-            device="cuda",
-            dtype=torch.bfloat16,
+            device=args.device,
+            dtype=torch.bfloat16 if cuda else torch.float32,
             max_model_len=4096,
             max_num_seqs=256,
             enable_prefix_caching=False,
         )
     )
     startup = time.perf_counter() - t0
-    prompts, out_lens = nano_vllm_workload(256)
+    prompts, out_lens = nano_vllm_workload(args.num_seqs)
     eng.generate([prompts[0][:64]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     outs = eng.generate(prompts, params)
-    torch.cuda.synchronize()
+    sync()
     offline_s = time.perf_counter() - t0
     total = sum(len(o) for o in outs)
     assert total == sum(out_lens), (total, sum(out_lens))
 
     rng = random.Random(1000 + args.seed)
     ttfts, tpots = [], []
+    vocab = eng.model_config.vocab_size
     for trial in range(5):
-        prompt = [rng.randint(1000, 150000) for _ in range(1024)]
+        prompt = [rng.randint(1000, vocab - 1) for _ in range(1024)]
         eng.add_request(
             f"lat{trial}", prompt, SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True)
         )
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         first = None
         n_tokens = 0

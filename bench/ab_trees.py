@@ -29,6 +29,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--serve-conc", type=int, nargs="*", default=[64])
     ap.add_argument("--out", default="/tmp")
+    ap.add_argument(
+        "--engine-args",
+        action="append",
+        default=[],
+        help="an extra argument of bench/ab_engine.py (repeatable)",
+    )
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from bench.common import random_qwen3_checkpoint
@@ -48,6 +54,7 @@ def main() -> None:
                     args.ckpt,
                     "--seed",
                     str(rep),
+                    *args.engine_args,
                 ],
                 capture_output=True,
                 text=True,

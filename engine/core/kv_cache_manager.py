@@ -108,8 +108,17 @@ class KVCacheManager:
             free blocks (nothing is changed then). Full blocks of tokens known on the host are
             registered in the prefix cache.
         """
+        blocks = self._blocks.get(request.request_id)
+        if new_computed_blocks is None and blocks is not None:  # a running request (every step)
+            end = request.num_computed_tokens + num_new_tokens
+            need = -(-end // self.block_size) - len(blocks)
+            if need <= 0:  # its blocks already cover the step: the common decode case
+                if self.enable_prefix_caching:
+                    self._register(request, min(end, request.num_tokens))
+                return []
         hits = new_computed_blocks or []
-        blocks = self._blocks.get(request.request_id, [])
+        if blocks is None:
+            blocks = []
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         need = max(0, self.blocks_needed(num_computed + num_new_tokens) - len(blocks) - len(hits))
         if need > self.pool.num_free_blocks - self.pool.num_reclaimed(hits):

@@ -176,10 +176,16 @@ class Scheduler:
         kv = self.kv_cache_manager
 
         # 1. running requests, oldest first; preempt the newest when blocks run out.
-        queue = list(self.running)
+        queue = deque(self.running)
         kept: list[Request] = []
+        reqs, counts, new_ids, resets = (
+            batch.requests,
+            batch.num_new_tokens,
+            batch.new_block_ids,
+            batch.block_table_reset,
+        )
         while queue and budget > 0:
-            req = queue.pop(0)
+            req = queue.popleft()
             left = req.num_tokens_with_placeholders - req.num_computed_tokens
             if left <= 0 or (req.num_output_placeholders and _last_token_in_flight(req)):
                 kept.append(req)  # its last token is in flight: it finishes when that arrives
@@ -203,7 +209,10 @@ class Scheduler:
             if req is None:
                 break
             kept.append(req)
-            batch._add(req, n, new_blocks, False)
+            reqs.append(req)  # batch._add, inlined: this loop runs for every running request
+            counts.append(n)
+            new_ids.append(new_blocks)
+            resets.append(False)
             budget -= n
         kept.extend(queue)  # not scheduled this step (budget exhausted) but still running
         self.running = kept
