@@ -275,10 +275,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="longer prompts get 400; unset: only the context length limits them",
     )
     a(
+        "--load-format",
+        default=_env("load_format", "auto"),
+        choices=["auto", "dummy"],
+        help="auto: the checkpoint's safetensors weights; dummy: random weights drawn on the "
+        "device from --seed, built from config.json alone (for benchmarking model shapes "
+        "without their weights; the outputs are meaningless)",
+    )
+    a(
         "--seed",
         type=int,
         default=_env("seed", 0),
-        help="seed of the embedded model's random weights (sampling seeds are per request)",
+        help="seed of --load-format dummy's random weights (sampling seeds are per request)",
     )
     a(
         "--log-level",

@@ -79,6 +79,24 @@ def write_tiny_moe_checkpoint(path, seed: int = 4321, **overrides):
     return model
 
 
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens of transformers' ``generate`` for one prompt (no EOS stop). The
+    attention mask is explicit: generate would otherwise mask prompt tokens equal to the pad
+    id."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 @pytest.fixture(scope="session")
 def tiny_moe_checkpoint(tmp_path_factory):
     """(path, transformers model) of the tiny Qwen3-MoE (:data:`TINY_MOE`)."""

@@ -19,6 +19,7 @@ from engine.core.request import SamplingParams
 from engine.layers.moe import FusedMoE, SparseMoE
 from engine.worker.build import build_engine
 from engine.worker.cuda_graph import PrefillGraphs
+from tests.conftest import hf_greedy
 from tests.engine_helpers import logits_for
 
 VOCAB = 384
@@ -33,19 +34,6 @@ def _engine(path, **kw):
 def _prompts(seed, lengths):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
-
-
-def _hf_greedy(hf, prompt, n):
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def _prefill_rel_errors(eng, hf, prompts):
@@ -139,7 +127,7 @@ def test_greedy_generation_with_preemption_matches_transformers(
     assert eng.scheduler.num_preemptions >= 1
     assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
     for p, out in zip(prompts, outs, strict=True):
-        assert out == _hf_greedy(hf, p, 32)
+        assert out == hf_greedy(hf, p, 32)
 
 
 def test_generation_equal_with_and_without_prefix_cache(tiny_moe_checkpoint, one_torch_thread):
@@ -184,7 +172,7 @@ def test_triton_moe_kernel_in_the_engine_matches_transformers(tiny_moe_checkpoin
     assert max(errors) < 1e-4, errors
     eng = _engine(path, attention_backend="triton", num_kv_blocks=16)
     (out,) = eng.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=3))
-    assert out == _hf_greedy(hf, prompts[0], 3)
+    assert out == hf_greedy(hf, prompts[0], 3)
 
 
 def test_stacked_expert_layout_loads_the_same_weights(tiny_moe_checkpoint, tmp_path):
