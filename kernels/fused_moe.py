@@ -719,7 +719,7 @@ def moe_route_align(
     e_pad, k_pad = triton.next_power_of_2(e), triton.next_power_of_2(k)
     nb = ws.block_expert.shape[0]
     common = dict(NUM_EXPERTS=e, E_PAD=e_pad, TOP_K=k, K_PAD=k_pad, BLOCK_T=ws.route_block_t)
-    warps = 4 if ws.route_block_t * e_pad <= 8192 else 8
+    warps = 4 if ws.route_block_t * e_pad < 8192 else 8  # [BLOCK_T, E_pad] tiles in registers
     if ws.route_programs == 1:
         _route_align_kernel[(1,)](
             router_logits,

@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _EnvCheckedParser(
         prog="python -m server",
         formatter_class=_HelpFormatter,
-        description="OpenAI-compatible server for Qwen3/Qwen2 checkpoints "
+        description="OpenAI-compatible server for Qwen3/Qwen2/Qwen3-MoE checkpoints "
         "(paged KV cache, continuous batching). "
         "Every flag can also be set through the environment variable QWEN_SERVE_<FLAG> "
         "(e.g. QWEN_SERVE_PORT=9000); a switch takes 1/true/yes/on or 0/false/no/off "

@@ -101,7 +101,13 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             p.numel() * p.element_size() for m in experts for p in m.experts.parameters()
         )
         i, h = cfg.moe_intermediate_size, cfg.hidden_size
-        active = total - expert_bytes * (1 - cfg.num_experts_per_tok / cfg.num_experts)
+        embed = self.model.embed_tokens.weight
+        # per token: all but the embedding table (one row) and the experts not routed to
+        active = (
+            total
+            - embed.numel() * embed.element_size()
+            - expert_bytes * (1 - cfg.num_experts_per_tok / cfg.num_experts)
+        )
         return (
             f"weights {total / 2**30:.2f} GiB, of which experts {expert_bytes / 2**30:.2f} GiB: "
             f"{len(experts)} sparse layers x {cfg.num_experts} experts stacked as gate_up "
@@ -109,5 +115,5 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             f"top-{cfg.num_experts_per_tok}"
             f"{' renormalised' if cfg.norm_topk_prob else ''}, kernel {self.moe_backend}; "
             f"{cfg.num_hidden_layers - len(experts)} dense MLP layers; "
-            f"about {active / 2**30:.2f} GiB read per token"
+            f"{active / 2**30:.2f} GiB read per token (batch 1)"
         )
