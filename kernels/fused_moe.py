@@ -614,7 +614,7 @@ class MoEWorkspace:
         block_expert, block_rows: int32 ``[max_blocks]``: each block's expert (-1 unused) and
             number of real rows.
         intermediate: ``[max_blocks * block_m, I]`` (SwiGLU output rows, sorted layout).
-        pair_out: ``[T * k, H]`` (weighted down-projection of each pair).
+        pair_out: ``[T * k, H]`` (weighted down-projection of each pair; empty for top-1).
     """
 
     num_tokens: int
@@ -669,6 +669,7 @@ def moe_workspace(
         programs, block_t = triton.cdiv(num_tokens, ROUTE_BLOCK_T), ROUTE_BLOCK_T
     nb = max_blocks(num_tokens, num_experts, top_k, bm)
     i32 = dict(dtype=torch.int32, device=device)
+    floats = dict(dtype=dtype, device=device)
     return MoEWorkspace(
         num_tokens=num_tokens,
         num_experts=num_experts,
@@ -684,8 +685,9 @@ def moe_workspace(
         sorted_pairs=torch.empty(nb * bm, **i32),
         block_expert=torch.empty(nb, **i32),
         block_rows=torch.empty(nb, **i32),
-        intermediate=torch.empty(nb * bm, intermediate_size, dtype=dtype, device=device),
-        pair_out=torch.empty(num_tokens * top_k, hidden_size, dtype=dtype, device=device),
+        intermediate=torch.empty(nb * bm, intermediate_size, **floats),
+        # top-1: the down GEMM writes ``out`` itself
+        pair_out=torch.empty(num_tokens * top_k if top_k > 1 else 0, hidden_size, **floats),
     )
 
 
@@ -787,7 +789,7 @@ def _check_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ws
         raise ValueError("w13 and w2 must have hidden's dtype")
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("expert weights must be contiguous on their last dim")
-    if ws.intermediate.shape[1] != i or ws.pair_out.shape[1] != h:
+    if ws.intermediate.shape[1] != i or ws.pair_out.shape[1] != h:  # pair_out [0, H] at top-1
         raise ValueError("workspace made for other sizes")
     if ws.intermediate.dtype != hidden.dtype:
         raise ValueError("workspace made for another dtype")
@@ -811,7 +813,7 @@ def moe_experts(
         w13: ``[E, 2I, H]`` (gate rows, then up rows), w2: ``[E, H, I]``, hidden's dtype,
             contiguous on their last dim.
         ws: the workspace :func:`moe_route_align` filled for these tokens.
-        out: ``[T, H]`` like hidden; written and returned.
+        out: ``[T, H]`` like hidden, unit stride on H; written and returned.
 
     Raises:
         ValueError: shapes, dtypes, strides or devices that do not match.
@@ -819,6 +821,8 @@ def moe_experts(
     h, i = _check_experts(hidden, w13, w2, ws)
     if out.shape != hidden.shape or out.dtype != hidden.dtype or out.device != hidden.device:
         raise ValueError("out must match hidden's shape, dtype and device")
+    if out.stride(1) != 1:
+        raise ValueError("out must have unit stride on H")
     t = ws.num_tokens
     if t == 0:
         return out
@@ -853,7 +857,7 @@ def moe_experts(
         num_warps=gu["num_warps"],
         num_stages=gu["num_stages"],
     )
-    pair_out = out.view(t, h) if ws.top_k == 1 else ws.pair_out
+    pair_out = out if ws.top_k == 1 else ws.pair_out
     _down_kernel[(nb * triton.cdiv(h, dn["BLOCK_N"]),)](
         ws.intermediate,
         w2,
