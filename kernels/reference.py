@@ -199,3 +199,61 @@ def sample_tokens_ref(
         score = torch.where(torch.isnan(score), float("-inf"), score)
         out[rand] = score.argmax(dim=-1)
     return out
+
+
+# --------------------------------------------------------------------------- mixture of experts
+def moe_route_ref(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing of :func:`kernels.fused_moe.moe_route_align`: ``softmax`` of the logits in
+    float32, the ``top_k`` largest probabilities (descending), divided by their sum when
+    ``renormalize`` (Qwen3-MoE's ``norm_topk_prob``). Returns (weights float32 ``[T, k]``,
+    expert ids int64 ``[T, k]``)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_experts_ref(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The routed experts, one expert at a time (the loop the fused kernel replaces).
+
+    ``out[t] = sum_j w[t, j] * W2_e (silu(Wg_e x_t) * (Wu_e x_t))`` with ``e = ids[t, j]``,
+    ``Wg_e = w13[e, :I]``, ``Wu_e = w13[e, I:]``, ``W2_e = w2[e]``; computed in float32 and
+    returned in ``hidden.dtype``. Shapes: hidden ``[T, H]``, w13 ``[E, 2I, H]``, w2
+    ``[E, H, I]``, topk_weights/ids ``[T, k]``. Syncs with the host (``nonzero`` per expert).
+    """
+    t, h = hidden.shape
+    inter = w13.shape[1] // 2
+    out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
+    x = hidden.float()
+    flat_ids = topk_ids.reshape(-1)
+    for e in torch.unique(flat_ids).tolist():
+        pairs = (flat_ids == e).nonzero().flatten()
+        tok = pairs // topk_ids.shape[1]
+        gate_up = x[tok] @ w13[e].float().t()
+        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = act @ w2[e].float().t()
+        out.index_add_(0, tok, y * topk_weights.reshape(-1)[pairs].float()[:, None])
+    return out.to(hidden.dtype)
+
+
+def fused_moe_ref(
+    hidden: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    """:func:`kernels.fused_moe.fused_moe` in plain torch: :func:`moe_route_ref` then
+    :func:`moe_experts_ref`; ``[T, H]`` in ``hidden.dtype``."""
+    weights, ids = moe_route_ref(router_logits, top_k, renormalize)
+    return moe_experts_ref(hidden, w13, w2, weights, ids)

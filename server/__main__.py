@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _EnvCheckedParser(
         prog="python -m server",
         formatter_class=_HelpFormatter,
-        description="OpenAI-compatible server for Qwen3/Qwen2 checkpoints "
+        description="OpenAI-compatible server for Qwen3/Qwen2/Qwen3-MoE checkpoints "
         "(paged KV cache, continuous batching). "
         "Every flag can also be set through the environment variable QWEN_SERVE_<FLAG> "
         "(e.g. QWEN_SERVE_PORT=9000); a switch takes 1/true/yes/on or 0/false/no/off "
@@ -275,10 +275,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="longer prompts get 400; unset: only the context length limits them",
     )
     a(
+        "--load-format",
+        default=_env("load_format", "auto"),
+        choices=["auto", "dummy"],
+        help="auto: the checkpoint's safetensors weights; dummy: random weights drawn on the "
+        "device from --seed, built from config.json alone (for benchmarking model shapes "
+        "without their weights; the outputs are meaningless)",
+    )
+    a(
         "--seed",
         type=int,
         default=_env("seed", 0),
-        help="seed of the embedded model's random weights (sampling seeds are per request)",
+        help="seed of --load-format dummy's random weights (sampling seeds are per request)",
     )
     a(
         "--log-level",

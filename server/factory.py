@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from engine.core.config import EngineConfig, read_generation_config
+from engine.core.config import EngineConfig, ModelConfig, read_generation_config
 from engine.frontend.async_engine import AsyncEngine
 from engine.frontend.launch import start_engine_core
 from engine.frontend.tokenizer import Tokenizer
@@ -66,8 +66,10 @@ def build_context(args: argparse.Namespace) -> ServerContext:
         compile_mode="none"
         if args.no_compile
         else (None if args.compile_mode == "auto" else args.compile_mode),
+        load_format=args.load_format,
         seed=args.seed,
     )
+    model_config = ModelConfig.from_hf(model_dir)
     tokenizer = Tokenizer(model_dir)
     mode = None if args.engine_mode == "auto" else args.engine_mode
     core = start_engine_core(config, tokenizer.eos_token_ids, mode)
@@ -76,6 +78,9 @@ def build_context(args: argparse.Namespace) -> ServerContext:
         name,
         {
             "model": model_dir,
+            "architecture": model_config.architecture,
+            "num_experts": model_config.num_experts,
+            "load_format": config.load_format,
             "dtype": limits.dtype,
             "block_size": limits.block_size,
             "num_kv_blocks": limits.num_kv_blocks,

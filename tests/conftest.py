@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Qwen3/Qwen2 checkpoints written by transformers (no download)."""
+"""Shared fixtures: tiny random Qwen3/Qwen2/Qwen3-MoE checkpoints written by transformers (no
+download)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,69 @@ def write_tiny_checkpoint(path, model_type: str, seed: int, tie: bool):
                 p.normal_(0.0, 0.08)
     model.save_pretrained(path)
     return model
+
+
+#: the tiny Qwen3-MoE of the tests: 4 layers (layer 2 dense through mlp_only_layers), hidden
+#: 128, 8 experts of 64 features, top-2 renormalised, untied embeddings
+TINY_MOE = dict(
+    vocab_size=384,
+    hidden_size=128,
+    intermediate_size=160,
+    moe_intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    mlp_only_layers=[2],
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
+
+
+def write_tiny_moe_checkpoint(path, seed: int = 4321, **overrides):
+    """Write a random tiny Qwen3-MoE checkpoint with transformers' ``save_pretrained`` (one
+    tensor per expert, the Hub layout); returns the HF model (float32, eval)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY_MOE, **overrides})).float().eval()
+    # std 0.2: greedy runs of 32 tokens use ~28 distinct ids (0.08 repeats 2-10 ids), so the
+    # generation tests compare varied sequences
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    return model
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens of transformers' ``generate`` for one prompt (no EOS stop). The
+    attention mask is explicit: generate would otherwise mask prompt tokens equal to the pad
+    id."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_checkpoint(tmp_path_factory):
+    """(path, transformers model) of the tiny Qwen3-MoE (:data:`TINY_MOE`)."""
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    return str(path), write_tiny_moe_checkpoint(path)
 
 
 @pytest.fixture(

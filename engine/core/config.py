@@ -21,7 +21,15 @@ DTYPE_NAMES = {
 }
 
 #: ``architectures`` entry assumed for a config.json without one, by ``model_type``
-DEFAULT_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+DEFAULT_ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+#: values of ``EngineConfig.load_format``: weights from the checkpoint's safetensors ("auto"), or
+#: random weights from ``EngineConfig.seed`` generated on the device (benchmarks, no files)
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def parse_dtype(name: str | None) -> str | None:
@@ -43,11 +51,20 @@ def parse_dtype(name: str | None) -> str | None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Qwen3 (``model_type="qwen3"``) or Qwen2 (``"qwen2"``) decoder.
+    """Architecture of a Qwen3 (``model_type="qwen3"``), Qwen2 (``"qwen2"``) or Qwen3-MoE
+    (``"qwen3_moe"``) decoder.
 
     Qwen3 has per-head RMSNorm on q and k (``qk_norm``) and no q/k/v bias; Qwen2 has q/k/v bias
     and no q/k norm. ``architecture`` is the first ``architectures`` entry of config.json (the
     key of the model registry, ``engine.models.registry``); ``dtype`` the checkpoint's dtype name.
+
+    Mixture of experts (Qwen3-MoE, transformers' names): ``num_experts`` routed experts per
+    sparse layer (0: a dense model), each token goes to its ``num_experts_per_tok`` most probable
+    experts, whose probabilities are renormalised to sum to one when ``norm_topk_prob``; expert
+    MLPs have ``moe_intermediate_size`` features. Layer ``i`` is sparse when it is not in
+    ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0`` (:meth:`is_moe_layer`); the
+    other layers have a dense MLP of ``intermediate_size``. ``router_aux_loss_coef`` (training
+    only) is not read.
     """
 
     architecture: str
@@ -66,17 +83,38 @@ class ModelConfig:
     attention_bias: bool
     qk_norm: bool
     dtype: str
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (0-based) has routed experts (transformers' rule)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     @staticmethod
     def from_hf(model_dir: str | Path) -> ModelConfig:
         """Read ``config.json`` of a Hugging Face checkpoint directory.
 
         Reads ``rope_theta`` at the top level (Hub configs) or in ``rope_parameters``
-        (transformers 5); ``head_dim`` explicit or ``hidden_size // num_attention_heads``.
+        (transformers 5); ``head_dim`` explicit or ``hidden_size // num_attention_heads``; the
+        expert count as ``num_experts`` (Hub configs) or ``num_local_experts`` (what
+        transformers 5 writes).
 
         Raises:
             FileNotFoundError: no config.json. ValueError: unsupported model_type, rope scaling
-                or dtype.
+                or dtype, or an MoE config without experts, with ``num_experts_per_tok`` outside
+                ``[1, num_experts]`` or without ``moe_intermediate_size``.
         """
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         model_type = cfg.get("model_type")
@@ -97,6 +135,7 @@ class ModelConfig:
             raise ValueError(f"rope scaling {rope_scaling!r} is not supported")
         heads = cfg["num_attention_heads"]
         dtype = parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+        moe = _moe_fields(cfg) if model_type == "qwen3_moe" else {}
         return ModelConfig(
             architecture=architectures[0],
             model_type=model_type,
@@ -112,9 +151,35 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 32768),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             dtype=dtype or "float32",
+            **moe,
         )
+
+
+def _moe_fields(cfg: dict) -> dict:
+    """The mixture-of-experts fields of a Qwen3-MoE config.json (transformers' defaults).
+
+    Raises:
+        ValueError: no experts, a top-k outside ``[1, num_experts]``, no expert size.
+    """
+    experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
+    top_k = int(cfg.get("num_experts_per_tok", 0) or 0)
+    size = int(cfg.get("moe_intermediate_size", 0) or 0)
+    if experts < 1 or not 1 <= top_k <= experts or size < 1:
+        raise ValueError(
+            f"a qwen3_moe config needs num_experts >= 1, 1 <= num_experts_per_tok <= "
+            f"num_experts and moe_intermediate_size >= 1; got {experts}, {top_k}, {size}"
+        )
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=size,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=step,
+        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+    )
 
 
 @dataclass(frozen=True)
@@ -149,7 +214,10 @@ class EngineConfig:
             in docs/benchmarks.md, second session).
         async_scheduling: schedule and launch step N+1 while step N runs on the device
             (see ``LLMEngine.step``); None = on CUDA only.
-        seed: seed of the random weights of benchmark mode.
+        load_format: "auto" reads the checkpoint's safetensors; "dummy" builds the model from
+            ``config.json`` alone with random weights drawn on the device from ``seed``
+            (benchmarks of shapes without a checkpoint; the outputs are meaningless).
+        seed: seed of the random weights of ``load_format="dummy"``.
     """
 
     model: str
@@ -169,10 +237,13 @@ class EngineConfig:
     prefill_graph_max_tokens: int | None = None
     compile_mode: str | None = None
     async_scheduling: bool | None = None
+    load_format: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
 
     @property
     def device_type(self) -> str:

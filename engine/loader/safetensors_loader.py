@@ -42,11 +42,26 @@ def parameter_target(model: nn.Module, name: str) -> tuple[str, object]:
     return name, None
 
 
+def checkpoint_shards(
+    model: nn.Module, name: str, tensor: torch.Tensor
+) -> list[tuple[str, object, torch.Tensor]]:
+    """The (parameter name, shard id, tensor) loads of one checkpoint tensor: the model's
+    ``checkpoint_shards(name, tensor)`` when it has one and it returns a list (stacked expert
+    weights), else one load through :func:`parameter_target`."""
+    hook = getattr(model, "checkpoint_shards", None)
+    shards = hook(name, tensor) if hook is not None else None
+    if shards is None:
+        target, shard = parameter_target(model, name)
+        return [(target, shard, tensor)]
+    return shards
+
+
 @torch.no_grad()
 def load_weights(model: nn.Module, model_dir: str | Path) -> None:
-    """Copy every checkpoint tensor into its (possibly fused or sharded) parameter.
+    """Copy every checkpoint tensor into its (possibly fused, stacked or sharded) parameter.
 
-    The model provides ``packed_modules_mapping`` and ``skip_checkpoint_tensor(name)``; each
+    The model provides ``packed_modules_mapping``, ``skip_checkpoint_tensor(name)`` and
+    optionally ``checkpoint_shards(name, tensor)`` (see :func:`checkpoint_shards`); each
     parameter's ``weight_loader(param, tensor, shard_id)`` copies its part (cast to the
     parameter's dtype and device), and its ``shard_ids`` say which shards it expects.
 
@@ -62,20 +77,20 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
             for name in f.keys():
                 if model.skip_checkpoint_tensor(name):
                     continue
-                target, shard = parameter_target(model, name)
-                param = params.get(target)
-                if param is None:
-                    raise KeyError(
-                        f"checkpoint tensor {name} matches no model parameter ({target})"
-                    )
-                if shard in loaded.setdefault(target, []):
-                    raise ValueError(f"checkpoint tensor {name} loaded twice")
-                loader = getattr(param, "weight_loader", default_weight_loader)
-                try:
-                    loader(param, f.get_tensor(name), shard)
-                except ValueError as exc:
-                    raise ValueError(f"{name}: {exc}") from None
-                loaded[target].append(shard)
+                for target, shard, tensor in checkpoint_shards(model, name, f.get_tensor(name)):
+                    param = params.get(target)
+                    if param is None:
+                        raise KeyError(
+                            f"checkpoint tensor {name} matches no model parameter ({target})"
+                        )
+                    if shard in loaded.setdefault(target, []):
+                        raise ValueError(f"checkpoint tensor {name} loaded twice")
+                    loader = getattr(param, "weight_loader", default_weight_loader)
+                    try:
+                        loader(param, tensor, shard)
+                    except ValueError as exc:
+                        raise ValueError(f"{name}: {exc}") from None
+                    loaded[target].append(shard)
     missing = [
         n
         for n, p in params.items()

@@ -12,6 +12,8 @@ Parameter names are Hugging Face's, except two fused projections: ``qkv_proj``
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -90,13 +92,24 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
+    """Attention then MLP, each after an RMSNorm, with the residual stream carried between layers.
+
+    ``mlp``: the MLP module, any ``[T, H] -> [T, H]`` (default: the dense :class:`Qwen3MLP`;
+    Qwen3-MoE passes a sparse MoE block).
+    """
+
     def __init__(
-        self, cfg: ModelConfig, ops: PointwiseOps, attention_backend: str, custom_op: bool
+        self,
+        cfg: ModelConfig,
+        ops: PointwiseOps,
+        attention_backend: str,
+        custom_op: bool,
+        mlp: nn.Module | None = None,
     ):
         super().__init__()
         self.ops = ops
         self.self_attn = Qwen3Attention(cfg, ops, attention_backend, custom_op)
-        self.mlp = Qwen3MLP(cfg, ops)
+        self.mlp = mlp if mlp is not None else Qwen3MLP(cfg, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -122,12 +135,13 @@ class Qwen3Model(nn.Module):
         ops: PointwiseOps,
         attention_backend: str,
         custom_op: bool,
+        make_mlp: Callable[[int], nn.Module | None] = lambda layer: None,
     ):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(cfg, ops, attention_backend, custom_op)
-            for _ in range(cfg.num_hidden_layers)
+            Qwen3DecoderLayer(cfg, ops, attention_backend, custom_op, make_mlp(i))
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta)
@@ -173,15 +187,32 @@ class Qwen3ForCausalLM(nn.Module):
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {compile_mode!r}")
         self.config = cfg
         self.compile_mode = compile_mode
+        self.attention_backend = attention_backend
         self.ops = PointwiseOps(compile_mode == "ops")
         self.model = Qwen3Model(
-            cfg, max_positions, self.ops, attention_backend, custom_op=compile_mode == "model"
+            cfg,
+            max_positions,
+            self.ops,
+            attention_backend,
+            custom_op=compile_mode == "model",
+            make_mlp=self.make_mlp,
         )
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = ReplicatedLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._compiled = CompiledForward(self._forward_impl) if compile_mode == "model" else None
+
+    def make_mlp(self, layer: int) -> nn.Module | None:
+        """The MLP of decoder layer ``layer``; None: the dense :class:`Qwen3MLP` (subclasses
+        with other MLPs override this; it runs inside ``__init__``, after ``config``, ``ops``
+        and ``attention_backend`` are set)."""
+        return None
+
+    def weight_summary(self) -> str:
+        """One line for the start-up log: parameter bytes by kind and their layout."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        return f"weights {total / 2**30:.2f} GiB ({self.config.num_hidden_layers} dense layers)"
 
     def skip_checkpoint_tensor(self, name: str) -> bool:
         """Checkpoint tensors this model does not load: rotary tables, a tied LM head."""

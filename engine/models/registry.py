@@ -10,6 +10,7 @@ from torch import nn
 MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("engine.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen2ForCausalLM": ("engine.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 

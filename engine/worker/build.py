@@ -8,20 +8,17 @@ from engine.core.llm_engine import LLMEngine
 from engine.worker.model_runner import ModelRunner
 
 
-def build_engine(
-    config: EngineConfig, eos_token_ids: frozenset[int] | None = None, random_weights: bool = False
-) -> LLMEngine:
+def build_engine(config: EngineConfig, eos_token_ids: frozenset[int] | None = None) -> LLMEngine:
     """The engine for ``config.model`` on ``config.device``.
 
     Args:
         config: engine settings (``config.model`` is the checkpoint directory).
         eos_token_ids: ids ending generation; None: the checkpoint's generation config.
-        random_weights: benchmark mode, weights from ``config.seed`` instead of the checkpoint.
 
     Raises:
         FileNotFoundError, ValueError: an unreadable or unsupported checkpoint, bad settings.
     """
     model_config = ModelConfig.from_hf(config.model)
-    runner = ModelRunner(model_config, config, random_weights=random_weights)
+    runner = ModelRunner(model_config, config)
     eos = eos_token_ids if eos_token_ids is not None else eos_ids_from(config.model)
     return LLMEngine(config, runner, eos)

@@ -71,17 +71,15 @@ class ModelRunner:
     :class:`~engine.core.executor.ModelExecutor` on one device).
 
     Args:
-        model_config: architecture; config: engine settings;
-        random_weights: skip loading and fill weights from ``config.seed`` (benchmarks).
+        model_config: architecture; config: engine settings (``load_format="dummy"``: no
+            checkpoint is read, weights are drawn on the device from ``config.seed``).
 
     Raises:
         ValueError: an unsupported architecture, dtype or attention backend, a checkpoint that
             does not match the model, or a KV cache budget that holds no block.
     """
 
-    def __init__(
-        self, model_config: ModelConfig, config: EngineConfig, random_weights: bool = False
-    ):
+    def __init__(self, model_config: ModelConfig, config: EngineConfig):
         self.model_config = model_config
         self.config = config
         self.device = torch.device(config.device)
@@ -101,11 +99,19 @@ class ModelRunner:
                 attention_backend=self.backend_name,
                 compile_mode=compile_mode,
             )
-        if random_weights:
+        if config.load_format == "dummy":
             init_random_weights(model, config.seed)
         else:
             load_weights(model, config.model)
         self.model = model.eval()
+        log.info(
+            "%s (%s): %s",
+            model_config.architecture,
+            f"random weights, seed {config.seed}"
+            if config.load_format == "dummy"
+            else "loaded from " + config.model,
+            model.weight_summary(),
+        )
         self.staging = HostStaging(self.device)
         self.sampler = Sampler(self.device, staging=self.staging)
 
