@@ -30,9 +30,9 @@ from engine.core.stats import StepStats
 
 
 class ScriptedCore:
-    """An engine core (see ``engine.async_engine.EngineCore``) that emits one token per running
-    request every ``step_s`` seconds from its own thread: ids drawn from ordinary vocabulary
-    tokens, finished with ``length`` at the request's ``max_tokens``."""
+    """An engine core (``engine.frontend.core_client.EngineCoreClient``) that emits one token
+    per running request every ``step_s`` seconds from its own thread: ids drawn from ordinary
+    vocabulary tokens, finished with ``length`` at the request's ``max_tokens``."""
 
     engine = None
 

@@ -325,8 +325,7 @@ def prefill_config(
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "BT_PREFETCH": True}
     if head_dim <= 64:
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "BT_PREFETCH": True}
-    # H200 sweep (bench/kernels.py, 2026-11-29): 395 / 413 TFLOP/s causal / non-causal at
-    # (4, 4096) against 361 / 380 for 3 stages without the block-id prefetch
+    # chosen by the H200 sweep of bench/kernels.py (figures in docs/benchmarks.md, issue 3)
     return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "BT_PREFETCH": True}
 
 

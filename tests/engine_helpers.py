@@ -6,6 +6,7 @@ import torch
 
 from engine.core.llm_engine import LLMEngine
 from engine.core.scheduler import ScheduledBatch
+from engine.worker.block_table import PersistentBlockTables
 from engine.worker.step_inputs import prepare_inputs
 
 
@@ -18,3 +19,9 @@ def logits_for(engine: LLMEngine, batch: ScheduledBatch) -> torch.Tensor:
     inp = prepare_inputs(batch, runner.config.block_size, runner.block_tables)
     runner.staging.next_step()
     return runner.model.compute_logits(runner.forward(inp.to_device(runner.staging))).float()
+
+
+def mirror_blocks(mirror: PersistentBlockTables, request_id: str) -> list[int]:
+    """The block ids in a request's row of the worker's block-table mirror ([] if it has none)."""
+    row = mirror._rows.get(request_id)
+    return [] if row is None else mirror.table[row, : mirror._lengths[request_id]].tolist()

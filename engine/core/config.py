@@ -1,8 +1,8 @@
 """Frozen configuration objects: the model (read from a Hugging Face config.json) and the engine.
 
 Pure Python: dtypes are names ("float32", "bfloat16", "float16"); the worker maps them to torch
-dtypes (``engine.worker.dtypes``). Runtime facts such as the number of KV blocks that fit in
-memory are not stored here; the model runner returns them in :class:`CacheInfo`.
+dtypes (``engine.worker.device.torch_dtype``). Runtime facts such as the number of KV blocks
+that fit in memory are not stored here; the model runner returns them in :class:`CacheInfo`.
 """
 
 from __future__ import annotations

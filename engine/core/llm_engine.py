@@ -24,7 +24,7 @@ class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
     Pure Python: the model runs in the ``executor`` it is handed
-    (``engine.worker.build_engine`` builds both).
+    (``engine.worker.build.build_engine`` builds both).
 
     Args:
         config: engine settings.

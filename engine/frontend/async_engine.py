@@ -1,7 +1,7 @@
 """One engine loop shared by all requests, with a per-request async output stream.
 
 The engine loop (``engine.core.engine_loop``) runs in an *engine core*: a thread of this process
-(``engine.frontend.thread_core.ThreadCore``) or a separate process
+(``engine.frontend.core_client.ThreadCore``) or a separate process
 (``engine.frontend.process_core.ProcessCore``, so the engine's Python work never competes with
 the HTTP server for the GIL). Requests and aborts go to the core as typed commands
 (``engine.core.commands``); each step's outputs come back to the event loop with

@@ -33,6 +33,15 @@ def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id=No
     param.data.copy_(tensor)
 
 
+def _full(tensor: torch.Tensor, dim: int, expected: int) -> torch.Tensor:
+    """``tensor`` after checking its size along ``dim`` (the unsplit checkpoint size)."""
+    if tensor.dim() <= dim or tensor.shape[dim] != expected:
+        raise ValueError(
+            f"checkpoint shape {tuple(tensor.shape)}: expected {expected} along dim {dim}"
+        )
+    return tensor
+
+
 def _split(size: int, tp_size: int, what: str) -> int:
     if size % tp_size:
         raise ValueError(f"{what} = {size} is not divisible by the tensor-parallel size {tp_size}")
@@ -115,7 +124,9 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
         n = param.shape[0]
-        default_weight_loader(param, tensor.narrow(0, self.tp_rank * n, n))
+        default_weight_loader(
+            param, _full(tensor, 0, n * self.tp_size).narrow(0, self.tp_rank * n, n)
+        )
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -146,7 +157,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id]
         offset = sum(self.output_sizes[:shard_id])
         default_weight_loader(
-            param.narrow(0, offset, size), tensor.narrow(0, self.tp_rank * size, size)
+            param.narrow(0, offset, size),
+            _full(tensor, 0, size * self.tp_size).narrow(0, self.tp_rank * size, size),
         )
 
 
@@ -206,7 +218,14 @@ class QKVParallelLinear(ColumnParallelLinear):
             start = (self.tp_rank // self.kv_replicas) * self.kv_size
         else:
             raise ValueError(f"unknown q/k/v shard {shard_id!r}")
-        default_weight_loader(param.narrow(0, offset, size), tensor.narrow(0, start, size))
+        full = (
+            self.q_size * self.tp_size
+            if shard_id == "q"
+            else self.kv_size * self.tp_size // self.kv_replicas
+        )
+        default_weight_loader(
+            param.narrow(0, offset, size), _full(tensor, 0, full).narrow(0, start, size)
+        )
 
 
 class RowParallelLinear(LinearBase):
@@ -241,4 +260,6 @@ class RowParallelLinear(LinearBase):
             default_weight_loader(param, tensor)
             return
         n = param.shape[1]
-        default_weight_loader(param, tensor.narrow(1, self.tp_rank * n, n))
+        default_weight_loader(
+            param, _full(tensor, 1, n * self.tp_size).narrow(1, self.tp_rank * n, n)
+        )

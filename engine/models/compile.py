@@ -87,7 +87,7 @@ class CompiledForward:
         return self._eager(input_ids, positions, kv_caches, meta)
 
     def _mark_shapes(self, kv_caches, meta: AttentionMetadata) -> None:
-        """Shape hints for Dynamo that keep the number of compiled graphs small (about 1 us each).
+        """Shape hints for Dynamo that keep the number of compiled graphs small.
 
         * The KV caches never change shape: ``mark_static`` makes their sizes constants instead
           of symbols (no duck-sizing coincidence such as ``block_size == T`` can specialise a

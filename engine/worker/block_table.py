@@ -78,11 +78,6 @@ class PersistentBlockTables:
             rows[i] = self._row(req.request_id)
         return rows
 
-    def blocks_of(self, request_id: str) -> list[int]:
-        """The block ids in the request's row ([] for an unknown id)."""
-        row = self._rows.get(request_id)
-        return [] if row is None else self.table[row, : self._lengths[request_id]].tolist()
-
     def gather(self, rows: np.ndarray, num_blocks: int) -> np.ndarray:
         """The step's block table: int32 ``[B, num_blocks]`` (entries past a request's blocks are
         stale ids from earlier owners of the row, never read: kernels stop at ``seq_lens``)."""

@@ -199,6 +199,7 @@ class Sampler:
         self, device: torch.device, backend: str | None = None, staging: HostStaging | None = None
     ):
         self.device = torch.device(device)
+        self._own_staging = staging is None  # then each call is a step of its own
         self.staging = staging if staging is not None else HostStaging(self.device)
         if backend is None:
             backend = "triton" if self.device.type == "cuda" else "torch"
@@ -239,6 +240,8 @@ class Sampler:
         Returns:
             :class:`DeviceSamples` on the logits' device.
         """
+        if self._own_staging:
+            self.staging.next_step()
         n, vocab = logits.shape
         params = [r.sampling_params for r in requests]
         dev = logits.device

@@ -69,28 +69,39 @@ class HostStaging:
         return self._copy(key, staged)
 
     def stage_many(self, name: str, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        """Arrays of one dtype in one copy: device tensors (views of one buffer), same shapes.
+        """Arrays of one dtype in one copy: device tensors (views of one buffer), same shapes;
+        each view starts on a 16-byte boundary (see :func:`pack_offsets`).
 
         Raises:
             ValueError: arrays of different dtypes.
         """
         if len({a.dtype for a in arrays}) > 1:
             raise ValueError(f"stage_many needs one dtype, got {[a.dtype for a in arrays]}")
-        if not self._cuda:
-            return [torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in arrays]
-        sizes = [a.size for a in arrays]
-        total = sum(sizes)
+        offsets, total = pack_offsets([a.size for a in arrays], arrays[0].itemsize)
         dtype = torch.from_numpy(arrays[0][:0]).dtype
-        key, buf = self._buffer(name, max(total, 1), dtype)
-        host = buf[: max(total, 1)]
-        np_view = host.numpy()
-        offset = 0
-        for a, n in zip(arrays, sizes):
-            np_view[offset : offset + n] = a.reshape(-1)
-            offset += n
-        dev = self._copy(key, host)
-        out, offset = [], 0
-        for a, n in zip(arrays, sizes):
-            out.append(dev[offset : offset + n].view(a.shape))
-            offset += n
-        return out
+        if self._cuda:
+            key, buf = self._buffer(name, total, dtype)
+            host = buf[:total]
+        else:
+            host = torch.empty(total, dtype=dtype)
+        flat = host.numpy()
+        for a, off in zip(arrays, offsets):
+            flat[off : off + a.size] = a.reshape(-1)
+        dev = self._copy(key, host) if self._cuda else host.to(self.device)
+        return [dev[off : off + a.size].view(a.shape) for a, off in zip(arrays, offsets)]
+
+
+#: alignment of each array packed by :meth:`HostStaging.stage_many`, bytes (Triton specialises
+#: pointer arguments on 16-byte alignment: unaligned views would compile extra kernel variants)
+PACK_ALIGN_BYTES = 16
+
+
+def pack_offsets(sizes: list[int], itemsize: int) -> tuple[list[int], int]:
+    """Element offsets of arrays of ``sizes`` elements packed into one buffer with each start
+    on a :data:`PACK_ALIGN_BYTES` boundary, and the buffer's length (at least 1)."""
+    step = max(1, PACK_ALIGN_BYTES // itemsize)
+    offsets, pos = [], 0
+    for n in sizes:
+        offsets.append(pos)
+        pos += -(-n // step) * step
+    return offsets, max(pos, 1)

@@ -65,10 +65,6 @@ class ScriptedSampler:
         self.scripts[marker] = ids
         return ids
 
-    def release(self, request_id: str) -> None:
-        self._assigned.pop(request_id, None)
-        self.real.release(request_id)
-
     def _script_of(self, req) -> list[int] | None:
         if req.request_id not in self._assigned:
             prompt = self.tokenizer.decode(req.prompt_token_ids, skip_special_tokens=False)

@@ -12,6 +12,7 @@ import pytest
 from engine.core.request import Request, SamplingParams
 from engine.core.scheduler import ScheduledBatch
 from engine.worker.block_table import PersistentBlockTables
+from tests.engine_helpers import mirror_blocks
 
 
 def make_batch(
@@ -47,8 +48,8 @@ def test_mirror_matches_block_tables_under_random_operations(seed):
             cap *= 2
         assert mirror.table.shape == (cap, width)
         for rid, blocks in model.items():
-            assert mirror.blocks_of(rid) == blocks
-        assert mirror.blocks_of("unknown") == []
+            assert mirror_blocks(mirror, rid) == blocks
+        assert mirror_blocks(mirror, "unknown") == []
 
     for step in range(300):
         if rng.random() < 0.15 and set(model) - set(finished):  # deltas outside a batch
@@ -119,10 +120,10 @@ def test_mirror_matches_block_tables_under_random_operations(seed):
         # a request over the width: the append fails and its row is left as it was
         if rng.random() < 0.1 and model:
             rid = rng.choice(sorted(model))
-            before = mirror.blocks_of(rid)
+            before = mirror_blocks(mirror, rid)
             with pytest.raises(ValueError):
                 mirror.apply(make_batch([(rid, [7] * (width + 1 - len(model[rid])), False)]))
-            assert mirror.blocks_of(rid) == before
+            assert mirror_blocks(mirror, rid) == before
             stats["width_errors"] += 1
     assert stats["max_live"] > 2 and mirror.table.shape[0] > 2, "rows grew beyond initial_rows"
     assert stats["width_errors"] > 0 and stats["resets"] > 0 and stats["direct"] > 0
@@ -132,23 +133,25 @@ def test_mirror_matches_block_tables_under_random_operations(seed):
 def test_apply_releases_finished_rows_before_appending():
     mirror = PersistentBlockTables(4, initial_rows=1)
     rows = mirror.apply(make_batch([("a", [1, 2], True)]))
-    assert rows.tolist() == [0] and mirror.blocks_of("a") == [1, 2]
+    assert rows.tolist() == [0] and mirror_blocks(mirror, "a") == [1, 2]
     # a finishes; b is admitted in the next batch and takes a's row (no growth needed)
     rows = mirror.apply(make_batch([("b", [3], True)], finished=["a"]))
     assert rows.tolist() == [0] and mirror.table.shape[0] == 1
-    assert mirror.blocks_of("a") == [] and mirror.blocks_of("b") == [3] and len(mirror) == 1
+    assert (
+        mirror_blocks(mirror, "a") == [] and mirror_blocks(mirror, "b") == [3] and len(mirror) == 1
+    )
     # an id finished and reused in the same batch starts over
     rows = mirror.apply(make_batch([("b", [5, 6], True)], finished=["b"]))
-    assert mirror.blocks_of("b") == [5, 6] and len(mirror) == 1
+    assert mirror_blocks(mirror, "b") == [5, 6] and len(mirror) == 1
     # a request not reset with no new blocks keeps its row and table
     assert mirror.apply(make_batch([("b", [], False)])).tolist() == rows.tolist()
-    assert mirror.blocks_of("b") == [5, 6]
+    assert mirror_blocks(mirror, "b") == [5, 6]
     # a reset with an empty list empties the row; the release of an unknown id is a no-op
     mirror.apply(make_batch([("b", [], True)]))
-    assert mirror.blocks_of("b") == []
+    assert mirror_blocks(mirror, "b") == []
     mirror.append("b", [4])
     mirror.append("b", [], reset=True)
-    assert mirror.blocks_of("b") == []
+    assert mirror_blocks(mirror, "b") == []
     mirror.release("never")
     assert len(mirror) == 1
 
@@ -161,13 +164,13 @@ def test_too_many_blocks_and_bad_sizes_raise():
     mirror = PersistentBlockTables(2)
     with pytest.raises(ValueError):
         mirror.append("x", [1, 2, 3])
-    assert mirror.blocks_of("x") == []
+    assert mirror_blocks(mirror, "x") == []
     with pytest.raises(ValueError):
         mirror.apply(make_batch([("y", [1, 2, 3], True)]))
     mirror.append("z", [1, 2])
     with pytest.raises(ValueError):
         mirror.append("z", [3])
-    assert mirror.blocks_of("z") == [1, 2]
+    assert mirror_blocks(mirror, "z") == [1, 2]
     mirror.append("z", [3], reset=True)  # a reset counts from the start of the row
-    assert mirror.blocks_of("z") == [3]
+    assert mirror_blocks(mirror, "z") == [3]
     assert isinstance(mirror.gather(np.zeros(0, dtype=np.int64), 1), np.ndarray)

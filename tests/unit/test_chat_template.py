@@ -1,4 +1,4 @@
-"""The embedded Qwen3-format chat template and the sandboxed renderer of engine.tokenizer."""
+"""The embedded Qwen3-format chat template and the sandboxed renderer (frontend tokenizer)."""
 
 from __future__ import annotations
 

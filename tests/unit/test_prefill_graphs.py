@@ -124,3 +124,52 @@ def test_padding_rows_store_nothing(tiny_checkpoint, one_torch_thread):
     for (k, _), k0 in zip(r.kv_caches, before):
         changed = (k != k0).reshape(k.shape[0] * k.shape[1], -1).any(-1)  # per cache slot
         assert int(changed.sum()) == 5
+
+
+def test_graph_inputs_copy_from_pads_decode_and_prefill_steps():
+    """``GraphInputs.copy_from`` over stale buffers: every entry a padded step reads is rewritten
+    (decode: padding rows store nothing and attend one token of block 0; prefill: padding tokens
+    lie past ``cu_seqlens_q[B]`` and padding sequences have no tokens)."""
+    from engine.worker.cuda_graph import GraphInputs
+    from engine.worker.step_inputs import StepTensors
+
+    g = torch.Generator().manual_seed(5)
+    gi = GraphInputs(32, 8, 6, torch.device("cpu"))
+    for t in (gi.input_ids, gi.positions, gi.slot_mapping, gi.logits_indices):
+        t.random_(0, 999, generator=g)
+    gi.block_tables.random_(0, 99, generator=g)
+    gi.seq_lens.random_(1, 99, generator=g)
+    gi.cu_seqlens_q.random_(0, 99, generator=g)
+
+    def step(t, b, n):
+        return StepTensors(
+            input_ids=torch.arange(t),
+            positions=torch.arange(t) + 10,
+            slot_mapping=torch.arange(t) + 100,
+            block_tables=torch.arange(b * 2, dtype=torch.int32).view(b, 2),
+            seq_lens=torch.arange(1, b + 1, dtype=torch.int32),
+            cu_seqlens_q=torch.linspace(0, t, b + 1).to(torch.int32),
+            logits_indices=torch.arange(n),
+            max_query_len=t,
+            max_seq_len=64,
+        )
+
+    gi.copy_from(step(3, 3, 3), 4, 4, decode=True)
+    assert gi.input_ids[:3].tolist() == [0, 1, 2] and gi.slot_mapping[:4].tolist() == [
+        100,
+        101,
+        102,
+        -1,
+    ]
+    assert gi.block_tables[3].tolist() == [0] * 6 and gi.seq_lens[:4].tolist() == [1, 2, 3, 1]
+    assert gi.block_tables[:3, :2].flatten().tolist() == list(range(6))
+    meta = gi.metadata(4, 4, 1, 64)
+    assert meta.is_decode and meta.seq_lens.shape == (4,)
+
+    s = step(10, 3, 2)
+    gi.copy_from(s, 16, 8, decode=False)
+    assert gi.slot_mapping[:16].tolist() == list(range(100, 110)) + [-1] * 6
+    assert gi.cu_seqlens_q[:4].tolist() == s.cu_seqlens_q.tolist()
+    assert gi.cu_seqlens_q[4:9].tolist() == [10] * 5  # padding sequences: no tokens
+    assert gi.logits_indices[:8].tolist() == [0, 1] + [0] * 6
+    assert not gi.metadata(16, 8, 16, 64).is_decode

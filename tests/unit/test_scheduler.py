@@ -23,6 +23,7 @@ from engine.core.request import FinishReason, Request, RequestStatus, SamplingPa
 from engine.core.scheduler import ScheduledBatch, Scheduler
 from engine.worker.block_table import PersistentBlockTables
 from engine.worker.build import build_engine
+from tests.engine_helpers import mirror_blocks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -74,7 +75,7 @@ def check_deltas(
     got = s.tables.gather(rows, max(width, 1))
     for i, req in enumerate(batch.requests):
         table = kv.get_block_ids(req.request_id)
-        assert s.tables.blocks_of(req.request_id) == table
+        assert mirror_blocks(s.tables, req.request_id) == table
         assert got[i, : len(table)].tolist() == table
     for req in s.running:  # running, scheduled or not: the mirror is up to date
         assert s.mirror[req.request_id] == kv.get_block_ids(req.request_id)
@@ -712,7 +713,9 @@ def check_engine(eng) -> None:
     kv = eng.kv_cache_manager
     kv.check_integrity(list(eng.requests.values()))
     for r in eng.scheduler.running:
-        assert eng.executor.block_tables.blocks_of(r.request_id) == kv.get_block_ids(r.request_id)
+        assert mirror_blocks(eng.executor.block_tables, r.request_id) == kv.get_block_ids(
+            r.request_id
+        )
     for r in eng.scheduler.waiting:
         assert kv.get_block_ids(r.request_id) == []
 
