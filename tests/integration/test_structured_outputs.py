@@ -423,3 +423,117 @@ def test_constrained_requests_leave_unconstrained_neighbours_unchanged(srv):
     )
     for schema, r in zip(SCHEMAS, got[1:]):
         _validate(schema, r.json()["choices"][0]["message"]["content"])
+
+
+# ------------------------------------------------------------------ earlier assistant turns
+def _hf_render(checkpoint, messages, tools):
+    """transformers' own chat-template rendering of the same checkpoint (the reference)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.frontend.tokenizer import Tokenizer
+
+    tok = Tokenizer(checkpoint)
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
+    return hf.apply_chat_template(
+        messages,
+        tools=tools,
+        tokenize=False,
+        add_generation_prompt=True,
+        chat_template=tok.chat_template,
+    )
+
+
+def _conversation(arguments):
+    return [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 22 C"},
+    ]
+
+
+def _check_rendering(checkpoint):
+    from engine.frontend.tokenizer import Tokenizer
+    from server.chat import render_prompt
+    from server.protocol import ChatCompletionRequest
+
+    args = {"city": "Paris", "days": 2}
+    req = ChatCompletionRequest(
+        model="m", messages=_conversation(json.dumps(args)), tools=[WEATHER]
+    )
+    ours = render_prompt(Tokenizer(checkpoint), req)
+    reference = _hf_render(checkpoint, _conversation(args), [WEATHER])  # given the parsed object
+    assert ours == reference
+    assert '"arguments": {"city": "Paris", "days": 2}' in ours  # JSON once, not a quoted string
+    assert '\\"city\\"' not in ours
+
+
+def test_tool_call_arguments_render_as_json_once_qwen3_template():
+    from engine.loader.embedded import ensure_embedded_checkpoint
+
+    _check_rendering(ensure_embedded_checkpoint())
+
+
+def test_tool_call_arguments_render_as_json_once_qwen25_template():
+    from tests.integration.real_checkpoint_reference import (
+        REAL_CHECKPOINT_DIR,
+        real_checkpoint_available,
+    )
+
+    if not real_checkpoint_available():
+        pytest.skip(
+            "the Qwen2.5 chat template comes with the real checkpoint: run `make real-checkpoint`"
+        )
+    _check_rendering(REAL_CHECKPOINT_DIR)
+
+
+def test_arguments_that_are_not_a_json_object_stay_as_they_are():
+    from server.chat import tool_arguments
+
+    assert tool_arguments('{"a": 1}') == {"a": 1}
+    assert tool_arguments("not json") == "not json"
+    assert tool_arguments("[1, 2]") == "[1, 2]"
+    assert tool_arguments({"b": 2}) == {"b": 2}
+
+
+# ------------------------------------------------------------------ with the reasoning parser
+SMALL = obj({"n": {"type": "integer", "minimum": 0, "maximum": 9}, "ok": {"type": "boolean"}})
+
+
+def test_grammar_constrains_the_answer_after_think_with_the_reasoning_parser(server):
+    """The shared server runs ``--reasoning-parser qwen3``. Thinking off (the template closes the
+    think block): constrained from the first token. Thinking on: the reasoning is free and the
+    answer after ``</think>`` is constrained (a bias makes the random model close its reasoning
+    at once; the mask then overrides the bias)."""
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": SMALL}}
+    base = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "temperature": 1.0,
+        "max_tokens": 80,
+        "response_format": rf,
+    }
+    off = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        timeout=300,
+        json={**base, "chat_template_kwargs": {"enable_thinking": False}},
+    ).json()
+    _validate(SMALL, off["choices"][0]["message"]["content"])
+    on = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        timeout=300,
+        json={**base, "logit_bias": {"151668": 100}},
+    ).json()
+    msg = on["choices"][0]["message"]
+    _validate(SMALL, msg["content"])
+    assert on["choices"][0]["finish_reason"] == "stop"
+    assert not msg.get("reasoning_content")
