@@ -257,3 +257,17 @@ def fused_moe_ref(
     :func:`moe_experts_ref`; ``[T, H]`` in ``hidden.dtype``."""
     weights, ids = moe_route_ref(router_logits, top_k, renormalize)
     return moe_experts_ref(hidden, w13, w2, weights, ids)
+
+
+def apply_token_bitmask_ref(
+    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+) -> torch.Tensor:
+    """Torch reference of :func:`kernels.token_bitmask.apply_token_bitmask`: ``logits[rows[r], j]``
+    becomes ``-inf`` unless bit ``j % 32`` of ``bitmask[r, j // 32]`` (int32) is set. In place;
+    returns ``logits``."""
+    vocab = logits.shape[1]
+    cols = torch.arange(vocab, device=logits.device)
+    words = bitmask.index_select(1, cols >> 5)
+    allowed = ((words >> (cols & 31).to(torch.int32)) & 1).bool()
+    sub = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
+    return logits.index_copy_(0, rows, sub)

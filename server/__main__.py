@@ -50,6 +50,7 @@ _RANGES = [
     ("max_body_bytes", 1, None),
     ("max_prompt_tokens", 1, None),
     ("graceful_timeout", 0, None),
+    ("grammar_compile_timeout", 0.01, None),
     ("gpu_memory_utilization", 0.01, 1.0),
     ("kv_cache_memory_gb", 0.001, None),
     ("prefill_graph_max_tokens", 0, None),
@@ -249,7 +250,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--reasoning-parser",
         default=_env("reasoning_parser"),
         choices=["qwen3"],
-        help="split <think>...</think> into reasoning_content",
+        help="split <think>...</think> into reasoning_content "
+        "(a structured-output grammar then constrains only the answer after </think>)",
+    )
+    a(
+        "--grammar-compile-timeout",
+        type=float,
+        default=_env("grammar_compile_timeout", 10.0),
+        help="seconds a structured-output grammar (JSON schema, regex, choice, grammar, enforced "
+        "tool calls) may take to compile before the request gets HTTP 400",
     )
     a(
         "--api-key",

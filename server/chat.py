@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -26,6 +27,21 @@ from server.protocol import (
     new_id,
 )
 from server.stream import DONE, ChunkWriter, sse
+from server.structured_outputs import grammar_from_request, tool_call_grammar
+
+
+def tool_arguments(arguments: str | dict) -> str | dict:
+    """An earlier turn's tool-call ``arguments`` for the chat template: the JSON string parsed
+    into an object (as vLLM does), so templates that apply ``tojson`` (Qwen2.5) or print
+    strings as they are (Qwen3) both render the JSON once; a string that is not a JSON object
+    is kept as it is."""
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return arguments
+        return parsed if isinstance(parsed, dict) else arguments
+    return arguments
 
 
 def messages_to_dicts(req: ChatCompletionRequest) -> list[dict]:
@@ -40,7 +56,10 @@ def messages_to_dicts(req: ChatCompletionRequest) -> list[dict]:
                 {
                     "id": tc.id,
                     "type": "function",
-                    "function": {"name": tc.function.name, "arguments": tc.function.arguments},
+                    "function": {
+                        "name": tc.function.name,
+                        "arguments": tool_arguments(tc.function.arguments),
+                    },
                 }
                 for tc in m.tool_calls
             ]
@@ -79,7 +98,7 @@ def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> str:
         APIError: 400 when the template rejects the conversation.
     """
     tools = None
-    if req.tools and req.tool_choice != "none":
+    if req.tools and req.tool_choice != "none":  # required / named: the model is shown the tools
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
     reserved = _RESERVED_TEMPLATE_KWARGS.intersection(req.chat_template_kwargs or {})
     if reserved:
@@ -136,9 +155,27 @@ class ChatCompletions:
         ctx.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+        grammar, param = grammar_from_request(req)
+        tools_grammar = self._tool_grammar(req)
+        if tools_grammar is not None:
+            if grammar is not None:
+                raise APIError(
+                    400,
+                    f"tool_choice {self._tool_choice_name(req)} cannot be combined with {param}",
+                    "tool_choice",
+                )
+            grammar, param = tools_grammar, "tool_choice"
         prompt = render_prompt(ctx.tokenizer, req)
         prompt_ids = await ctx.encode_prompt_async(prompt)
         ctx.check_prompt_length(len(prompt_ids), "messages")
+        start_after = None
+        if (
+            grammar is not None
+            and ctx.reasoning_parser == "qwen3"
+            and not prompt.rstrip().endswith("</think>")
+        ):
+            start_after = ctx.tokenizer.token_to_id("</think>")  # thinking on: constrain the answer
+        spec = await ctx.structured_output(grammar, param, start_after)
         params = to_sampling_params(
             req,
             max_tokens=req.max_completion_tokens or req.max_tokens,
@@ -149,6 +186,7 @@ class ChatCompletions:
             defaults=ctx.defaults,
             max_tokens_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
         )
+        params.structured_output = spec
         try:
             gen = Generation(
                 ctx.engine,
@@ -164,11 +202,45 @@ class ChatCompletions:
         except RequestRejected as exc:
             raise rejected(exc, "messages") from None
 
+    @staticmethod
+    def _tool_choice_name(req: ChatCompletionRequest) -> str:
+        tc = req.tool_choice
+        return repr(tc) if isinstance(tc, str) or tc is None else f"function {tc.function.name!r}"
+
+    def _tool_grammar(self, req: ChatCompletionRequest) -> str | None:
+        """The grammar of enforced tool calls (``tool_choice`` "required" or a named function),
+        or None ("auto", "none", unset).
+
+        Raises:
+            APIError: 400 for "required" or a named function without tools, or an unknown name.
+        """
+        tc = req.tool_choice
+        if tc is None or tc in ("auto", "none"):
+            return None
+        if not req.tools:
+            raise APIError(
+                400, f"tool_choice {self._tool_choice_name(req)} needs tools", "tool_choice"
+            )
+        name = None
+        if not isinstance(tc, str):
+            name = tc.function.name
+            if name not in {t.function.name for t in req.tools}:
+                raise APIError(
+                    400,
+                    f"tool_choice names function {name!r}, which is not among the request's tools",
+                    "tool_choice.function.name",
+                )
+        tok = self.ctx.tokenizer
+        special = {tag: tag in tok.added_tokens for tag in ("<tool_call>", "</tool_call>")}
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        return tool_call_grammar(tools, name, req.parallel_tool_calls and name is None, special)
+
     def _processor(self, req: ChatCompletionRequest, gen: Generation) -> ChatOutputProcessor:
         return ChatOutputProcessor(
             reasoning=self.ctx.reasoning_parser == "qwen3",
             tools=bool(req.tools) and req.tool_choice != "none",
             in_reasoning=gen.prompt_opens_thinking,
+            max_tool_calls=None if req.parallel_tool_calls else 1,
         )
 
     async def complete(self, req: ChatCompletionRequest, gen: Generation) -> ChatCompletionResponse:

@@ -20,6 +20,7 @@ from server.protocol import (
     new_id,
 )
 from server.stream import DONE, ChunkWriter, sse
+from server.structured_outputs import grammar_from_request
 
 
 class Completions:
@@ -46,6 +47,8 @@ class Completions:
         if req.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         rid = new_id("cmpl")
+        grammar, param = grammar_from_request(req)
+        spec = await ctx.structured_output(grammar, param)
         prompts = await self._prompts(req)
         if len(prompts) * req.n > 64:
             raise APIError(400, "at most 64 choices (prompts x n) per request", "prompt")
@@ -65,6 +68,7 @@ class Completions:
                     defaults=ctx.defaults,
                     prompt_param="prompt",
                 )
+                params.structured_output = spec
                 gens.append(
                     Generation(
                         ctx.engine,

@@ -8,11 +8,13 @@ import logging
 from dataclasses import dataclass, field
 
 from engine.core.stats import RequestStats
+from engine.core.structured_output import StructuredOutputSpec
 from engine.frontend.async_engine import AsyncEngine
 from engine.frontend.tokenizer import Tokenizer
 from server.errors import APIError
 from server.metrics import ServerMetrics
 from server.prompt_encoder import PromptEncoder
+from server.structured_outputs import GrammarValidator
 
 log = logging.getLogger("server.requests")
 
@@ -29,6 +31,8 @@ class ServerContext:
     max_prompt_tokens: prompts above this get 400 (defaults to the model length).
     encoder: encodes prompts (tiktoken where exact, see :mod:`server.prompt_encoder`);
         None: ``tokenizer.encode``.
+    grammar_validator: compiles structured-output grammars before a request is queued
+        (None: structured outputs are refused with a 400).
     """
 
     engine: AsyncEngine
@@ -42,6 +46,7 @@ class ServerContext:
     max_prompt_tokens: int | None = None
     protect_metrics: bool = False
     encoder: PromptEncoder | None = None
+    grammar_validator: GrammarValidator | None = None
 
     #: prompts of at least this many characters are encoded in a worker thread
     ENCODE_IN_THREAD_CHARS = 2048
@@ -64,6 +69,22 @@ class ServerContext:
         if len(text) < self.ENCODE_IN_THREAD_CHARS:
             return self.encode_prompt(text)
         return await asyncio.to_thread(self.encode_prompt, text)
+
+    async def structured_output(
+        self, grammar: str | None, param: str, start_after_token: int | None = None
+    ) -> StructuredOutputSpec | None:
+        """The validated spec of a request's grammar (None for none).
+
+        Raises:
+            APIError: 400 naming ``param`` when the grammar does not compile in time, or when
+                this server has no grammar engine.
+        """
+        if grammar is None:
+            return None
+        if self.grammar_validator is None:
+            raise APIError(400, "structured outputs are not available on this server", param)
+        await self.grammar_validator.validate(grammar, param)
+        return StructuredOutputSpec(grammar, start_after_token)
 
     def check_model(self, model: str | None) -> None:
         """Raises APIError 404 when a request names a model this server does not serve."""

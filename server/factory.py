@@ -16,6 +16,7 @@ from server.context import ServerContext
 from server.metrics import ServerMetrics
 from server.params import generation_defaults
 from server.prompt_encoder import PromptEncoder
+from server.structured_outputs import GrammarValidator
 
 log = logging.getLogger(__name__)
 
@@ -100,4 +101,10 @@ def build_context(args: argparse.Namespace) -> ServerContext:
         max_prompt_tokens=args.max_prompt_tokens and int(args.max_prompt_tokens),
         protect_metrics=args.protect_metrics,
         encoder=PromptEncoder(tokenizer),
+        grammar_validator=GrammarValidator(
+            Path(model_dir) / "tokenizer.json",
+            limits.vocab_size,
+            limits.eos_token_ids,
+            timeout_s=args.grammar_compile_timeout,
+        ),
     )

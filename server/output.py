@@ -17,11 +17,19 @@ class ChatOutputProcessor:
         reasoning: use the Qwen3 reasoning parser (``--reasoning-parser qwen3``).
         in_reasoning: the prompt already opened ``<think>`` (the template pre-filled it).
         tools: parse ``<tool_call>`` blocks (the request offered tools and tool_choice allows them).
+        max_tool_calls: keep at most this many calls (1 for ``parallel_tool_calls: false``).
     """
 
-    def __init__(self, reasoning: bool, tools: bool, in_reasoning: bool = False):
+    def __init__(
+        self,
+        reasoning: bool,
+        tools: bool,
+        in_reasoning: bool = False,
+        max_tool_calls: int | None = None,
+    ):
         self.reasoning = Qwen3ReasoningParser(in_reasoning=in_reasoning) if reasoning else None
         self.tools = Qwen3ToolParser() if tools else None
+        self.max_tool_calls = max_tool_calls
         self.num_tool_calls = 0
 
     def _split(self, reasoning: str, content: str, final: bool) -> tuple[str, str, list[dict]]:
@@ -32,6 +40,8 @@ class ChatOutputProcessor:
                 if not final
                 else _join(self.tools.feed(content), self.tools.finish())
             )
+        if self.max_tool_calls is not None:  # parallel_tool_calls false: the first call only
+            calls = calls[: max(0, self.max_tool_calls - self.num_tool_calls)]
         self.num_tool_calls += len(calls)
         return reasoning, content, calls
 

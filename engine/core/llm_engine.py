@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
+from pathlib import Path
 
 from engine.core.config import EngineConfig
 from engine.core.executor import ModelExecutor, StepHandle
@@ -13,6 +15,7 @@ from engine.core.outputs import RequestOutput
 from engine.core.request import Request, SamplingParams
 from engine.core.scheduler import ScheduledBatch, Scheduler
 from engine.core.stats import StepStats
+from engine.core.structured_output import GrammarState, StructuredOutputManager
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,9 @@ class LLMEngine:
             if config.async_scheduling is not None
             else config.device_type == "cuda"
         )
+        self._grammars: StructuredOutputManager | None = (
+            None  # built with the first structured-output request
+        )
         self._in_flight: StepHandle | None = None  # launched step whose samples are not applied yet
         self._undelivered: list[RequestOutput] = []
         self.limits = EngineLimits(
@@ -93,6 +99,15 @@ class LLMEngine:
             raise RequestRejected(f"duplicate request id {request_id!r}", "duplicate")
         self.limits.validate(prompt_token_ids)
         req = Request(request_id, list(prompt_token_ids), params, max_len=self.max_model_len)
+        spec = params.structured_output
+        if spec is not None:
+            if self._grammars is None:
+                self._grammars = StructuredOutputManager(
+                    Path(self.config.model) / "tokenizer.json",
+                    self.model_config.vocab_size,
+                    self.eos_token_ids,
+                )
+            req.grammar = GrammarState(spec, self._grammars.template(spec))
         self.scheduler.add_request(req)
         return req
 
@@ -134,6 +149,7 @@ class LLMEngine:
         if not overlap and self._in_flight is not None:  # drain before a synchronous step
             prev, self._in_flight = self._in_flight, None
             outputs += self._process(prev)
+        outputs += self.scheduler.promote_compiled()
         batch = self.scheduler.schedule()
         prev, self._in_flight = self._in_flight, None
         handle, n_prompt = self._launch(batch, outputs, prev)
@@ -162,8 +178,10 @@ class LLMEngine:
         non-fatal launch failure fails the batch's requests (appended to ``outputs``).
         """
         if not len(batch):
+            self._wait_for_grammars()
             return None, 0
         try:
+            self._fill_bitmasks(batch)
             handle = self.executor.launch(batch, self.eos_token_ids, prev)
         except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
             if self.is_fatal(exc):
@@ -172,6 +190,32 @@ class LLMEngine:
             outputs += self.scheduler.fail(batch.requests, str(exc))
             return None, 0
         return handle, self.scheduler.update_after_launch(batch, handle.sample_requests)
+
+    def _fill_bitmasks(self, batch: ScheduledBatch) -> None:
+        """Packed grammar bitmasks of the batch's requests that sample this step (requests with
+        a grammar run synchronously, so their last token is on the host)."""
+        if self._grammars is None:
+            return
+        states = []
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            grammar = req.grammar
+            if (
+                grammar is not None
+                and grammar.constrains_next
+                and req.num_computed_tokens + n == req.num_tokens_with_placeholders
+            ):
+                states.append(grammar)
+                batch.grammar_rows.append(req.request_id)
+        if states:
+            batch.grammar_bitmask = self._grammars.fill_bitmasks(states)
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing to run but grammars compiling: wait a little for one (no busy loop)."""
+        pending = [r.grammar.compiled for r in self.scheduler.waiting_for_grammar]
+        if pending:
+            concurrent.futures.wait(
+                pending, timeout=0.005, return_when=concurrent.futures.FIRST_COMPLETED
+            )
 
     def _process(self, handle: StepHandle) -> list[RequestOutput]:
         """Wait for a launched step and apply its samples (the scheduler appends tokens, checks
@@ -198,7 +242,7 @@ class LLMEngine:
         kv = self.kv_cache_manager
         return StepStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=self.scheduler.num_waiting,
             num_free_blocks=kv.num_free_blocks,
             num_blocks=kv.num_blocks,
             kv_usage=kv.usage,

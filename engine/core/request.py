@@ -6,6 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.core.structured_output import GrammarState, StructuredOutputSpec
+
 
 @dataclass
 class SamplingParams:
@@ -26,6 +28,9 @@ class SamplingParams:
         logprobs: None, or the number of top alternatives per token to return with the
             sampled token's log-probability (from the raw model distribution).
         skip_special_tokens: drop special tokens when detokenizing.
+        structured_output: the grammar the output must match (JSON schema, regex, choice,
+            grammar, tool calls), or None. A completed grammar ends the request with "stop"
+            whatever ``ignore_eos`` and ``min_tokens`` say.
     """
 
     temperature: float = 1.0
@@ -45,6 +50,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_output: StructuredOutputSpec | None = None
 
     @property
     def greedy(self) -> bool:
@@ -61,9 +67,10 @@ class SamplingParams:
     @property
     def needs_host_state(self) -> bool:
         """Sampling reads the request's host state every step (penalties over the tokens so
-        far, ``min_tokens``), so the step cannot be launched before the previous one's samples
-        are back (async scheduling pauses while such a request runs)."""
-        return self.needs_penalties or self.min_tokens > 0
+        far, ``min_tokens``, a grammar matcher advanced with the last token), so the step cannot
+        be launched before the previous one's samples are back (async scheduling pauses while
+        such a request runs)."""
+        return self.needs_penalties or self.min_tokens > 0 or self.structured_output is not None
 
 
 class RequestStatus(enum.Enum):
@@ -93,6 +100,8 @@ class Request:
         num_cached_tokens: prompt tokens found in the prefix cache at (last) admission.
         The request's KV blocks are not here: the KV cache manager owns them
         (``KVCacheManager.get_block_ids``).
+        grammar: the structured-output matcher (None without a grammar); it is advanced with
+            every accepted token and survives preemption (the tokens it consumed stay).
         max_len: prompt + output may not exceed this (the engine's max_model_len).
         num_output_placeholders: tokens sampled by launched steps whose ids are not back on the
             host yet (async scheduling, see ``engine.core.llm_engine``): 0 or 1 between steps, 2
@@ -112,6 +121,7 @@ class Request:
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
     num_output_placeholders: int = 0
+    grammar: GrammarState | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

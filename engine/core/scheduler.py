@@ -43,6 +43,10 @@ class ScheduledBatch:
         finished_request_ids: requests finished since the previous batch: the worker may drop
             their per-request state.
         num_preemptions: requests preempted while scheduling this step.
+        grammar_rows, grammar_bitmask: the requests with an active grammar that sample this step
+            (ids), and their packed bitmasks in that order (``ceil(vocab / 32)`` little-endian
+            int32 words per request, bit set = token allowed); filled by the engine just before
+            the launch, empty/None without grammars.
     """
 
     requests: list[Request] = field(default_factory=list)
@@ -51,6 +55,8 @@ class ScheduledBatch:
     block_table_reset: list[bool] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     num_preemptions: int = 0
+    grammar_rows: list[str] = field(default_factory=list)
+    grammar_bitmask: bytearray | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -86,6 +92,8 @@ class Scheduler:
 
     Attributes:
         requests: live requests (waiting or running) by id.
+        waiting, waiting_for_grammar, running: the queues (a request whose grammar is still
+            compiling waits in ``waiting_for_grammar``, outside the admission order).
         num_preemptions: preemptions since start.
         num_host_sampling: live requests whose sampling reads host state (penalties,
             ``min_tokens``), which make the engine's steps synchronous.
@@ -106,6 +114,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
+        self.waiting_for_grammar: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_host_sampling = 0
@@ -113,15 +122,43 @@ class Scheduler:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
-        """Queue a new request (its id must not be live)."""
+        """Queue a new request (its id must not be live). A request whose grammar is still
+        compiling waits apart (:attr:`waiting_for_grammar`) until :meth:`promote_compiled`."""
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if request.grammar is not None and not request.grammar.ready():
+            self.waiting_for_grammar.append(request)
+        else:
+            self.waiting.append(request)
         if request.sampling_params.needs_host_state:
             self.num_host_sampling += 1
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_grammar)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running: queued, or waiting for their grammar to compile."""
+        return len(self.waiting) + len(self.waiting_for_grammar)
+
+    def promote_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar has compiled (in arrival order, behind the waiting
+        queue); fail those whose grammar did not compile. Returns the failures' outputs."""
+        if not self.waiting_for_grammar:
+            return []
+        still, failed = [], []
+        for req in self.waiting_for_grammar:
+            if not req.grammar.ready():
+                still.append(req)
+            elif req.grammar.error is not None:
+                failed.append(req)
+            else:
+                self.waiting.append(req)
+        self.waiting_for_grammar = still
+        outputs = []
+        for req in failed:
+            outputs += self.fail([req], f"structured output: {req.grammar.error}")
+        return outputs
 
     def abort(self, request_id: str) -> bool:
         """Finish a live request with reason ``abort``; False for an unknown id."""
@@ -137,6 +174,8 @@ class Scheduler:
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request in self.waiting_for_grammar:
+            self.waiting_for_grammar.remove(request)
         else:
             try:
                 self.waiting.remove(request)
@@ -282,7 +321,16 @@ class Scheduler:
                 continue
             token = samples.token_ids[i]
             req.output_token_ids.append(token)
-            reason = self._check_stop(req, token)
+            grammar = req.grammar
+            if grammar is not None:
+                grammar.accept(token)
+                if grammar.error is not None:
+                    outputs += self.fail([req], f"structured output: {grammar.error}")
+                    continue
+            if grammar is not None and grammar.completed:
+                reason = FinishReason.STOP  # whatever ignore_eos and min_tokens say
+            else:
+                reason = self._check_stop(req, token)
             lp = samples.logprobs[i]
             outputs.append(
                 RequestOutput(

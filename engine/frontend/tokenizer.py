@@ -52,6 +52,7 @@ class Tokenizer:
         pad_token_id, bos_token_id: ids of those tokens, or ``None``.
         special_token_ids: ids of added tokens flagged special (skipped by
             ``decode(skip_special_tokens=True)``).
+        added_tokens: text -> id of every added token (``<|im_end|>``, ``<tool_call>``, ...).
         model_max_length: tokenizer_config's ``model_max_length`` or ``None``.
 
     Raises (constructor):
@@ -87,9 +88,11 @@ class Tokenizer:
         elif isinstance(gen_eos, list):
             eos_ids.update(int(i) for i in gen_eos)
         self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
+        added = self._tok.get_added_tokens_decoder()
         self.special_token_ids: frozenset[int] = frozenset(
-            i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special
+            i for i, tok in added.items() if tok.special
         )
+        self.added_tokens: dict[str, int] = {tok.content: i for i, tok in added.items()}
         self.model_max_length: int | None = config.get("model_max_length")
 
     # ------------------------------------------------------------------ tokens

@@ -240,7 +240,9 @@ class ModelRunner:
             if not inp.sample_requests:
                 return StepHandle([], None, None, {})
             logits = self.model.compute_logits(hidden)
-        samples = self.sampler(logits, inp.sample_requests, eos_token_ids)
+        samples = self.sampler(
+            logits, inp.sample_requests, eos_token_ids, batch.grammar_rows, batch.grammar_bitmask
+        )
         rows = {r.request_id: i for i, r in enumerate(inp.sample_requests)}
         return StepHandle(inp.sample_requests, samples.to_host(), samples.token_ids, rows)
 

@@ -217,15 +217,25 @@ class Sampler:
 
     @torch.no_grad()
     def __call__(
-        self, logits: torch.Tensor, requests: list[Request], eos_ids: frozenset[int]
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        eos_ids: frozenset[int],
+        grammar_rows: list[str] | None = None,
+        grammar_bitmask: bytearray | None = None,
     ) -> DeviceSamples:
         """Launch the sampling of one token per row; no host synchronisation.
 
         Args:
-            logits: float32 or bfloat16 ``[N, vocab]``; a float32 input may be modified in place.
+            logits: float32 or bfloat16 ``[N, vocab]``; grammar rows are masked in place, and a
+                float32 input may be modified in place by the other processors.
             requests: the N requests, in row order (their host state: outputs so far,
                 ``sample_index``; penalties and min_tokens need ``output_token_ids`` current).
             eos_ids: end-of-sequence ids, masked while a request is below ``min_tokens``.
+            grammar_rows, grammar_bitmask: request ids with a grammar and their packed bitmasks
+                (``ScheduledBatch.grammar_rows`` / ``grammar_bitmask``); the disallowed tokens of
+                those rows get ``-inf`` first, so every later step (logprobs included: they
+                report the constrained distribution) sees the mask.
 
         Returns:
             :class:`DeviceSamples` on the logits' device.
@@ -235,13 +245,19 @@ class Sampler:
         n, vocab = logits.shape
         params = [r.sampling_params for r in requests]
         dev = logits.device
+        if grammar_rows:  # in place, in the logits' dtype (a graph's output is rewritten anyway)
+            self._apply_bitmasks(logits, requests, grammar_rows, grammar_bitmask)
 
         lp_k = [p.logprobs for p in params]
         raw_logprobs = (
             torch.log_softmax(logits.float(), dim=-1) if any(k is not None for k in lp_k) else None
         )
 
-        eos_masked = [len(r.output_token_ids) < r.sampling_params.min_tokens for r in requests]
+        # a grammar decides when a request may end: min_tokens holds no EOS back there
+        eos_masked = [
+            len(r.output_token_ids) < r.sampling_params.min_tokens and r.grammar is None
+            for r in requests
+        ]
         filter_rows = [i for i, p in enumerate(params) if not p.greedy and self._filters(p, vocab)]
         if (
             any(p.logit_bias for p in params)
@@ -312,11 +328,30 @@ class Sampler:
             )
             logits.index_put_(idx, self._stage("bias.vals", vals, logits.dtype), accumulate=True)
 
+    def _apply_bitmasks(
+        self, logits: torch.Tensor, requests: list[Request], grammar_rows: list[str], bitmask
+    ) -> None:
+        """Grammar masks on the device: the row of request ``grammar_rows[i]`` keeps the tokens
+        set in row ``i`` of the packed ``bitmask``."""
+        index = {r.request_id: i for i, r in enumerate(requests)}
+        words = -(-logits.shape[1] // 32)
+        packed = np.frombuffer(bitmask, dtype="<i4").reshape(len(grammar_rows), -1)[:, :words]
+        dev_rows = self._stage("bitmask.rows", [index[rid] for rid in grammar_rows], torch.int64)
+        dev_masks = self.staging.stage("bitmask.words", packed.astype(np.int32, copy=False))
+        if self.backend == "triton":
+            from kernels.token_bitmask import apply_token_bitmask
+
+            apply_token_bitmask(logits, dev_rows, dev_masks)
+        else:
+            from kernels.reference import apply_token_bitmask_ref
+
+            apply_token_bitmask_ref(logits, dev_rows, dev_masks)
+
     def _apply_min_tokens(self, logits, requests, eos_ids, vocab) -> None:
         rows, cols = [], []
         for row, r in enumerate(requests):
             p = r.sampling_params
-            if len(r.output_token_ids) < p.min_tokens:
+            if len(r.output_token_ids) < p.min_tokens and r.grammar is None:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
                 for tok in banned:
                     if 0 <= tok < vocab:

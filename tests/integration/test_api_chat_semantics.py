@@ -72,8 +72,8 @@ class ScriptedSampler:
             self._assigned[req.request_id] = next((ids for m, ids in scripts if m in prompt), None)
         return self._assigned[req.request_id]
 
-    def __call__(self, logits, requests, eos_ids) -> DeviceSamples:
-        out = self.real(logits, requests, eos_ids)
+    def __call__(self, logits, requests, eos_ids, *grammar) -> DeviceSamples:
+        out = self.real(logits, requests, eos_ids, *grammar)
         for row, req in enumerate(requests):
             script = self._script_of(req)
             if script is not None:

@@ -85,3 +85,59 @@ def test_server_answers_with_working_code(real_server):
         extra_body={"repetition_penalty": 1.0},
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+
+
+def test_tool_loop_with_tool_choice_required(real_server):
+    """Qwen2.5-Coder writes its calls as fenced JSON when left alone; with ``tool_choice:
+    "required"`` the grammar makes it write the checkpoint's own ``<tool_call>`` block, which
+    comes back as ``tool_calls``; the follow-up turn, given the tool result, answers from it."""
+    import json
+
+    client = openai.OpenAI(
+        base_url=real_server.base_url + "/v1", api_key="unused", timeout=600, max_retries=0
+    )
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_temperature",
+                "description": "Current temperature of a city, in Celsius.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+    ]
+    messages = [{"role": "user", "content": "What is the temperature in Lisbon right now?"}]
+    r = client.chat.completions.create(
+        model=REAL_CHECKPOINT_DIR.name,
+        messages=messages,
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,  # greedy, the model would chain calls to the token limit
+        temperature=0,
+        max_tokens=80,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_temperature" and args["city"].lower().startswith("lisb")
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 31}'},
+        # the 0.5B model repeats its call after a bare tool result; asked again, it answers
+        {
+            "role": "user",
+            "content": "Thanks. So what is the temperature there? Answer in one sentence.",
+        },
+    ]
+    r2 = client.chat.completions.create(
+        model=REAL_CHECKPOINT_DIR.name, messages=messages, tools=tools, temperature=0, max_tokens=60
+    )
+    answer = r2.choices[0].message.content or ""
+    print("\n--- tool loop ---\ncall:", call.function.arguments, "\nanswer:", answer)
+    assert "31" in answer

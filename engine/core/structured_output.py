@@ -1,0 +1,189 @@
+"""Structured outputs in the engine core: a grammar matcher per request, advanced with every
+accepted token, and the packed token bitmask of the next step.
+
+The grammar engine is llguidance (Microsoft's Low-level Guidance, a Rust Earley parser with a
+lexer over the tokenizer's byte trie; https://github.com/guidance-ai/llguidance), the engine
+vLLM's "guidance" backend uses. It imports neither torch nor numpy, so the matchers live here
+with the host-side bookkeeping of the engine core; only the packed bitmask (one bit per
+vocabulary entry, ``ceil(vocab / 32)`` little-endian int32 words) travels to the sampler.
+
+A grammar is compiled once per distinct grammar text and tokenizer (a template matcher, cached
+by :class:`StructuredOutputManager`); each request gets a copy (``LLMatcher.deep_copy``).
+Compilation runs in a worker thread (llguidance releases the GIL while it builds), so a request
+whose grammar is not compiled yet waits in the queue without holding up the engine loop or other
+requests. The bitmasks of a step are filled in parallel by llguidance's own thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StructuredOutputSpec:
+    """What a request's output must match (picklable; built and validated by the front end).
+
+    Attributes:
+        grammar: an llguidance grammar (the JSON text ``LLMatcher.grammar_from_json_schema`` /
+            ``grammar_from_regex`` / ``grammar_from_lark`` return).
+        start_after_token: the grammar constrains only the tokens after this one (Qwen3's
+            ``</think>``: the reasoning is free, the answer constrained); None: from the first
+            generated token.
+    """
+
+    grammar: str
+    start_after_token: int | None = None
+
+    @property
+    def key(self) -> str:
+        """Cache key of the compiled grammar (sha256 of the grammar text)."""
+        return hashlib.sha256(self.grammar.encode()).hexdigest()
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of one packed bitmask row."""
+    return (vocab_size + 31) // 32
+
+
+class StructuredOutputManager:
+    """Compiled template matchers by grammar key, for one tokenizer, compiled in a worker thread;
+    and the bitmasks of a step, filled by llguidance's thread pool (``LLExecutor``).
+
+    Args:
+        tokenizer_json: path of the checkpoint's ``tokenizer.json``.
+        vocab_size: the model's vocabulary (the logits' width; may exceed the tokenizer's).
+        eos_token_ids: ids that end generation (what a completed grammar allows).
+        capacity: most compiled grammars kept (least recently used evicted).
+
+    The llguidance tokenizer (~2 s to build for a 150k vocabulary) is built on first use, in
+    the worker thread.
+    """
+
+    def __init__(
+        self,
+        tokenizer_json: str | Path,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        capacity: int = 256,
+    ):
+        self.tokenizer_json = Path(tokenizer_json)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.capacity = capacity
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._lock = threading.Lock()
+        self._templates: OrderedDict[str, Future] = OrderedDict()
+        self._tokenizer = None
+        self._executor = None
+        self.mask_bytes = 4 * bitmask_words(vocab_size)
+
+    def _llg_tokenizer(self):
+        if self._tokenizer is None:
+            from llguidance import LLTokenizer
+
+            self._tokenizer = LLTokenizer(
+                self.tokenizer_json.read_text(),
+                n_vocab=self.vocab_size,
+                eos_token=self.eos_token_ids or None,
+            )
+        return self._tokenizer
+
+    def _compile(self, grammar: str):
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"grammar does not compile: {matcher.get_error()}")
+        return matcher
+
+    def template(self, spec: StructuredOutputSpec) -> Future:
+        """A future of the compiled template matcher of ``spec`` (shared: copy it per request)."""
+        key = spec.key
+        with self._lock:
+            fut = self._templates.get(key)
+            if fut is not None:
+                self._templates.move_to_end(key)
+                return fut
+            fut = self._pool.submit(self._compile, spec.grammar)
+            self._templates[key] = fut
+            while len(self._templates) > self.capacity:
+                self._templates.popitem(last=False)
+            return fut
+
+    def fill_bitmasks(self, states: list[GrammarState]) -> bytearray:
+        """The packed bitmasks of ``states`` (active, compiled), row ``i`` for ``states[i]``:
+        ``len(states) * mask_bytes`` bytes, computed in parallel by llguidance's executor."""
+        if self._executor is None:
+            from llguidance import LLExecutor
+
+            self._executor = LLExecutor()
+        buf = bytearray(len(states) * self.mask_bytes)
+        view = (ctypes.c_char * len(buf)).from_buffer(buf)
+        self._executor.unsafe_compute_mask_ptr(
+            [(st._matcher, i) for i, st in enumerate(states)],
+            ctypes.addressof(view),
+            self.mask_bytes,
+            len(states),
+        )
+        del view  # release the buffer export before the bytearray travels on
+        return buf
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class GrammarState:
+    """One request's matcher: compiled in the background, then advanced token by token.
+
+    Args:
+        spec: the request's structured-output spec.
+        template: future of the compiled template matcher
+            (:meth:`StructuredOutputManager.template`), kept as ``compiled``.
+    """
+
+    def __init__(self, spec: StructuredOutputSpec, template: Future):
+        self.spec = spec
+        self.compiled = template
+        self._matcher = None
+        self.error: str | None = None
+        self.active = spec.start_after_token is None
+
+    def ready(self) -> bool:
+        """Whether the matcher exists (or compilation failed: see ``error``); never blocks."""
+        if self._matcher is None and self.error is None and self.compiled.done():
+            try:
+                self._matcher = self.compiled.result().deep_copy()
+            except Exception as exc:  # noqa: BLE001 - reported as the request's error
+                self.error = str(exc)
+        return self._matcher is not None or self.error is not None
+
+    def accept(self, token: int) -> None:
+        """Advance over a sampled token (before activation: watch for the start token).
+
+        A token the grammar rejects (it cannot be sampled under the mask) puts the matcher in an
+        error state: ``error`` is set.
+        """
+        if not self.active:
+            self.active = token == self.spec.start_after_token
+            return
+        if not self._matcher.consume_token(token):
+            self.error = f"token {token} does not match the grammar: {self._matcher.get_error()}"
+
+    @property
+    def completed(self) -> bool:
+        """The grammar matched a whole output and allows nothing more: the request ends."""
+        return self.active and self._matcher is not None and self._matcher.is_stopped()
+
+    @property
+    def constrains_next(self) -> bool:
+        """Whether the next token is constrained (the grammar is active and compiled)."""
+        return self.active and self._matcher is not None

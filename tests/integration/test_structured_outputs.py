@@ -1,0 +1,539 @@
+"""Structured outputs and enforced tool calls over real HTTP, on the embedded random-weight model.
+
+Its free output is gibberish, so every valid output here is the grammar's doing. Outputs are
+checked with independent tools: the ``jsonschema`` validator (formats included), Python's ``re``,
+and the openai client's own ``chat.completions.parse``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.integration.schemas import SCHEMAS, obj
+from tests.serverproc import ServerProcess
+
+MODEL = "qwen3-embedded"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city.",
+        "parameters": obj(
+            {
+                "city": {"type": "string", "maxLength": 8},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            }
+        ),
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": obj({"zone": {"enum": ["UTC", "CET", "PST"]}}),
+    },
+}
+NO_ARGS = {"type": "function", "function": {"name": "ping"}}
+
+
+@pytest.fixture(scope="module")
+def srv():
+    """A server without the reasoning parser (grammars constrain from the first token)."""
+    s = ServerProcess("--max-model-len", "2048", "--grammar-compile-timeout", "20").wait_ready()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(srv):
+    return openai.OpenAI(
+        base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=300
+    )
+
+
+def _validate(schema, text: str) -> None:
+    jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
+
+
+async def _chat_all(base: str, bodies: list[dict], stream: bool) -> list[tuple[str, str]]:
+    """(text, finish_reason) of each chat body, all sent at once."""
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+
+        async def one(body):
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "JSON please"}],
+                **body,
+            }
+            if not stream:
+                r = await client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                choice = r.json()["choices"][0]
+                return choice["message"]["content"], choice["finish_reason"]
+            text, finish = "", None
+            async with client.stream(
+                "POST", "/v1/chat/completions", json={**body, "stream": True}
+            ) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    for c in chunk["choices"]:
+                        text += c["delta"].get("content") or ""
+                        finish = c.get("finish_reason") or finish
+            return text, finish
+
+        return await asyncio.gather(*(one(b) for b in bodies))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
+def test_json_schemas_at_temperature_1_finish_with_stop_and_validate(srv, stream):
+    bodies = [
+        {
+            "temperature": 1.0,
+            "max_tokens": 300,
+            "seed": i,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": f"s{i}", "schema": s, "strict": True},
+            },
+        }
+        for i, s in enumerate(SCHEMAS)
+    ]
+    results = asyncio.run(_chat_all(srv.base_url, bodies, stream))
+    assert len(results) >= 50
+    for schema, (text, finish) in zip(SCHEMAS, results):
+        assert finish == "stop", (schema, text)
+        _validate(schema, text)
+
+
+def test_json_object_regex_and_choice_on_both_endpoints(srv):
+    # json_object: any object; a bias towards closing braces lets near-flat logits end it
+    close = {"92": 8.0, "532": 8.0}
+    r = httpx.post(
+        srv.base_url + "/v1/chat/completions",
+        timeout=300,
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "obj"}],
+            "max_tokens": 200,
+            "temperature": 1.0,
+            "response_format": {"type": "json_object"},
+            "logit_bias": close,
+        },
+    )
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and isinstance(
+        json.loads(choice["message"]["content"]), dict
+    )
+    cases = [
+        (
+            {"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2,4}"}},
+            lambda t: re.fullmatch("[0-9]{3}-[a-z]{2,4}", t),
+        ),
+        ({"guided_regex": "(ab|cd)+x"}, lambda t: re.fullmatch("(ab|cd)+x", t)),
+        (
+            {"structured_outputs": {"choice": ["yes", "no way", 'a "quoted" one', "ß\\n"]}},
+            lambda t: t in ["yes", "no way", 'a "quoted" one', "ß\\n"],
+        ),
+        ({"guided_choice": ["left", "right"]}, lambda t: t in ("left", "right")),
+        (
+            {
+                "structured_outputs": {
+                    "json": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}
+                }
+            },
+            lambda t: isinstance(json.loads(t), list),
+        ),
+        (
+            {"guided_json": json.dumps(obj({"k": {"enum": [1, 2]}}))},
+            lambda t: json.loads(t)["k"] in (1, 2),
+        ),
+        (
+            {"structured_outputs": {"grammar": 'start: "x" ("y" | "z")+ "."'}},
+            lambda t: re.fullmatch("x[yz]+\\.", t),
+        ),
+        (
+            {"structured_outputs": {"grammar": 'root ::= "q" [0-9] [0-9]'}},
+            lambda t: re.fullmatch("q[0-9]{2}", t),
+        ),
+    ]
+    for i, (fields, check) in enumerate(cases):
+        for endpoint in ("chat", "completions"):
+            if endpoint == "chat":
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], **fields}
+                path = "/v1/chat/completions"
+            else:
+                body = {"model": MODEL, "prompt": "go", **fields}
+                path = "/v1/completions"
+            body.update(temperature=1.0, max_tokens=60, seed=i)
+            r = httpx.post(srv.base_url + path, json=body, timeout=300)
+            assert r.status_code == 200, (fields, r.text)
+            c = r.json()["choices"][0]
+            text = c["message"]["content"] if endpoint == "chat" else c["text"]
+            assert c["finish_reason"] == "stop" and check(text), (fields, endpoint, text)
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=6)
+    age: int = Field(ge=0, le=99)
+    admin: bool
+
+
+def test_openai_client_parse_returns_the_pydantic_object(oai):
+    """``chat.completions.parse`` sends a strict json_schema response_format built from the model
+    and parses the reply with pydantic: a ValidationError would fail the test."""
+    r = oai.chat.completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": "a person"}],
+        response_format=Person,
+        temperature=1.0,
+        max_tokens=100,
+        seed=4,
+    )
+    person = r.choices[0].message.parsed
+    assert isinstance(person, Person) and r.choices[0].finish_reason == "stop"
+
+
+def _tool_args_ok(call: dict, tools: list[dict]) -> None:
+    fn = {t["function"]["name"]: t["function"] for t in tools}[call["function"]["name"]]
+    schema = fn.get("parameters") or {"type": "object"}
+    jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "single"])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_enforced_tool_calls_non_streamed(srv, choice, parallel):
+    tools = [WEATHER, TIME, NO_ARGS]
+    tool_choice = (
+        "required"
+        if choice == "required"
+        else {"type": "function", "function": {"name": "get_time"}}
+    )
+    for seed in range(4):
+        r = httpx.post(
+            srv.base_url + "/v1/chat/completions",
+            timeout=300,
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "use a tool"}],
+                "tools": tools,
+                "tool_choice": tool_choice,
+                "parallel_tool_calls": parallel,
+                "temperature": 1.0,
+                "max_tokens": 300,
+                "seed": seed,
+            },
+        )
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        calls = c["message"]["tool_calls"]
+        assert c["finish_reason"] == "tool_calls" and calls, c
+        if not parallel or choice == "named":
+            assert len(calls) == 1
+        if choice == "named":
+            assert calls[0]["function"]["name"] == "get_time"
+        assert len({tc["id"] for tc in calls}) == len(calls)
+        for tc in calls:
+            _tool_args_ok(tc, tools)
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "single"])
+def test_enforced_tool_calls_streamed(oai, parallel):
+    tools = [WEATHER, TIME]
+    for seed in range(3):
+        stream = oai.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "use a tool"}],
+            tools=tools,
+            tool_choice="required",
+            parallel_tool_calls=parallel,
+            temperature=1.0,
+            max_tokens=300,
+            seed=seed,
+            stream=True,
+        )
+        calls: dict[int, dict] = {}
+        finish = None
+        for chunk in stream:
+            for ch in chunk.choices:
+                for tc in ch.delta.tool_calls or []:
+                    entry = calls.setdefault(
+                        tc.index, {"id": tc.id, "function": {"name": "", "arguments": ""}}
+                    )
+                    entry["function"]["name"] += tc.function.name or ""
+                    entry["function"]["arguments"] += tc.function.arguments or ""
+                finish = ch.finish_reason or finish
+        assert finish == "tool_calls" and calls
+        if not parallel:
+            assert len(calls) == 1
+        assert len({c["id"] for c in calls.values()}) == len(calls)
+        for c in calls.values():
+            _tool_args_ok(c, tools)
+
+
+@pytest.mark.parametrize(
+    "fields,param",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}},
+                    },
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": [1, 2]},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs.regex"),
+        ({"guided_regex": "(a"}, "guided_regex"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        (
+            {"structured_outputs": {"grammar": "start: undefined_rule"}},
+            "structured_outputs.grammar",
+        ),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice.function.name",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": "sometimes", "tools": [WEATHER]}, "tool_choice"),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "tool_choice",
+        ),
+    ],
+)
+def test_bad_constraints_are_400_naming_the_parameter(srv, fields, param):
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 5,
+        **fields,
+    }
+    r = httpx.post(srv.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"].startswith(param), err
+    assert httpx.get(srv.base_url + "/health").status_code == 200
+
+
+def test_compile_time_bound_gives_400(tmp_path):
+    """A grammar that compiles slower than --grammar-compile-timeout is a 400, and the server
+    keeps answering meanwhile."""
+    s = ServerProcess("--max-model-len", "512", "--grammar-compile-timeout", "0.01").wait_ready()
+    try:
+        big = {
+            "type": "object",
+            "properties": {f"k{i}": {"enum": [f"v{i}_{j}" for j in range(40)]} for i in range(200)},
+        }
+        r = httpx.post(
+            s.base_url + "/v1/completions",
+            timeout=60,
+            json={
+                "model": MODEL,
+                "prompt": "x",
+                "max_tokens": 5,
+                "structured_outputs": {"json": big},
+            },
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs.json", (
+            r.text
+        )
+        assert "to compile" in r.json()["error"]["message"]
+        ok = httpx.post(
+            s.base_url + "/v1/completions",
+            timeout=60,
+            json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+        )
+        assert ok.status_code == 200
+    finally:
+        s.stop()
+
+
+def test_constrained_requests_leave_unconstrained_neighbours_unchanged(srv):
+    """A greedy unconstrained request: the same text alone and batched with constrained ones."""
+    base = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "tell me"}],
+        "temperature": 0.0,
+        "max_tokens": 24,
+    }
+    alone = httpx.post(srv.base_url + "/v1/chat/completions", json=base, timeout=120).json()
+    bodies = [
+        {
+            "temperature": 1.0,
+            "max_tokens": 200,
+            "seed": i,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": SCHEMAS[i]},
+            },
+        }
+        for i in range(8)
+    ]
+
+    async def mixed():
+        async with httpx.AsyncClient(base_url=srv.base_url, timeout=600) as c:
+            plain = c.post("/v1/chat/completions", json=base)
+            constrained = [
+                c.post(
+                    "/v1/chat/completions", json={"model": MODEL, "messages": base["messages"], **b}
+                )
+                for b in bodies
+            ]
+            return await asyncio.gather(plain, *constrained)
+
+    got = asyncio.run(mixed())
+    assert (
+        got[0].json()["choices"][0]["message"]["content"]
+        == alone["choices"][0]["message"]["content"]
+    )
+    for schema, r in zip(SCHEMAS, got[1:]):
+        _validate(schema, r.json()["choices"][0]["message"]["content"])
+
+
+# ------------------------------------------------------------------ earlier assistant turns
+def _hf_render(checkpoint, messages, tools):
+    """transformers' own chat-template rendering of the same checkpoint (the reference)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.frontend.tokenizer import Tokenizer
+
+    tok = Tokenizer(checkpoint)
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
+    return hf.apply_chat_template(
+        messages,
+        tools=tools,
+        tokenize=False,
+        add_generation_prompt=True,
+        chat_template=tok.chat_template,
+    )
+
+
+def _conversation(arguments):
+    return [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 22 C"},
+    ]
+
+
+def _check_rendering(checkpoint):
+    from engine.frontend.tokenizer import Tokenizer
+    from server.chat import render_prompt
+    from server.protocol import ChatCompletionRequest
+
+    args = {"city": "Paris", "days": 2}
+    req = ChatCompletionRequest(
+        model="m", messages=_conversation(json.dumps(args)), tools=[WEATHER]
+    )
+    ours = render_prompt(Tokenizer(checkpoint), req)
+    reference = _hf_render(checkpoint, _conversation(args), [WEATHER])  # given the parsed object
+    assert ours == reference
+    assert '"arguments": {"city": "Paris", "days": 2}' in ours  # JSON once, not a quoted string
+    assert '\\"city\\"' not in ours
+
+
+def test_tool_call_arguments_render_as_json_once_qwen3_template():
+    from engine.loader.embedded import ensure_embedded_checkpoint
+
+    _check_rendering(ensure_embedded_checkpoint())
+
+
+def test_tool_call_arguments_render_as_json_once_qwen25_template():
+    from tests.integration.real_checkpoint_reference import (
+        REAL_CHECKPOINT_DIR,
+        real_checkpoint_available,
+    )
+
+    if not real_checkpoint_available():
+        pytest.skip(
+            "the Qwen2.5 chat template comes with the real checkpoint: run `make real-checkpoint`"
+        )
+    _check_rendering(REAL_CHECKPOINT_DIR)
+
+
+def test_arguments_that_are_not_a_json_object_stay_as_they_are():
+    from server.chat import tool_arguments
+
+    assert tool_arguments('{"a": 1}') == {"a": 1}
+    assert tool_arguments("not json") == "not json"
+    assert tool_arguments("[1, 2]") == "[1, 2]"
+    assert tool_arguments({"b": 2}) == {"b": 2}
+
+
+# ------------------------------------------------------------------ with the reasoning parser
+SMALL = obj({"n": {"type": "integer", "minimum": 0, "maximum": 9}, "ok": {"type": "boolean"}})
+
+
+def test_grammar_constrains_the_answer_after_think_with_the_reasoning_parser(server):
+    """The shared server runs ``--reasoning-parser qwen3``. Thinking off (the template closes the
+    think block): constrained from the first token. Thinking on: the reasoning is free and the
+    answer after ``</think>`` is constrained (a bias makes the random model close its reasoning
+    at once; the mask then overrides the bias)."""
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": SMALL}}
+    base = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "temperature": 1.0,
+        "max_tokens": 80,
+        "response_format": rf,
+    }
+    off = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        timeout=300,
+        json={**base, "chat_template_kwargs": {"enable_thinking": False}},
+    ).json()
+    _validate(SMALL, off["choices"][0]["message"]["content"])
+    on = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        timeout=300,
+        json={**base, "logit_bias": {"151668": 100}},
+    ).json()
+    msg = on["choices"][0]["message"]
+    _validate(SMALL, msg["content"])
+    assert on["choices"][0]["finish_reason"] == "stop"
+    assert not msg.get("reasoning_content")

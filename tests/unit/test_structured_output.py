@@ -1,0 +1,209 @@
+"""Structured outputs inside the engine (no HTTP): grammars compiled by llguidance in the engine
+core, bitmasks applied in the sampler, matchers advanced with every token.
+
+The embedded model has random weights, so its free output is gibberish: every valid output
+below is the grammar's doing. Outputs are checked with the ``jsonschema`` validator (formats
+included) and Python's ``re``; nothing here compares the engine with itself.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+from llguidance import LLMatcher
+
+from engine.core.config import EngineConfig
+from engine.core.request import FinishReason, SamplingParams
+from engine.core.structured_output import StructuredOutputSpec, bitmask_words
+from engine.frontend.tokenizer import Tokenizer
+from engine.loader.embedded import ensure_embedded_checkpoint
+from engine.worker.build import build_engine
+from kernels.reference import apply_token_bitmask_ref
+from tests.integration.schemas import SCHEMAS
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+OPTIONS = {"whitespace_flexible": False}
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    path = str(ensure_embedded_checkpoint())
+    return path, Tokenizer(path)
+
+
+def _engine(path, tok, **kw):
+    cfg = dict(model=path, num_kv_blocks=2048, max_num_seqs=64, max_model_len=1024)
+    cfg.update(kw)
+    return build_engine(EngineConfig(**cfg), eos_token_ids=tok.eos_token_ids)
+
+
+def _json(schema) -> StructuredOutputSpec:
+    return StructuredOutputSpec(LLMatcher.grammar_from_json_schema(schema, defaults=OPTIONS))
+
+
+def _run(eng):
+    outs = {}
+    steps = 0
+    while eng.has_unfinished():
+        for o in eng.step()[0]:
+            outs.setdefault(o.request_id, []).append(o)
+        steps += 1
+        assert steps < 5000
+    return outs
+
+
+def _validate(schema, text):
+    jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
+
+
+def test_every_schema_output_validates_at_temperature_1(embedded):
+    path, tok = embedded
+    eng = _engine(path, tok)
+    prompt = tok.encode("Write JSON:")
+    reqs = [
+        eng.add_request(
+            f"s{i}",
+            prompt,
+            SamplingParams(temperature=1.0, max_tokens=400, seed=i, structured_output=_json(s)),
+        )
+        for i, s in enumerate(SCHEMAS)
+    ]
+    _run(eng)
+    assert len(SCHEMAS) >= 50
+    for schema, req in zip(SCHEMAS, reqs):
+        assert req.finish_reason == FinishReason.STOP, (schema, tok.decode(req.output_token_ids))
+        _validate(schema, tok.decode(req.output_token_ids))
+    assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
+
+
+def test_grammar_survives_preemption_and_async_scheduling(embedded):
+    """A cache too small for the batch forces preemption (recompute keeps the matcher, whose
+    tokens stay accepted); async scheduling is on (grammar requests make steps synchronous)."""
+    path, tok = embedded
+    eng = _engine(
+        path,
+        tok,
+        num_kv_blocks=24,
+        block_size=16,
+        max_num_seqs=8,
+        async_scheduling=True,
+        max_num_batched_tokens=64,
+    )
+    schema = {
+        "type": "array",
+        "items": {"enum": ["alpha", "beta", "gamma"]},
+        "minItems": 30,
+        "maxItems": 30,
+    }
+    reqs = [
+        eng.add_request(
+            f"p{i}",
+            tok.encode("x" * (5 + i)),
+            SamplingParams(
+                temperature=1.0, seed=i, max_tokens=200, structured_output=_json(schema)
+            ),
+        )
+        for i in range(6)
+    ]
+    _run(eng)
+    assert eng.scheduler.num_preemptions > 0, "the cache is meant to force preemptions"
+    for r in reqs:
+        assert r.finish_reason == FinishReason.STOP
+        _validate(schema, tok.decode(r.output_token_ids))
+    assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
+
+
+def test_completed_grammar_ends_the_request_whatever_ignore_eos_and_min_tokens(embedded):
+    path, tok = embedded
+    eng = _engine(path, tok)
+    spec = StructuredOutputSpec(LLMatcher.grammar_from_regex("ab(c|d)"))
+    r = eng.add_request(
+        "r",
+        tok.encode("hi"),
+        SamplingParams(
+            temperature=1.0, max_tokens=50, ignore_eos=True, min_tokens=40, structured_output=spec
+        ),
+    )
+    _run(eng)
+    text = tok.decode(r.output_token_ids)
+    assert r.finish_reason == FinishReason.STOP and re.fullmatch("ab(c|d)", text), text
+
+
+def test_grammar_starts_after_the_start_token(embedded):
+    """``start_after_token``: the tokens up to it are free (here a logit bias forces that token
+    first), the rest must match; the bias cannot override the mask afterwards."""
+    path, tok = embedded
+    think_end = tok.token_to_id("</think>")
+    eng = _engine(path, tok)
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    spec = StructuredOutputSpec(_json(schema).grammar, start_after_token=think_end)
+    r = eng.add_request(
+        "r",
+        tok.encode("hi"),
+        SamplingParams(
+            temperature=1.0, max_tokens=50, logit_bias={think_end: 100.0}, structured_output=spec
+        ),
+    )
+    _run(eng)
+    assert r.output_token_ids[0] == think_end
+    assert think_end not in r.output_token_ids[1:]
+    _validate(schema, tok.decode(r.output_token_ids[1:]))
+    assert r.finish_reason == FinishReason.STOP
+
+
+def test_logprobs_report_the_constrained_distribution(embedded):
+    path, tok = embedded
+    eng = _engine(path, tok)
+    spec = StructuredOutputSpec(LLMatcher.grammar_from_regex("(yes|no)"))
+    eng.add_request(
+        "r",
+        tok.encode("hi"),
+        SamplingParams(temperature=1.0, max_tokens=5, logprobs=20, structured_output=spec),
+    )
+    outs = _run(eng)["r"]
+    first = outs[0].logprobs[0]
+    allowed = {alt for alt, lp in first[1] if lp > float("-inf")}
+    texts = {tok.decode([a]) for a in allowed}
+    assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts), texts
+    total = sum(torch.tensor([lp for _, lp in first[1]]).exp().tolist())
+    assert total == pytest.approx(1.0, abs=1e-3)  # the mass lies on the few allowed tokens
+
+
+def test_a_grammar_that_does_not_compile_fails_only_its_request(embedded):
+    """The front end validates grammars first; if one still fails in the engine, that request
+    ends with an error and the others run."""
+    path, tok = embedded
+    eng = _engine(path, tok)
+    bad = StructuredOutputSpec(LLMatcher.grammar_from_regex("[a-z"))
+    eng.add_request("bad", tok.encode("hi"), SamplingParams(max_tokens=5, structured_output=bad))
+    ok = eng.add_request("ok", tok.encode("hi"), SamplingParams(max_tokens=3))
+    outs = _run(eng)
+    assert (
+        outs["bad"][-1].finish_reason == FinishReason.ERROR
+        and "structured output" in outs["bad"][-1].error
+    )
+    assert ok.finish_reason == FinishReason.LENGTH and len(ok.output_token_ids) == 3
+    assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
+
+
+def test_bitmask_reference_keeps_exactly_the_set_bits():
+    g = torch.Generator().manual_seed(3)
+    vocab = 100
+    logits = torch.randn(3, vocab, generator=g)
+    mask = torch.zeros(1, bitmask_words(vocab), dtype=torch.int32)
+    allowed = [0, 5, 31, 32, 63, 99]
+    for t in allowed:
+        mask[0, t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
+    out = apply_token_bitmask_ref(logits.clone(), torch.tensor([1]), mask)
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == allowed
+    assert torch.equal(out[[0, 2]], logits[[0, 2]])
