@@ -65,6 +65,10 @@ class ModelConfig:
     ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0`` (:meth:`is_moe_layer`); the
     other layers have a dense MLP of ``intermediate_size``. ``router_aux_loss_coef`` (training
     only) is not read.
+
+    ``weight_block_size``: ``quantization_config.weight_block_size`` of a block-quantized (FP8)
+    checkpoint, ``[rows, cols]``; read only to refuse tensor-parallel splits that cut its blocks
+    (the engine does not run quantized weights yet).
     """
 
     architecture: str
@@ -89,6 +93,7 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    weight_block_size: tuple[int, int] | None = None
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (0-based) has routed experts (transformers' rule)."""
@@ -101,6 +106,58 @@ class ModelConfig:
     @property
     def num_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """Refuse a tensor-parallel size the checkpoint's shapes do not split over (Megatron
+        sharding, see docs/architecture.md): query heads, KV heads (split, or replicated when
+        ``tp_size`` is a multiple of them), the dense and expert MLP features, the vocabulary
+        (vocab-parallel embedding and LM head), and, for a block-quantized checkpoint, each
+        rank's slice of the features against ``weight_block_size``.
+
+        Raises:
+            ValueError: naming every dimension that does not divide (none for ``tp_size`` 1).
+        """
+        if tp_size < 1:
+            raise ValueError(f"tensor-parallel size must be >= 1, got {tp_size}")
+        if tp_size == 1:
+            return
+        problems = []
+
+        def split(name: str, size: int) -> None:
+            if size % tp_size:
+                problems.append(f"{name} = {size} is not divisible by {tp_size}")
+
+        split("num_attention_heads", self.num_attention_heads)
+        kv = self.num_key_value_heads
+        if kv % tp_size and tp_size % kv:
+            problems.append(
+                f"num_key_value_heads = {kv} neither divides by {tp_size} nor divides "
+                f"{tp_size} (replicated KV heads)"
+            )
+        dense = self.num_hidden_layers > self.num_moe_layers
+        if dense:
+            split("intermediate_size", self.intermediate_size)
+        if self.num_experts:
+            split("moe_intermediate_size (features of one expert)", self.moe_intermediate_size)
+        split("vocab_size", self.vocab_size)
+        if self.weight_block_size is not None and not problems:
+            block = self.weight_block_size[0]
+            sizes = (
+                [("moe_intermediate_size", self.moe_intermediate_size)] if self.num_experts else []
+            )
+            sizes += [("intermediate_size", self.intermediate_size)] if dense else []
+            for name, size in sizes:
+                if (size // tp_size) % block:
+                    problems.append(
+                        f"{name} / {tp_size} = {size // tp_size} is not a multiple of the "
+                        f"quantization block {block} (quantization_config.weight_block_size); "
+                        "expert parallelism, which would keep experts whole, is not implemented"
+                    )
+        if problems:
+            raise ValueError(
+                f"cannot split {self.architecture} over {tp_size} tensor-parallel ranks: "
+                + "; ".join(problems)
+            )
 
     @staticmethod
     def from_hf(model_dir: str | Path) -> ModelConfig:
@@ -136,6 +193,7 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         dtype = parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
         moe = _moe_fields(cfg) if model_type == "qwen3_moe" else {}
+        block = (cfg.get("quantization_config") or {}).get("weight_block_size")
         return ModelConfig(
             architecture=architectures[0],
             model_type=model_type,
@@ -153,6 +211,7 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             dtype=dtype or "float32",
+            weight_block_size=tuple(int(b) for b in block) if block else None,
             **moe,
         )
 
@@ -218,6 +277,12 @@ class EngineConfig:
             ``config.json`` alone with random weights drawn on the device from ``seed``
             (benchmarks of shapes without a checkpoint; the outputs are meaningless).
         seed: seed of the random weights of ``load_format="dummy"``.
+        tensor_parallel_size: ranks the model is split over (Megatron sharding, one process
+            and device per rank, torch.distributed; see docs/architecture.md); 1 = one device.
+        distributed_init_method: where the ranks meet: None = a free loopback port, the engine
+            spawns ranks 1..N-1 on this host; ``"tcp://HOST:PORT"`` = the same at that address;
+            ``"env://"`` = the ranks were launched by torchrun (``RANK``, ``WORLD_SIZE``,
+            ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), possibly on several hosts.
     """
 
     model: str
@@ -239,11 +304,20 @@ class EngineConfig:
     async_scheduling: bool | None = None
     load_format: str = "auto"
     seed: int = 0
+    tensor_parallel_size: int = 1
+    distributed_init_method: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        init = self.distributed_init_method
+        if init is not None and not (init == "env://" or init.startswith("tcp://")):
+            raise ValueError(
+                f"distributed_init_method must be env:// or tcp://HOST:PORT, got {init!r}"
+            )
 
     @property
     def device_type(self) -> str:

@@ -8,9 +8,16 @@ gate/up) are column-parallel layers made of shards that the checkpoint stores as
 tensors: each shard is split on its own, so a rank holds its heads of q, k and v.
 
 Every parameter gets a ``weight_loader(param, tensor, shard_id)`` that copies the rank's slice
-of a full checkpoint tensor into it (vLLM's and nano-vllm's convention), and ``shard_ids``, the
-shards it expects (the loader checks that each was loaded once). With ``tp_size == 1`` (today's
-engine) every layer is a plain ``F.linear``.
+of a full checkpoint tensor into it (vLLM's and nano-vllm's convention), ``shard_ids``, the
+shards it expects (the loader checks that each was loaded once), and ``checkpoint_shapes``, the
+full (unsplit) checkpoint shape of each shard (``load_format="dummy"`` draws those, so random
+weights are the same model at every tensor-parallel size). With ``tp_size == 1`` every layer is
+a plain ``F.linear``.
+
+A checkpoint tensor handed to a weight loader is a ``torch.Tensor`` or a lazy window of a file
+(``engine.loader.safetensors_loader.CheckpointSlice``: ``shape``, ``dim()``, ``narrow()``,
+``materialize()``); the loaders only narrow it, so a rank reads just its slice from disk, and
+:func:`default_weight_loader` materialises what is left.
 """
 
 from __future__ import annotations
@@ -20,8 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
-    """Copy a whole checkpoint tensor into ``param`` (cast to its dtype and device).
+def default_weight_loader(param: nn.Parameter, tensor, shard_id=None) -> None:
+    """Copy a whole checkpoint tensor (or lazy slice, read now) into ``param`` (cast to its dtype
+    and device).
 
     Raises:
         ValueError: a shape mismatch.
@@ -30,10 +38,17 @@ def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id=No
         raise ValueError(
             f"checkpoint shape {tuple(tensor.shape)} != parameter shape {tuple(param.shape)}"
         )
-    param.data.copy_(tensor)
+    param.data.copy_(tensor if isinstance(tensor, torch.Tensor) else tensor.materialize())
 
 
-def _full(tensor: torch.Tensor, dim: int, expected: int) -> torch.Tensor:
+def checkpoint_shapes(param: nn.Parameter) -> dict:
+    """Shard id -> full checkpoint shape of each tensor ``param`` loads (its own shape, shard
+    None, for a parameter without ``checkpoint_shapes``)."""
+    shapes = getattr(param, "checkpoint_shapes", None)
+    return shapes if shapes is not None else {None: tuple(param.shape)}
+
+
+def _full(tensor, dim: int, expected: int):
     """``tensor`` after checking its size along ``dim`` (the unsplit checkpoint size)."""
     if tensor.dim() <= dim or tensor.shape[dim] != expected:
         raise ValueError(
@@ -73,10 +88,12 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_per_rank, in_per_rank))
         self.weight.weight_loader = self.weight_loader
         self.weight.shard_ids = (None,)
+        self.weight.checkpoint_shapes = {None: (output_size, input_size)}
         if bias:
             self.bias = nn.Parameter(torch.empty(out_per_rank))
             self.bias.weight_loader = self.weight_loader
             self.bias.shard_ids = (None,)
+            self.bias.checkpoint_shapes = {None: (output_size,)}
         else:
             self.register_parameter("bias", None)
 
@@ -84,7 +101,7 @@ class LinearBase(nn.Module):
         """``x`` ``[..., in_per_rank]`` -> ``[..., out_per_rank]`` in x's dtype."""
         return F.linear(x, self.weight, self.bias)
 
-    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, tensor, shard_id=None) -> None:
         default_weight_loader(param, tensor)
 
 
@@ -122,7 +139,7 @@ class ColumnParallelLinear(LinearBase):
             out_per_rank=_split(output_size, tp_size, "output features"),
         )
 
-    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, tensor, shard_id=None) -> None:
         n = param.shape[0]
         default_weight_loader(
             param, _full(tensor, 0, n * self.tp_size).narrow(0, self.tp_rank * n, n)
@@ -149,10 +166,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
         shards = tuple(range(len(output_sizes)))
         self.weight.shard_ids = shards
+        self.weight.checkpoint_shapes = {i: (s, input_size) for i, s in enumerate(output_sizes)}
         if self.bias is not None:
             self.bias.shard_ids = shards
+            self.bias.checkpoint_shapes = {i: (s,) for i, s in enumerate(output_sizes)}
 
-    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, tensor, shard_id=None) -> None:
         """Copy this rank's slice of shard ``shard_id`` (an index) into its place."""
         size = self.output_sizes[shard_id]
         offset = sum(self.output_sizes[:shard_id])
@@ -205,10 +224,14 @@ class QKVParallelLinear(ColumnParallelLinear):
             out_per_rank=self.q_size + 2 * self.kv_size,
         )
         self.weight.shard_ids = ("q", "k", "v")
+        full = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim}
+        full["v"] = full["k"]
+        self.weight.checkpoint_shapes = {k: (n, hidden_size) for k, n in full.items()}
         if self.bias is not None:
             self.bias.shard_ids = ("q", "k", "v")
+            self.bias.checkpoint_shapes = {k: (n,) for k, n in full.items()}
 
-    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, tensor, shard_id=None) -> None:
         """Copy this rank's heads of the ``shard_id`` ("q", "k" or "v") checkpoint tensor."""
         if shard_id == "q":
             offset, size, start = 0, self.q_size, self.tp_rank * self.q_size
@@ -255,7 +278,7 @@ class RowParallelLinear(LinearBase):
             out_per_rank=output_size,
         )
 
-    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, tensor, shard_id=None) -> None:
         if param.dim() == 1:  # the bias (rank 0)
             default_weight_loader(param, tensor)
             return

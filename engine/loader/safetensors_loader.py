@@ -1,5 +1,11 @@
 """Load Hugging Face safetensors checkpoints into an engine model through its parameters'
-weight loaders (fused q/k/v and gate/up shards, tensor-parallel slices)."""
+weight loaders (fused q/k/v and gate/up shards, tensor-parallel slices).
+
+Each checkpoint tensor reaches the weight loaders as a :class:`CheckpointSlice`, a lazy window
+of the file: the loaders narrow it to the rank's part and only that part is read (safetensors'
+``get_slice``), so a tensor-parallel rank never reads, nor holds in host or device memory, the
+other ranks' shards; on one device the window is the whole tensor, read once.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,79 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.layers.linear import default_weight_loader
+
+
+class CheckpointSlice:
+    """A window of one tensor of an open safetensors file, read when materialised.
+
+    Quacks like the part of ``torch.Tensor`` the weight loaders use: ``shape``, ``dim()``,
+    ``narrow(dim, start, length)``, ``select(dim, index)``, indexing/iterating along dim 0
+    (stacked expert tensors); :meth:`materialize` reads the window.
+
+    Args:
+        handle: ``safe_open(...).get_slice(name)``; shape: the file tensor's shape (unused when
+            ``window`` is given).
+        window: per file dim, ``(start, stop)`` or an int (a selected, dropped dim); None: all.
+    """
+
+    def __init__(self, handle, shape, window: tuple | None = None):
+        self._handle = handle
+        self._window = window if window is not None else tuple((0, n) for n in shape)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(w[1] - w[0] for w in self._window if not isinstance(w, int))
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def _file_dim(self, dim: int) -> int:
+        """Index in the window of the ``dim``-th kept dimension."""
+        kept = [i for i, w in enumerate(self._window) if not isinstance(w, int)]
+        return kept[dim]
+
+    def narrow(self, dim: int, start: int, length: int) -> CheckpointSlice:
+        """Rows ``start .. start + length`` along ``dim``.
+
+        Raises:
+            ValueError: a range outside the window.
+        """
+        i = self._file_dim(dim)
+        a, b = self._window[i]
+        if start < 0 or length < 0 or a + start + length > b:
+            raise ValueError(f"narrow({dim}, {start}, {length}) outside shape {tuple(self.shape)}")
+        window = list(self._window)
+        window[i] = (a + start, a + start + length)
+        return CheckpointSlice(self._handle, None, tuple(window))
+
+    def select(self, dim: int, index: int) -> CheckpointSlice:
+        """Index ``index`` along ``dim``, which is dropped (as ``Tensor.select``)."""
+        i = self._file_dim(dim)
+        a, b = self._window[i]
+        if not 0 <= index < b - a:
+            raise IndexError(f"index {index} out of range for dim {dim} of {tuple(self.shape)}")
+        window = list(self._window)
+        window[i] = a + index
+        return CheckpointSlice(self._handle, None, tuple(window))
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key):
+        if isinstance(key, int):
+            return self.select(0, key)
+        if isinstance(key, slice) and key.step in (None, 1):
+            start, stop, _ = key.indices(len(self))
+            return self.narrow(0, start, max(0, stop - start))
+        raise TypeError(f"CheckpointSlice supports an int or a unit-step slice, got {key!r}")
+
+    def __iter__(self):
+        return (self.select(0, i) for i in range(len(self)))
+
+    def materialize(self) -> torch.Tensor:
+        """The window as a CPU tensor in the file's dtype (only its bytes are read)."""
+        index = tuple(w if isinstance(w, int) else slice(*w) for w in self._window)
+        return self._handle[index]
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -63,7 +142,8 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     The model provides ``packed_modules_mapping``, ``skip_checkpoint_tensor(name)`` and
     optionally ``checkpoint_shards(name, tensor)`` (see :func:`checkpoint_shards`); each
     parameter's ``weight_loader(param, tensor, shard_id)`` copies its part (cast to the
-    parameter's dtype and device), and its ``shard_ids`` say which shards it expects.
+    parameter's dtype and device), and its ``shard_ids`` say which shards it expects. The
+    tensors are :class:`CheckpointSlice` windows: only the slices the loaders keep are read.
 
     Raises:
         KeyError: a checkpoint tensor with no matching parameter.
@@ -77,7 +157,9 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
             for name in f.keys():
                 if model.skip_checkpoint_tensor(name):
                     continue
-                for target, shard, tensor in checkpoint_shards(model, name, f.get_tensor(name)):
+                handle = f.get_slice(name)
+                lazy = CheckpointSlice(handle, handle.get_shape())
+                for target, shard, tensor in checkpoint_shards(model, name, lazy):
                     param = params.get(target)
                     if param is None:
                         raise KeyError(
