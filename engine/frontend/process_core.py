@@ -63,7 +63,10 @@ def _child_main(
         except (BrokenPipeError, OSError):
             pass
 
-    run_engine_loop(engine, next_commands, emit, log_interval)
+    try:
+        run_engine_loop(engine, next_commands, emit, log_interval)
+    finally:  # also after a fatal step: stop the other tensor-parallel ranks
+        engine.shutdown()
 
 
 class ProcessCore:

@@ -20,6 +20,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+#: all-gather into one tensor (``all_gather_single`` from PyTorch 2.13, which deprecates the
+#: older name)
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class TensorParallel:
     """This rank's place in its tensor-parallel group.
@@ -56,7 +60,7 @@ class TensorParallel:
         """
         n, c = x.shape
         out = torch.empty((self.size * n, c), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        _all_gather_tensor(out, x.contiguous(), group=self.group)
         if self.rank:
             return None
         return out.view(self.size, n, c).permute(1, 0, 2).reshape(n, self.size * c)
