@@ -109,6 +109,8 @@ class SamplingFields(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    return_tokens_as_token_ids: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -148,10 +150,12 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    echo: bool = False  # vLLM's chat echo (prepend the last message): rejected when true
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt only (with echo)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
@@ -216,6 +220,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprobValue] | None] | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -225,11 +230,20 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
+class PromptLogprobValue(BaseModel):
+    """One token of vLLM's ``prompt_logprobs`` dicts."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprobValue] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
