@@ -24,6 +24,7 @@ from server.protocol import (
     new_id,
 )
 from server.stream import DONE, ChunkWriter, sse
+from server.text_check import check_request_text
 
 
 def messages_to_dicts(req: ChatCompletionRequest) -> list[dict]:
@@ -92,6 +93,7 @@ class ChatCompletions:
             APIError: 400/404 with an OpenAI error body.
         """
         ctx = self.ctx
+        check_request_text(req)
         ctx.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
@@ -107,7 +109,7 @@ class ChatCompletions:
                 400, "prompt_logprobs are not available when stream is true", "prompt_logprobs"
             )
         prompt = render_prompt(ctx.tokenizer, req)
-        prompt_ids = await ctx.encode_prompt_async(prompt)
+        prompt_ids = await ctx.encode_prompt_async(prompt, "messages")
         ctx.check_prompt_length(len(prompt_ids), "messages")
         params = to_sampling_params(
             req,

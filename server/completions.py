@@ -21,6 +21,7 @@ from server.protocol import (
     new_id,
 )
 from server.stream import DONE, ChunkWriter, sse
+from server.text_check import check_request_text
 
 
 class Completions:
@@ -33,16 +34,17 @@ class Completions:
         p = req.prompt
         encode = self.ctx.encode_prompt_async
         if isinstance(p, str):
-            return [await encode(p)]
+            return [await encode(p, "prompt")]
         if all(isinstance(x, int) for x in p):
             return [list(p)]
         if all(isinstance(x, str) for x in p):
-            return [await encode(x) for x in p]
+            return [await encode(x, f"prompt.{i}") for i, x in enumerate(p)]
         return [list(x) for x in p]
 
     async def start(self, req: CompletionRequest) -> tuple[list[Generation], str]:
         """Validate and queue every prompt's choices. Raises APIError (400/404)."""
         ctx = self.ctx
+        check_request_text(req)
         ctx.check_model(req.model)
         if req.suffix:
             raise APIError(400, "suffix is not supported", "suffix")

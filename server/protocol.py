@@ -168,7 +168,49 @@ class CompletionRequest(SamplingFields):
         return v
 
 
+class TokenizeCompletionRequest(_Lenient):
+    """``POST /tokenize`` with a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Lenient):
+    """``POST /tokenize`` with chat messages, rendered as ``/v1/chat/completions`` renders them
+    (vLLM's shape; ``tool_choice`` "none" leaves the tools out, as in chat completions)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # not supported: rejected when true
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Lenient):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # ------------------------------------------------------------------ responses
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
