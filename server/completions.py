@@ -134,8 +134,8 @@ class Completions:
                 0,
                 gen.prompt_ids,
                 self._prompt_entries(gen, r.prompt_logprobs),
-            )
-        return completion_logprobs(names, r.token_ids, r.logprobs, req.logprobs, len(prefix))
+            )[0]
+        return completion_logprobs(names, r.token_ids, r.logprobs, req.logprobs, len(prefix))[0]
 
     def _echo(self, gen: Generation) -> str:
         return self.ctx.tokenizer.decode(gen.prompt_ids, skip_special_tokens=False)
@@ -207,9 +207,7 @@ class Completions:
                     if req.logprobs is not None:
                         echo_with_logprobs.add(p_idx * req.n + i)
                         continue
-                    text = self._echo(gen)
-                    offsets[p_idx * req.n + i] = len(text)
-                    yield chunk(p_idx * req.n + i, text, None)
+                    yield chunk(p_idx * req.n + i, self._echo(gen), None)
         try:
             async for p_idx, ev in merge([g.events() for g in gens]):
                 ev: ChoiceEvent
@@ -219,18 +217,16 @@ class Completions:
                     gen = gens[p_idx]
                     text = self._echo(gen)
                     entries = self._prompt_entries(gen, ev.prompt_logprobs)
-                    lps = completion_logprobs(
+                    lps, offsets[index] = completion_logprobs(
                         names, [], [], req.logprobs, 0, gen.prompt_ids, entries
                     )
-                    offsets[index] = len(text)
                     yield chunk(index, text, None, lps)
                 completion += len(ev.token_ids)
                 lps = None
                 if req.logprobs is not None and ev.token_ids:
-                    lps = completion_logprobs(
+                    lps, offsets[index] = completion_logprobs(
                         names, ev.token_ids, ev.logprobs, req.logprobs, offsets.get(index, 0)
                     )
-                offsets[index] = offsets.get(index, 0) + len(ev.text)
                 if ev.text or ev.finish_reason or lps:
                     yield chunk(index, ev.text, ev.finish_reason, lps)
         except EngineError as exc:

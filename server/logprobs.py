@@ -90,8 +90,12 @@ def chat_logprobs(names: TokenNames, token_ids: list[int], entries: list) -> lis
 
 def _top_dict(names: TokenNames, token_id: int, logprob: float, alts, k: int) -> dict:
     """A legacy ``top_logprobs`` entry: the ``k`` most likely tokens and the token itself (so
-    up to ``k + 1`` keys, as OpenAI documents)."""
-    top = {names.name(i): clamp(lp) for i, lp in alts[:k]}
+    up to ``k + 1`` keys, as OpenAI documents). Tokens whose names collide (pieces of a UTF-8
+    character all decode to U+FFFD; ``return_tokens_as_token_ids`` avoids it) keep the larger
+    logprob, so the dict's maximum is still the most likely token's (lm-eval's greedy test)."""
+    top: dict[str, float] = {}
+    for i, lp in alts[:k]:
+        top.setdefault(names.name(i), clamp(lp))
     top.setdefault(names.name(token_id), clamp(logprob))
     return top
 
@@ -104,8 +108,10 @@ def completion_logprobs(
     offset: int = 0,
     prompt_ids: list[int] | None = None,
     prompt_entries: list | None = None,
-) -> CompletionLogprobs:
-    """The legacy completions ``logprobs`` object.
+) -> tuple[CompletionLogprobs, int]:
+    """The legacy completions ``logprobs`` object, and the ``text_offset`` the token after the
+    last one reported would have (offsets advance by each token's decoded length, so a stream
+    continues where its previous chunk ended and matches the non-streamed response).
 
     Args:
         token_ids, entries: the generated tokens and their engine entries.
@@ -137,7 +143,7 @@ def completion_logprobs(
             add(tok, None, None)
         else:
             add(tok, e[0], _top_dict(names, tok, e[0], e[1], k))
-    return out
+    return out, offset
 
 
 def prompt_logprobs_list(
