@@ -38,8 +38,8 @@ def slow_server():
 
 async def _slow_client(port: int, kind: str, started: float) -> tuple[str, float, bytes]:
     """One slow socket; returns (kind, seconds until the server closed it, what it answered)."""
+    t0 = time.monotonic()  # before connecting: the server's deadline cannot start earlier
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    t0 = time.monotonic()
     if kind == "headers":
         drip = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     elif kind == "body":
