@@ -38,15 +38,23 @@ def rejected(exc, param: str) -> APIError:
 def error_body(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> dict:
-    """``{"error": {"message", "type", "param", "code"}}`` as OpenAI returns it."""
+    """``{"error": {"message", "type", "param", "code"}}`` as OpenAI returns it. Text that is
+    not valid Unicode (a lone surrogate from the request, quoted in a message or a parameter
+    path) is written as a backslash escape, so the body can always be encoded."""
     return {
         "error": {
-            "message": message,
+            "message": _printable(message),
             "type": _TYPES.get(status, "invalid_request_error"),
-            "param": param,
-            "code": code,
+            "param": _printable(param),
+            "code": _printable(code),
         }
     }
+
+
+def _printable(text: str | None) -> str | None:
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(

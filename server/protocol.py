@@ -152,6 +152,8 @@ class SamplingFields(_Lenient):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    return_tokens_as_token_ids: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -192,10 +194,12 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    echo: bool = False  # vLLM's chat echo (prepend the last message): rejected when true
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt only (with echo)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
@@ -208,7 +212,49 @@ class CompletionRequest(SamplingFields):
         return v
 
 
+class TokenizeCompletionRequest(_Lenient):
+    """``POST /tokenize`` with a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Lenient):
+    """``POST /tokenize`` with chat messages, rendered as ``/v1/chat/completions`` renders them
+    (vLLM's shape; ``tool_choice`` "none" leaves the tools out, as in chat completions)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # not supported: rejected when true
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Lenient):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # ------------------------------------------------------------------ responses
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -260,6 +306,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprobValue] | None] | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -269,11 +316,20 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
+class PromptLogprobValue(BaseModel):
+    """One token of vLLM's ``prompt_logprobs`` dicts."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprobValue] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -314,10 +314,31 @@ class Scheduler:
 
         Requests finished while the step ran (aborted, failed, stopped) are skipped.
         """
+        if samples.prompt_logprobs:
+            self._add_prompt_logprobs(samples.prompt_logprobs)
         outputs = []
         for i, req in enumerate(sample_requests):
             req.num_output_placeholders -= 1
             if req.is_finished:
+                continue
+            p = req.sampling_params
+            prompt_lps = None
+            if p.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                prompt_lps, req.prompt_logprobs_sent = req.prompt_logprobs, True
+            if p.max_tokens == 0:  # prompt scoring only: the sampled token is not kept
+                outputs.append(
+                    RequestOutput(
+                        req.request_id,
+                        [],
+                        prompt_logprobs=prompt_lps,
+                        finished=True,
+                        finish_reason=FinishReason.LENGTH,
+                        num_prompt_tokens=req.num_prompt_tokens,
+                        num_cached_tokens=req.num_cached_tokens,
+                        scheduled_time=req.first_scheduled_time,
+                    )
+                )
+                self.finish(req, FinishReason.LENGTH)
                 continue
             token = samples.token_ids[i]
             req.output_token_ids.append(token)
@@ -336,7 +357,8 @@ class Scheduler:
                 RequestOutput(
                     req.request_id,
                     [token],
-                    [lp] if lp is not None or req.sampling_params.logprobs is not None else [],
+                    [lp] if lp is not None or p.logprobs is not None else [],
+                    prompt_logprobs=prompt_lps,
                     finished=reason is not None,
                     finish_reason=reason,
                     num_prompt_tokens=req.num_prompt_tokens,
@@ -347,6 +369,20 @@ class Scheduler:
             if reason is not None:
                 self.finish(req, reason)
         return outputs
+
+    def _add_prompt_logprobs(self, chunks: dict) -> None:
+        """Append each live request's newly scored prompt positions to ``prompt_logprobs``.
+
+        Positions already held are skipped: a request preempted while it scored its prompt
+        computes (and scores) it again from the start.
+        """
+        for rid, (start, entries) in chunks.items():
+            req = self.requests.get(rid)
+            if req is None or req.prompt_logprobs_sent:
+                continue  # finished meanwhile, or already delivered
+            have = len(req.prompt_logprobs)
+            if start <= have < start + len(entries):
+                req.prompt_logprobs.extend(entries[have - start :])
 
     def drop_placeholders(self, sample_requests: list[Request]) -> None:
         """A launched step's samples will never arrive (it failed): remove their placeholders."""

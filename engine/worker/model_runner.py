@@ -25,6 +25,7 @@ from engine.loader.safetensors_loader import load_weights
 from engine.models.registry import model_class
 from engine.worker.block_table import PersistentBlockTables
 from engine.worker.device import MemoryStats, dtype_name, is_device_error, torch_dtype
+from engine.worker.prompt_logprobs import PendingPromptLogprobs, score_prompt_rows
 from engine.worker.sampler import PendingSamples, Sampler
 from engine.worker.staging import HostStaging
 from engine.worker.step_inputs import StepInputs, StepTensors, prepare_inputs
@@ -41,18 +42,24 @@ class StepHandle:
         pending: the samples' copy to the host (None when nothing samples).
         token_ids: int64 ``[N]`` sampled ids on the device (inputs of the next step).
         rows: request id -> row in ``token_ids``.
+        prompt: the copy of the step's prompt log-probabilities (None when no request scored
+            its prompt); prompt_segments: their layout (``StepInputs.prompt_segments``).
     """
 
     sample_requests: list[Request]
     pending: PendingSamples | None
     token_ids: torch.Tensor | None
     rows: dict[str, int]
+    prompt: PendingPromptLogprobs | None = None
+    prompt_segments: list[tuple[str, int, int, int]] | None = None
 
     def result(self) -> SampleOutput:
-        """Wait for the step; returns its samples (rows in ``sample_requests`` order)."""
-        if self.pending is None:
-            return SampleOutput([], [])
-        return self.pending.wait()
+        """Wait for the step; returns its samples (rows in ``sample_requests`` order) and its
+        prompt log-probabilities."""
+        out = self.pending.wait() if self.pending is not None else SampleOutput([], [])
+        if self.prompt is not None:
+            out.prompt_logprobs = self.prompt.wait(self.prompt_segments)
+        return out
 
 
 @contextlib.contextmanager
@@ -210,6 +217,11 @@ class ModelRunner:
             prev: the step still in flight, whose sampled ids are the input tokens of requests
                 with an output placeholder (async scheduling); None when nothing is in flight.
 
+        A step in which a request scores its prompt (``StepInputs.prompt_rows``) runs eagerly,
+        not as a CUDA graph: the prefill graphs end with the hidden states of the sampled rows
+        only, and a step of prompt scoring needs the rows of every scored position (sized by the
+        step, at most the token budget). Steps without such a request are unchanged.
+
         Returns:
             A handle; :meth:`StepHandle.result` waits for the samples.
 
@@ -224,6 +236,7 @@ class ModelRunner:
         )
         self.staging.next_step()
         step = inp.to_device(self.staging, prev.token_ids if prev is not None else None)
+        prompt = None
         if (
             self.graphs is not None
             and inp.is_decode
@@ -231,20 +244,39 @@ class ModelRunner:
         ):
             logits = self.graphs.run(step)
         else:
-            if self.prefill_graphs is not None and self.prefill_graphs.can_run(
-                step.num_tokens, inp.max_seq_len
+            if (
+                step.prompt_rows is None
+                and self.prefill_graphs is not None
+                and self.prefill_graphs.can_run(step.num_tokens, inp.max_seq_len)
             ):
                 hidden = self.prefill_graphs.run(step)
             else:
-                hidden = self.forward(step)[step.logits_indices]
+                full = self.forward(step)
+                hidden = full[step.logits_indices]
+                if step.prompt_rows is not None:
+                    prompt = score_prompt_rows(
+                        self.model.compute_logits,
+                        full[step.prompt_rows],
+                        step.prompt_targets,
+                        max(seg[3] for seg in inp.prompt_segments),
+                        self.model_config.vocab_size,
+                    ).to_host()
+                del full
             if not inp.sample_requests:
-                return StepHandle([], None, None, {})
+                return StepHandle([], None, None, {}, prompt, inp.prompt_segments)
             logits = self.model.compute_logits(hidden)
         samples = self.sampler(
             logits, inp.sample_requests, eos_token_ids, batch.grammar_rows, batch.grammar_bitmask
         )
         rows = {r.request_id: i for i, r in enumerate(inp.sample_requests)}
-        return StepHandle(inp.sample_requests, samples.to_host(), samples.token_ids, rows)
+        return StepHandle(
+            inp.sample_requests,
+            samples.to_host(),
+            samples.token_ids,
+            rows,
+            prompt,
+            inp.prompt_segments,
+        )
 
     # --------------------------------------------------------------- internals
     def forward(self, step: StepTensors) -> torch.Tensor:

@@ -26,6 +26,8 @@ EXTRA_FIELDS = {
     "min_tokens",
     "ignore_eos",
     "stop_token_ids",
+    "prompt_logprobs",
+    "echo",
     "include_stop_str_in_output",
     "chat_template_kwargs",
 }
@@ -119,6 +121,13 @@ BAD_REQUESTS = [
     ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ("chat", {"top_logprobs": 3}, "top_logprobs"),  # without logprobs=true
     ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+    ("chat", {"prompt_logprobs": -1}, "prompt_logprobs"),
+    ("completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("chat", {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
+    ("chat", {"echo": True}, "echo"),
+    # max_tokens 0 only scores a prompt (echo / prompt_logprobs)
+    ("completions", {"max_tokens": 0}, "max_tokens"),
     # logit_bias
     ("chat", {"logit_bias": {"apple": 5}}, "logit_bias"),
     ("chat", {"logit_bias": {"1.5": 5}}, "logit_bias"),
