@@ -113,6 +113,7 @@ def main() -> None:
     ap.add_argument("--compile-repeats", type=int, default=5)
     ap.add_argument("--out", default="/tmp")
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     if args.device == "cuda":
         from bench.common import random_qwen3_checkpoint
 
