@@ -75,9 +75,9 @@ class SamplingParams:
     @property
     def needs_host_state(self) -> bool:
         """Sampling reads the request's host state every step (penalties over the tokens so
-        far, ``min_tokens``, a grammar matcher advanced with the last token), so the step cannot
-        be launched before the previous one's samples are back (async scheduling pauses while
-        such a request runs)."""
+        far, ``min_tokens``, a grammar matcher advanced with the last token), so its sampling
+        cannot be queued before the previous step's samples are back (async scheduling defers
+        the sampling of the steps holding such a request, behind their forward)."""
         return self.needs_penalties or self.min_tokens > 0 or self.structured_output is not None
 
 

@@ -96,7 +96,8 @@ class Scheduler:
             compiling waits in ``waiting_for_grammar``, outside the admission order).
         num_preemptions: preemptions since start.
         num_host_sampling: live requests whose sampling reads host state (penalties,
-            ``min_tokens``), which make the engine's steps synchronous.
+            ``min_tokens``, a grammar): with async scheduling the steps holding them defer
+            their sampling (:meth:`LLMEngine.step <engine.core.llm_engine.LLMEngine.step>`).
     """
 
     def __init__(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -205,7 +206,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(
-        self, batch: ScheduledBatch, eos_token_ids: frozenset[int], prev: StepHandle | None = None
+        self,
+        batch: ScheduledBatch,
+        eos_token_ids: frozenset[int],
+        prev: StepHandle | None = None,
+        before_sampling: Callable[[], None] | None = None,
     ) -> StepHandle:
         """Queue one step on the device without waiting for it: forward over all scheduled
         tokens, sampling for the requests that reach their end, and the copy of the sampled ids
@@ -216,6 +221,10 @@ class ModelRunner:
             eos_token_ids: masked for requests below ``min_tokens``.
             prev: the step still in flight, whose sampled ids are the input tokens of requests
                 with an output placeholder (async scheduling); None when nothing is in flight.
+            before_sampling: called once the forward is queued and before the sampling is
+                (deferred sampling): the engine applies ``prev``'s samples to the host state
+                there and fills ``batch.grammar_bitmask`` while the device runs the forward.
+                Not called for a step that samples nothing.
 
         A step in which a request scores its prompt (``StepInputs.prompt_rows``) runs eagerly,
         not as a CUDA graph: the prefill graphs end with the hidden states of the sampled rows
@@ -265,6 +274,8 @@ class ModelRunner:
             if not inp.sample_requests:
                 return StepHandle([], None, None, {}, prompt, inp.prompt_segments)
             logits = self.model.compute_logits(hidden)
+        if before_sampling is not None:
+            before_sampling()
         samples = self.sampler(
             logits, inp.sample_requests, eos_token_ids, batch.grammar_rows, batch.grammar_bitmask
         )

@@ -113,9 +113,10 @@ def test_abort_with_a_token_in_flight(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_penalties_and_min_tokens_run_synchronously(tiny_checkpoint, async_scheduling):
-    """Sampling that reads host state (penalties, min_tokens) drains the step in flight first,
-    so it sees every earlier token: results equal the synchronous engine's."""
+def test_penalties_and_min_tokens_defer_their_sampling(tiny_checkpoint, async_scheduling):
+    """Sampling that reads host state (penalties, min_tokens) is queued after the step in
+    flight has been applied (deferred sampling), so it sees every earlier token: results equal
+    the synchronous engine's."""
     path, _ = tiny_checkpoint
     prompt = list(range(3, 40))
     reqs = [
@@ -162,23 +163,24 @@ def test_error_while_waiting_for_samples_fails_only_that_step(tiny_checkpoint, a
 
 
 def test_outputs_produced_before_a_device_error_are_delivered(tiny_checkpoint):
-    """A synchronous drain finishes a request, then the launch hits a device error: the engine
-    loop emits the finished request's last output, and fails only the others."""
+    """A deferred sampling applies the step in flight, which finishes a request, then the
+    sampling hits a device error: the engine loop emits the finished request's last output, and
+    fails only the others."""
     from engine.core.engine_loop import run_engine_loop
 
     path, _ = tiny_checkpoint
     eng = _engine(path, True)
     runner = eng.executor
-    real_launch = runner.launch
-    launches = {"n": 0}
+    real_sampler = runner.sampler
+    samplings = {"n": 0}
 
-    def launch(batch, eos_ids, prev=None):
-        launches["n"] += 1
-        if launches["n"] == 2:  # "done" (max_tokens 1) finished in the drain of this very step
+    def sampler(*args, **kw):
+        samplings["n"] += 1
+        if samplings["n"] == 2:  # "done" (max_tokens 1) finished just before, in this step
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return real_launch(batch, eos_ids, prev)
+        return real_sampler(*args, **kw)
 
-    runner.launch = launch
+    runner.sampler = sampler
     commands = [
         [
             AddRequest("done", list(range(8)), SamplingParams(temperature=0.0, max_tokens=1)),
