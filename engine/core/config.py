@@ -260,6 +260,12 @@ class EngineConfig:
             a step that mixes prompt chunks with decodes short, so running streams see steady
             inter-token latency (the budget sweep in docs/benchmarks.md, third session).
             Offline batch jobs may prefer 8192 or more.
+        prefill_only_token_budget: token budget of a step in which no request decodes (a lone
+            prefill takes larger chunks: fewer steps to a long prompt's first token); None =
+            ``max_num_batched_tokens``. Chunked prefill only.
+        max_prefill_tokens_with_decodes: most prompt tokens one step may carry while requests
+            decode (long prefills then cannot stall the running streams); None = whatever the
+            budget leaves. Chunked prefill only.
         attention_backend: "triton", "torch" or None (triton on CUDA, torch on CPU).
         enable_prefix_caching: share full KV blocks between requests with the same prefix.
         enable_chunked_prefill: split long prompts over several steps within the token budget.
@@ -289,6 +295,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 1024
+    prefill_only_token_budget: int | None = None
+    max_prefill_tokens_with_decodes: int | None = None
     attention_backend: str | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
