@@ -47,6 +47,8 @@ _RANGES = [
     ("num_kv_blocks", 1, None),
     ("max_num_seqs", 1, None),
     ("max_num_batched_tokens", 1, None),
+    ("prefill_only_token_budget", 1, None),
+    ("max_prefill_tokens_with_decodes", 1, None),
     ("max_body_bytes", 1, None),
     ("max_prompt_tokens", 1, None),
     ("graceful_timeout", 0, None),
@@ -192,6 +194,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=_env("max_num_batched_tokens", 1024),
         help="token budget of one engine step (prefill chunks + decodes)",
+    )
+    a(
+        "--prefill-only-token-budget",
+        type=int,
+        default=_env("prefill_only_token_budget"),
+        help="token budget of a step in which nothing decodes (larger chunks for a lone long "
+        "prompt); unset: --max-num-batched-tokens",
+    )
+    a(
+        "--max-prefill-tokens-with-decodes",
+        type=int,
+        default=_env("max_prefill_tokens_with_decodes"),
+        help="most prompt tokens one step carries while requests decode (bounds the inter-token "
+        "time long prefills add to running streams); unset: what the budget leaves",
     )
     a(
         "--served-model-name",

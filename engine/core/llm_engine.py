@@ -51,6 +51,8 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
             eos_token_ids=self.eos_token_ids,
+            prefill_only_token_budget=config.prefill_only_token_budget,
+            max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes,
         )
         self.async_scheduling = (
             config.async_scheduling

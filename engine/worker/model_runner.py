@@ -303,11 +303,12 @@ class ModelRunner:
         The dummy tokens store nothing (slot -1) and read only block 0 of the cache.
         """
         budget = self.config.max_num_batched_tokens
+        solo = max(budget, self.config.prefill_only_token_budget or 0)
         max_len = self.cache_info.max_model_len
-        for num_tokens, num_seqs in ((budget, 1), (budget, 32), (97, 3)):
+        for num_tokens, num_seqs in dict.fromkeys(((solo, 1), (budget, 1), (budget, 32), (97, 3))):
             num_seqs = max(1, min(num_seqs, self.config.max_num_seqs))
             num_tokens = max(
-                1, min(num_tokens, budget, num_seqs * max_len)
+                1, min(num_tokens, solo, num_seqs * max_len)
             )  # no sequence beyond max_len
             num_seqs = min(num_seqs, num_tokens)
             q_lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int32)
