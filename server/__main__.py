@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=_env("prefill_only_token_budget"),
         help="token budget of a step in which nothing decodes (larger chunks for a lone long "
-        "prompt); unset: --max-num-batched-tokens",
+        "prompt); unset: the token budget of every step",
     )
     a(
         "--max-prefill-tokens-with-decodes",
