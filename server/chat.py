@@ -25,7 +25,11 @@ from server.protocol import (
     new_id,
 )
 from server.stream import DONE, ChunkWriter, sse
-from server.structured_outputs import grammar_from_request, tool_call_grammar
+from server.structured_outputs import (
+    grammar_from_request,
+    tool_call_grammar,
+    tool_parameters_grammars,
+)
 from server.text_check import check_request_text
 
 
@@ -136,6 +140,10 @@ class ChatCompletions:
                     f"tool_choice {self._tool_choice_name(req)} cannot be combined with {param}",
                     "tool_choice",
                 )
+            for tool_grammar, tool_param in tool_parameters_grammars(
+                req.tools, self._named_function(req)
+            ):
+                await ctx.structured_output(tool_grammar, tool_param)
             grammar, param = tools_grammar, "tool_choice"
         prompt = render_prompt(ctx.tokenizer, req)
         prompt_ids = await ctx.encode_prompt_async(prompt, "messages")
@@ -208,6 +216,12 @@ class ChatCompletions:
         special = {tag: tag in tok.added_tokens for tag in ("<tool_call>", "</tool_call>")}
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
         return tool_call_grammar(tools, name, req.parallel_tool_calls and name is None, special)
+
+    @staticmethod
+    def _named_function(req: ChatCompletionRequest) -> str | None:
+        """The function ``tool_choice`` names, or None ("required": any of the tools)."""
+        tc = req.tool_choice
+        return None if tc is None or isinstance(tc, str) else tc.function.name
 
     def _processor(self, req: ChatCompletionRequest, gen: Generation) -> ChatOutputProcessor:
         return ChatOutputProcessor(

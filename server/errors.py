@@ -110,6 +110,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            # FastAPI's answer to a body it cannot decode (bytes that are not UTF-8)
+            return error_response(
+                400, "the request body is not valid UTF-8 JSON", None, "invalid_text"
+            )
         return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)

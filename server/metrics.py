@@ -74,7 +74,8 @@ TOKEN_BUCKETS = (
     65536,
     131072,
 )
-FINISH_REASONS = ("stop", "length", "abort", "tool_calls", "error")
+# the engine request's finish reason (a tool-call turn ends its engine request with "stop")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class ServerMetrics:

@@ -36,9 +36,15 @@ async def parse_body(raw: Request, model_for):
         RequestValidationError: not JSON, or invalid for that model (the app's handler turns it
             into a 400 naming the parameter).
     """
+    data = await raw.body()
     try:
-        body = json.loads(await raw.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        msg = "the request body is not valid UTF-8 JSON"
+        raise APIError(400, msg, None, "invalid_text") from None
+    try:
+        body = json.loads(data)
+    except json.JSONDecodeError:
         raise RequestValidationError(
             [{"type": "json_invalid", "loc": ("body",), "msg": "invalid JSON"}]
         ) from None
