@@ -195,12 +195,19 @@ class LLMEngine:
             self._wait_for_grammars()
             return None, 0, False
         prev_done = False
+        apply_failed = False  # an exception while applying ``prev``: not this step's fault
 
         def before_sampling() -> None:
-            nonlocal prev_done
+            nonlocal prev_done, apply_failed
             if prev is not None:
                 prev_done = True
-                outputs.extend(self._process(prev))
+                try:
+                    outputs.extend(self._process(prev))
+                except Exception:
+                    # as outside the callback, it leaves step(): the engine loop fails every
+                    # request (prev may be half applied: its placeholders cannot be trusted)
+                    apply_failed = True
+                    raise
             self._fill_bitmasks(batch)
 
         try:
@@ -212,7 +219,7 @@ class LLMEngine:
                 self._fill_bitmasks(batch)
                 handle = self.executor.launch(batch, self.eos_token_ids, prev)
         except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
-            if self.is_fatal(exc):
+            if apply_failed or self.is_fatal(exc):
                 raise
             log.error("model step failed; failing %d requests", len(batch), exc_info=exc)
             outputs += self.scheduler.fail(batch.requests, str(exc))

@@ -208,6 +208,49 @@ def test_outputs_produced_before_a_device_error_are_delivered(tiny_checkpoint):
     assert last["long"].error and last["pen"].error
 
 
+def test_a_host_error_while_applying_the_step_in_flight_fails_every_request(tiny_checkpoint):
+    """A bug while a deferred step applies the previous step's samples (here injected into
+    ``update_from_output``) leaves ``prev`` half applied: it must leave ``step()`` (the engine
+    loop then fails every request and serves on) instead of failing only the new batch, which
+    left a request of ``prev`` with a placeholder forever and the loop spinning."""
+    from engine.core.commands import AddRequest, Shutdown
+    from engine.core.engine_loop import run_engine_loop
+
+    path, _ = tiny_checkpoint
+    eng = _engine(path, True)
+    real = eng.scheduler.update_from_output
+    calls = {"n": 0}
+
+    def update_from_output(sample_requests, samples):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise ValueError("injected host bug while applying samples")
+        return real(sample_requests, samples)
+
+    eng.scheduler.update_from_output = update_from_output
+    pen = SamplingParams(temperature=0.0, max_tokens=8, frequency_penalty=1.0)
+    commands = [
+        [
+            AddRequest("pen", list(range(3, 30)), pen),
+            AddRequest("two", list(range(2, 12)), SamplingParams(temperature=0.0, max_tokens=2)),
+        ]
+    ]
+    final, loops = {}, {"n": 0}
+
+    def next_commands(timeout):
+        loops["n"] += 1
+        if commands:
+            return commands.pop(0)
+        return [Shutdown()] if loops["n"] > 200 or not eng.has_unfinished() else []
+
+    def emit(outs, stats):
+        final.update({o.request_id: o for o in outs if o.finished})
+
+    run_engine_loop(eng, next_commands, emit, log_interval=0)
+    assert loops["n"] < 200, "the engine loop kept spinning"
+    assert set(final) == {"pen", "two"} and all(o.error for o in final.values())
+
+
 def test_warmup_shapes_respect_max_model_len_and_max_num_seqs(tiny_checkpoint):
     path, _ = tiny_checkpoint
     for kw in (
