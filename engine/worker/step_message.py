@@ -10,10 +10,14 @@ table. Block tables only grow while a request runs, so a decode step carries a f
 ``B x max_blocks`` ids.
 
 Layout after the header (lengths in the header: ``T`` tokens, ``B`` sequences, ``N`` sample
-rows, ``G`` tokens in flight, ``K`` block-table cells)::
+rows, ``G`` tokens in flight, ``K`` block-table cells, ``R`` scored prompt positions)::
 
     input_ids[T] positions[T] slot_mapping[T] logits_indices[N] gather_dst[G] gather_src[G]
     table_rows[B] seq_lens[B] cu_seqlens_q[B + 1] cell_rows[K] cell_cols[K] cell_ids[K]
+    prompt_rows[R] prompt_targets[R]
+
+The prompt rows (prompt log-probabilities) make the other ranks take part in the same slices of
+LM-head gathers as rank 0 (``engine.worker.prompt_logprobs``); only rank 0 scores them.
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ import numpy as np
 from engine.worker.block_table import RowBlockTables
 from engine.worker.step_inputs import StepInputs
 
-#: header fields (int64): kind, T, B, N, G, K, table width, max_query_len, max_seq_len, length
-HEADER = 10
+#: header fields (int64): kind, T, B, N, G, K, table width, max_query_len, max_seq_len, length,
+#: R
+HEADER = 11
 (KIND, NUM_TOKENS, NUM_SEQS, NUM_SAMPLES, NUM_GATHER, NUM_CELLS) = range(6)
-(TABLE_WIDTH, MAX_QUERY_LEN, MAX_SEQ_LEN, LENGTH) = range(6, 10)
+(TABLE_WIDTH, MAX_QUERY_LEN, MAX_SEQ_LEN, LENGTH, NUM_PROMPT_ROWS) = range(6, 11)
 
 #: message kinds
 STEP, SHUTDOWN = 1, 2
@@ -48,9 +53,10 @@ def encode_step(inp: StepInputs, cells: tuple[np.ndarray, np.ndarray, np.ndarray
             message.
 
     Returns:
-        int64 ``[HEADER + 3T + N + 2G + 3B + 1 + 3K]``.
+        int64 ``[HEADER + 3T + N + 2G + 3B + 1 + 3K + 2R]``.
     """
     g = 0 if inp.gather_dst is None else len(inp.gather_dst)
+    r = 0 if inp.prompt_rows is None else len(inp.prompt_rows)
     parts = [
         inp.input_ids,
         inp.positions,
@@ -61,6 +67,7 @@ def encode_step(inp: StepInputs, cells: tuple[np.ndarray, np.ndarray, np.ndarray
         inp.seq_lens,
         inp.cu_seqlens_q,
         *cells,
+        *((inp.prompt_rows, inp.prompt_targets) if r else ()),
     ]
     header = np.zeros(HEADER, dtype=np.int64)
     header[KIND] = STEP
@@ -72,6 +79,7 @@ def encode_step(inp: StepInputs, cells: tuple[np.ndarray, np.ndarray, np.ndarray
     header[TABLE_WIDTH] = inp.block_tables.shape[1]
     header[MAX_QUERY_LEN] = inp.max_query_len
     header[MAX_SEQ_LEN] = inp.max_seq_len
+    header[NUM_PROMPT_ROWS] = r
     msg = np.concatenate([header, *parts], dtype=np.int64)
     msg[LENGTH] = len(msg)
     return msg
@@ -86,10 +94,11 @@ def decode_step(msg: np.ndarray, tables: RowBlockTables) -> StepInputs:
     """
     if msg[KIND] != STEP:
         raise ValueError(f"not a step message (kind {int(msg[KIND])})")
-    t, b, n, g, k = (
-        int(msg[i]) for i in (NUM_TOKENS, NUM_SEQS, NUM_SAMPLES, NUM_GATHER, NUM_CELLS)
+    t, b, n, g, k, r = (
+        int(msg[i])
+        for i in (NUM_TOKENS, NUM_SEQS, NUM_SAMPLES, NUM_GATHER, NUM_CELLS, NUM_PROMPT_ROWS)
     )
-    expected = HEADER + 3 * t + n + 2 * g + 3 * b + 1 + 3 * k
+    expected = HEADER + 3 * t + n + 2 * g + 3 * b + 1 + 3 * k + 2 * r
     if int(msg[LENGTH]) != expected or len(msg) != expected:
         raise ValueError(f"step message of {len(msg)} values, its header says {expected}")
     pos = HEADER
@@ -105,6 +114,7 @@ def decode_step(msg: np.ndarray, tables: RowBlockTables) -> StepInputs:
     rows = take(b)
     seq_lens, cu = take(b).astype(np.int32), take(b + 1).astype(np.int32)
     tables.apply(take(k), take(k), take(k))
+    prompt_rows, prompt_targets = (take(r), take(r)) if r else (None, None)
     return StepInputs(
         input_ids=input_ids,
         positions=positions,
@@ -119,4 +129,6 @@ def decode_step(msg: np.ndarray, tables: RowBlockTables) -> StepInputs:
         gather_dst=gather_dst,
         gather_src=gather_src,
         table_rows=rows,
+        prompt_rows=prompt_rows,
+        prompt_targets=prompt_targets,
     )

@@ -158,9 +158,14 @@ class TensorParallelExecutor:
     # ------------------------------------------------------------- executor API
     @torch.inference_mode()
     def launch(
-        self, batch: ScheduledBatch, eos_token_ids: frozenset[int], prev: StepHandle | None = None
+        self,
+        batch: ScheduledBatch,
+        eos_token_ids: frozenset[int],
+        prev: StepHandle | None = None,
+        before_sampling: Callable[[], None] | None = None,
     ) -> StepHandle:
-        """As :meth:`ModelRunner.launch` on every rank.
+        """As :meth:`ModelRunner.launch` on every rank: rank 0 sends the step's message, runs
+        the forward with the others, calls ``before_sampling``, samples and broadcasts the ids.
 
         Raises:
             RuntimeError: a request with a token in flight that ``prev`` did not sample
@@ -171,7 +176,7 @@ class TensorParallelExecutor:
         msg = encode_step(inp, self.runner.block_tables.take_changes())
         try:
             self._channel.send(msg)
-            return self.runner.launch_inputs(inp, batch, eos_token_ids, prev)
+            return self.runner.launch_inputs(inp, batch, eos_token_ids, prev, before_sampling)
         except Exception as exc:
             raise TensorParallelError(
                 f"tensor-parallel step failed after its inputs went to the other ranks: {exc}"
