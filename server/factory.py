@@ -10,7 +10,7 @@ import torch
 
 from engine.core.config import EngineConfig, ModelConfig, read_generation_config
 from engine.frontend.async_engine import AsyncEngine
-from engine.frontend.launch import start_engine_core
+from engine.frontend.launch import is_worker_rank, run_worker_rank, start_engine_core
 from engine.frontend.tokenizer import Tokenizer
 from server.context import ServerContext
 from server.metrics import ServerMetrics
@@ -28,30 +28,39 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def build_context(args: argparse.Namespace) -> ServerContext:
-    """Load the checkpoint (or build the embedded one) and wire engine, tokenizer and metrics.
+def _model_dir(args: argparse.Namespace) -> str:
+    """``--model``, or the embedded checkpoint's directory (built on first use)."""
+    if args.model is not None:
+        return args.model
+    from engine.loader.embedded import default_cache_root, ensure_embedded_checkpoint
+
+    log.info(
+        "no --model: using the embedded random-weight Qwen3 (built on first use under %s, "
+        "set QWEN_SERVE_CACHE to move it)",
+        default_cache_root(),
+    )
+    return str(ensure_embedded_checkpoint())
+
+
+def run_worker_rank_if_any(config: EngineConfig) -> int | None:
+    """On a tensor-parallel rank other than 0 started by torchrun (``env://``, ``RANK`` > 0):
+    serve as that rank until rank 0 shuts the engine down and return the exit code. None in
+    every other process (it goes on to serve HTTP)."""
+    if not is_worker_rank(config):
+        return None
+    return run_worker_rank(config)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine settings of the parsed flags.
 
     Raises:
-        FileNotFoundError / ValueError: unreadable or unsupported checkpoint, bad settings.
+        ValueError: bad settings.
     """
-    model_dir = args.model
-    if model_dir is None:
-        from engine.loader.embedded import default_cache_root, ensure_embedded_checkpoint
-
-        log.info(
-            "no --model: using the embedded random-weight Qwen3 (built on first use under %s, "
-            "set QWEN_SERVE_CACHE to move it)",
-            default_cache_root(),
-        )
-        model_dir = str(ensure_embedded_checkpoint())
-        name = args.served_model_name or "qwen3-embedded"
-    else:
-        name = args.served_model_name or Path(model_dir).resolve().name
-    device = resolve_device(args.device)
-    config = EngineConfig(
-        model=model_dir,
+    return EngineConfig(
+        model=_model_dir(args),
         dtype=args.dtype,
-        device=device,
+        device=resolve_device(args.device),
         max_model_len=args.max_model_len and int(args.max_model_len),
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks and int(args.num_kv_blocks),
@@ -71,6 +80,21 @@ def build_context(args: argparse.Namespace) -> ServerContext:
         else (None if args.compile_mode == "auto" else args.compile_mode),
         load_format=args.load_format,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_init_method=args.distributed_init_method or None,
+    )
+
+
+def build_context(args: argparse.Namespace) -> ServerContext:
+    """Load the checkpoint (or build the embedded one) and wire engine, tokenizer and metrics.
+
+    Raises:
+        FileNotFoundError / ValueError: unreadable or unsupported checkpoint, bad settings.
+    """
+    config = engine_config(args)
+    model_dir = config.model
+    name = args.served_model_name or (
+        Path(model_dir).resolve().name if args.model is not None else "qwen3-embedded"
     )
     model_config = ModelConfig.from_hf(model_dir)
     tokenizer = Tokenizer(model_dir)
@@ -88,6 +112,7 @@ def build_context(args: argparse.Namespace) -> ServerContext:
             "block_size": limits.block_size,
             "num_kv_blocks": limits.num_kv_blocks,
             "max_model_len": limits.max_model_len,
+            "tensor_parallel_size": max(1, len(limits.ranks)),
         },
     )
     log.info("engine core: %s", type(core).__name__)

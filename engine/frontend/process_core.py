@@ -92,10 +92,13 @@ class ProcessCore:
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self._send_lock = threading.Lock()
+        # a tensor-parallel engine core spawns its other ranks, which a daemonic process may
+        # not do; it leaves when this process's pipe closes (next_commands) and its ranks die
+        # with it (engine.worker.tp_worker), and shutdown() kills it after its timeout
         self._proc = ctx.Process(
             target=_child_main,
             name="engine-core",
-            daemon=True,
+            daemon=config.tensor_parallel_size == 1,
             args=(config, eos_token_ids, child_conn, logging.getLogger().level, log_interval),
         )
         self._proc.start()

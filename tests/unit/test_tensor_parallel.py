@@ -1,0 +1,129 @@
+"""Tensor parallelism on the CPU (gloo): TP=2 against TP=1 on tiny random Qwen3, Qwen2 and
+Qwen3-MoE checkpoints written by transformers (float32).
+
+Each TP=2 engine runs in a process of its own (``tests.tp_scenario``): it becomes rank 0 and
+spawns rank 1, so the test process never joins a process group. The same scenario runs in the
+test process for TP=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.core.config import EngineConfig, ModelConfig
+from tests import tp_scenario
+
+ROOT = Path(__file__).resolve().parents[2]
+#: seconds a TP=2 scenario may take on the shared 2-core machine
+TIMEOUT_S = 180
+
+
+def run_tp(path: str, tp: int, tmp_path, overrides: dict | None = None) -> dict:
+    """The scenario in a fresh process with ``tp`` ranks; its saved result."""
+    out = tmp_path / f"tp{tp}.pt"
+    cmd = [sys.executable, "-m", "tests.tp_scenario", path, str(tp), str(out)]
+    if overrides:
+        cmd.append(json.dumps(overrides))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+def run_tp1(path: str) -> dict:
+    vocab = json.load(open(f"{path}/config.json"))["vocab_size"]
+    return tp_scenario.run(tp_scenario.engine_config(path, 1), vocab)
+
+
+def compare(tp1: dict, tp2: dict) -> float:
+    """Assert identical greedy ids and logits within 1e-5 relative; returns the worst error."""
+    assert tp2["ids"] == tp1["ids"]
+    assert tp2["ids"]["sync"] == tp2["ids"]["async"]
+    assert tp1["preemptions"] >= 1 and tp2["preemptions"] == tp1["preemptions"]
+    assert tp2["logits"].keys() == tp1["logits"].keys()
+    worst = 0.0
+    for key, ref in tp1["logits"].items():
+        got = tp2["logits"][key]
+        assert got.shape == ref.shape, key
+        err = float((got - ref).norm() / ref.norm())
+        worst = max(worst, err)
+        assert err < 1e-5, (key, err)
+    return worst
+
+
+def test_dense_tp2_equals_tp1(tiny_checkpoint, tmp_path, one_torch_thread):
+    """Qwen3 (tied embeddings) and Qwen2 (qkv bias, untied): logits and greedy ids of 8
+    concurrent prompts with preemption, sync and async scheduling."""
+    path, hf = tiny_checkpoint
+    tp1 = run_tp1(path)
+    tp2 = run_tp(path, 2, tmp_path)
+    compare(tp1, tp2)
+    # and both equal transformers' generate for one prompt
+    from tests.conftest import hf_greedy
+
+    prompt = tp_scenario.prompts(384)[2]
+    assert tp2["ids"]["sync"][2] == hf_greedy(hf, prompt, tp_scenario.NUM_TOKENS)
+    layout = tp2["layout"]
+    assert [r["rank"] for r in layout] == [0, 1]
+    assert all(r["kv_heads"] == 1 for r in layout)  # 2 KV heads split over 2 ranks
+
+
+def test_moe_tp2_equals_tp1(tiny_moe_checkpoint, tmp_path, one_torch_thread):
+    """Qwen3-MoE: experts split tensor-parallel (each rank holds 32 of every expert's 64
+    features); a dense layer (mlp_only_layers) in between."""
+    path, _ = tiny_moe_checkpoint
+    compare(run_tp1(path), run_tp(path, 2, tmp_path))
+
+
+def _config_with(path: str, tmp_path, **fields) -> str:
+    cfg = json.load(open(f"{path}/config.json"))
+    cfg.update(fields)
+    out = tmp_path / "bad"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(cfg))
+    return str(out)
+
+
+@pytest.mark.parametrize(
+    ("fields", "dimension"),
+    [
+        ({"num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": 32}, "num_key_value"),
+        ({"num_attention_heads": 5}, "num_attention_heads = 5"),
+        ({"moe_intermediate_size": 33}, "moe_intermediate_size"),
+        ({"intermediate_size": 161}, "intermediate_size = 161"),
+        ({"vocab_size": 385}, "vocab_size = 385"),
+    ],
+)
+def test_indivisible_shapes_are_refused(tiny_moe_checkpoint, tmp_path, fields, dimension):
+    """Refused by the config check every rank runs before the rendezvous."""
+    path = _config_with(tiny_moe_checkpoint[0], tmp_path, **fields)
+    with pytest.raises(ValueError, match=dimension):
+        ModelConfig.from_hf(path).check_tensor_parallel(2)
+
+
+def test_fp8_expert_blocks_are_refused(tiny_moe_checkpoint, tmp_path):
+    path = _config_with(
+        tiny_moe_checkpoint[0],
+        tmp_path,
+        moe_intermediate_size=768,
+        quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]},
+    )
+    with pytest.raises(ValueError, match="quantization block 128"):
+        ModelConfig.from_hf(path).check_tensor_parallel(4)
+
+
+def test_build_engine_refuses_before_spawning_ranks(tiny_moe_checkpoint, tmp_path):
+    """build_engine with TP=2 on an indivisible checkpoint raises at start-up, naming the
+    dimension, and starts no process."""
+    from engine.worker.build import build_engine
+
+    path = _config_with(tiny_moe_checkpoint[0], tmp_path, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="num_key_value_heads = 3"):
+        build_engine(EngineConfig(model=path, tensor_parallel_size=2))
