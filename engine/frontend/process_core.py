@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import multiprocessing as mp
+import signal
 import sys
 import threading
 
@@ -27,7 +28,15 @@ log = logging.getLogger(__name__)
 def _child_main(
     config: EngineConfig, eos_token_ids, conn, log_level: int, log_interval: float
 ) -> None:
-    """Entry point of the engine process: build the engine, report its limits, serve commands."""
+    """Entry point of the engine process: build the engine, report its limits, serve commands.
+
+    A tensor-parallel engine core ignores SIGTERM and SIGINT: launchers (torchrun, a terminal's
+    Ctrl-C) signal the whole process group, and the server stops its engine itself (a Shutdown
+    command, then the ranks' shutdown message) once its requests are done; a core killed by
+    the signal instead would leave its ranks to fail on a closed connection."""
+    if config.tensor_parallel_size > 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s"
     )

@@ -126,7 +126,12 @@ def spawned_rank_main(
     parent_pid: int,
     log_level: int,
 ) -> None:
-    """Entry point of a rank process spawned by rank 0 on its host (local index = rank)."""
+    """Entry point of a rank process spawned by rank 0 on its host (local index = rank).
+
+    It ignores SIGTERM and SIGINT, which launchers send the whole process group: rank 0 ends it
+    (the shutdown message), and it dies with rank 0 (parent-death signal)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before the signal was armed
         os._exit(FAILED_EXIT_CODE)

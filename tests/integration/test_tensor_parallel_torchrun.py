@@ -1,0 +1,77 @@
+"""Two local torchrun "nodes" on loopback (gloo), one rank each: node 0 serves HTTP and runs the
+engine core as rank 0 (``--distributed-init-method env://``), node 1 runs rank 1's worker
+loop. Chat answers; SIGTERM to node 0's torchrun stops both nodes, rank 1 cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from tests.conftest import write_tiny_checkpoint
+from tests.serverproc import REPO, free_port
+from tests.tiny_tokenizer import servable_copy
+
+
+def node(rank: int, model: str, master_port: int, http_port: int, log: Path) -> subprocess.Popen:
+    cmd = [
+        *(sys.executable, "-m", "torch.distributed.run"),
+        *("--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1"),
+        *("--master-addr", "127.0.0.1", "--master-port", str(master_port)),
+        *("-m", "server", "--model", model, "--device", "cpu"),
+        *("--tensor-parallel-size", "2", "--distributed-init-method", "env://"),
+        *("--port", str(http_port), "--num-kv-blocks", "64", "--max-model-len", "512"),
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QWEN_SERVE_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def test_two_torchrun_nodes_serve_one_engine(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    write_tiny_checkpoint(ckpt, "qwen3", seed=1234, tie=True)
+    model = servable_copy(ckpt, tmp_path / "served")
+    master, http = free_port(), free_port()
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    procs = [node(r, model, master, http, logs[r]) for r in (0, 1)]
+    try:
+        base = f"http://127.0.0.1:{http}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, logs[0].read_text()[-3000:]
+            time.sleep(0.3)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+        (name,) = [m.id for m in client.models.list().data]
+        messages = [{"role": "user", "content": "two nodes"}]
+        full = client.chat.completions.create(
+            model=name, messages=messages, max_tokens=16, temperature=0.0
+        )
+        assert full.usage.completion_tokens > 0
+        stream = client.chat.completions.create(
+            model=name, messages=messages, max_tokens=16, temperature=0.0, stream=True
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text == full.choices[0].message.content
+        assert "tensor parallel size 2" in logs[0].read_text()
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[1].wait(60) == 0, logs[1].read_text()[-3000:]
+        procs[0].wait(60)
+        assert "rank 1 stopped after" in logs[1].read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
