@@ -3,8 +3,10 @@ spawns the other ranks): ``python -m tests.tp_scenario MODEL_DIR TP OUT.pt [engi
 
 Runs, on one engine: 8 greedy prompts of 32 tokens with a cache too small for all (preemption),
 synchronously and then with async scheduling, recording the logits every step hands the sampler
-(rank 0's gathered logits, float32) per request; then saves ``{"ids": ..., "logits": ...,
-"preemptions": ..., "layout": ...}`` with ``torch.save``. The same function runs in the test
+(rank 0's gathered logits, float32) per request; then, with async scheduling, the same prompts
+with penalties (deferred sampling: ``before_sampling``), sampled-token logprobs and prompt
+logprobs ("extras"); then saves ``{"ids": ..., "logits": ..., "extras": ..., "preemptions": ...,
+"layout": ...}`` with ``torch.save``. The same function runs in the test
 process for TP=1, so both sides go through the same steps.
 """
 
@@ -67,8 +69,22 @@ def run(config: EngineConfig, vocab: int) -> dict:
             out[mode] = eng.generate(prompts(vocab), params)
             kv = eng.kv_cache_manager
             assert kv.num_free_blocks == kv.num_blocks
+        tag["mode"] = "extras"
+        eng.async_scheduling = True
+        extra = SamplingParams(
+            temperature=0.0,
+            max_tokens=12,
+            logprobs=2,
+            prompt_logprobs=2,
+            frequency_penalty=0.7,
+            repetition_penalty=1.2,
+        )
+        reqs = [eng.add_request(f"extras-{i}", p, extra) for i, p in enumerate(prompts(vocab))]
+        while eng.has_unfinished():
+            eng.step()
         return {
             "ids": out,
+            "extras": [(r.output_token_ids, r.prompt_logprobs) for r in reqs],
             "logits": {k: torch.stack(v) for k, v in logits.items()},
             "preemptions": eng.scheduler.num_preemptions,
             "layout": [r.__dict__ for r in eng.limits.ranks],

@@ -55,6 +55,13 @@ def compare(tp1: dict, tp2: dict) -> float:
         err = float((got - ref).norm() / ref.norm())
         worst = max(worst, err)
         assert err < 1e-5, (key, err)
+    # penalties (deferred sampling), prompt logprobs: same ids, same prompt scores
+    for (ids1, plp1), (ids2, plp2) in zip(tp1["extras"], tp2["extras"]):
+        assert ids2 == ids1
+        assert len(plp2) == len(plp1) > 0
+        for (lp1, rank1, alts1), (lp2, rank2, alts2) in zip(plp1, plp2):
+            assert abs(lp2 - lp1) < 1e-4 and rank2 == rank1
+            assert [t for t, _ in alts2] == [t for t, _ in alts1]
     return worst
 
 
@@ -127,3 +134,12 @@ def test_build_engine_refuses_before_spawning_ranks(tiny_moe_checkpoint, tmp_pat
     path = _config_with(tiny_moe_checkpoint[0], tmp_path, num_key_value_heads=3)
     with pytest.raises(ValueError, match="num_key_value_heads = 3"):
         build_engine(EngineConfig(model=path, tensor_parallel_size=2))
+
+
+def test_moe_tp4_replicates_kv_heads(tiny_moe_checkpoint, tmp_path, one_torch_thread):
+    """TP=4 on 2 KV heads: each KV head replicated on 2 ranks (1 query head, 16 features of
+    every expert, 96 vocab rows per rank); equal to TP=1."""
+    path, _ = tiny_moe_checkpoint
+    tp4 = run_tp(path, 4, tmp_path)
+    compare(run_tp1(path), tp4)
+    assert [r["kv_heads"] for r in tp4["layout"]] == [1, 1, 1, 1]
