@@ -114,6 +114,7 @@ def build_context(args: argparse.Namespace) -> ServerContext:
             "max_model_len": limits.max_model_len,
             "tensor_parallel_size": max(1, len(limits.ranks)),
         },
+        limits.ranks,
     )
     log.info("engine core: %s", type(core).__name__)
     return ServerContext(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import threading
 import time
 
@@ -15,6 +16,7 @@ import openai
 import pytest
 
 from tests.conftest import write_tiny_checkpoint
+from tests.metricsutil import scrape
 from tests.serverproc import ServerProcess
 from tests.tiny_tokenizer import servable_copy
 
@@ -82,6 +84,13 @@ def test_chat_streaming_and_not(tp_checkpoint):
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert text == full.choices[0].message.content
         assert "tensor parallel size 2" in srv.log()
+        samples = scrape(srv.base_url)
+        for rank in (0, 1):
+            where = f"{{device=cpu,host={socket.gethostname()},rank={rank}}}"
+            assert samples["qwen_serve:rank_weight_bytes" + where] > 0
+            assert samples["qwen_serve:rank_kv_cache_bytes" + where] > 0
+        info = [k for k in samples if k.startswith("qwen_serve:model_info")]
+        assert "tensor_parallel_size=2" in info[0]
     finally:
         assert srv.stop() == 0
     deadline = time.monotonic() + 15
