@@ -5,6 +5,7 @@ loop. Chat answers; SIGTERM to node 0's torchrun stops both nodes, rank 1 cleanl
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 
+from engine.worker.rank_monitor import STALE_S
 from tests.conftest import write_tiny_checkpoint
 from tests.serverproc import REPO, free_port
 from tests.tiny_tokenizer import servable_copy
@@ -34,25 +36,37 @@ def node(rank: int, model: str, master_port: int, http_port: int, log: Path) -> 
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
-def test_two_torchrun_nodes_serve_one_engine(tmp_path):
+def start_nodes(tmp_path) -> tuple[list[subprocess.Popen], list[Path], str]:
+    """Both nodes started and node 0 answering /health: (processes, logs, base URL)."""
     ckpt = tmp_path / "ckpt"
     write_tiny_checkpoint(ckpt, "qwen3", seed=1234, tie=True)
     model = servable_copy(ckpt, tmp_path / "served")
     master, http = free_port(), free_port()
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
     procs = [node(r, model, master, http, logs[r]) for r in (0, 1)]
+    base = f"http://127.0.0.1:{http}"
+    deadline = time.monotonic() + 180
+    while True:
+        assert all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return procs, logs, base
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, logs[0].read_text()[-3000:]
+        time.sleep(0.3)
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_two_torchrun_nodes_serve_one_engine(tmp_path):
+    procs, logs, base = start_nodes(tmp_path)
     try:
-        base = f"http://127.0.0.1:{http}"
-        deadline = time.monotonic() + 180
-        while True:
-            assert all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, logs[0].read_text()[-3000:]
-            time.sleep(0.3)
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
         (name,) = [m.id for m in client.models.list().data]
         messages = [{"role": "user", "content": "two nodes"}]
@@ -71,7 +85,24 @@ def test_two_torchrun_nodes_serve_one_engine(tmp_path):
         procs[0].wait(60)
         assert "rank 1 stopped after" in logs[1].read_text()
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        stop_all(procs)
+
+
+def test_killed_torchrun_rank_is_noticed(tmp_path):
+    """Rank 1 (node 1) killed while the engine is idle: no collective fails, rank 0 notices the
+    silent heartbeat (within STALE_S plus a poll), the engine stops, /health answers 503."""
+    procs, logs, base = start_nodes(tmp_path)
+    try:
+        (pid,) = re.findall(r"rank 1 ready: rank 1: cpu on \S+ \(pid (\d+)\)", logs[1].read_text())
+        os.kill(int(pid), signal.SIGKILL)
+        killed = time.monotonic()
+        status = None
+        while time.monotonic() - killed < STALE_S + 15:
+            status = httpx.get(base + "/health", timeout=5).status_code
+            if status == 503:
+                break
+            time.sleep(0.5)
+        assert status == 503, logs[0].read_text()[-3000:]
+        assert "lost rank 1" in logs[0].read_text()
+    finally:
+        stop_all(procs)
