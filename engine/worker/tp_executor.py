@@ -71,7 +71,7 @@ def exit_process(message: str) -> None:
     """The default reaction to a lost rank: log, flush, end this process now (a collective may
     be blocked in the engine thread; the interpreter's teardown would wait for it)."""
     log.error(
-        "tensor-parallel engine lost %s; the engine cannot run without it and stops "
+        "tensor-parallel engine lost a rank (%s); the engine cannot run without it and stops "
         "(its requests fail, /health answers 503)",
         message,
     )

@@ -149,7 +149,9 @@ def test_killed_rank_fails_requests_and_health(tp_checkpoint):
         with pytest.raises(openai.APIStatusError) as err:
             client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4)
         assert err.value.status_code == 503
-        assert "rank 1" in srv.log()
+        # rank 0's monitor sees the exit, or a collective of the step in flight fails first
+        log = srv.log()
+        assert "lost a rank (rank 1 (pid" in log or "tensor-parallel step failed" in log, log
         assert not alive(pids[0])  # the engine-core process (rank 0) ended
     finally:
         srv.stop()
