@@ -27,6 +27,7 @@ NUM_TOKENS = 32
 
 
 def prompts(vocab: int, seed: int = 11) -> list[list[int]]:
+    """The 8 prompts (random ids below ``vocab``, lengths :data:`LENGTHS`)."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in LENGTHS]
 
@@ -94,6 +95,7 @@ def run(config: EngineConfig, vocab: int) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    """``MODEL_DIR TP OUT.pt [JSON engine overrides]``: run the scenario, save its result."""
     model, tp, out = argv[0], int(argv[1]), argv[2]
     overrides = json.loads(argv[3]) if len(argv) > 3 else {}
     vocab = json.load(open(f"{model}/config.json"))["vocab_size"]

@@ -88,10 +88,12 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{rank}", daemon=True)
 
     def start(self) -> Heartbeat:
+        """Start the thread; returns self."""
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        """Stop beating and watching (the thread ends within :data:`HEARTBEAT_S`)."""
         self._stop.set()
 
     def _run(self) -> None:
@@ -132,6 +134,7 @@ class RankMonitor:
         self._thread = threading.Thread(target=self._run, name="rank-monitor", daemon=True)
 
     def start(self) -> RankMonitor:
+        """Start the monitor thread; returns self."""
         self._thread.start()
         return self
 
