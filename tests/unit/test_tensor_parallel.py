@@ -19,6 +19,7 @@ import torch
 
 from engine.core.config import EngineConfig, ModelConfig
 from tests import tp_scenario
+from tests.conftest import hf_greedy
 
 ROOT = Path(__file__).resolve().parents[2]
 #: seconds a TP=2 scenario may take on the shared 2-core machine
@@ -67,26 +68,31 @@ def compare(tp1: dict, tp2: dict) -> float:
 
 def test_dense_tp2_equals_tp1(tiny_checkpoint, tmp_path, one_torch_thread):
     """Qwen3 (tied embeddings) and Qwen2 (qkv bias, untied): logits and greedy ids of 8
-    concurrent prompts with preemption, sync and async scheduling."""
+    concurrent prompts with preemption, sync and async scheduling, equal to TP=1; the ids also
+    equal transformers' generate of each prompt alone."""
     path, hf = tiny_checkpoint
     tp1 = run_tp1(path)
     tp2 = run_tp(path, 2, tmp_path)
     compare(tp1, tp2)
-    # and both equal transformers' generate for one prompt
-    from tests.conftest import hf_greedy
-
-    prompt = tp_scenario.prompts(384)[2]
-    assert tp2["ids"]["sync"][2] == hf_greedy(hf, prompt, tp_scenario.NUM_TOKENS)
+    for prompt, ids in zip(tp_scenario.prompts(384), tp2["ids"]["sync"]):
+        assert ids == hf_greedy(hf, prompt, tp_scenario.NUM_TOKENS)
     layout = tp2["layout"]
     assert [r["rank"] for r in layout] == [0, 1]
     assert all(r["kv_heads"] == 1 for r in layout)  # 2 KV heads split over 2 ranks
+    whole = tp1["layout"][0]
+    for r in layout:  # each rank holds about half: its shards and the replicated norms
+        assert r["weight_bytes"] < 0.6 * whole["weight_bytes"]
+        assert r["kv_cache_bytes"] == whole["kv_cache_bytes"] // 2
 
 
 def test_moe_tp2_equals_tp1(tiny_moe_checkpoint, tmp_path, one_torch_thread):
     """Qwen3-MoE: experts split tensor-parallel (each rank holds 32 of every expert's 64
     features); a dense layer (mlp_only_layers) in between."""
-    path, _ = tiny_moe_checkpoint
-    compare(run_tp1(path), run_tp(path, 2, tmp_path))
+    path, hf = tiny_moe_checkpoint
+    tp2 = run_tp(path, 2, tmp_path)
+    compare(run_tp1(path), tp2)
+    for prompt, ids in zip(tp_scenario.prompts(384), tp2["ids"]["sync"]):
+        assert ids == hf_greedy(hf, prompt, tp_scenario.NUM_TOKENS)
 
 
 def _config_with(path: str, tmp_path, **fields) -> str:
