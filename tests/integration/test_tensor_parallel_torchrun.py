@@ -4,6 +4,8 @@ loop. Chat answers; SIGTERM to node 0's torchrun stops both nodes, rank 1 cleanl
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import re
 import signal
@@ -57,11 +59,48 @@ def start_nodes(tmp_path) -> tuple[list[subprocess.Popen], list[Path], str]:
         time.sleep(0.3)
 
 
-def stop_all(procs: list[subprocess.Popen]) -> None:
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (torchrun starts its worker in a session of its own,
+    so a process group does not reach it)."""
+    out, todo = [], [pid]
+    while todo:
+        for path in glob.glob(f"/proc/{todo.pop()}/task/*/children"):
+            try:
+                kids = [int(k) for k in Path(path).read_text().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def stop_all(procs: list[subprocess.Popen], grace: float = 30.0) -> None:
+    """SIGTERM each torchrun (it forwards the signal to its worker), wait until its processes
+    are gone or ``grace`` seconds pass, then SIGKILL whatever is left (torchrun may wait in
+    its exit barrier for an agent that died)."""
+    family = {p.pid: descendants(p.pid) for p in procs}
     for p in procs:
         if p.poll() is None:
-            p.kill()
-            p.wait()
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        while time.monotonic() < deadline and p.poll() is None:
+            if not any(alive(k) for k in family[p.pid]):
+                break
+            time.sleep(0.2)
+    for p in procs:
+        for pid in (*family[p.pid], p.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        p.wait()
 
 
 def test_two_torchrun_nodes_serve_one_engine(tmp_path):
