@@ -9,6 +9,8 @@ process), for the same reason.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import gc
 import logging
 import multiprocessing as mp
@@ -112,6 +114,8 @@ class ProcessCore:
         )
         self._proc.start()
         child_conn.close()
+        if not self._proc.daemon:  # multiprocessing would join it at exit, maybe forever
+            atexit.register(self._reap)
         if not self._conn.poll(startup_timeout):
             self._proc.kill()
             raise RuntimeError(f"engine process not ready after {startup_timeout:.0f}s")
@@ -173,3 +177,16 @@ class ProcessCore:
 
     def is_alive(self) -> bool:
         return self._proc.is_alive()
+
+    def _reap(self, timeout: float = 30.0) -> None:
+        """At interpreter exit without :meth:`shutdown` (a server that failed after starting
+        its engine): close the pipe, which stops the engine loop and its ranks, then wait for
+        the process, and kill it after ``timeout`` seconds."""
+        if not self._proc.is_alive():
+            return
+        with contextlib.suppress(OSError):
+            self._conn.close()
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)

@@ -149,3 +149,26 @@ def test_moe_tp4_replicates_kv_heads(tiny_moe_checkpoint, tmp_path, one_torch_th
     tp4 = run_tp(path, 4, tmp_path)
     compare(run_tp1(path), tp4)
     assert [r["kv_heads"] for r in tp4["layout"]] == [1, 1, 1, 1]
+
+
+def test_server_exit_without_shutdown_does_not_hang(tiny_moe_checkpoint):
+    """A TP engine-core process is not daemonic (it spawns its ranks): a process that started
+    one and exits without shutting it down must still exit (multiprocessing would join it
+    forever), and take the ranks with it."""
+    code = (
+        "from engine.core.config import EngineConfig\n"
+        "from engine.frontend.process_core import ProcessCore\n"
+        f"cfg = EngineConfig(model={tiny_moe_checkpoint[0]!r}, device='cpu',"
+        " tensor_parallel_size=2, num_kv_blocks=16)\n"
+        "core = ProcessCore(cfg, frozenset())\n"
+        "print('pid', core._proc.pid, flush=True)\n"
+        "raise SystemExit(0)\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=90
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pid = int(proc.stdout.split()[1])
+    stat = Path(f"/proc/{pid}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
