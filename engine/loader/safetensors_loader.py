@@ -56,6 +56,19 @@ def checkpoint_shards(
     return shards
 
 
+def _check_quantized_dtype(name: str, tensor: torch.Tensor, param: nn.Parameter) -> None:
+    """A float8 checkpoint tensor goes only into a float8 parameter (scales are checked by
+    their quantized layer's loader)."""
+    if name.endswith("_scale_inv"):
+        return
+    if tensor.element_size() == 1 and tensor.is_floating_point() and param.element_size() != 1:
+        raise ValueError(
+            f"checkpoint tensor {name} is {tensor.dtype}, but the engine keeps this parameter in "
+            f"{param.dtype}: quantized embeddings, LM heads, norms and MoE experts are not "
+            "supported, and FP8 linear layers need the checkpoint's quantization_config"
+        )
+
+
 @torch.no_grad()
 def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     """Copy every checkpoint tensor into its (possibly fused, stacked or sharded) parameter.
@@ -66,9 +79,11 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     parameter's dtype and device), and its ``shard_ids`` say which shards it expects.
 
     Raises:
-        KeyError: a checkpoint tensor with no matching parameter.
-        ValueError: a shape mismatch, a shard loaded twice, or parameters the checkpoint does
-            not provide.
+        KeyError: a checkpoint tensor with no matching parameter (e.g. a ``weight_scale_inv``
+            of a layer the engine does not quantize).
+        ValueError: a shape mismatch, a shard loaded twice, parameters the checkpoint does
+            not provide, or a float8 tensor for a parameter that is not float8 (the weight
+            would be silently cast without its scales).
     """
     params = dict(model.named_parameters())
     loaded: dict[str, list] = {}
@@ -85,6 +100,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                         )
                     if shard in loaded.setdefault(target, []):
                         raise ValueError(f"checkpoint tensor {name} loaded twice")
+                    _check_quantized_dtype(name, tensor, param)
                     loader = getattr(param, "weight_loader", default_weight_loader)
                     try:
                         loader(param, tensor, shard)
