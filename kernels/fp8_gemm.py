@@ -63,9 +63,10 @@ def _to_fp8(v, EMULATE_CAST: tl.constexpr):
         bits = v.to(tl.int32, bitcast=True)
         e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # subnormals share exponent -6
         step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e-3): one FP8 ulp
-        y = v / step  # exact (a power of two), |y| <= 16
+        y = tl.abs(v) / step  # exact (a power of two), y <= 16
         y = (y + 12582912.0) - 12582912.0  # 1.5 * 2^23: round to an integer, ties to even
-        v = y * step
+        r = (y * step).to(tl.int32, bitcast=True) | (bits & -2147483648)  # the sign, also of 0
+        v = r.to(tl.float32, bitcast=True)
     return v.to(tl.float8e4nv)
 
 
