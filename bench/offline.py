@@ -38,7 +38,7 @@ def run_ours(ckpt: str, prompts, out_lens, args) -> dict:
             model=ckpt,
             device="cuda",
             dtype=torch.bfloat16,
-            max_model_len=4096,
+            max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             cuda_graph=not args.no_cuda_graph,
@@ -80,7 +80,7 @@ def run_ours_serve_shape(ckpt: str, args) -> dict:
             model=ckpt,
             device="cuda",
             dtype=torch.bfloat16,
-            max_model_len=4096,
+            max_model_len=args.max_model_len,
             max_num_seqs=64,
             enable_prefix_caching=False,
         ),
@@ -151,6 +151,12 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--no-cuda-graph", action="store_true")
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the engine's max_model_len (default: the checkpoint's max_position_embeddings)",
+    )
     ap.add_argument("--hf-seconds", type=float, default=120)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument(

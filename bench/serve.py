@@ -356,8 +356,14 @@ def wait_health(base: str, proc: subprocess.Popen, timeout: float = 600) -> None
 def run_levels(
     name: str, base: str, model: str, args, prompts: list[str], pid: int | None = None
 ) -> list[dict]:
-    """A warm-up, then each concurrency level of ``args`` against the server at ``base``."""
-    run_level(base, model, prompts[:4], 2, 16, 120, client_procs=1)  # warm-up
+    """A warm-up, then each concurrency level of ``args`` against the server at ``base``.
+
+    ``prompts`` holds :func:`prompts_needed` distinct prompts: the warm-up and every level take
+    their own, so no level reuses an earlier one's (no prefix-cache hits across levels); each
+    level's prefix-cache hit rate, read from the server's /metrics, is reported (ours only).
+    """
+    run_level(base, model, prompts[:WARMUP_PROMPTS], 2, 16, 120, client_procs=1)  # warm-up
+    lo = WARMUP_PROMPTS
     rows = []
     levels = (
         args.concurrency
@@ -392,9 +398,22 @@ def run_levels(
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.STDOUT,
             )
+        before = prefix_cache_counters(base) if name == "qwen-serve" else None
         r = run_level(
-            base, model, prompts[:n], c, args.max_tokens, cap, extra, client_procs=args.client_procs
+            base,
+            model,
+            prompts[lo : lo + n],
+            c,
+            args.max_tokens,
+            cap,
+            extra,
+            client_procs=args.client_procs,
         )
+        lo += n
+        if before is not None:
+            after = prefix_cache_counters(base)
+            queried = after[0] - before[0]
+            r["prefix_hit_rate"] = (after[1] - before[1]) / queried if queried else 0.0
         if spy is not None:
             try:
                 spy.wait(args.py_spy_seconds + 30)
@@ -404,6 +423,30 @@ def run_levels(
         rows.append(r)
         print(json.dumps(r), flush=True)
     return rows
+
+
+#: prompts of the warm-up before the levels
+WARMUP_PROMPTS = 4
+
+
+def prompts_needed(args, levels: list[int]) -> int:
+    """Distinct prompts for the warm-up and every level of ``levels``."""
+    return WARMUP_PROMPTS + sum(
+        max(args.min_requests, c * args.requests_per_concurrency) for c in levels
+    )
+
+
+def prefix_cache_counters(base: str) -> tuple[float, float]:
+    """(prompt tokens looked up, found) in the prefix cache, from the server's /metrics."""
+    text = httpx.get(base + "/metrics", timeout=10).text
+    values = {}
+    for name in ("prefix_cache_queries", "prefix_cache_hits"):
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(f"qwen_serve:{name}_total"):
+                total += float(line.rsplit(" ", 1)[1])
+        values[name] = total
+    return values["prefix_cache_queries"], values["prefix_cache_hits"]
 
 
 def bench_server(
@@ -440,10 +483,11 @@ def print_table(rows: list[dict]) -> None:
     print(
         "\n| server | conc | done | req/s | out tok/s | TTFT mean/med/p99 ms "
         "| TPOT mean/med/p99 ms | ITL mean/med/p99 ms "
-        "| tok/chunk | client procs | client CPU max |"
+        "| tok/chunk | client procs | client CPU max | prefix hits |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        hits = r.get("prefix_hit_rate")
         print(
             f"| {r['name']} | {r['concurrency']} | {r['completed']}"
             f"{'+' + str(r['errors']) + ' err' if r['errors'] else ''} "
@@ -452,7 +496,8 @@ def print_table(rows: list[dict]) -> None:
             f"| {r['tpot_mean']:.2f}/{r['tpot_median']:.2f}/{r['tpot_p99']:.2f} "
             f"| {r['itl_mean']:.2f}/{r['itl_median']:.2f}/{r['itl_p99']:.2f} "
             f"| {r['tokens_per_chunk']:.2f} | {r['client_procs']} ({r['client_lib']}) "
-            f"| {100 * r['client_cpu_max']:.0f}% |"
+            f"| {100 * r['client_cpu_max']:.0f}% "
+            f"| {'-' if hits is None else f'{100 * hits:.1f}%'} |"
         )
 
 
@@ -507,6 +552,18 @@ def main() -> None:
     )
     ap.add_argument("--py-spy-seconds", type=int, default=8)
     ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="our server's --max-model-len (default: the checkpoint's max_position_embeddings)",
+    )
+    ap.add_argument(
+        "--server-args",
+        nargs="*",
+        default=[],
+        help="extra flags of our server (e.g. --prefill-only-token-budget 8192)",
+    )
+    ap.add_argument(
         "--server-root",
         default=str(REPO),
         help="source tree to start our server from (A/B runs of two trees)",
@@ -520,21 +577,23 @@ def main() -> None:
             from engine.loader.embedded import ensure_embedded_checkpoint
 
             args.ckpt = str(ensure_embedded_checkpoint())
-        n = max(args.min_requests, max(args.concurrency) * args.requests_per_concurrency)
         rows = run_levels(
             "qwen-serve",
             args.base_url.rstrip("/"),
             args.served_model,
             args,
-            make_prompts(args.ckpt, n, args.prompt_tokens),
+            make_prompts(args.ckpt, prompts_needed(args, args.concurrency), args.prompt_tokens),
         )
         print_table(rows)
         return
     from bench.common import random_qwen3_checkpoint
 
     random_qwen3_checkpoint(args.ckpt, tokenizer_from=args.tokenizer_from)
-    n = max(args.min_requests, max(args.concurrency) * args.requests_per_concurrency)
-    prompts = make_prompts(args.ckpt, n, args.prompt_tokens)
+    levels = sorted({*args.concurrency, *(args.peer_concurrency or [])})
+    prompts = make_prompts(args.ckpt, prompts_needed(args, levels), args.prompt_tokens)
+    max_len = args.max_model_len or json.loads((Path(args.ckpt) / "config.json").read_text()).get(
+        "max_position_embeddings", 4096
+    )
     rows = (
         []
         if args.skip_ours
@@ -551,7 +610,8 @@ def main() -> None:
                 "--dtype",
                 "bfloat16",
                 "--max-model-len",
-                "4096",
+                str(max_len),
+                *args.server_args,
                 "--served-model-name",
                 "bench",
                 "--log-level",

@@ -70,6 +70,37 @@ def compile_times(ckpt: str, vocab_size: int, repeats: int) -> dict:
     return {k: (_pct(v, 50), _pct(v, 99)) for k, v in (("uncached", uncached), ("cached", cached))}
 
 
+def check_outputs(base: str, n: int = 16) -> str:
+    """Correctness on this device: ``n`` of the test schemas at temperature 1 through the server
+    (the bitmask kernel on the GPU): each must finish with "stop" and parse as JSON holding the
+    schema's required keys. Returns "PASS" or the first failure."""
+    import httpx
+
+    from tests.integration.schemas import SCHEMAS
+
+    for i, schema in enumerate(SCHEMAS[:n]):
+        body = {
+            "model": "bench",
+            "messages": [{"role": "user", "content": "JSON"}],
+            "temperature": 1.0,
+            "max_tokens": 300,
+            "seed": i,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": schema},
+            },
+        }
+        c = httpx.post(base + "/v1/chat/completions", json=body, timeout=300).json()["choices"][0]
+        try:
+            value = json.loads(c["message"]["content"])
+        except ValueError:
+            return f"FAIL: schema {i} gave {c['message']['content']!r}"
+        missing = set(schema.get("required", [])) - set(value if isinstance(value, dict) else {})
+        if c["finish_reason"] != "stop" or missing:
+            return f"FAIL: schema {i}: finish {c['finish_reason']}, missing {missing}"
+    return "PASS"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", default="/tmp/qwen3-0.6b-random")
@@ -82,6 +113,7 @@ def main() -> None:
     ap.add_argument("--compile-repeats", type=int, default=5)
     ap.add_argument("--out", default="/tmp")
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     if args.device == "cuda":
         from bench.common import random_qwen3_checkpoint
 
@@ -128,6 +160,7 @@ def main() -> None:
         )
         try:
             wait_health(base, proc)
+            checked = check_outputs(base)
             run_level(
                 base, "bench", prompts[:4], 2, 16, 120, extra=constrained, client_procs=1
             )  # warm-up
@@ -182,7 +215,10 @@ def main() -> None:
         f"{rows['unconstrained']['tpot_median']:.2f} ms alone vs "
         f"{rows['mixed: unconstrained half']['tpot_median']:.2f} ms beside constrained requests"
     )
-    print(json.dumps({"compile_ms": ct, "rows": rows, "ratio": ratio}, default=str))
+    print(f"structured outputs on this device, {16} test schemas at temperature 1: {checked}")
+    print(
+        json.dumps({"compile_ms": ct, "rows": rows, "ratio": ratio, "check": checked}, default=str)
+    )
 
 
 if __name__ == "__main__":

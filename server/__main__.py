@@ -47,10 +47,17 @@ _RANGES = [
     ("num_kv_blocks", 1, None),
     ("max_num_seqs", 1, None),
     ("max_num_batched_tokens", 1, None),
+    ("prefill_only_token_budget", 1, None),
+    ("max_prefill_tokens_with_decodes", 1, None),
     ("max_body_bytes", 1, None),
     ("max_prompt_tokens", 1, None),
     ("graceful_timeout", 0, None),
     ("grammar_compile_timeout", 0.01, None),
+    ("timeout_keep_alive", 1, None),
+    ("timeout_request_header", 0.1, None),
+    ("timeout_request_body", 0.1, None),
+    ("limit_concurrency", 1, None),
+    ("h11_max_incomplete_event_size", 1024, None),
     ("gpu_memory_utilization", 0.01, 1.0),
     ("kv_cache_memory_gb", 0.001, None),
     ("prefill_graph_max_tokens", 0, None),
@@ -189,6 +196,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="token budget of one engine step (prefill chunks + decodes)",
     )
     a(
+        "--prefill-only-token-budget",
+        type=int,
+        default=_env("prefill_only_token_budget"),
+        help="token budget of a step in which nothing decodes (larger chunks for a lone long "
+        "prompt); unset: the token budget of every step",
+    )
+    a(
+        "--max-prefill-tokens-with-decodes",
+        type=int,
+        default=_env("max_prefill_tokens_with_decodes"),
+        help="most prompt tokens one step carries while requests decode (bounds the inter-token "
+        "time long prefills add to running streams); unset: what the budget leaves",
+    )
+    a(
         "--served-model-name",
         default=_env("served_model_name"),
         help="model id in the API; unset: the checkpoint directory's name "
@@ -310,6 +331,39 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("graceful_timeout", 30),
         help="seconds in-flight requests get to finish after SIGTERM",
     )
+    # slow clients (server/http_protocol.py): a request must arrive within these bounds
+    a(
+        "--timeout-request-header",
+        type=float,
+        default=_env("timeout_request_header", 10),
+        help="seconds a client has to send a request's line and headers, from the connection "
+        "(or, kept alive, from the request's first byte); then 408 and the connection is closed",
+    )
+    a(
+        "--timeout-request-body",
+        type=float,
+        default=_env("timeout_request_body", 60),
+        help="seconds a client has to send a request's body once its headers are in; then 408 "
+        "and the connection is closed",
+    )
+    a(
+        "--timeout-keep-alive",
+        type=int,
+        default=_env("timeout_keep_alive", 5),
+        help="seconds an idle kept-alive connection waits for its next request (uvicorn's)",
+    )
+    a(
+        "--limit-concurrency",
+        type=int,
+        default=_env("limit_concurrency", 1024),
+        help="most open connections (and running requests); a request beyond gets 503 (uvicorn's)",
+    )
+    a(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=_env("h11_max_incomplete_event_size", 16384),
+        help="largest request line + headers in bytes; larger ones get 400 (uvicorn's)",
+    )
     return p
 
 
@@ -334,7 +388,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def make_server(app, args: argparse.Namespace) -> GracefulServer:
     """The uvicorn server for ``app`` with the parsed flags (also used by
-    bench/frontend_latency.py)."""
+    bench/frontend_latency.py): the h11 protocol with request read deadlines
+    (:mod:`server.http_protocol`), the keep-alive timeout, the connection cap and the header
+    size limit."""
+    from server.http_protocol import guarded_protocol
+
     return GracefulServer(
         uvicorn.Config(
             app,
@@ -342,6 +400,12 @@ def make_server(app, args: argparse.Namespace) -> GracefulServer:
             port=args.port,
             log_level=args.log_level,
             timeout_graceful_shutdown=int(args.graceful_timeout),
+            http=guarded_protocol(
+                float(args.timeout_request_header), float(args.timeout_request_body)
+            ),
+            timeout_keep_alive=int(args.timeout_keep_alive),
+            limit_concurrency=int(args.limit_concurrency),
+            h11_max_incomplete_event_size=int(args.h11_max_incomplete_event_size),
         )
     )
 

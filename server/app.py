@@ -15,6 +15,7 @@ from server.context import ServerContext
 from server.errors import APIError, error_body, install_error_handlers
 from server.generation import EngineError
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from server.tokenize import Tokenization
 
 
 class BodySizeLimit:
@@ -33,6 +34,8 @@ class BodySizeLimit:
             size = 0
             while True:
                 msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return  # the client went away (or was dropped for a slow body): no reply
                 messages.append(msg)
                 if msg["type"] != "http.request":
                     break
@@ -108,6 +111,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app.state.ctx = ctx
     chat = ChatCompletions(ctx)
     completions = Completions(ctx)
+    tokenization = Tokenization(ctx)
 
     async def check_key(request: Request) -> None:
         """The API-key dependency (async: FastAPI would run a plain function in its thread pool,
@@ -165,13 +169,25 @@ def create_app(ctx: ServerContext) -> FastAPI:
             abort_all()
         return resp if resp is not None else Response(status_code=499)
 
+    def model_card() -> ModelCard:
+        return ModelCard(id=ctx.model_name, root=ctx.model_name, max_model_len=ctx.max_model_len)
+
     @app.get("/v1/models", dependencies=[Depends(check_key)])
     async def models():
-        return ModelList(
-            data=[
-                ModelCard(id=ctx.model_name, root=ctx.model_name, max_model_len=ctx.max_model_len)
-            ]
-        )
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(check_key)])
+    async def model(model_id: str):
+        ctx.check_model(model_id)  # 404 model_not_found for another id
+        return model_card()
+
+    @app.post("/tokenize", dependencies=[Depends(check_key)])
+    async def tokenize(raw: Request):
+        return await tokenization.tokenize(raw)
+
+    @app.post("/detokenize", dependencies=[Depends(check_key)])
+    async def detokenize(raw: Request):
+        return await tokenization.detokenize(raw)
 
     @app.get("/health")
     async def health():

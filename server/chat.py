@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator
 
 from engine.core.limits import RequestRejected
 from engine.frontend.tokenizer import Tokenizer
-from engine.loader.embedded import bytes_to_unicode
 from server.context import ServerContext
 from server.errors import APIError, error_body, rejected
 from server.generation import EngineError, Generation
+from server.logprobs import TokenNames, chat_logprobs, prompt_logprobs_list
 from server.output import ChatOutputProcessor
 from server.params import to_sampling_params
 from server.protocol import (
@@ -21,13 +21,16 @@ from server.protocol import (
     ChoiceLogprobs,
     ResponseMessage,
     ResponseToolCall,
-    TokenLogprob,
-    TopLogprob,
     Usage,
     new_id,
 )
 from server.stream import DONE, ChunkWriter, sse
-from server.structured_outputs import grammar_from_request, tool_call_grammar
+from server.structured_outputs import (
+    grammar_from_request,
+    tool_call_grammar,
+    tool_parameters_grammars,
+)
+from server.text_check import check_request_text
 
 
 def tool_arguments(arguments: str | dict) -> str | dict:
@@ -74,22 +77,6 @@ def messages_to_dicts(req: ChatCompletionRequest) -> list[dict]:
 #: template variables the endpoint itself sets (passing them again would be a TypeError -> 500)
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
-#: byte-level BPE: vocabulary character -> byte (GPT-2's table, used by Qwen's tokenizer)
-_BYTE_OF_CHAR = {c: b for b, c in bytes_to_unicode().items()}
-
-
-def token_bytes(tokenizer: Tokenizer, token_id: int, text: str) -> list[int]:
-    """The UTF-8 bytes a token stands for. A token holding part of a character decodes to U+FFFD
-    alone; its vocabulary string (byte-level form) still gives its real bytes, which is what
-    OpenAI's ``bytes`` field is for. Falls back to the decoded text's bytes."""
-    piece = tokenizer.convert_ids_to_tokens(token_id)
-    if piece:
-        try:
-            return [_BYTE_OF_CHAR[c] for c in piece]
-        except KeyError:
-            pass
-    return list(text.encode())
-
 
 def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> str:
     """Render the chat template (sandboxed jinja2) for this request.
@@ -116,29 +103,6 @@ def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> str:
         raise APIError(400, f"chat template error: {exc}", "messages") from None
 
 
-def token_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list) -> list[TokenLogprob]:
-    """OpenAI chat logprobs entries for generated tokens (engine entries:
-    (logprob, [(id, logprob)]))."""
-    out = []
-    for tok, entry in zip(token_ids, entries):
-        if entry is None:
-            continue
-        lp, alts = entry
-        text = tokenizer.decode([tok], skip_special_tokens=False)
-        tops = []
-        for alt_id, alt_lp in alts:
-            t = tokenizer.decode([alt_id], skip_special_tokens=False)
-            tops.append(
-                TopLogprob(token=t, logprob=alt_lp, bytes=token_bytes(tokenizer, alt_id, t))
-            )
-        out.append(
-            TokenLogprob(
-                token=text, logprob=lp, bytes=token_bytes(tokenizer, tok, text), top_logprobs=tops
-            )
-        )
-    return out
-
-
 class ChatCompletions:
     """The chat endpoint's logic, bound to a :class:`ServerContext`."""
 
@@ -152,9 +116,21 @@ class ChatCompletions:
             APIError: 400/404 with an OpenAI error body.
         """
         ctx = self.ctx
+        check_request_text(req)
         ctx.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+        if req.echo:
+            raise APIError(
+                400,
+                "echo is not supported on chat completions (use prompt_logprobs to score the "
+                "prompt, or /v1/completions with echo)",
+                "echo",
+            )
+        if req.stream and req.prompt_logprobs is not None:
+            raise APIError(
+                400, "prompt_logprobs are not available when stream is true", "prompt_logprobs"
+            )
         grammar, param = grammar_from_request(req)
         tools_grammar = self._tool_grammar(req)
         if tools_grammar is not None:
@@ -164,9 +140,13 @@ class ChatCompletions:
                     f"tool_choice {self._tool_choice_name(req)} cannot be combined with {param}",
                     "tool_choice",
                 )
+            for tool_grammar, tool_param in tool_parameters_grammars(
+                req.tools, self._named_function(req)
+            ):
+                await ctx.structured_output(tool_grammar, tool_param)
             grammar, param = tools_grammar, "tool_choice"
         prompt = render_prompt(ctx.tokenizer, req)
-        prompt_ids = await ctx.encode_prompt_async(prompt)
+        prompt_ids = await ctx.encode_prompt_async(prompt, "messages")
         ctx.check_prompt_length(len(prompt_ids), "messages")
         start_after = None
         if (
@@ -180,6 +160,7 @@ class ChatCompletions:
             req,
             max_tokens=req.max_completion_tokens or req.max_tokens,
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+            prompt_logprobs=req.prompt_logprobs,
             num_prompt_tokens=len(prompt_ids),
             max_model_len=ctx.max_model_len,
             vocab_size=ctx.vocab_size,
@@ -196,6 +177,7 @@ class ChatCompletions:
                 params,
                 req.n,
                 on_finished=ctx.request_finished,
+                on_tokens=ctx.metrics.count_tokens,
             )
             gen.prompt_opens_thinking = prompt.rstrip(" ").endswith("<think>\n")
             return gen
@@ -235,6 +217,12 @@ class ChatCompletions:
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
         return tool_call_grammar(tools, name, req.parallel_tool_calls and name is None, special)
 
+    @staticmethod
+    def _named_function(req: ChatCompletionRequest) -> str | None:
+        """The function ``tool_choice`` names, or None ("required": any of the tools)."""
+        tc = req.tool_choice
+        return None if tc is None or isinstance(tc, str) else tc.function.name
+
     def _processor(self, req: ChatCompletionRequest, gen: Generation) -> ChatOutputProcessor:
         return ChatOutputProcessor(
             reasoning=self.ctx.reasoning_parser == "qwen3",
@@ -246,6 +234,7 @@ class ChatCompletions:
     async def complete(self, req: ChatCompletionRequest, gen: Generation) -> ChatCompletionResponse:
         """Non-streamed response. Raises EngineError when the engine failed the request."""
         results = await gen.collect()
+        names = TokenNames(self.ctx.tokenizer, req.return_tokens_as_token_ids)
         choices = []
         for r in results:
             proc = self._processor(req, gen)
@@ -261,18 +250,23 @@ class ChatCompletions:
             )
             lps = None
             if req.logprobs:
-                lps = ChoiceLogprobs(
-                    content=token_logprobs(self.ctx.tokenizer, r.token_ids, r.logprobs)
-                )
+                lps = ChoiceLogprobs(content=chat_logprobs(names, r.token_ids, r.logprobs))
             choices.append(
                 ChatChoice(index=r.index, message=msg, logprobs=lps, finish_reason=finish)
             )
         completion = sum(len(r.token_ids) for r in results)
         rid = gen.request_id
+        prompt_lps = None
+        if req.prompt_logprobs is not None:  # the same prompt for every choice: the first's
+            entries = results[0].prompt_logprobs
+            if entries is None or len(entries) != gen.num_prompt_tokens - 1:
+                raise EngineError("the engine returned no prompt log-probabilities")
+            prompt_lps = prompt_logprobs_list(names, gen.prompt_ids, entries, req.prompt_logprobs)
         return ChatCompletionResponse(
             id=rid,
             model=self.ctx.model_name,
             choices=choices,
+            prompt_logprobs=prompt_lps,
             usage=Usage(
                 prompt_tokens=gen.num_prompt_tokens,
                 completion_tokens=completion,
@@ -290,6 +284,7 @@ class ChatCompletions:
         completion = 0
 
         writer = ChunkWriter(rid, "chat.completion.chunk", created, model)
+        names = TokenNames(self.ctx.tokenizer, req.return_tokens_as_token_ids)
 
         def chunk(index: int, delta: dict, finish: str | None = None, logprobs=None) -> str:
             choice = {"index": index, "delta": delta, "finish_reason": finish}
@@ -309,9 +304,7 @@ class ChatCompletions:
                     r, c, calls = r + r2, c + c2, calls + calls2
                 lps = None
                 if req.logprobs and ev.logprobs:
-                    lps = ChoiceLogprobs(
-                        content=token_logprobs(self.ctx.tokenizer, ev.token_ids, ev.logprobs)
-                    )
+                    lps = ChoiceLogprobs(content=chat_logprobs(names, ev.token_ids, ev.logprobs))
                 if r or c or calls or lps:
                     delta: dict = {}
                     if c:

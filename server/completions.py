@@ -10,6 +10,7 @@ from engine.core.limits import RequestRejected
 from server.context import ServerContext
 from server.errors import APIError, error_body, rejected
 from server.generation import ChoiceEvent, EngineError, Generation, merge
+from server.logprobs import TokenNames, completion_logprobs, prompt_logprobs_list
 from server.params import to_sampling_params
 from server.protocol import (
     CompletionChoice,
@@ -21,6 +22,7 @@ from server.protocol import (
 )
 from server.stream import DONE, ChunkWriter, sse
 from server.structured_outputs import grammar_from_request
+from server.text_check import check_request_text
 
 
 class Completions:
@@ -33,19 +35,34 @@ class Completions:
         p = req.prompt
         encode = self.ctx.encode_prompt_async
         if isinstance(p, str):
-            return [await encode(p)]
+            return [await encode(p, "prompt")]
         if all(isinstance(x, int) for x in p):
             return [list(p)]
         if all(isinstance(x, str) for x in p):
-            return [await encode(x) for x in p]
+            return [await encode(x, f"prompt.{i}") for i, x in enumerate(p)]
         return [list(x) for x in p]
 
     async def start(self, req: CompletionRequest) -> tuple[list[Generation], str]:
         """Validate and queue every prompt's choices. Raises APIError (400/404)."""
         ctx = self.ctx
+        check_request_text(req)
         ctx.check_model(req.model)
         if req.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
+        if req.max_tokens == 0 and not req.echo and req.prompt_logprobs is None:
+            raise APIError(
+                400,
+                "max_tokens 0 scores the prompt without generating: it needs echo (with logprobs) "
+                "or prompt_logprobs",
+                "max_tokens",
+            )
+        if req.stream and req.prompt_logprobs is not None:
+            raise APIError(
+                400,
+                "prompt_logprobs are not available when stream is true "
+                "(echo with logprobs streams the prompt's log-probabilities)",
+                "prompt_logprobs",
+            )
         rid = new_id("cmpl")
         grammar, param = grammar_from_request(req)
         spec = await ctx.structured_output(grammar, param)
@@ -62,6 +79,7 @@ class Completions:
                     req,
                     max_tokens=req.max_tokens if req.max_tokens is not None else 16,
                     logprobs=req.logprobs,
+                    prompt_logprobs=self._engine_prompt_logprobs(req),
                     num_prompt_tokens=len(ids),
                     max_model_len=ctx.max_model_len,
                     vocab_size=ctx.vocab_size,
@@ -78,6 +96,7 @@ class Completions:
                         params,
                         req.n,
                         on_finished=ctx.request_finished,
+                        on_tokens=ctx.metrics.count_tokens,
                     )
                 )
         except BaseException as exc:
@@ -88,19 +107,39 @@ class Completions:
             raise
         return gens, rid
 
-    def _logprobs(self, token_ids: list[int], entries: list, offset: int) -> CompletionLogprobs:
-        tok = self.ctx.tokenizer
-        out = CompletionLogprobs()
-        for t, e in zip(token_ids, entries):
-            text = tok.decode([t], skip_special_tokens=False)
-            out.tokens.append(text)
-            out.token_logprobs.append(e[0] if e else None)
-            out.top_logprobs.append(
-                {tok.decode([i], skip_special_tokens=False): lp for i, lp in e[1]} if e else None
-            )
-            out.text_offset.append(offset)
-            offset += len(text)
-        return out
+    @staticmethod
+    def _engine_prompt_logprobs(req: CompletionRequest) -> int | None:
+        """Alternatives per prompt token the engine computes: ``prompt_logprobs``, and
+        ``logprobs`` when the prompt is echoed with log-probabilities (the larger of the two)."""
+        asked = [req.prompt_logprobs] if req.prompt_logprobs is not None else []
+        if req.echo and req.logprobs is not None:
+            asked.append(req.logprobs)
+        return max(asked) if asked else None
+
+    @staticmethod
+    def _prompt_entries(gen: Generation, entries: list | None) -> list:
+        """The engine's prompt entries of a choice; their absence is an engine error, never a
+        silent omission."""
+        if entries is None or len(entries) != gen.num_prompt_tokens - 1:
+            raise EngineError("the engine returned no prompt log-probabilities")
+        return entries
+
+    def _choice_logprobs(
+        self, req: CompletionRequest, gen: Generation, r, names: TokenNames, prefix: str
+    ) -> CompletionLogprobs | None:
+        if req.logprobs is None:
+            return None
+        if req.echo:
+            return completion_logprobs(
+                names,
+                r.token_ids,
+                r.logprobs,
+                req.logprobs,
+                0,
+                gen.prompt_ids,
+                self._prompt_entries(gen, r.prompt_logprobs),
+            )[0]
+        return completion_logprobs(names, r.token_ids, r.logprobs, req.logprobs, len(prefix))[0]
 
     def _echo(self, gen: Generation) -> str:
         return self.ctx.tokenizer.decode(gen.prompt_ids, skip_special_tokens=False)
@@ -109,6 +148,7 @@ class Completions:
         self, req: CompletionRequest, gens: list[Generation], rid: str
     ) -> CompletionResponse:
         results = await asyncio.gather(*(g.collect() for g in gens))
+        names = TokenNames(self.ctx.tokenizer, req.return_tokens_as_token_ids)
         choices = []
         prompt_tokens = completion = 0
         for p_idx, (gen, res) in enumerate(zip(gens, results)):
@@ -116,17 +156,21 @@ class Completions:
             prefix = self._echo(gen) if req.echo else ""
             for r in res:
                 completion += len(r.token_ids)
-                lps = (
-                    self._logprobs(r.token_ids, r.logprobs, len(prefix))
-                    if req.logprobs is not None
-                    else None
-                )
+                prompt_lps = None
+                if req.prompt_logprobs is not None:
+                    prompt_lps = prompt_logprobs_list(
+                        names,
+                        gen.prompt_ids,
+                        self._prompt_entries(gen, r.prompt_logprobs),
+                        req.prompt_logprobs,
+                    )
                 choices.append(
                     CompletionChoice(
                         index=p_idx * req.n + r.index,
                         text=prefix + r.text,
-                        logprobs=lps,
+                        logprobs=self._choice_logprobs(req, gen, r, names, prefix),
                         finish_reason=r.finish_reason,
+                        prompt_logprobs=prompt_lps,
                     )
                 )
         return CompletionResponse(
@@ -158,22 +202,35 @@ class Completions:
                 }
             )
 
+        names = TokenNames(self.ctx.tokenizer, req.return_tokens_as_token_ids)
         offsets: dict[int, int] = {}
+        echo_with_logprobs: set[int] = set()  # choices whose echo waits for the prompt entries
         if req.echo:
             for p_idx, gen in enumerate(gens):
                 for i in range(req.n):
-                    text = self._echo(gen)
-                    offsets[p_idx * req.n + i] = len(text)
-                    yield chunk(p_idx * req.n + i, text, None)
+                    if req.logprobs is not None:
+                        echo_with_logprobs.add(p_idx * req.n + i)
+                        continue
+                    yield chunk(p_idx * req.n + i, self._echo(gen), None)
         try:
             async for p_idx, ev in merge([g.events() for g in gens]):
                 ev: ChoiceEvent
                 index = p_idx * req.n + ev.index
+                if index in echo_with_logprobs:  # the choice's first event: echo the prompt first
+                    echo_with_logprobs.discard(index)
+                    gen = gens[p_idx]
+                    text = self._echo(gen)
+                    entries = self._prompt_entries(gen, ev.prompt_logprobs)
+                    lps, offsets[index] = completion_logprobs(
+                        names, [], [], req.logprobs, 0, gen.prompt_ids, entries
+                    )
+                    yield chunk(index, text, None, lps)
                 completion += len(ev.token_ids)
                 lps = None
                 if req.logprobs is not None and ev.token_ids:
-                    lps = self._logprobs(ev.token_ids, ev.logprobs, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + len(ev.text)
+                    lps, offsets[index] = completion_logprobs(
+                        names, ev.token_ids, ev.logprobs, req.logprobs, offsets.get(index, 0)
+                    )
                 if ev.text or ev.finish_reason or lps:
                     yield chunk(index, ev.text, ev.finish_reason, lps)
         except EngineError as exc:

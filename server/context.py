@@ -19,6 +19,15 @@ from server.structured_outputs import GrammarValidator
 log = logging.getLogger("server.requests")
 
 
+def _unencodable(param: str, exc: Exception) -> APIError:
+    return APIError(
+        400,
+        f"the text of '{param}' cannot be tokenized ({type(exc).__name__})",
+        param,
+        "invalid_text",
+    )
+
+
 @dataclass
 class ServerContext:
     """Attributes:
@@ -51,13 +60,30 @@ class ServerContext:
     #: prompts of at least this many characters are encoded in a worker thread
     ENCODE_IN_THREAD_CHARS = 2048
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """Token ids of a prompt text (no special tokens added; those written in it are kept)."""
-        if self.encoder is not None:
-            return self.encoder.encode(text)
-        return self.tokenizer.encode(text)
+    def encode_prompt(self, text: str, param: str = "prompt") -> list[int]:
+        """Token ids of a prompt text (no special tokens added; those written in it are kept).
 
-    async def encode_prompt_async(self, text: str) -> list[int]:
+        Raises:
+            APIError: 400 naming ``param`` when the tokenizer refuses the text (request strings
+                are checked for lone surrogates when they are parsed, see
+                :mod:`server.protocol`; this catches anything else a tokenizer rejects).
+        """
+        try:
+            if self.encoder is not None:
+                return self.encoder.encode(text)
+            return self.tokenizer.encode(text)
+        except (TypeError, ValueError, UnicodeError) as exc:
+            raise _unencodable(param, exc) from None
+
+    def encode_with_special_tokens(self, text: str, param: str) -> list[int]:
+        """Like :meth:`encode_prompt`, with the tokenizer's post-processor (``/tokenize``'s
+        ``add_special_tokens``)."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=True)
+        except (TypeError, ValueError, UnicodeError) as exc:
+            raise _unencodable(param, exc) from None
+
+    async def encode_prompt_async(self, text: str, param: str = "prompt") -> list[int]:
         """:meth:`encode_prompt` off the event loop for long prompts.
 
         Both encoders release the GIL while they work (tiktoken, and ``tokenizers`` through
@@ -67,8 +93,8 @@ class ServerContext:
         than the encoding.
         """
         if len(text) < self.ENCODE_IN_THREAD_CHARS:
-            return self.encode_prompt(text)
-        return await asyncio.to_thread(self.encode_prompt, text)
+            return self.encode_prompt(text, param)
+        return await asyncio.to_thread(self.encode_prompt, text, param)
 
     async def structured_output(
         self, grammar: str | None, param: str, start_after_token: int | None = None

@@ -38,15 +38,23 @@ def rejected(exc, param: str) -> APIError:
 def error_body(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> dict:
-    """``{"error": {"message", "type", "param", "code"}}`` as OpenAI returns it."""
+    """``{"error": {"message", "type", "param", "code"}}`` as OpenAI returns it. Text that is
+    not valid Unicode (a lone surrogate from the request, quoted in a message or a parameter
+    path) is written as a backslash escape, so the body can always be encoded."""
     return {
         "error": {
-            "message": message,
+            "message": _printable(message),
             "type": _TYPES.get(status, "invalid_request_error"),
-            "param": param,
-            "code": code,
+            "param": _printable(param),
+            "code": _printable(code),
         }
     }
+
+
+def _printable(text: str | None) -> str | None:
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(
@@ -102,6 +110,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            # FastAPI's answer to a body it cannot decode (bytes that are not UTF-8)
+            return error_response(
+                400, "the request body is not valid UTF-8 JSON", None, "invalid_text"
+            )
         return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)

@@ -59,6 +59,8 @@ def build_context(args: argparse.Namespace) -> ServerContext:
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_only_token_budget=args.prefill_only_token_budget,
+        max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
         attention_backend=args.attention_backend,
         enable_prefix_caching=not args.no_prefix_caching,
         cuda_graph=not args.no_cuda_graph,

@@ -62,6 +62,8 @@ class ChoiceEvent:
         text: new text (already cut at a stop string, UTF-8 safe).
         token_ids: new token ids; logprobs: matching engine logprob entries (may be empty).
         finish_reason: "stop" | "length" | "abort" on the choice's last event.
+        prompt_logprobs: on the choice's first event when the request asked for them: engine
+            entries (:data:`~engine.core.outputs.PromptLogprob`) of prompt tokens 1..P-1.
     """
 
     index: int
@@ -69,6 +71,7 @@ class ChoiceEvent:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -80,6 +83,7 @@ class ChoiceResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list | None = None
 
 
 class Generation:
@@ -90,6 +94,11 @@ class Generation:
         request_id: the API request id; prompt_ids: the prompt tokens.
         params: sampling parameters; n: number of choices (seeds are ``seed + i``).
         on_finished: called with :class:`RequestStats` for every finished engine request.
+        on_tokens: called with ``(prompt tokens, generated tokens)`` as they are accounted: each
+            engine request's whole prompt once (at its first output, or when it finishes without
+            one), and every token delivered to the client (those cut by a stop string or arriving
+            after an abort are not). The totals therefore equal the sums of the finished
+            requests' ``num_prompt_tokens`` / ``num_generation_tokens``.
 
     Raises (from the constructor):
         RequestRejected: the prompt can never be served.
@@ -104,6 +113,7 @@ class Generation:
         params: SamplingParams,
         n: int = 1,
         on_finished=None,
+        on_tokens=None,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -111,6 +121,8 @@ class Generation:
         self.prompt_ids = prompt_ids
         self.params = params
         self.on_finished = on_finished
+        self.on_tokens = on_tokens
+        self.prompt_counted: list[bool] = [False] * n
         self.prompt_opens_thinking = False  # set by the chat endpoint for the reasoning parser
         self.streams: list[RequestStream] = []
         self.finished: list[bool] = [False] * n
@@ -145,10 +157,13 @@ class Generation:
             set() if p.ignore_eos else set(self.engine.limits.eos_token_ids)
         )
         async for out in stream:
+            if self.finished[index]:
+                return  # aborted meanwhile: nothing more is delivered or counted
+            self._count_prompt(index)
             if out.error is not None:
                 self._finish(index, "error")
                 raise EngineError(out.error)
-            ids, logprobs = out.new_token_ids, out.logprobs
+            ids, logprobs, prompt_lps = out.new_token_ids, out.logprobs, out.prompt_logprobs
             text_ids = ids
             if (
                 out.finish_reason == FinishReason.STOP
@@ -169,21 +184,31 @@ class Generation:
             else:
                 text = detok.step(text_ids) if text_ids else ""
             self.num_tokens[index] += len(ids)
+            if ids and self.on_tokens is not None:
+                self.on_tokens(0, len(ids))
             if detok.stop_reason is not None:
                 self.engine.abort(stream.request_id)
                 self._finish(index, "stop")
-                yield ChoiceEvent(index, text, ids, logprobs, "stop")
+                yield ChoiceEvent(index, text, ids, logprobs, "stop", prompt_lps)
                 return
             reason = None
             if out.finished:
                 text += detok.finish()
                 reason = out.finish_reason.value
                 self._finish(index, reason)
-            yield ChoiceEvent(index, text, ids, logprobs, reason)
+            yield ChoiceEvent(index, text, ids, logprobs, reason, prompt_lps)
+
+    def _count_prompt(self, index: int) -> None:
+        """Account the choice's prompt tokens, once."""
+        if not self.prompt_counted[index]:
+            self.prompt_counted[index] = True
+            if self.on_tokens is not None:
+                self.on_tokens(len(self.prompt_ids), 0)
 
     def _finish(self, index: int, reason: str) -> None:
         if self.finished[index]:
             return
+        self._count_prompt(index)
         self.finished[index] = True
         if self.on_finished is None:
             return
@@ -230,6 +255,8 @@ class Generation:
             r.text += ev.text
             r.token_ids += ev.token_ids
             r.logprobs += ev.logprobs
+            if ev.prompt_logprobs is not None:
+                r.prompt_logprobs = ev.prompt_logprobs
             if ev.finish_reason is not None:
                 r.finish_reason = ev.finish_reason
         return results

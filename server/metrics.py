@@ -2,6 +2,15 @@
 
 The engine never imports prometheus_client; it hands :class:`StepStats` and
 :class:`RequestStats` to :class:`ServerMetrics`, which owns a private registry.
+
+Token counters follow vLLM's meaning and agree exactly with the per-request histograms:
+``prompt_tokens_total`` counts every prompt token of every engine request (prefix-cache hits
+included, once per request whatever its preemptions; a request with ``n`` choices is ``n``
+engine requests), ``generation_tokens_total`` every token delivered to a client. Both are
+accounted per request by the front end (``server.generation.Generation``), so after any mix of
+finished, stopped, length-capped, aborted, preempted and ``n > 1`` requests they equal the sums
+of ``request_prompt_tokens`` and ``request_generation_tokens``. The tokens the engine computes
+per step (prefill positions actually run, cache hits excluded) are ``iteration_tokens_total``.
 """
 
 from __future__ import annotations
@@ -65,7 +74,8 @@ TOKEN_BUCKETS = (
     65536,
     131072,
 )
-FINISH_REASONS = ("stop", "length", "abort", "tool_calls", "error")
+# the engine request's finish reason (a tool-call turn ends its engine request with "stop")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class ServerMetrics:
@@ -105,8 +115,11 @@ class ServerMetrics:
             "gpu_memory_reserved_bytes", "CUDA memory reserved by the caching allocator."
         )
         self.gpu_total = gauge("gpu_memory_total_bytes", "Total memory of the CUDA device.")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (prefill).")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.prompt_tokens = counter(
+            "prompt_tokens",
+            "Prompt tokens of the requests, prefix-cache hits included (vLLM's meaning).",
+        )
+        self.generation_tokens = counter("generation_tokens", "Tokens generated for clients.")
         self.preemptions = counter("num_preemptions", "Requests preempted (recompute).")
         self.prefix_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
@@ -134,7 +147,9 @@ class ServerMetrics:
             "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
         )
         self.iteration_tokens = hist(
-            "iteration_tokens_total", "Tokens per engine step.", TOKEN_BUCKETS
+            "iteration_tokens_total",
+            "Tokens per engine step (prefill positions computed + tokens sampled).",
+            TOKEN_BUCKETS,
         )
         Info(PREFIX + "model", "Served model and cache configuration.", registry=reg).info(
             {"model_name": model_name, **{k: str(v) for k, v in info.items()}}
@@ -149,13 +164,19 @@ class ServerMetrics:
         self.gpu_allocated.set(s.gpu_memory_allocated)
         self.gpu_reserved.set(s.gpu_memory_reserved)
         self.gpu_total.set(s.gpu_memory_total)
-        self.prompt_tokens.inc(s.num_prompt_tokens)
-        self.generation_tokens.inc(s.num_generation_tokens)
         self.preemptions.inc(s.num_preemptions)
         self.prefix_queries.inc(s.prefix_queries)
         self.prefix_hits.inc(s.prefix_hits)
         if s.num_prompt_tokens + s.num_generation_tokens:
             self.iteration_tokens.observe(s.num_prompt_tokens + s.num_generation_tokens)
+
+    def count_tokens(self, prompt: int, generation: int) -> None:
+        """Account a request's prompt tokens (once per engine request) and the tokens it
+        delivered (see the module docstring)."""
+        if prompt:
+            self.prompt_tokens.inc(prompt)
+        if generation:
+            self.generation_tokens.inc(generation)
 
     def on_request_finished(self, r: RequestStats, itls: list[float]) -> None:
         """Record one finished engine request and its inter-token gaps."""

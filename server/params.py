@@ -26,6 +26,7 @@ def to_sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     num_prompt_tokens: int,
+    prompt_logprobs: int | None = None,
     max_model_len: int,
     vocab_size: int,
     defaults: dict,
@@ -35,8 +36,10 @@ def to_sampling_params(
     """Build SamplingParams, applying checkpoint defaults to the fields the request left out.
 
     Args:
-        max_tokens: the request's limit (None = up to the model length).
+        max_tokens: the request's limit (None = up to the model length; 0 = score the prompt
+            only, which the caller allows with echo or prompt_logprobs).
         logprobs: number of top alternatives to report (None = no logprobs).
+        prompt_logprobs: alternatives per prompt token (None = no prompt log-probabilities).
         max_tokens_param, prompt_param: the request fields that errors name ("max_completion_tokens"
             when the chat request used it; "prompt" for text completions).
 
@@ -110,5 +113,6 @@ def to_sampling_params(
         stop=list(req.stop or []),
         include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
     )

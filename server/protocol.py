@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16
 MAX_STOP = 16
@@ -123,27 +123,49 @@ class StructuredOutputsParams(_Lenient):
 
 
 class SamplingFields(_Lenient):
-    """Fields shared by chat and text completions."""
+    """Fields shared by chat and text completions.
+
+    An explicit ``null`` for a field with a default means that default (OpenAI's clients send
+    ``null`` for options left unset, e.g. ``n=None``). Integer and boolean options are strict:
+    ``true`` is not a count and ``"yes"`` not a boolean (400, as OpenAI answers).
+    """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if not (
+                v is None
+                and k in fields
+                and not fields[k].is_required()
+                and fields[k].default is not None
+            )
+        }
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=MAX_N, strict=True)
+    max_tokens: int | None = Field(None, ge=1, strict=True)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, strict=True)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, strict=True)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    stream: bool = False
+    ignore_eos: bool = Field(False, strict=True)
+    min_tokens: int = Field(0, ge=0, strict=True)
+    skip_special_tokens: bool = Field(True, strict=True)
+    include_stop_str_in_output: bool = Field(False, strict=True)
+    stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
@@ -152,6 +174,8 @@ class SamplingFields(_Lenient):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
+    return_tokens_as_token_ids: bool = Field(False, strict=True)
 
     @field_validator("stop")
     @classmethod
@@ -184,20 +208,23 @@ class SamplingFields(_Lenient):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
+    logprobs: bool = Field(False, strict=True)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool = Field(True, strict=True)
     chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool = Field(True, strict=True)
+    # vLLM's chat echo (prepend the last message): rejected when true
+    echo: bool = Field(False, strict=True)
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tokens: int | None = Field(None, ge=0, strict=True)  # 0: score the prompt only (with echo)
+    echo: bool = Field(False, strict=True)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -208,7 +235,49 @@ class CompletionRequest(SamplingFields):
         return v
 
 
+class TokenizeCompletionRequest(_Lenient):
+    """``POST /tokenize`` with a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Lenient):
+    """``POST /tokenize`` with chat messages, rendered as ``/v1/chat/completions`` renders them
+    (vLLM's shape; ``tool_choice`` "none" leaves the tools out, as in chat completions)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: bool = Field(True, strict=True)
+    continue_final_message: bool = False  # not supported: rejected when true
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Lenient):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # ------------------------------------------------------------------ responses
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -260,6 +329,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprobValue] | None] | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -269,11 +339,20 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
+class PromptLogprobValue(BaseModel):
+    """One token of vLLM's ``prompt_logprobs`` dicts."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprobValue] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

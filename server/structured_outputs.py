@@ -57,6 +57,24 @@ def _json_grammar(schema: Any, param: str) -> str:
         raise APIError(400, f"invalid JSON schema: {exc}", param) from None
 
 
+def tool_parameters_grammars(tools: list, name: str | None) -> list[tuple[str, str]]:
+    """(grammar, parameter name) of each enforced tool's ``parameters`` schema, so that a schema
+    the engine cannot enforce is reported against ``tools.<i>.function.parameters`` rather than
+    the combined tool-call grammar (``tools``: the request's ``ToolDef`` objects; ``name``: the
+    named function, or None for all).
+
+    Raises:
+        APIError: 400 for a schema that is not an object or does not convert."""
+    out = []
+    for i, tool in enumerate(tools):
+        fn = tool.function
+        if fn.parameters is None or (name is not None and fn.name != name):
+            continue
+        param = f"tools.{i}.function.parameters"
+        out.append((_json_grammar(fn.parameters, param), param))
+    return out
+
+
 def _choice_grammar(choices: Any, param: str) -> str:
     from llguidance import LLMatcher
 

@@ -122,3 +122,13 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def tiny_served_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """``tiny_checkpoint``'s weights with a tiny byte-level BPE tokenizer (vocab 384), so the
+    server (and transformers' AutoTokenizer) can load it: (directory, HF model)."""
+    from tests.tiny_tokenizer import servable_copy
+
+    path, model = tiny_checkpoint
+    return servable_copy(path, tmp_path_factory.mktemp("served")), model

@@ -176,6 +176,7 @@ class ModelConfig:
     attention_bias: bool
     qk_norm: bool
     dtype: str
+    rope_scaling: RopeScaling | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -222,12 +223,9 @@ class ModelConfig:
         rope_theta = cfg.get("rope_theta")
         if rope_theta is None:
             rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        rope_scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
-        if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) not in (
-            "default",
-            None,
-        ):
-            raise ValueError(f"rope scaling {rope_scaling!r} is not supported")
+        rope_scaling = RopeScaling.from_hf(
+            cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        )
         heads = cfg["num_attention_heads"]
         dtype = parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
         moe = _moe_fields(cfg) if model_type == "qwen3_moe" else {}
@@ -250,8 +248,69 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             dtype=dtype or "float32",
+            rope_scaling=rope_scaling,
             quantization=quantization,
             **moe,
+        )
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN rotary scaling (Peng, Quesnelle, Fan, Shippole, "YaRN: Efficient Context Window
+    Extension of Large Language Models", 2023), with transformers' parameter names: the
+    rotary frequencies are interpolated by ``factor`` below the ``beta_slow`` / ``beta_fast``
+    rotation counts of the ``original_max_position_embeddings`` window, kept above, with a linear
+    ramp between, and cos/sin are scaled by ``attention_factor`` (None: ``0.1 ln(factor) + 1``,
+    or the ``mscale`` / ``mscale_all_dim`` ratio when both are given). Qwen3 documents factor 4
+    over 32,768 positions (131,072 tokens).
+    """
+
+    rope_type: str
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    @staticmethod
+    def from_hf(params: dict) -> RopeScaling | None:
+        """The scaling of a config's ``rope_scaling`` (or transformers 5's ``rope_parameters``);
+        None for the default rotary embedding.
+
+        Raises:
+            ValueError: a rope type other than default and yarn, or a yarn entry without
+                ``factor`` or ``original_max_position_embeddings``.
+        """
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind in ("default", None):
+            return None
+        if kind != "yarn":
+            raise ValueError(f"rope scaling {params!r} is not supported (default and yarn are)")
+        try:
+            factor = float(params["factor"])
+            original = int(params["original_max_position_embeddings"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(
+                f"yarn rope scaling needs factor and original_max_position_embeddings: {params!r}"
+            ) from None
+
+        def opt(name):
+            value = params.get(name)
+            return None if value is None else float(value)
+
+        return RopeScaling(
+            rope_type="yarn",
+            factor=factor,
+            original_max_position_embeddings=original,
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            attention_factor=opt("attention_factor"),
+            mscale=opt("mscale"),
+            mscale_all_dim=opt("mscale_all_dim"),
+            truncate=bool(params.get("truncate", True)),
         )
 
 
@@ -299,6 +358,12 @@ class EngineConfig:
             a step that mixes prompt chunks with decodes short, so running streams see steady
             inter-token latency (the budget sweep in docs/benchmarks.md, third session).
             Offline batch jobs may prefer 8192 or more.
+        prefill_only_token_budget: token budget of a step in which no request decodes (a lone
+            prefill takes larger chunks: fewer steps to a long prompt's first token); None =
+            ``max_num_batched_tokens``. Chunked prefill only.
+        max_prefill_tokens_with_decodes: most prompt tokens one step may carry while requests
+            decode (long prefills then cannot stall the running streams); None = whatever the
+            budget leaves. Chunked prefill only.
         attention_backend: "triton", "torch" or None (triton on CUDA, torch on CPU).
         enable_prefix_caching: share full KV blocks between requests with the same prefix.
         enable_chunked_prefill: split long prompts over several steps within the token budget.
@@ -332,6 +397,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 1024
+    prefill_only_token_budget: int | None = None
+    max_prefill_tokens_with_decodes: int | None = None
     attention_backend: str | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True

@@ -6,6 +6,7 @@ handed an object of this shape (``engine.worker.model_runner.ModelRunner`` on on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from engine.core.config import CacheInfo, ModelConfig
@@ -45,10 +46,17 @@ class ModelExecutor(Protocol):
     description: str
 
     def launch(
-        self, batch: ScheduledBatch, eos_token_ids: frozenset[int], prev: StepHandle | None = None
+        self,
+        batch: ScheduledBatch,
+        eos_token_ids: frozenset[int],
+        prev: StepHandle | None = None,
+        before_sampling: Callable[[], None] | None = None,
     ) -> StepHandle:
         """Queue one step without waiting for it. ``prev``: the step still in flight, whose
-        sampled ids are the inputs of requests with an output placeholder."""
+        sampled ids are the inputs of requests with an output placeholder. ``before_sampling``
+        (deferred sampling): called after the forward is queued and before the sampling is, for
+        a step that samples; what it writes into ``batch`` (the grammar bitmask) the sampling
+        reads."""
         ...
 
     def memory_stats(self) -> dict[str, int]:

@@ -77,9 +77,13 @@ class KVCacheManager:
         """The longest cached prefix of the request's tokens: (its blocks, its tokens).
 
         A pure lookup: changes no reference count and no counter. At least one token is always
-        left to compute (the last one produces the logits). ([], 0) when prefix caching is off.
+        left to compute (the last one produces the logits). ([], 0) when prefix caching is off,
+        and for a request that scores its prompt (``Request.scores_prompt``: every prompt
+        position must run through the model to give its log-probability), as vLLM skips the
+        lookup for prompt-logprob requests; such a request's own blocks are still registered, so
+        later requests share them.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.scores_prompt:
             return [], 0
         blocks = []
         for i in range(self._num_full(request, request.num_tokens - 1)):
@@ -101,7 +105,8 @@ class KVCacheManager:
             num_new_tokens: tokens the next step computes (after the hit tokens).
             new_computed_blocks: on admission (also with no hit: ``[]``), the blocks from
                 :meth:`get_computed_blocks`; they are taken (ref count + 1) and the lookup is
-                counted in ``prefix_queries`` / ``prefix_hits``. None for a running request.
+                counted in ``prefix_queries`` / ``prefix_hits`` (not for a request that scores
+                its prompt: it made no lookup). None for a running request.
 
         Returns:
             The newly allocated block ids (hits excluded), or None when there are not enough
@@ -123,7 +128,11 @@ class KVCacheManager:
         need = max(0, self.blocks_needed(num_computed + num_new_tokens) - len(blocks) - len(hits))
         if need > self.pool.num_free_blocks - self.pool.num_reclaimed(hits):
             return None
-        if new_computed_blocks is not None and self.enable_prefix_caching:
+        if (
+            new_computed_blocks is not None
+            and self.enable_prefix_caching
+            and not request.scores_prompt
+        ):
             self.prefix_queries += request.num_prompt_tokens
             self.prefix_hits += min(len(hits) * self.block_size, request.num_prompt_tokens)
         self.pool.take(hits)

@@ -51,6 +51,8 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
             eos_token_ids=self.eos_token_ids,
+            prefill_only_token_budget=config.prefill_only_token_budget,
+            max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes,
         )
         self.async_scheduling = (
             config.async_scheduling
@@ -131,8 +133,11 @@ class LLMEngine:
         while the host processes the previous step's samples and, in the next call, schedules
         the step after it: the host work overlaps the GPU (vLLM's async scheduling). A running
         request with a token in flight is scheduled with an output placeholder and reads that
-        token on the device. The outputs returned are those of the previous launch. Requests whose
-        sampling reads host state (penalties, ``min_tokens``) make steps synchronous while they run.
+        token on the device. The outputs returned are those of the previous launch. A step with
+        a request whose sampling reads host state (penalties, ``min_tokens``, a grammar) defers
+        its sampling: the forward is queued first, the previous step's samples are applied
+        while it runs (grammar matchers advanced, the bitmask filled), then the sampling is
+        queued, so it sees every earlier token and only the sampling waits for the host.
 
         An exception inside the model fails only the requests of that step (finish reason
         ``error``) and the engine stays usable, except for a device error (see
@@ -145,17 +150,19 @@ class LLMEngine:
         self._undelivered = (
             outputs  # what this call has produced, should it raise (take_undelivered)
         )
-        overlap = self.async_scheduling and not self.scheduler.num_host_sampling
-        if not overlap and self._in_flight is not None:  # drain before a synchronous step
-            prev, self._in_flight = self._in_flight, None
-            outputs += self._process(prev)
+        overlap = self.async_scheduling
         outputs += self.scheduler.promote_compiled()
         batch = self.scheduler.schedule()
         prev, self._in_flight = self._in_flight, None
-        handle, n_prompt = self._launch(batch, outputs, prev)
+        deferred = (
+            overlap
+            and self.scheduler.num_host_sampling > 0
+            and any(r.sampling_params.needs_host_state for r in batch.requests)
+        )
+        handle, n_prompt, prev_done = self._launch(batch, outputs, prev, deferred)
         if overlap:
             self._in_flight = handle
-        if prev is not None:
+        if prev is not None and not prev_done:
             outputs += self._process(prev)
         if handle is not None and not overlap:
             outputs += self._process(handle)
@@ -170,30 +177,59 @@ class LLMEngine:
         return outputs
 
     def _launch(
-        self, batch: ScheduledBatch, outputs: list[RequestOutput], prev: StepHandle | None
-    ) -> tuple[StepHandle | None, int]:
-        """Launch the batch and advance its requests' progress; returns (handle, prompt tokens).
+        self,
+        batch: ScheduledBatch,
+        outputs: list[RequestOutput],
+        prev: StepHandle | None,
+        deferred: bool,
+    ) -> tuple[StepHandle | None, int, bool]:
+        """Launch the batch and advance its requests' progress; returns (handle, prompt tokens,
+        whether ``prev`` was processed here).
 
-        ``prev``: the step in flight, whose sampled ids feed requests with a placeholder. A
-        non-fatal launch failure fails the batch's requests (appended to ``outputs``).
+        ``prev``: the step in flight, whose sampled ids feed requests with a placeholder.
+        ``deferred``: process ``prev`` (its outputs appended to ``outputs``) and fill the grammar
+        bitmasks between the batch's forward and its sampling (see :meth:`step`). A non-fatal
+        launch failure fails the batch's requests (appended to ``outputs``).
         """
         if not len(batch):
             self._wait_for_grammars()
-            return None, 0
-        try:
+            return None, 0, False
+        prev_done = False
+        apply_failed = False  # an exception while applying ``prev``: not this step's fault
+
+        def before_sampling() -> None:
+            nonlocal prev_done, apply_failed
+            if prev is not None:
+                prev_done = True
+                try:
+                    outputs.extend(self._process(prev))
+                except Exception:
+                    # as outside the callback, it leaves step(): the engine loop fails every
+                    # request (prev may be half applied: its placeholders cannot be trusted)
+                    apply_failed = True
+                    raise
             self._fill_bitmasks(batch)
-            handle = self.executor.launch(batch, self.eos_token_ids, prev)
+
+        try:
+            if deferred:
+                handle = self.executor.launch(
+                    batch, self.eos_token_ids, prev, before_sampling=before_sampling
+                )
+            else:
+                self._fill_bitmasks(batch)
+                handle = self.executor.launch(batch, self.eos_token_ids, prev)
         except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
-            if self.is_fatal(exc):
+            if apply_failed or self.is_fatal(exc):
                 raise
             log.error("model step failed; failing %d requests", len(batch), exc_info=exc)
             outputs += self.scheduler.fail(batch.requests, str(exc))
-            return None, 0
-        return handle, self.scheduler.update_after_launch(batch, handle.sample_requests)
+            return None, 0, prev_done
+        return handle, self.scheduler.update_after_launch(batch, handle.sample_requests), prev_done
 
     def _fill_bitmasks(self, batch: ScheduledBatch) -> None:
-        """Packed grammar bitmasks of the batch's requests that sample this step (requests with
-        a grammar run synchronously, so their last token is on the host)."""
+        """Packed grammar bitmasks of the batch's requests that sample this step. Their last
+        token is on the host: the step is synchronous or its sampling deferred, after the
+        previous step's samples were applied (a request finished by them is skipped)."""
         if self._grammars is None:
             return
         states = []
@@ -201,6 +237,7 @@ class LLMEngine:
             grammar = req.grammar
             if (
                 grammar is not None
+                and not req.is_finished
                 and grammar.constrains_next
                 and req.num_computed_tokens + n == req.num_tokens_with_placeholders
             ):

@@ -27,10 +27,17 @@ class SamplingParams:
         stop: stop strings (handled by the detokenizer); include_stop_str_in_output.
         logprobs: None, or the number of top alternatives per token to return with the
             sampled token's log-probability (from the raw model distribution).
+        prompt_logprobs: None, or the number of top alternatives to return with the
+            log-probability of every prompt token after the first (vLLM's ``prompt_logprobs``):
+            computed in the prefill (every prompt position, so such a request takes no prefix-cache
+            hits while it scores its prompt) and delivered with the request's first output.
         skip_special_tokens: drop special tokens when detokenizing.
         structured_output: the grammar the output must match (JSON schema, regex, choice,
             grammar, tool calls), or None. A completed grammar ends the request with "stop"
             whatever ``ignore_eos`` and ``min_tokens`` say.
+
+    ``max_tokens == 0`` scores the prompt only: the request finishes with reason ``length`` once
+    its prompt is computed, with no token (its prompt log-probabilities, if asked, in that output).
     """
 
     temperature: float = 1.0
@@ -49,6 +56,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_output: StructuredOutputSpec | None = None
 
@@ -67,9 +75,9 @@ class SamplingParams:
     @property
     def needs_host_state(self) -> bool:
         """Sampling reads the request's host state every step (penalties over the tokens so
-        far, ``min_tokens``, a grammar matcher advanced with the last token), so the step cannot
-        be launched before the previous one's samples are back (async scheduling pauses while
-        such a request runs)."""
+        far, ``min_tokens``, a grammar matcher advanced with the last token), so its sampling
+        cannot be queued before the previous step's samples are back (async scheduling defers
+        the sampling of the steps holding such a request, behind their forward)."""
         return self.needs_penalties or self.min_tokens > 0 or self.structured_output is not None
 
 
@@ -106,6 +114,9 @@ class Request:
         num_output_placeholders: tokens sampled by launched steps whose ids are not back on the
             host yet (async scheduling, see ``engine.core.llm_engine``): 0 or 1 between steps, 2
             for a moment while a step is launched before the previous one's samples are applied.
+        prompt_logprobs: entries (:data:`~engine.core.outputs.PromptLogprob`) of prompt tokens
+            ``1 .. len(prompt_logprobs)`` received so far (entry ``i`` scores prompt token
+            ``i + 1``); prompt_logprobs_sent: whether they went out with an output.
     """
 
     request_id: str
@@ -122,6 +133,16 @@ class Request:
     num_preemptions: int = 0
     num_output_placeholders: int = 0
     grammar: GrammarState | None = None
+    prompt_logprobs: list = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The request asked for prompt log-probabilities and has sampled nothing yet (none in
+        flight either): every prompt position it computes now is scored, so it must compute all
+        of them (no prefix-cache reads). After its first sample (even across a preemption) its
+        prompt is scored and it behaves as any other request."""
+        return self.sampling_params.prompt_logprobs is not None and self.sample_index == 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -86,9 +86,16 @@ class Scheduler:
     Args:
         kv_cache_manager: the KV block owner.
         max_num_seqs: most requests running at once.
-        max_num_batched_tokens: token budget per step.
-        enable_chunked_prefill: when False a prompt is only scheduled whole.
+        max_num_batched_tokens: token budget of a step in which requests decode.
+        enable_chunked_prefill: when False a prompt is only scheduled whole (and the two
+            prefill budgets below do not apply).
         eos_token_ids: ids that end a request unless it ignores EOS.
+        prefill_only_token_budget: token budget of a step in which nothing decodes (a lone long
+            prompt gets larger chunks, so fewer steps to its first token); None: the same as
+            ``max_num_batched_tokens``.
+        max_prefill_tokens_with_decodes: most prompt tokens a step may carry while requests
+            decode, so a long prefill cannot stretch every running stream's inter-token time
+            (Sarathi-Serve's chunk bound, Agrawal et al. 2024); None: the budget's remainder.
 
     Attributes:
         requests: live requests (waiting or running) by id.
@@ -96,7 +103,8 @@ class Scheduler:
             compiling waits in ``waiting_for_grammar``, outside the admission order).
         num_preemptions: preemptions since start.
         num_host_sampling: live requests whose sampling reads host state (penalties,
-            ``min_tokens``), which make the engine's steps synchronous.
+            ``min_tokens``, a grammar): with async scheduling the steps holding them defer
+            their sampling (:meth:`LLMEngine.step <engine.core.llm_engine.LLMEngine.step>`).
     """
 
     def __init__(
@@ -106,11 +114,20 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         eos_token_ids: frozenset[int] = frozenset(),
+        prefill_only_token_budget: int | None = None,
+        max_prefill_tokens_with_decodes: int | None = None,
     ):
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        chunked = enable_chunked_prefill
+        self.prefill_only_token_budget = (
+            prefill_only_token_budget
+            if chunked and prefill_only_token_budget
+            else max_num_batched_tokens
+        )
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes if chunked else None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -211,8 +228,15 @@ class Scheduler:
         """Pick the requests of the next step and allocate their KV blocks."""
         batch = ScheduledBatch(finished_request_ids=self._finished_ids)
         self._finished_ids = []
-        budget = self.max_num_batched_tokens
         kv = self.kv_cache_manager
+        # a request decodes this step when one token is left to compute (its last sample, or
+        # the token in flight); any such request sets the step's budgets
+        decoding = any(
+            r.num_tokens_with_placeholders - r.num_computed_tokens <= 1 for r in self.running
+        )
+        budget = self.max_num_batched_tokens if decoding else self.prefill_only_token_budget
+        cap = self.max_prefill_tokens_with_decodes
+        prefill_left = min(budget, cap) if decoding and cap else budget
 
         # 1. running requests, oldest first; preempt the newest when blocks run out.
         queue = deque(self.running)
@@ -229,7 +253,10 @@ class Scheduler:
             if left <= 0 or (req.num_output_placeholders and _last_token_in_flight(req)):
                 kept.append(req)  # its last token is in flight: it finishes when that arrives
                 continue
-            n = min(left, budget)
+            n = min(left, budget) if left == 1 else min(left, budget, prefill_left)
+            if n <= 0:
+                kept.append(req)  # the step's prefill tokens are spent; it continues next step
+                continue
             # without chunked prefill a prefill is taken whole; only the recompute of a
             # preempted request (prompt + outputs) may exceed the budget and go in chunks
             if not self.enable_chunked_prefill and n < left <= self.max_num_batched_tokens:
@@ -253,6 +280,8 @@ class Scheduler:
             new_ids.append(new_blocks)
             resets.append(False)
             budget -= n
+            if left > 1:
+                prefill_left -= n
         kept.extend(queue)  # not scheduled this step (budget exhausted) but still running
         self.running = kept
 
@@ -268,7 +297,9 @@ class Scheduler:
                 break  # preempted with a token in flight: admitted once the token is back
             hit_blocks, num_hit = kv.get_computed_blocks(req)
             remaining = req.num_tokens - num_hit
-            n = min(remaining, budget)
+            n = min(remaining, budget, prefill_left)
+            if n <= 0:
+                break
             if not self.enable_chunked_prefill and n < remaining <= self.max_num_batched_tokens:
                 break
             if kv.allocate_slots(req, n, hit_blocks) is None:
@@ -282,6 +313,7 @@ class Scheduler:
             self.running.append(req)
             batch._add(req, n, kv.get_block_ids(req.request_id), True)
             budget -= n
+            prefill_left -= n
         if not batch.requests:  # nothing runs: the finished ids go with the next batch that does
             self._finished_ids[:0] = batch.finished_request_ids
             batch.finished_request_ids = []
@@ -314,10 +346,31 @@ class Scheduler:
 
         Requests finished while the step ran (aborted, failed, stopped) are skipped.
         """
+        if samples.prompt_logprobs:
+            self._add_prompt_logprobs(samples.prompt_logprobs)
         outputs = []
         for i, req in enumerate(sample_requests):
             req.num_output_placeholders -= 1
             if req.is_finished:
+                continue
+            p = req.sampling_params
+            prompt_lps = None
+            if p.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                prompt_lps, req.prompt_logprobs_sent = req.prompt_logprobs, True
+            if p.max_tokens == 0:  # prompt scoring only: the sampled token is not kept
+                outputs.append(
+                    RequestOutput(
+                        req.request_id,
+                        [],
+                        prompt_logprobs=prompt_lps,
+                        finished=True,
+                        finish_reason=FinishReason.LENGTH,
+                        num_prompt_tokens=req.num_prompt_tokens,
+                        num_cached_tokens=req.num_cached_tokens,
+                        scheduled_time=req.first_scheduled_time,
+                    )
+                )
+                self.finish(req, FinishReason.LENGTH)
                 continue
             token = samples.token_ids[i]
             req.output_token_ids.append(token)
@@ -336,7 +389,8 @@ class Scheduler:
                 RequestOutput(
                     req.request_id,
                     [token],
-                    [lp] if lp is not None or req.sampling_params.logprobs is not None else [],
+                    [lp] if lp is not None or p.logprobs is not None else [],
+                    prompt_logprobs=prompt_lps,
                     finished=reason is not None,
                     finish_reason=reason,
                     num_prompt_tokens=req.num_prompt_tokens,
@@ -347,6 +401,20 @@ class Scheduler:
             if reason is not None:
                 self.finish(req, reason)
         return outputs
+
+    def _add_prompt_logprobs(self, chunks: dict) -> None:
+        """Append each live request's newly scored prompt positions to ``prompt_logprobs``.
+
+        Positions already held are skipped: a request preempted while it scored its prompt
+        computes (and scores) it again from the start.
+        """
+        for rid, (start, entries) in chunks.items():
+            req = self.requests.get(rid)
+            if req is None or req.prompt_logprobs_sent:
+                continue  # finished meanwhile, or already delivered
+            have = len(req.prompt_logprobs)
+            if start <= have < start + len(entries):
+                req.prompt_logprobs.extend(entries[have - start :])
 
     def drop_placeholders(self, sample_requests: list[Request]) -> None:
         """A launched step's samples will never arrive (it failed): remove their placeholders."""

@@ -78,6 +78,9 @@ class RequestStream:
                 out.request_id,
                 out.new_token_ids + nxt.new_token_ids,
                 out.logprobs + nxt.logprobs,
+                prompt_logprobs=out.prompt_logprobs
+                if out.prompt_logprobs is not None
+                else nxt.prompt_logprobs,
                 finished=nxt.finished,
                 finish_reason=nxt.finish_reason,
                 num_prompt_tokens=nxt.num_prompt_tokens,

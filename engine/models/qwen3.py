@@ -151,7 +151,9 @@ class Qwen3Model(nn.Module):
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta)
+        self.rotary_emb = RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
+        )
 
 
 class Qwen3ForCausalLM(nn.Module):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,7 @@ from engine.loader.safetensors_loader import load_weights
 from engine.models.registry import model_class
 from engine.worker.block_table import PersistentBlockTables
 from engine.worker.device import MemoryStats, dtype_name, is_device_error, torch_dtype
+from engine.worker.prompt_logprobs import PendingPromptLogprobs, score_prompt_rows
 from engine.worker.sampler import PendingSamples, Sampler
 from engine.worker.staging import HostStaging
 from engine.worker.step_inputs import StepInputs, StepTensors, prepare_inputs
@@ -42,18 +44,24 @@ class StepHandle:
         pending: the samples' copy to the host (None when nothing samples).
         token_ids: int64 ``[N]`` sampled ids on the device (inputs of the next step).
         rows: request id -> row in ``token_ids``.
+        prompt: the copy of the step's prompt log-probabilities (None when no request scored
+            its prompt); prompt_segments: their layout (``StepInputs.prompt_segments``).
     """
 
     sample_requests: list[Request]
     pending: PendingSamples | None
     token_ids: torch.Tensor | None
     rows: dict[str, int]
+    prompt: PendingPromptLogprobs | None = None
+    prompt_segments: list[tuple[str, int, int, int]] | None = None
 
     def result(self) -> SampleOutput:
-        """Wait for the step; returns its samples (rows in ``sample_requests`` order)."""
-        if self.pending is None:
-            return SampleOutput([], [])
-        return self.pending.wait()
+        """Wait for the step; returns its samples (rows in ``sample_requests`` order) and its
+        prompt log-probabilities."""
+        out = self.pending.wait() if self.pending is not None else SampleOutput([], [])
+        if self.prompt is not None:
+            out.prompt_logprobs = self.prompt.wait(self.prompt_segments)
+        return out
 
 
 @contextlib.contextmanager
@@ -218,7 +226,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(
-        self, batch: ScheduledBatch, eos_token_ids: frozenset[int], prev: StepHandle | None = None
+        self,
+        batch: ScheduledBatch,
+        eos_token_ids: frozenset[int],
+        prev: StepHandle | None = None,
+        before_sampling: Callable[[], None] | None = None,
     ) -> StepHandle:
         """Queue one step on the device without waiting for it: forward over all scheduled
         tokens, sampling for the requests that reach their end, and the copy of the sampled ids
@@ -229,6 +241,15 @@ class ModelRunner:
             eos_token_ids: masked for requests below ``min_tokens``.
             prev: the step still in flight, whose sampled ids are the input tokens of requests
                 with an output placeholder (async scheduling); None when nothing is in flight.
+            before_sampling: called once the forward is queued and before the sampling is
+                (deferred sampling): the engine applies ``prev``'s samples to the host state
+                there and fills ``batch.grammar_bitmask`` while the device runs the forward.
+                Not called for a step that samples nothing.
+
+        A step in which a request scores its prompt (``StepInputs.prompt_rows``) runs eagerly,
+        not as a CUDA graph: the prefill graphs end with the hidden states of the sampled rows
+        only, and a step of prompt scoring needs the rows of every scored position (sized by the
+        step, at most the token budget). Steps without such a request are unchanged.
 
         Returns:
             A handle; :meth:`StepHandle.result` waits for the samples.
@@ -244,6 +265,7 @@ class ModelRunner:
         )
         self.staging.next_step()
         step = inp.to_device(self.staging, prev.token_ids if prev is not None else None)
+        prompt = None
         if (
             self.graphs is not None
             and inp.is_decode
@@ -251,20 +273,41 @@ class ModelRunner:
         ):
             logits = self.graphs.run(step)
         else:
-            if self.prefill_graphs is not None and self.prefill_graphs.can_run(
-                step.num_tokens, inp.max_seq_len
+            if (
+                step.prompt_rows is None
+                and self.prefill_graphs is not None
+                and self.prefill_graphs.can_run(step.num_tokens, inp.max_seq_len)
             ):
                 hidden = self.prefill_graphs.run(step)
             else:
-                hidden = self.forward(step)[step.logits_indices]
+                full = self.forward(step)
+                hidden = full[step.logits_indices]
+                if step.prompt_rows is not None:
+                    prompt = score_prompt_rows(
+                        self.model.compute_logits,
+                        full[step.prompt_rows],
+                        step.prompt_targets,
+                        max(seg[3] for seg in inp.prompt_segments),
+                        self.model_config.vocab_size,
+                    ).to_host()
+                del full
             if not inp.sample_requests:
-                return StepHandle([], None, None, {})
+                return StepHandle([], None, None, {}, prompt, inp.prompt_segments)
             logits = self.model.compute_logits(hidden)
+        if before_sampling is not None:
+            before_sampling()
         samples = self.sampler(
             logits, inp.sample_requests, eos_token_ids, batch.grammar_rows, batch.grammar_bitmask
         )
         rows = {r.request_id: i for i, r in enumerate(inp.sample_requests)}
-        return StepHandle(inp.sample_requests, samples.to_host(), samples.token_ids, rows)
+        return StepHandle(
+            inp.sample_requests,
+            samples.to_host(),
+            samples.token_ids,
+            rows,
+            prompt,
+            inp.prompt_segments,
+        )
 
     # --------------------------------------------------------------- internals
     def forward(self, step: StepTensors) -> torch.Tensor:
@@ -280,11 +323,12 @@ class ModelRunner:
         The dummy tokens store nothing (slot -1) and read only block 0 of the cache.
         """
         budget = self.config.max_num_batched_tokens
+        solo = max(budget, self.config.prefill_only_token_budget or 0)
         max_len = self.cache_info.max_model_len
-        for num_tokens, num_seqs in ((budget, 1), (budget, 32), (97, 3)):
+        for num_tokens, num_seqs in dict.fromkeys(((solo, 1), (budget, 1), (budget, 32), (97, 3))):
             num_seqs = max(1, min(num_seqs, self.config.max_num_seqs))
             num_tokens = max(
-                1, min(num_tokens, budget, num_seqs * max_len)
+                1, min(num_tokens, solo, num_seqs * max_len)
             )  # no sequence beyond max_len
             num_seqs = min(num_seqs, num_tokens)
             q_lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int32)

@@ -29,6 +29,9 @@ class StepTensors:
         block_tables: int32 ``[B, M]``; seq_lens: int32 ``[B]``; cu_seqlens_q: int32 ``[B + 1]``.
         logits_indices: int64 ``[N]`` rows of the packed hidden states to sample from.
         max_query_len, max_seq_len: host upper bounds (see :class:`AttentionMetadata`).
+        prompt_rows, prompt_targets: int64 ``[R]`` rows of the packed hidden states whose next
+            prompt token is scored, and that token; None when no request of the step scores its
+            prompt (see :class:`StepInputs`).
     """
 
     input_ids: torch.Tensor
@@ -40,6 +43,8 @@ class StepTensors:
     logits_indices: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    prompt_rows: torch.Tensor | None = None
+    prompt_targets: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +78,11 @@ class StepInputs:
     ``gather_dst``/``gather_src``: int64 input tokens still in flight (async scheduling):
     ``input_ids[gather_dst[i]]`` is the previous step's sampled id in row ``gather_src[i]``; the
     host holds a 0 there until the device fills it in.
+    ``prompt_rows``/``prompt_targets``: int64 ``[R]``, for requests that score their prompt
+    (``Request.scores_prompt``): the packed row of each prompt position ``j`` of the step with
+    ``j + 1 < num_prompt_tokens`` and the prompt token ``j + 1`` it predicts; ``prompt_segments``
+    gives, per such request in row order, ``(request id, first position j, number of rows, top
+    alternatives k)``. None / empty when no request scores (the common case: nothing extra).
     """
 
     input_ids: np.ndarray
@@ -87,6 +97,9 @@ class StepInputs:
     max_seq_len: int
     gather_dst: np.ndarray | None = None
     gather_src: np.ndarray | None = None
+    prompt_rows: np.ndarray | None = None
+    prompt_targets: np.ndarray | None = None
+    prompt_segments: list[tuple[str, int, int, int]] | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -111,6 +124,8 @@ class StepInputs:
             if prev_token_ids is None:
                 raise ValueError("the step has tokens in flight but no previous sampled ids")
             longs += [self.gather_dst, self.gather_src]
+        if self.prompt_rows is not None:
+            longs += [self.prompt_rows, self.prompt_targets]
         dev = staging.stage_many("int64", longs)
         block_tables, seq_lens, cu = staging.stage_many(
             "int32", [self.block_tables, self.seq_lens, self.cu_seqlens_q]
@@ -118,7 +133,7 @@ class StepInputs:
         input_ids = dev[0]
         if self.gather_dst is not None:
             input_ids.index_copy_(0, dev[4], prev_token_ids.index_select(0, dev[5]))
-        return StepTensors(
+        step = StepTensors(
             input_ids,
             dev[1],
             dev[2],
@@ -129,6 +144,9 @@ class StepInputs:
             self.max_query_len,
             self.max_seq_len,
         )
+        if self.prompt_rows is not None:
+            step.prompt_rows, step.prompt_targets = dev[-2], dev[-1]
+        return step
 
 
 def prepare_inputs(
@@ -158,6 +176,9 @@ def prepare_inputs(
     gather_dst, gather_src = [], []
     ids: list[int] = []
     logits_indices, sample_requests = [], []
+    prompt_rows: list[np.ndarray] = []
+    prompt_targets: list[int] = []
+    prompt_segments: list[tuple[str, int, int, int]] = []
     for i, req in enumerate(reqs):
         n = int(q_lens[i])
         start = req.num_computed_tokens
@@ -175,6 +196,17 @@ def prepare_inputs(
             ids.append(req.token_at(start))
         else:
             ids.extend(req.token_slice(start, start + n))
+        if req.sampling_params.prompt_logprobs is not None and req.scores_prompt:
+            # positions start .. end-1 predict prompt tokens start+1 .. end (the last prompt
+            # position predicts the first output token: that row is sampled, not scored)
+            end = min(start + n, req.num_prompt_tokens - 1)
+            if end > start:
+                first = len(ids) - n
+                prompt_rows.append(np.arange(first, first + end - start, dtype=np.int64))
+                prompt_targets.extend(req.prompt_token_ids[start + 1 : end + 1])
+                prompt_segments.append(
+                    (req.request_id, start, end - start, req.sampling_params.prompt_logprobs)
+                )
         if start + n == req.num_tokens_with_placeholders:  # all its tokens computed: sample
             logits_indices.append(len(ids) - 1)
             sample_requests.append(req)
@@ -202,4 +234,7 @@ def prepare_inputs(
         max_seq_len=int(seq_lens.max()) if b else 0,
         gather_dst=np.asarray(gather_dst, dtype=np.int64) if gather_dst else None,
         gather_src=np.asarray(gather_src, dtype=np.int64) if gather_src else None,
+        prompt_rows=np.concatenate(prompt_rows) if prompt_rows else None,
+        prompt_targets=np.asarray(prompt_targets, dtype=np.int64) if prompt_targets else None,
+        prompt_segments=prompt_segments or None,
     )

@@ -453,7 +453,20 @@ def test_completion_logprobs_and_echo(client, hf, tokenizer):
 
     echoed = complete(client, max_tokens=6, logprobs=1, echo=True)
     assert echoed.choices[0].text == PROMPT + text
-    assert echoed.choices[0].logprobs.text_offset[0] == len(PROMPT)
+    # echo + logprobs reports the prompt tokens first (the first has no logprob), then the
+    # generated ones, as OpenAI's legacy API and vLLM do
+    prompt_ids = tokenizer.encode(PROMPT)
+    elp = echoed.choices[0].logprobs
+    assert len(elp.tokens) == len(prompt_ids) + 6
+    assert elp.token_logprobs[0] is None and elp.top_logprobs[0] is None
+    assert elp.text_offset[0] == 0 and elp.text_offset[len(prompt_ids)] == len(PROMPT)
+    with torch.no_grad():
+        prompt_ref = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0].float(), -1)
+    for j in range(1, len(prompt_ids)):
+        assert elp.token_logprobs[j] == pytest.approx(
+            prompt_ref[j - 1, prompt_ids[j]].item(), abs=1e-3
+        )
+    assert elp.token_logprobs[len(prompt_ids) :] == pytest.approx(lp.token_logprobs, abs=1e-4)
     texts, _, chunks = streamed_completion(client, max_tokens=6, echo=True)
     assert texts[0] == PROMPT + text and chunks[0].choices[0].text == PROMPT
 

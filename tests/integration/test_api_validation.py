@@ -26,6 +26,8 @@ EXTRA_FIELDS = {
     "min_tokens",
     "ignore_eos",
     "stop_token_ids",
+    "prompt_logprobs",
+    "echo",
     "include_stop_str_in_output",
     "chat_template_kwargs",
 }
@@ -119,6 +121,13 @@ BAD_REQUESTS = [
     ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ("chat", {"top_logprobs": 3}, "top_logprobs"),  # without logprobs=true
     ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+    ("chat", {"prompt_logprobs": -1}, "prompt_logprobs"),
+    ("completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("chat", {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
+    ("chat", {"echo": True}, "echo"),
+    # max_tokens 0 only scores a prompt (echo / prompt_logprobs)
+    ("completions", {"max_tokens": 0}, "max_tokens"),
     # logit_bias
     ("chat", {"logit_bias": {"apple": 5}}, "logit_bias"),
     ("chat", {"logit_bias": {"1.5": 5}}, "logit_bias"),
@@ -135,6 +144,37 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [151936]}, "prompt"),
     ("completions", {"prompt": [-3, 5]}, "prompt"),
     ("completions", {"suffix": "tail"}, "suffix"),
+    # strict types: a boolean is not a count, a string not a boolean (OpenAI answers 400)
+    ("chat", {"max_tokens": True}, "max_tokens"),
+    ("completions", {"logprobs": True}, "logprobs"),
+    ("chat", {"stream": "yes"}, "stream"),
+    ("chat", {"logprobs": "yes"}, "logprobs"),
+    ("chat", {"n": "2"}, "n"),
+    # null where no default exists
+    ("chat", {"messages": None}, "messages"),
+    # a tool schema the engine cannot enforce, named by its own path
+    (
+        "chat",
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "o"}}},
+                {"type": "function", "function": {"name": "g", "parameters": {"type": "bogus"}}},
+            ],
+            "tool_choice": "required",
+        },
+        "tools.0.function.parameters",
+    ),
+    (
+        "chat",
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+                {"type": "function", "function": {"name": "g", "parameters": {"type": "bogus"}}},
+            ],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        "tools.1.function.parameters",
+    ),
 ]
 
 
@@ -179,6 +219,33 @@ def test_invalid_json_is_400(server):
             timeout=60,
         )
         assert r.status_code == 400 and set(r.json()["error"]) == ERROR_KEYS
+
+
+def test_body_bytes_that_are_not_utf8_are_invalid_text(server):
+    for path in ("/v1/chat/completions", "/v1/completions", "/tokenize"):
+        for raw in (b'{"prompt": "a\xffb", "max_tokens": 1}', b'{"prompt": "\xc3", "n": 1}'):
+            r = httpx.post(
+                server.base_url + path,
+                content=raw,
+                headers={"content-type": "application/json"},
+                timeout=60,
+            )
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["code"] == "invalid_text", (path, r.text)
+            assert "UTF-8" in err["message"] and err["param"] is None
+
+
+def test_null_means_the_default(client, baseline):
+    """OpenAI's clients send null for options left unset: null is the field's default."""
+    out = client.chat.completions.create(
+        **GREEDY, n=None, stream=None, logprobs=None, parallel_tool_calls=None
+    )
+    assert len(out.choices) == 1 and out.choices[0].message.content == baseline
+    assert out.choices[0].logprobs is None
+    text = client.completions.create(
+        model=GREEDY["model"], prompt="Hello", max_tokens=3, echo=None, logprobs=None, n=None
+    )
+    assert len(text.choices) == 1 and text.choices[0].logprobs is None
 
 
 def test_empty_body_gets_a_clear_message(server):

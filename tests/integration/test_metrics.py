@@ -72,11 +72,12 @@ def test_metrics_match_what_was_sent(fresh_server):
     assert _delta(m1, m0, P + "request_prompt_tokens_sum") == 40 + 40 + prompt_c
     assert _delta(m1, m0, P + "request_generation_tokens_sum") == 7 + 7 + 1
     assert _delta(m1, m0, P + "generation_tokens_total") == 15
-    # prefill tokens computed: A's 40, B's 8 after its 32 cached tokens, C's whole prompt
-    assert _delta(m1, m0, P + "prompt_tokens_total") == 40 + 8 + prompt_c
+    # prompt tokens as vLLM counts them: every prompt token, B's 32 cached ones included
+    assert _delta(m1, m0, P + "prompt_tokens_total") == 40 + 40 + prompt_c
     assert _delta(m1, m0, P + "prefix_cache_hits_total") == 32
     assert _delta(m1, m0, P + "prefix_cache_queries_total") == 40 + 40 + prompt_c
     assert _delta(m1, m0, P + "inter_token_latency_seconds_count") == 6 + 6 + 0
+    # the tokens the engine computed: A's 40, B's 8 after its 32 cached ones, C's whole prompt
     assert _delta(m1, m0, P + "iteration_tokens_total_sum") == 40 + 8 + prompt_c + 15
     assert _delta(m1, m0, P + "num_preemptions_total") == 0
     assert m1[P + "num_requests_running"] == 0 and m1[P + "num_requests_waiting"] == 0

@@ -39,6 +39,9 @@ def test_api_key_required_on_v1_only(keyed_server):
         ("POST", "/v1/chat/completions", CHAT),
         ("POST", "/v1/completions", {"prompt": "a"}),
         ("GET", "/v1/models", None),
+        ("GET", "/v1/models/qwen3-embedded", None),
+        ("POST", "/tokenize", {"prompt": "a"}),
+        ("POST", "/detokenize", {"tokens": [1]}),
     ]:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             r = httpx.request(method, base + path, json=body, headers=headers, timeout=60)

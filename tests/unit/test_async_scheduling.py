@@ -113,9 +113,10 @@ def test_abort_with_a_token_in_flight(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_penalties_and_min_tokens_run_synchronously(tiny_checkpoint, async_scheduling):
-    """Sampling that reads host state (penalties, min_tokens) drains the step in flight first,
-    so it sees every earlier token: results equal the synchronous engine's."""
+def test_penalties_and_min_tokens_defer_their_sampling(tiny_checkpoint, async_scheduling):
+    """Sampling that reads host state (penalties, min_tokens) is queued after the step in
+    flight has been applied (deferred sampling), so it sees every earlier token: results equal
+    the synchronous engine's."""
     path, _ = tiny_checkpoint
     prompt = list(range(3, 40))
     reqs = [
@@ -162,23 +163,24 @@ def test_error_while_waiting_for_samples_fails_only_that_step(tiny_checkpoint, a
 
 
 def test_outputs_produced_before_a_device_error_are_delivered(tiny_checkpoint):
-    """A synchronous drain finishes a request, then the launch hits a device error: the engine
-    loop emits the finished request's last output, and fails only the others."""
+    """A deferred sampling applies the step in flight, which finishes a request, then the
+    sampling hits a device error: the engine loop emits the finished request's last output, and
+    fails only the others."""
     from engine.core.engine_loop import run_engine_loop
 
     path, _ = tiny_checkpoint
     eng = _engine(path, True)
     runner = eng.executor
-    real_launch = runner.launch
-    launches = {"n": 0}
+    real_sampler = runner.sampler
+    samplings = {"n": 0}
 
-    def launch(batch, eos_ids, prev=None):
-        launches["n"] += 1
-        if launches["n"] == 2:  # "done" (max_tokens 1) finished in the drain of this very step
+    def sampler(*args, **kw):
+        samplings["n"] += 1
+        if samplings["n"] == 2:  # "done" (max_tokens 1) finished just before, in this step
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return real_launch(batch, eos_ids, prev)
+        return real_sampler(*args, **kw)
 
-    runner.launch = launch
+    runner.sampler = sampler
     commands = [
         [
             AddRequest("done", list(range(8)), SamplingParams(temperature=0.0, max_tokens=1)),
@@ -204,6 +206,49 @@ def test_outputs_produced_before_a_device_error_are_delivered(tiny_checkpoint):
     last = {o.request_id: o for o in emitted if o.finished}
     assert last["done"].finish_reason == FinishReason.LENGTH and last["done"].error is None
     assert last["long"].error and last["pen"].error
+
+
+def test_a_host_error_while_applying_the_step_in_flight_fails_every_request(tiny_checkpoint):
+    """A bug while a deferred step applies the previous step's samples (here injected into
+    ``update_from_output``) leaves ``prev`` half applied: it must leave ``step()`` (the engine
+    loop then fails every request and serves on) instead of failing only the new batch, which
+    left a request of ``prev`` with a placeholder forever and the loop spinning."""
+    from engine.core.commands import AddRequest, Shutdown
+    from engine.core.engine_loop import run_engine_loop
+
+    path, _ = tiny_checkpoint
+    eng = _engine(path, True)
+    real = eng.scheduler.update_from_output
+    calls = {"n": 0}
+
+    def update_from_output(sample_requests, samples):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise ValueError("injected host bug while applying samples")
+        return real(sample_requests, samples)
+
+    eng.scheduler.update_from_output = update_from_output
+    pen = SamplingParams(temperature=0.0, max_tokens=8, frequency_penalty=1.0)
+    commands = [
+        [
+            AddRequest("pen", list(range(3, 30)), pen),
+            AddRequest("two", list(range(2, 12)), SamplingParams(temperature=0.0, max_tokens=2)),
+        ]
+    ]
+    final, loops = {}, {"n": 0}
+
+    def next_commands(timeout):
+        loops["n"] += 1
+        if commands:
+            return commands.pop(0)
+        return [Shutdown()] if loops["n"] > 200 or not eng.has_unfinished() else []
+
+    def emit(outs, stats):
+        final.update({o.request_id: o for o in outs if o.finished})
+
+    run_engine_loop(eng, next_commands, emit, log_interval=0)
+    assert loops["n"] < 200, "the engine loop kept spinning"
+    assert set(final) == {"pen", "two"} and all(o.error for o in final.values())
 
 
 def test_warmup_shapes_respect_max_model_len_and_max_num_seqs(tiny_checkpoint):

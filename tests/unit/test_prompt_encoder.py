@@ -104,7 +104,7 @@ def test_long_prompts_are_encoded_off_the_event_loop(tok, encoder):
     ctx = ServerContext(engine=None, tokenizer=tok, model_name="m", metrics=None, encoder=encoder)
     threads = []
     real = ctx.encode_prompt
-    ctx.encode_prompt = lambda text: threads.append(threading.get_ident()) or real(text)
+    ctx.encode_prompt = lambda *a: threads.append(threading.get_ident()) or real(*a)
     long_text = "word " * (ServerContext.ENCODE_IN_THREAD_CHARS // 5 + 1)
 
     async def main():

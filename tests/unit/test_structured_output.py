@@ -83,7 +83,8 @@ def test_every_schema_output_validates_at_temperature_1(embedded):
 
 def test_grammar_survives_preemption_and_async_scheduling(embedded):
     """A cache too small for the batch forces preemption (recompute keeps the matcher, whose
-    tokens stay accepted); async scheduling is on (grammar requests make steps synchronous)."""
+    tokens stay accepted); async scheduling is on (grammar requests defer their sampling until
+    the previous step's tokens have advanced the matchers)."""
     path, tok = embedded
     eng = _engine(
         path,
@@ -115,6 +116,59 @@ def test_grammar_survives_preemption_and_async_scheduling(embedded):
     for r in reqs:
         assert r.finish_reason == FinishReason.STOP
         _validate(schema, tok.decode(r.output_token_ids))
+    assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
+
+
+def test_deferred_sampling_equals_synchronous_steps_and_keeps_a_step_in_flight(embedded):
+    """Async scheduling with grammar, penalty and plain requests in one batch: each step's
+    forward is queued before the previous step's tokens are applied, the sampling after (with
+    the bitmask of the advanced matchers). The tokens equal those of the synchronous engine
+    (same seeds), every grammar output validates, and a step stays in flight between calls
+    while the grammar requests run (the steps are not drained to synchronous ones)."""
+    path, tok = embedded
+    schema = {
+        "type": "array",
+        "items": {"enum": ["alpha", "beta", "gamma"]},
+        "minItems": 12,
+        "maxItems": 12,
+    }
+
+    def add_all(eng):
+        reqs = []
+        for i in range(4):
+            params = SamplingParams(
+                temperature=1.0, seed=i, max_tokens=120, structured_output=_json(schema)
+            )
+            reqs.append(eng.add_request(f"g{i}", tok.encode("list " * (i + 1)), params))
+        for i in range(2):
+            params = SamplingParams(temperature=1.0, seed=10 + i, max_tokens=30, ignore_eos=True)
+            reqs.append(eng.add_request(f"f{i}", tok.encode("free " * (i + 2)), params))
+        params = SamplingParams(
+            temperature=1.0, seed=20, max_tokens=30, frequency_penalty=1.0, min_tokens=5
+        )
+        reqs.append(eng.add_request("p", tok.encode("penalised"), params))
+        return reqs
+
+    sync_eng = _engine(path, tok, async_scheduling=False)
+    ref = add_all(sync_eng)
+    _run(sync_eng)
+    eng = _engine(path, tok, async_scheduling=True)
+    got = add_all(eng)
+    in_flight_with_grammar = 0
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        assert steps < 2000
+        grammar_running = any(r.request_id.startswith("g") for r in eng.scheduler.running)
+        in_flight_with_grammar += grammar_running and eng._in_flight is not None
+    for a, b in zip(ref, got):
+        assert a.output_token_ids == b.output_token_ids, a.request_id
+        assert a.finish_reason == b.finish_reason
+    for r in got[:4]:
+        assert r.finish_reason == FinishReason.STOP
+        _validate(schema, tok.decode(r.output_token_ids))
+    assert in_flight_with_grammar > 10
     assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
 
 

@@ -1,0 +1,111 @@
+"""``POST /tokenize`` and ``POST /detokenize`` in vLLM's request and response shapes.
+
+``/tokenize`` takes a ``prompt`` (encoded as ``/v1/completions`` encodes it; with
+``add_special_tokens`` the tokenizer's post-processor runs, which adds nothing for Qwen) or chat
+``messages`` (rendered by the chat template exactly as ``/v1/chat/completions`` renders them, so
+``count`` is that request's ``usage.prompt_tokens``) and returns ``tokens``, ``count``,
+``max_model_len`` and, with ``return_token_strs``, the tokens' vocabulary strings.
+``/detokenize`` turns ids back into text (special tokens kept).
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from server.chat import render_prompt
+from server.context import ServerContext
+from server.errors import APIError
+from server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from server.text_check import check_request_text
+
+
+async def parse_body(raw: Request, model_for):
+    """Read and validate a JSON body with the model ``model_for(body)`` picks.
+
+    Raises:
+        RequestValidationError: not JSON, or invalid for that model (the app's handler turns it
+            into a 400 naming the parameter).
+    """
+    data = await raw.body()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        msg = "the request body is not valid UTF-8 JSON"
+        raise APIError(400, msg, None, "invalid_text") from None
+    try:
+        body = json.loads(data)
+    except json.JSONDecodeError:
+        raise RequestValidationError(
+            [{"type": "json_invalid", "loc": ("body",), "msg": "invalid JSON"}]
+        ) from None
+    cls = model_for(body)
+    try:
+        return cls.model_validate(body)
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
+        raise RequestValidationError(errors) from None
+
+
+def _tokenize_model(body) -> type:
+    return (
+        TokenizeChatRequest
+        if isinstance(body, dict) and "messages" in body
+        else (TokenizeCompletionRequest)
+    )
+
+
+class Tokenization:
+    """The two endpoints' logic, bound to a :class:`ServerContext`."""
+
+    def __init__(self, ctx: ServerContext):
+        self.ctx = ctx
+
+    async def tokenize(self, raw: Request) -> TokenizeResponse:
+        """Raises APIError (400 / 404) or RequestValidationError."""
+        ctx = self.ctx
+        req = await parse_body(raw, _tokenize_model)
+        check_request_text(req)
+        ctx.check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            if req.continue_final_message:
+                raise APIError(
+                    400, "continue_final_message is not supported", "continue_final_message"
+                )
+            text = render_prompt(ctx.tokenizer, req)
+            param = "messages"
+        else:
+            text, param = req.prompt, "prompt"
+        if req.add_special_tokens:
+            ids = ctx.encode_with_special_tokens(text, param)
+        else:
+            ids = await ctx.encode_prompt_async(text, param)
+        strs = ctx.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return TokenizeResponse(
+            count=len(ids), max_model_len=ctx.max_model_len, tokens=ids, token_strs=strs
+        )
+
+    async def detokenize(self, raw: Request) -> DetokenizeResponse:
+        """Raises APIError (400 for an id outside the vocabulary, 404) or
+        RequestValidationError."""
+        ctx = self.ctx
+        req = await parse_body(raw, lambda _: DetokenizeRequest)
+        check_request_text(req)
+        ctx.check_model(req.model)
+        bad = next((t for t in req.tokens if not 0 <= t < ctx.vocab_size), None)
+        if bad is not None:
+            raise APIError(
+                400, f"token id {bad} is outside the vocabulary [0, {ctx.vocab_size})", "tokens"
+            )
+        return DetokenizeResponse(
+            prompt=ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)
+        )

@@ -1,0 +1,128 @@
+"""``GET /v1/models/{id}``, ``POST /tokenize`` and ``POST /detokenize`` in vLLM's shapes, against
+transformers' tokenizer and the chat endpoint's own usage counts."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from engine.loader.embedded import ensure_embedded_checkpoint
+
+MODEL = "qwen3-embedded"
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Name a colour. Ünïcödé 😀"},
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ensure_embedded_checkpoint())
+
+
+def _post(server, path: str, body) -> httpx.Response:
+    return httpx.post(server.base_url + path, json=body, timeout=60)
+
+
+def test_models_retrieve_with_the_openai_client(client):
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    assert card.model_extra.get("max_model_len") == 2048
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.models.retrieve("gpt-4o")
+    err = exc.value.body
+    assert err["param"] == "model" and err["code"] == "model_not_found"
+    listed = [m.id for m in client.models.list().data]
+    assert listed == [MODEL]
+
+
+def test_tokenize_prompt_matches_transformers(server, hf_tok):
+    text = "The capital of France is Paris. Ünïcödé 😀 <|im_end|> tail"
+    r = _post(server, "/tokenize", {"prompt": text, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    expected = hf_tok(text, add_special_tokens=True)["input_ids"]
+    assert body["tokens"] == expected and body["count"] == len(expected)
+    assert body["max_model_len"] == 2048
+    assert body["token_strs"] == hf_tok.convert_ids_to_tokens(expected)
+    plain = _post(server, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()
+    assert plain["tokens"] == hf_tok(text, add_special_tokens=False)["input_ids"]
+    assert plain["token_strs"] is None
+
+
+@pytest.mark.parametrize("with_tools", [False, True], ids=["messages", "messages+tools"])
+def test_tokenize_messages_counts_what_chat_completions_feeds_the_model(
+    server, client, hf_tok, with_tools
+):
+    extra = {"tools": TOOLS} if with_tools else {}
+    r = _post(server, "/tokenize", {"model": MODEL, "messages": MESSAGES, **extra})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    expected = hf_tok.apply_chat_template(
+        MESSAGES, tools=TOOLS if with_tools else None, add_generation_prompt=True, tokenize=True
+    )
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert body["tokens"] == expected and body["count"] == len(expected)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=1, temperature=0, **extra
+    )
+    assert chat.usage.prompt_tokens == body["count"]
+    no_prompt = _post(
+        server, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False, **extra}
+    ).json()
+    assert no_prompt["count"] < body["count"]
+    assert body["tokens"][: no_prompt["count"]] == no_prompt["tokens"]
+
+
+def test_detokenize_round_trip(server, hf_tok):
+    ids = hf_tok("Hello <|im_end|> wörld 😀")["input_ids"]
+    r = _post(server, "/detokenize", {"model": MODEL, "tokens": ids})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"prompt": hf_tok.decode(ids, skip_special_tokens=False)}
+    assert _post(server, "/detokenize", {"tokens": []}).json() == {"prompt": ""}
+
+
+@pytest.mark.parametrize(
+    "path,body,status,param",
+    [
+        ("/tokenize", {"prompt": "x", "model": "gpt-4o"}, 404, "model"),
+        ("/tokenize", {"messages": [], "model": MODEL}, 400, "messages"),
+        ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+        ("/tokenize", {"prompt": 5}, 400, "prompt"),
+        ("/tokenize", {}, 400, "prompt"),
+        (
+            "/tokenize",
+            {"messages": MESSAGES, "continue_final_message": True},
+            400,
+            "continue_final_message",
+        ),
+        ("/tokenize", "not an object", 400, None),
+        ("/detokenize", {"tokens": [1, -1]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [151936]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+        ("/detokenize", {"tokens": [1], "model": "other"}, 404, "model"),
+    ],
+)
+def test_tokenize_errors_are_openai_bodies(server, path, body, status, param):
+    r = _post(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"]
+
+
+def test_tokenize_rejects_a_body_that_is_not_json(server):
+    r = httpx.post(server.base_url + "/tokenize", content=b"{nope", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "json_invalid"

@@ -1,0 +1,131 @@
+"""Slow clients (slowloris): 200 sockets on loopback that send nothing, trickle their headers or
+trickle their body are dropped within the read deadlines (with a 408), while normal requests
+keep their latency; the connection cap answers 503 past its bound and recovers once the idle
+sockets are dropped. Every wait is bounded: the test ends by itself within ~40 s."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+import httpx
+import pytest
+
+from tests.serverproc import ServerProcess
+
+HEADER_TIMEOUT = 2.0
+BODY_TIMEOUT = 3.0
+CAP = 256
+SLACK = 2.0  # seconds past a deadline within which the socket must be gone (loaded 2-core box)
+
+
+@pytest.fixture(scope="module")
+def slow_server():
+    srv = ServerProcess(
+        "--max-model-len",
+        "512",
+        "--timeout-request-header",
+        str(HEADER_TIMEOUT),
+        "--timeout-request-body",
+        str(BODY_TIMEOUT),
+        "--limit-concurrency",
+        str(CAP),
+    ).wait_ready()
+    yield srv
+    srv.stop()
+
+
+async def _slow_client(port: int, kind: str, started: float) -> tuple[str, float, bytes]:
+    """One slow socket; returns (kind, seconds until the server closed it, what it answered)."""
+    t0 = time.monotonic()  # before connecting: the server's deadline cannot start earlier
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    if kind == "headers":
+        drip = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    elif kind == "body":
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 200\r\n"
+        writer.write(head + b"Content-Type: application/json\r\n\r\n")
+        drip = b'{"prompt": "x", "max_tokens": 1, "pad": "' + b"a" * 150
+    else:  # "silent": connects and sends nothing
+        drip = b""
+
+    async def trickle():
+        for byte in drip:
+            writer.write(bytes([byte]))
+            await writer.drain()
+            await asyncio.sleep(0.25)
+
+    task = asyncio.create_task(trickle())
+    answer = b""
+    try:
+        while True:  # until EOF: the server closing the socket
+            chunk = await asyncio.wait_for(reader.read(4096), timeout=30)
+            if not chunk:
+                break
+            answer += chunk
+    except (ConnectionError, asyncio.TimeoutError):
+        pass
+    closed_after = time.monotonic() - t0
+    task.cancel()
+    writer.close()
+    return kind, closed_after, answer
+
+
+async def _latencies(base: str, n: int) -> list[float]:
+    out = []
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        for _ in range(n):
+            t0 = time.monotonic()
+            r = await client.post(
+                "/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+            )
+            assert r.status_code == 200, r.text
+            out.append(time.monotonic() - t0)
+    return out
+
+
+def test_slow_sockets_are_dropped_and_normal_requests_keep_their_latency(slow_server):
+    async def run():
+        base = slow_server.base_url
+        baseline = await _latencies(base, 8)
+        started = time.monotonic()
+        kinds = ["silent"] * 70 + ["headers"] * 80 + ["body"] * 50
+        clients = [asyncio.create_task(_slow_client(slow_server.port, k, started)) for k in kinds]
+        await asyncio.sleep(0.5)  # all 200 connected and dripping
+        during = await _latencies(base, 8)
+        results = await asyncio.wait_for(asyncio.gather(*clients), timeout=40)
+        return baseline, during, results
+
+    baseline, during, results = asyncio.run(run())
+    assert len(results) == 200
+    for kind, closed_after, answer in results:
+        bound = (HEADER_TIMEOUT if kind != "body" else BODY_TIMEOUT) + SLACK
+        assert closed_after < bound, f"{kind} socket held {closed_after:.1f}s (bound {bound}s)"
+        if kind == "body":
+            assert closed_after >= BODY_TIMEOUT - 0.1  # its headers were in: the body deadline
+        else:
+            assert closed_after >= HEADER_TIMEOUT - 0.1
+        assert answer.startswith(b"HTTP/1.1 408 "), (kind, answer[:80])
+        assert b'"request_timeout"' in answer
+    # normal requests served during the attack as fast as before it (2-core box: generous)
+    base_median, during_median = statistics.median(baseline), statistics.median(during)
+    assert during_median < 2 * base_median + 0.25, (baseline, during)
+    r = httpx.get(slow_server.base_url + "/health", timeout=10)
+    assert r.status_code == 200
+
+
+def test_connection_cap_answers_503_and_recovers_when_idle_sockets_are_dropped(slow_server):
+    async def run():
+        idle = [await asyncio.open_connection("127.0.0.1", slow_server.port) for _ in range(CAP)]
+        await asyncio.sleep(0.2)
+        async with httpx.AsyncClient(base_url=slow_server.base_url, timeout=10) as client:
+            capped = (await client.get("/health")).status_code
+            await asyncio.sleep(HEADER_TIMEOUT + SLACK)  # the idle sockets are dropped by now
+            recovered = (await client.get("/health")).status_code
+        for _, writer in idle:
+            writer.close()
+        return capped, recovered
+
+    capped, recovered = asyncio.run(run())
+    assert capped == 503
+    assert recovered == 200

@@ -1,0 +1,133 @@
+"""The two prefill budgets of the scheduler: a larger budget for steps in which nothing decodes
+(a lone long prompt) and a cap on prompt tokens while requests decode (decode streams protected
+from long prefills). The token streams must not change: greedy outputs equal the default
+policy's, and every KV block comes back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.core.config import EngineConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.outputs import SampleOutput
+from engine.core.request import Request, SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.worker.build import build_engine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _req(rid: str, n: int, max_tokens: int, rng: random.Random) -> Request:
+    return Request(
+        rid,
+        [rng.randrange(1000) for _ in range(n)],
+        SamplingParams(max_tokens=max_tokens),
+        max_len=1 << 20,
+    )
+
+
+def _step(s: Scheduler, rng: random.Random):
+    batch = s.schedule()
+    sample = [
+        r
+        for r, n in zip(batch.requests, batch.num_new_tokens)
+        if r.num_computed_tokens + n == r.num_tokens
+    ]
+    decodes = sum(
+        1
+        for r, n in zip(batch.requests, batch.num_new_tokens)
+        if r.num_tokens - r.num_computed_tokens == 1
+        and r.num_computed_tokens >= r.num_prompt_tokens
+    )
+    prefill = sum(
+        n
+        for r, n in zip(batch.requests, batch.num_new_tokens)
+        if not (
+            r.num_tokens - r.num_computed_tokens == 1
+            and r.num_computed_tokens >= r.num_prompt_tokens
+        )
+    )
+    s.update_after_launch(batch, sample)
+    s.update_from_output(
+        sample, SampleOutput([rng.randrange(1000) for _ in sample], [None] * len(sample))
+    )
+    return batch, decodes, prefill
+
+
+@pytest.mark.parametrize("cap,solo", [(16, 512), (48, 256), (None, 2048)])
+def test_prefill_tokens_are_capped_while_decoding_and_a_lone_prefill_takes_the_larger_budget(
+    cap, solo
+):
+    rng = random.Random(cap or 0)
+    kv = KVCacheManager(4096, 16, enable_prefix_caching=False)
+    s = Scheduler(
+        kv,
+        max_num_seqs=16,
+        max_num_batched_tokens=128,
+        prefill_only_token_budget=solo,
+        max_prefill_tokens_with_decodes=cap,
+    )
+    lone = _req("lone", 3000, 4, rng)
+    s.add_request(lone)
+    first, _, prefill = _step(s, rng)
+    assert first.num_new_tokens == [min(solo, 3000)] and prefill == min(solo, 3000)
+    while lone.num_computed_tokens < lone.num_prompt_tokens:  # the rest of the lone prompt
+        batch, decodes, prefill = _step(s, rng)
+        assert decodes == 0 and prefill <= solo
+    streams = [_req(f"d{i}", 20, 120, rng) for i in range(6)]
+    for r in streams:
+        s.add_request(r)
+    for _ in range(3):
+        _step(s, rng)
+    for i in range(3):  # long prompts arrive while the streams decode
+        s.add_request(_req(f"long{i}", 900, 2, rng))
+    steps_with_prefill = 0
+    for _ in range(1000):
+        if not s.has_work():
+            break
+        batch, decodes, prefill = _step(s, rng)
+        assert sum(batch.num_new_tokens) <= (128 if decodes else solo)
+        if decodes:
+            assert prefill <= (cap if cap is not None else 128)
+            steps_with_prefill += prefill > 0
+        kv.check_integrity(list(s.requests.values()))
+    assert not s.has_work() and kv.num_free_blocks == kv.num_blocks
+    assert steps_with_prefill > 0
+
+
+def _engine(path, **kw):
+    cfg = dict(
+        model=path, block_size=8, num_kv_blocks=40, max_num_seqs=6, max_num_batched_tokens=48
+    )
+    cfg.update(kw)
+    return build_engine(EngineConfig(**cfg), eos_token_ids=frozenset())
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_outputs_equal_the_default_policy_with_long_and_short_prompts(
+    tiny_checkpoint, async_scheduling
+):
+    """Budgets change when a prompt is computed, never what is computed: greedy tokens equal the
+    default policy's (and preemption under the small cache loses nothing)."""
+    path, _ = tiny_checkpoint
+    gen = torch.Generator().manual_seed(9)
+    lengths = [150, 5, 90, 12, 3, 170, 40, 7]
+    prompts = [torch.randint(0, 384, (n,), generator=gen).tolist() for n in lengths]
+    params = [SamplingParams(temperature=0.0, max_tokens=12 + i % 5) for i in range(len(prompts))]
+    ref = _engine(path, num_kv_blocks=512, async_scheduling=async_scheduling)
+    want = ref.generate(prompts, params)
+    eng = _engine(
+        path,
+        prefill_only_token_budget=200,
+        max_prefill_tokens_with_decodes=8,
+        async_scheduling=async_scheduling,
+    )
+    got = eng.generate(prompts, params)
+    assert got == want
+    assert eng.scheduler.num_preemptions > 0, "the small cache is meant to force preemptions"
+    kv = eng.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+    kv.check_integrity()
