@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default=_env("model"),
         help="local Hugging Face checkpoint directory "
-        "(config.json, tokenizer.json, *.safetensors; hub names are not downloaded); "
+        "(config.json, tokenizer.json, *.safetensors; hub names are not downloaded) "
+        "or a Qwen2/Qwen3 GGUF file (dequantized at load); "
         "unset: the embedded random-weight Qwen3",
     )
     a("--host", default=_env("host", "127.0.0.1"), help="address to listen on")

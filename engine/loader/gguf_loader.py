@@ -90,11 +90,56 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def _reader(path: str | Path):
+    """A ``gguf.GGUFReader`` of ``path`` (memory-mapped; tensor data is read lazily).
+
+    Raises:
+        ImportError: the ``gguf`` package is missing (a main dependency; named with the fix).
+    """
     try:
         from gguf import GGUFReader
-    except ImportError as exc:  # pragma: no cover - a declared dependency
-        raise RuntimeError("serving a GGUF file needs the `gguf` package") from exc
+    except ImportError as exc:  # pragma: no cover - a main dependency of the project
+        raise ImportError(
+            f"reading the GGUF file {path} needs the `gguf` package (llama.cpp's gguf-py), a "
+            "dependency of this project: `pip install 'gguf>=0.10'` or reinstall the project"
+        ) from exc
     return GGUFReader(str(path))
+
+
+def _can_dequantize(type_name: str) -> bool:
+    """Whether gguf-py dequantizes tensors of ggml type ``type_name`` (probed on one zero
+    block, since gguf-py raises NotImplementedError only when called)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType[type_name]
+    if qtype not in GGML_QUANT_SIZES:
+        return False
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    try:
+        dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+    except (NotImplementedError, KeyError, ValueError):
+        return False
+    return True
+
+
+def check_tensor_types(meta: dict[str, Any]) -> None:
+    """Refuse, before any weight is read, a GGUF with a tensor gguf-py cannot dequantize.
+
+    Args:
+        meta: :func:`read_gguf_metadata` of the file.
+
+    Raises:
+        ValueError: naming the first such tensor, its type, and every type of the file that
+            cannot be dequantized (e.g. ``Q8_1``, ``Q8_K``, integer or float64 tensors).
+    """
+    types = {ty for ty, _ in meta["__tensors__"].values()}
+    bad = sorted(ty for ty in types if not _can_dequantize(ty))
+    if bad:
+        name = next(n for n, (ty, _) in meta["__tensors__"].items() if ty in bad)
+        raise ValueError(
+            f"GGUF tensor {name} has type {meta['__tensors__'][name][0]}, which gguf-py cannot "
+            f"dequantize (unsupported tensor types in this file: {', '.join(bad)})"
+        )
 
 
 def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
@@ -157,7 +202,8 @@ def gguf_hf_config(meta: dict[str, Any]) -> dict[str, Any]:
         "max_position_embeddings": int(key("context_length")),
         "tie_word_embeddings": tied,
         "hidden_act": "silu",
-        "torch_dtype": "float32",
+        # the serving dtype on CUDA (the CPU serves float32); ``--dtype`` overrides
+        "torch_dtype": "bfloat16",
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
@@ -194,7 +240,9 @@ def gguf_tokenizer_json(meta: dict[str, Any]) -> dict[str, Any]:
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     vocab = {
-        _spelled(t, alphabet, spelling): i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == NORMAL
+        _spelled(t, alphabet, spelling): i
+        for i, (t, ty) in enumerate(zip(tokens, types))
+        if ty == NORMAL
     }
     if sorted(vocab.values()) != list(range(len(vocab))):
         raise ValueError("GGUF NORMAL tokens are not the ids 0..n-1 (or two share a spelling)")
@@ -270,6 +318,9 @@ def gguf_tokenizer_json(meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+_ADDED_TOKEN_KEYS = ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
+
+
 def gguf_tokenizer_config(meta: dict[str, Any], tokenizer_json: dict[str, Any]) -> dict[str, Any]:
     """``tokenizer_config.json``: chat template, eos/pad/bos token texts from the GGUF ids.
 
@@ -290,12 +341,7 @@ def gguf_tokenizer_config(meta: dict[str, Any], tokenizer_json: dict[str, Any]) 
     return {
         "add_bos_token": add_bos,
         "add_prefix_space": False,
-        "added_tokens_decoder": {
-            str(a["id"]): {
-                k: a[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
-            }
-            for a in added
-        },
+        "added_tokens_decoder": {str(a["id"]): {k: a[k] for k in _ADDED_TOKEN_KEYS} for a in added},
         "additional_special_tokens": [
             a["content"]
             for a in added
@@ -348,14 +394,14 @@ def hf_tensor_name(name: str) -> str:
     ``model.layers.3.self_attn.q_proj.weight``).
 
     Raises:
-        KeyError: a tensor this mapping does not know (named).
+        ValueError: a tensor this mapping does not know (named).
     """
     parts = name.split(".")
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in TENSOR_NAMES:
         return f"model.layers.{parts[1]}.{TENSOR_NAMES[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in TENSOR_NAMES and not parts[0].startswith(("attn", "ffn")):
         return f"{TENSOR_NAMES[parts[0]]}.{parts[1]}"
-    raise KeyError(f"GGUF tensor {name} has no Qwen2/Qwen3 counterpart")
+    raise ValueError(f"GGUF tensor {name} has no Qwen2/Qwen3 counterpart")
 
 
 def gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -363,8 +409,7 @@ def gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     dequantized by gguf-py (``gguf.quants.dequantize``).
 
     Raises:
-        ValueError: a tensor type gguf-py cannot dequantize (named).
-        KeyError: an unknown tensor name.
+        ValueError: a tensor type gguf-py cannot dequantize, or an unknown tensor name (named).
     """
     from gguf.quants import dequantize
 
@@ -378,7 +423,8 @@ def gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 f"dequantized here ({exc})"
             ) from None
         shape = tuple(int(d) for d in reversed(t.shape))
-        yield name, torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).reshape(shape)
+        # a copy: F32 tensors are read-only views of the memory-mapped file
+        yield name, torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
 
 
 def write_gguf_files(gguf_path: str | Path, out_dir: str | Path) -> dict[str, Any]:
@@ -389,13 +435,18 @@ def write_gguf_files(gguf_path: str | Path, out_dir: str | Path) -> dict[str, An
         the metadata (:func:`read_gguf_metadata`).
 
     Raises:
-        ValueError: what the config, tokenizer and generation builders raise.
+        ValueError: an architecture other than qwen2/qwen3, a tensor type gguf-py cannot
+            dequantize, a tensor name with no Hugging Face counterpart, or what the tokenizer
+            builders raise (each names the key, tensor or type).
     """
     from tokenizers import Tokenizer
 
     out = Path(out_dir)
     meta = read_gguf_metadata(gguf_path)
     cfg = gguf_hf_config(meta)
+    check_tensor_types(meta)
+    for name in meta["__tensors__"]:
+        hf_tensor_name(name)  # ValueError naming a tensor the model would not load
     cfg["gguf_file"] = str(Path(gguf_path).resolve())
     tj = gguf_tokenizer_json(meta)
     tok_cfg = gguf_tokenizer_config(meta, tj)

@@ -1,9 +1,11 @@
-"""Load Hugging Face safetensors checkpoints into an engine model through its parameters'
+"""Load Hugging Face safetensors checkpoints (or the GGUF file a prepared GGUF model directory
+names, see :mod:`engine.loader.gguf_loader`) into an engine model through its parameters'
 weight loaders (fused q/k/v and gate/up shards, tensor-parallel slices)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -31,6 +33,28 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"no safetensors weights in {d}")
     return files
+
+
+def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) of every checkpoint tensor, one at a time: from the GGUF file
+    that the directory's config.json names in ``"gguf_file"`` (dequantized to float32, see
+    :func:`engine.loader.gguf_loader.gguf_tensors`), else from its safetensors files (stored
+    dtype, CPU).
+
+    Raises:
+        FileNotFoundError: no weights. ValueError: a GGUF tensor type that cannot be dequantized,
+            or a GGUF tensor with no Hugging Face counterpart.
+    """
+    from engine.loader.gguf_loader import gguf_file_of, gguf_tensors
+
+    gguf_file = gguf_file_of(model_dir)
+    if gguf_file is not None:
+        yield from gguf_tensors(gguf_file)
+        return
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
 
 
 def parameter_target(model: nn.Module, name: str) -> tuple[str, object]:
@@ -87,26 +111,22 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     """
     params = dict(model.named_parameters())
     loaded: dict[str, list] = {}
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if model.skip_checkpoint_tensor(name):
-                    continue
-                for target, shard, tensor in checkpoint_shards(model, name, f.get_tensor(name)):
-                    param = params.get(target)
-                    if param is None:
-                        raise KeyError(
-                            f"checkpoint tensor {name} matches no model parameter ({target})"
-                        )
-                    if shard in loaded.setdefault(target, []):
-                        raise ValueError(f"checkpoint tensor {name} loaded twice")
-                    _check_quantized_dtype(name, tensor, param)
-                    loader = getattr(param, "weight_loader", default_weight_loader)
-                    try:
-                        loader(param, tensor, shard)
-                    except ValueError as exc:
-                        raise ValueError(f"{name}: {exc}") from None
-                    loaded[target].append(shard)
+    for name, full in checkpoint_tensors(model_dir):
+        if model.skip_checkpoint_tensor(name):
+            continue
+        for target, shard, tensor in checkpoint_shards(model, name, full):
+            param = params.get(target)
+            if param is None:
+                raise KeyError(f"checkpoint tensor {name} matches no model parameter ({target})")
+            if shard in loaded.setdefault(target, []):
+                raise ValueError(f"checkpoint tensor {name} loaded twice")
+            _check_quantized_dtype(name, tensor, param)
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor, shard)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+            loaded[target].append(shard)
     missing = [
         n
         for n, p in params.items()
