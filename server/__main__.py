@@ -314,6 +314,14 @@ def build_parser() -> argparse.ArgumentParser:
         "without their weights; the outputs are meaningless)",
     )
     a(
+        "--quantization",
+        default=_env("quantization", "auto"),
+        choices=["auto", "fp8"],
+        help="auto: serve the checkpoint as stored (a block-FP8 checkpoint in FP8); fp8: also "
+        "quantize a bf16/fp16/fp32 checkpoint (or a GGUF) at load into 128x128-block FP8 "
+        "linear layers (with --load-format dummy: FP8 random weights)",
+    )
+    a(
         "--seed",
         type=int,
         default=_env("seed", 0),

@@ -79,6 +79,7 @@ def build_context(args: argparse.Namespace) -> ServerContext:
         else (None if args.compile_mode == "auto" else args.compile_mode),
         load_format=args.load_format,
         seed=args.seed,
+        quantization=getattr(args, "quantization", None),
     )
     model_config = ModelConfig.from_hf(model_dir)
     tokenizer = Tokenizer(model_dir)
