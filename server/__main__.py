@@ -118,11 +118,19 @@ class _EnvCheckedParser(argparse.ArgumentParser):
             self.error(f"argument --device: invalid device {device!r} (auto, cpu, cuda or cuda:N)")
         model = getattr(ns, "model", None)
         if model is not None and not os.path.isdir(model):
-            self.error(
-                f"argument --model: {model!r} is not a local directory; "
-                "give a checkpoint directory "
-                "(hub names are not downloaded), or leave it unset for the embedded model"
-            )
+            if os.path.isfile(model):
+                with open(model, "rb") as f:
+                    if f.read(4) != b"GGUF":
+                        self.error(
+                            f"argument --model: {model!r} is a file but not a GGUF file; give "
+                            "a checkpoint directory or a .gguf file"
+                        )
+            else:
+                self.error(
+                    f"argument --model: {model!r} is not a local directory or GGUF file; "
+                    "give a checkpoint directory or a .gguf file "
+                    "(hub names are not downloaded), or leave it unset for the embedded model"
+                )
         return ns, extra
 
 

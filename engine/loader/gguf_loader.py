@@ -19,9 +19,14 @@ The file is read with the ``gguf`` package (gguf-py, llama.cpp's own Python read
   that only pad the embedding) are left out, and the NFC normalizer of Qwen's tokenizers is
   set (GGUF has no field for it; text already in NFC, e.g. ASCII, is unaffected).
 * **chat template, special tokens, EOS**: ``tokenizer.chat_template``; eos/bos/pad from
-  ``tokenizer.ggml.*_token_id``; generation ends at ``eos_token_id`` (plus ``eot_token_id`` /
-  ``eom_token_id`` when present), which is what transformers uses for the same file; sampling
+  ``tokenizer.ggml.*_token_id``; generation ends at ``eos_token_id`` (transformers' only EOS
+  for the same file), ``eot_token_id`` / ``eom_token_id`` when present, and the CONTROL tokens
+  llama.cpp also ends at (``<|im_end|>``, ``<|endoftext|>``...: :data:`EOG_TEXTS`); sampling
   defaults only from ``general.sampling.*`` keys (none are invented).
+* **refusals** (``ValueError`` naming the key, tensor or type, before any weight is read): an
+  architecture other than qwen2/qwen3, rope scaling, a tensor type gguf-py cannot dequantize
+  (:func:`check_tensor_types`), a tensor with no Hugging Face name, a tokenizer other than
+  byte-level BPE with Qwen2's pre-tokenizer.
 
 The engine reads configs and tokenizers from a directory, so :func:`prepare_gguf_model_dir`
 writes these small derived files (config.json with ``"gguf_file"``, tokenizer.json,
@@ -49,7 +54,7 @@ from engine.loader.embedded import bytes_to_unicode, default_cache_root
 
 GGUF_MAGIC = b"GGUF"
 #: bump when the derived files change, so cached folders are rebuilt
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 #: ``general.architecture`` -> (model_type, architectures entry)
 ARCHITECTURES = {"qwen2": ("qwen2", "Qwen2ForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM")}
 #: llama.cpp's token types (``llama_token_type``)
@@ -370,15 +375,30 @@ SAMPLING_KEYS = {
 }
 
 
+#: texts llama.cpp also treats as end of generation when they are CONTROL tokens
+#: (``llama_vocab::load``: its end-of-generation set beyond the eos/eot/eom ids)
+EOG_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+
+
 def gguf_generation_config(meta: dict[str, Any]) -> dict[str, Any]:
-    """``generation_config.json``: bos/pad ids, the EOS ids of the file (``eos_token_id``, then
-    ``eot_token_id``/``eom_token_id`` when present) and sampling defaults from
-    ``general.sampling.*`` (none when the file has none)."""
+    """``generation_config.json`` of a GGUF.
+
+    Returns:
+        dict with ``eos_token_id``: the file's ``eos_token_id`` first, then
+        ``eot_token_id``/``eom_token_id`` when present, then the CONTROL tokens whose text
+        llama.cpp also ends generation at (:data:`EOG_TEXTS`; for Qwen's GGUFs
+        ``<|im_end|>`` 151645 and ``<|endoftext|>`` 151643, the EOS list of the Hub's
+        generation configs); ``bos_token_id``/``pad_token_id`` when the file has them;
+        sampling defaults only from ``general.sampling.*`` (none invented).
+    """
     eos = [
         meta[f"tokenizer.ggml.{k}"]
         for k in ("eos_token_id", "eot_token_id", "eom_token_id")
         if meta.get(f"tokenizer.ggml.{k}") is not None
     ]
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    types = meta.get("tokenizer.ggml.token_type") or []
+    eos += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t in EOG_TEXTS]
     gen: dict[str, Any] = {"eos_token_id": list(dict.fromkeys(int(i) for i in eos))}
     for k, name in (("bos_token_id", "bos_token_id"), ("padding_token_id", "pad_token_id")):
         if meta.get(f"tokenizer.ggml.{k}") is not None:
