@@ -134,8 +134,9 @@ def test_tokenizer_config_and_eos_from_the_metadata(tmp_path):
         messages, add_generation_prompt=True, tokenize=True, return_dict=True
     )["input_ids"]
     assert tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True)) == want
-    im_end = 256 + 8 + 2
-    assert im_end in tok.eos_token_ids
+    # <|im_end|> (the file's eos_token_id) and <|endoftext|> (llama.cpp's end-of-generation
+    # texts); <|im_start|> is a CONTROL token that ends nothing
+    assert tok.eos_token_ids == {256 + 8 + 2, 256 + 8}
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["model_type"] == "qwen2" and cfg["tie_word_embeddings"] is False
     assert cfg["attention_bias"] is True and cfg["num_key_value_heads"] == 2
@@ -155,3 +156,31 @@ def test_refuses_tensor_types_gguf_py_cannot_dequantize(tmp_path):
     assert not (tmp_path / "cache" / "gguf").exists() or not any(
         (p / "config.json").exists() for p in (tmp_path / "cache" / "gguf").iterdir()
     )
+
+
+def test_build_script_conversion_equals_transformers_reading_the_gguf(gguf_case, tmp_path):
+    """scripts/build_real_checkpoint.py converts with the same functions: its float32
+    directory, loaded by transformers, equals transformers' model of the GGUF."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    path, ref, _, _ = gguf_case
+    script = Path(__file__).resolve().parents[2] / "scripts" / "build_real_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("build_real_checkpoint", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "converted"
+    out.mkdir()
+    facts = mod.convert_model(Path(path), out, "float32")
+    cfg = json.loads((out / "config.json").read_text())
+    assert "gguf_file" not in cfg and cfg["torch_dtype"] == "float32"
+    assert facts["tied"] == ref.config.tie_word_embeddings
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["temperature"] == mod.DEFAULT_SAMPLING["temperature"]  # the script's policy
+    converted = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ids = torch.tensor([[257, 40, 263, 70, 266, 12, 300]])
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
