@@ -184,3 +184,28 @@ def test_build_script_conversion_equals_transformers_reading_the_gguf(gguf_case,
     ids = torch.tensor([[257, 40, 263, 70, 266, 12, 300]])
     with torch.no_grad():
         torch.testing.assert_close(converted(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_quantization_fp8_of_a_gguf_equals_fp8_of_the_same_safetensors(tmp_path):
+    """``--quantization fp8`` on a GGUF: block FP8 of its dequantized weights, the same
+    engine logits as ``--quantization fp8`` on a safetensors directory holding those weights
+    (the tiny FP8 shape of tests/fp8_checkpoint.py: whole 128-blocks)."""
+    from tests.fp8_checkpoint import write_hf_qwen3
+
+    hf = write_hf_qwen3(tmp_path / "hf")
+    path = write_tiny_gguf(tmp_path / "fp8.gguf", hf, "qwen3", "F32")
+
+    def logits(model):
+        eng = build_engine(
+            EngineConfig(model=str(model), num_kv_blocks=32, block_size=16, quantization="fp8"),
+            eos_token_ids=frozenset(),
+        )
+        assert eng.executor.model_config.quantization is not None
+        eng.add_request("r", [257, 40, 263, 70, 266, 12], SamplingParams(max_tokens=1))
+        return logits_for(eng, eng.scheduler.schedule())
+
+    from_gguf, from_dir = logits(path), logits(tmp_path / "hf")
+    torch.testing.assert_close(from_gguf, from_dir, rtol=0, atol=1e-5)
+    with torch.no_grad():
+        full = hf(torch.tensor([[257, 40, 263, 70, 266, 12]])).logits[0]
+    assert ((from_gguf - full).norm() / full.norm()).item() > 1e-4  # it is quantized
