@@ -12,6 +12,7 @@ from engine.core.config import EngineConfig, ModelConfig, read_generation_config
 from engine.frontend.async_engine import AsyncEngine
 from engine.frontend.launch import start_engine_core
 from engine.frontend.tokenizer import Tokenizer
+from engine.loader.gguf_loader import is_gguf, resolve_model_path
 from server.context import ServerContext
 from server.metrics import ServerMetrics
 from server.params import generation_defaults
@@ -31,6 +32,10 @@ def resolve_device(name: str) -> str:
 def build_context(args: argparse.Namespace) -> ServerContext:
     """Load the checkpoint (or build the embedded one) and wire engine, tokenizer and metrics.
 
+    ``--model`` is a checkpoint directory or a GGUF file (served from the directory
+    :func:`engine.loader.gguf_loader.prepare_gguf_model_dir` derives from it, under the model
+    name of the file, e.g. ``model-q4_k_m.gguf``).
+
     Raises:
         FileNotFoundError / ValueError: unreadable or unsupported checkpoint, bad settings.
     """
@@ -47,6 +52,9 @@ def build_context(args: argparse.Namespace) -> ServerContext:
         name = args.served_model_name or "qwen3-embedded"
     else:
         name = args.served_model_name or Path(model_dir).resolve().name
+        if is_gguf(model_dir):
+            log.info("GGUF file %s: weights dequantized at load (gguf-py)", model_dir)
+            model_dir = resolve_model_path(model_dir)
     device = resolve_device(args.device)
     config = EngineConfig(
         model=model_dir,
@@ -71,6 +79,7 @@ def build_context(args: argparse.Namespace) -> ServerContext:
         else (None if args.compile_mode == "auto" else args.compile_mode),
         load_format=args.load_format,
         seed=args.seed,
+        quantization=getattr(args, "quantization", None),
     )
     model_config = ModelConfig.from_hf(model_dir)
     tokenizer = Tokenizer(model_dir)

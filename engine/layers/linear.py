@@ -11,6 +11,11 @@ Every parameter gets a ``weight_loader(param, tensor, shard_id)`` that copies th
 of a full checkpoint tensor into it (vLLM's and nano-vllm's convention), and ``shard_ids``, the
 shards it expects (the loader checks that each was loaded once). With ``tp_size == 1`` (today's
 engine) every layer is a plain ``F.linear``.
+
+``quant_config`` (an ``engine.core.config.QuantizationConfig`` or None): a quantized layer's
+``quant_method`` (``engine.layers.quantization``) creates its parameters (block FP8: a float8
+``weight`` and a float32 ``weight_scale_inv``), loads checkpoint tensors into them through the
+layer's own ``weight_loader`` and runs its forward.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.layers.quantization import make_quant_method
 
 
 def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
@@ -54,6 +61,7 @@ class LinearBase(nn.Module):
     Args:
         input_size, output_size: the full layer's features; bias: whether it has one.
         tp_rank, tp_size: this rank and the number of ranks (1: not split).
+        quant_config: the model's quantization or None (see the module docstring).
     """
 
     def __init__(
@@ -66,12 +74,17 @@ class LinearBase(nn.Module):
         *,
         in_per_rank: int,
         out_per_rank: int,
+        quant_config=None,
     ):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.weight = nn.Parameter(torch.empty(out_per_rank, in_per_rank))
-        self.weight.weight_loader = self.weight_loader
+        self.quant_method = make_quant_method(quant_config)
+        if self.quant_method is None:
+            self.weight = nn.Parameter(torch.empty(out_per_rank, in_per_rank))
+            self.weight.weight_loader = self.weight_loader
+        else:
+            self.quant_method.create_weights(self, out_per_rank, in_per_rank)
         self.weight.shard_ids = (None,)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_per_rank))
@@ -82,6 +95,8 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in_per_rank]`` -> ``[..., out_per_rank]`` in x's dtype."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
@@ -91,9 +106,14 @@ class LinearBase(nn.Module):
 class ReplicatedLinear(LinearBase):
     """A linear layer every rank holds whole."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_config=None):
         super().__init__(
-            input_size, output_size, bias, in_per_rank=input_size, out_per_rank=output_size
+            input_size,
+            output_size,
+            bias,
+            in_per_rank=input_size,
+            out_per_rank=output_size,
+            quant_config=quant_config,
         )
 
 
@@ -111,6 +131,7 @@ class ColumnParallelLinear(LinearBase):
         bias: bool = False,
         tp_rank: int = 0,
         tp_size: int = 1,
+        quant_config=None,
     ):
         super().__init__(
             input_size,
@@ -120,6 +141,7 @@ class ColumnParallelLinear(LinearBase):
             tp_size,
             in_per_rank=input_size,
             out_per_rank=_split(output_size, tp_size, "output features"),
+            quant_config=quant_config,
         )
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
@@ -144,9 +166,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         tp_rank: int = 0,
         tp_size: int = 1,
+        quant_config=None,
     ):
         self.output_sizes = [_split(s, tp_size, "output features") for s in output_sizes]
-        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size, quant_config)
         shards = tuple(range(len(output_sizes)))
         self.weight.shard_ids = shards
         if self.bias is not None:
@@ -181,6 +204,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         tp_rank: int = 0,
         tp_size: int = 1,
+        quant_config=None,
     ):
         self.head_dim = head_dim
         self.num_heads = _split(num_heads, tp_size, "attention heads")
@@ -203,6 +227,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             tp_size,
             in_per_rank=hidden_size,
             out_per_rank=self.q_size + 2 * self.kv_size,
+            quant_config=quant_config,
         )
         self.weight.shard_ids = ("q", "k", "v")
         if self.bias is not None:
@@ -244,6 +269,7 @@ class RowParallelLinear(LinearBase):
         bias: bool = False,
         tp_rank: int = 0,
         tp_size: int = 1,
+        quant_config=None,
     ):
         super().__init__(
             input_size,
@@ -253,6 +279,7 @@ class RowParallelLinear(LinearBase):
             tp_size,
             in_per_rank=_split(input_size, tp_size, "input features"),
             out_per_rank=output_size,
+            quant_config=quant_config,
         )
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:

@@ -30,8 +30,23 @@ def init_random_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
     Each parameter is drawn on its own device (no host copy) by a generator seeded with
     :func:`parameter_seed`: one seed on one device type gives the same weights in every run
     (CPU and CUDA generators differ, so a CPU and a GPU build do not match each other).
+
+    A quantized linear layer (a ``quant_method`` with ``init_random``, e.g. block FP8) draws
+    N(0, std) in float32 from its weight's seed and stores the quantized weight and scales.
     """
+    quantized = set()
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is None:
+            continue
+        weight = f"{name}.weight" if name else "weight"
+        gen = torch.Generator(device=module.weight.device)
+        gen.manual_seed(parameter_seed(seed, weight))
+        method.init_random(module, gen, std)
+        quantized.update((weight, f"{name}.weight_scale_inv" if name else "weight_scale_inv"))
     for name, p in model.named_parameters():
+        if name in quantized:
+            continue
         if name.endswith("norm.weight"):
             p.fill_(1.0)
             continue

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from engine.core.config import EngineConfig, ModelConfig, eos_ids_from
 from engine.core.llm_engine import LLMEngine
+from engine.loader.gguf_loader import resolve_model_path
 from engine.worker.model_runner import ModelRunner
 
 
@@ -12,12 +15,18 @@ def build_engine(config: EngineConfig, eos_token_ids: frozenset[int] | None = No
     """The engine for ``config.model`` on ``config.device``.
 
     Args:
-        config: engine settings (``config.model`` is the checkpoint directory).
+        config: engine settings (``config.model`` is the checkpoint directory, or a GGUF
+            file: its prepared directory is used, see
+            :func:`engine.loader.gguf_loader.prepare_gguf_model_dir`).
         eos_token_ids: ids ending generation; None: the checkpoint's generation config.
 
     Raises:
-        FileNotFoundError, ValueError: an unreadable or unsupported checkpoint, bad settings.
+        FileNotFoundError, ValueError: an unreadable or unsupported checkpoint (a GGUF of
+            another architecture or with tensor types gguf-py cannot dequantize), bad settings.
     """
+    model = resolve_model_path(config.model)
+    if model != config.model:
+        config = dataclasses.replace(config, model=model)
     model_config = ModelConfig.from_hf(config.model)
     runner = ModelRunner(model_config, config)
     eos = eos_token_ids if eos_token_ids is not None else eos_ids_from(config.model)

@@ -9,6 +9,7 @@ the host without waiting (:class:`StepHandle`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from engine.attention.registry import default_backend_name
-from engine.core.config import CacheInfo, EngineConfig, ModelConfig
+from engine.core.config import CacheInfo, EngineConfig, ModelConfig, resolve_quantization
 from engine.core.outputs import SampleOutput
 from engine.core.request import Request, SamplingParams
 from engine.core.scheduler import ScheduledBatch
@@ -80,14 +81,18 @@ class ModelRunner:
 
     Args:
         model_config: architecture; config: engine settings (``load_format="dummy"``: no
-            checkpoint is read, weights are drawn on the device from ``config.seed``).
+            checkpoint is read, weights are drawn on the device from ``config.seed``;
+            ``quantization``: see ``engine.core.config.resolve_quantization``).
 
     Raises:
-        ValueError: an unsupported architecture, dtype or attention backend, a checkpoint that
-            does not match the model, or a KV cache budget that holds no block.
+        ValueError: an unsupported architecture, dtype, quantization or attention backend, a
+            checkpoint that does not match the model, or a KV cache budget that holds no block.
     """
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig):
+        model_config = dataclasses.replace(
+            model_config, quantization=resolve_quantization(model_config, config.quantization)
+        )
         self.model_config = model_config
         self.config = config
         self.device = torch.device(config.device)
@@ -112,6 +117,21 @@ class ModelRunner:
         else:
             load_weights(model, config.model)
         self.model = model.eval()
+        if model_config.quantization is not None:
+            from engine.layers.quantization import fp8_backend
+
+            backend = fp8_backend(self.device)
+            log.info(
+                "block FP8 linear layers (%s, 128x128 weight blocks, activations per token in "
+                "groups of 128): %s",
+                "from the checkpoint"
+                if model_config.quantization.checkpoint_quantized
+                else "quantized at load",
+                "Triton FP8 GEMM"
+                if backend == "triton"
+                else f"reference path: no FP8 matmul on {self.device}, weights dequantized to "
+                "float32 at every call",
+            )
         log.info(
             "%s (%s): %s",
             model_config.architecture,
