@@ -271,3 +271,94 @@ def apply_token_bitmask_ref(
     allowed = ((words >> (cols & 31).to(torch.int32)) & 1).bool()
     sub = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
     return logits.index_copy_(0, rows, sub)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block FP8 (DeepSeek-V3's fine-grained recipe): float8_e4m3fn weights with one float32 scale per
+# 128 x 128 block, activations quantized per token in groups of 128 features.
+# ---------------------------------------------------------------------------------------------
+
+#: largest finite float8_e4m3fn value
+FP8_MAX = 448.0
+#: floor of a group's absolute maximum (an all-zero group gets a finite scale)
+FP8_AMAX_EPS = 1e-10
+
+
+def fp8_group_quant_ref(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token-group quantization of activations (the kernels' exact arithmetic).
+
+    For each row and each group of ``group`` consecutive features (the last one may be short):
+    ``inv = 448 / max(amax, 1e-10)``, ``q = clamp(x * inv, -448, 448)`` rounded to
+    float8_e4m3fn (round to nearest even), ``s = 1 / inv``; so ``x ~= q * s``. The scale is
+    written as transformers' ``Fp8Quantize`` writes weight scales (``1 / (448 / amax)``), which
+    needs one division per group instead of one per element.
+
+    Args:
+        x: ``[M, K]`` float (any float dtype; upcast to float32 first).
+
+    Returns:
+        ``q`` float8_e4m3fn ``[M, K]`` and ``s`` float32 ``[M, ceil(K / group)]``.
+    """
+    m, k = x.shape
+    kb = -(-k // group)
+    xf = x.float()
+    pad = torch.nn.functional.pad(xf, (0, kb * group - k)).view(m, kb, group)
+    amax = pad.abs().amax(dim=2).clamp(min=FP8_AMAX_EPS)
+    # tensor / tensor: IEEE division (torch's CPU ``scalar / tensor`` may differ by an ulp)
+    inv = torch.full_like(amax, FP8_MAX) / amax
+    q = (pad * inv[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(m, kb * group)[:, :k].contiguous(), torch.ones_like(inv) / inv
+
+
+def fp8_block_dequant_ref(
+    w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> torch.Tensor:
+    """``w`` float8 ``[N, K]`` times its block scales ``[ceil(N / bn), ceil(K / bk)]`` -> float32
+    ``[N, K]`` (partial edge blocks take their block's scale)."""
+    n, k = w.shape
+    s = scale.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return w.float() * s
+
+
+def fp8_block_matmul_ref(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    w: torch.Tensor,
+    ws: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``(xq * xs) @ (w * ws)^T (+ bias)`` in float32, cast to ``out_dtype``.
+
+    Args:
+        xq: float8 ``[M, K]``, xs: float32 ``[M, ceil(K / block[1])]`` (per-token groups).
+        w: float8 ``[N, K]``, ws: float32 ``[ceil(N / block[0]), ceil(K / block[1])]``.
+        bias: ``[N]`` or None.
+
+    Returns:
+        ``[M, N]`` in ``out_dtype``.
+    """
+    k = xq.shape[1]
+    x = xq.float() * xs.float().repeat_interleave(block[1], 1)[:, :k]
+    out = x @ fp8_block_dequant_ref(w, ws, block).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def fp8_linear_ref(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    ws: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block: tuple[int, int] = (128, 128),
+) -> torch.Tensor:
+    """One block-FP8 linear layer as the kernels compute it: ``x [..., K]`` quantized per token
+    group (:func:`fp8_group_quant_ref`), multiplied with the dequantized weight in float32, bias
+    added, cast to ``x.dtype``; ``[..., N]``. The engine's FP8 path where no FP8 matmul exists
+    (CPU, GPUs before sm_89)."""
+    lead = x.shape[:-1]
+    xq, xs = fp8_group_quant_ref(x.reshape(-1, x.shape[-1]), block[1])
+    out = fp8_block_matmul_ref(xq, xs, w, ws, block, bias, x.dtype)
+    return out.reshape(*lead, w.shape[0])

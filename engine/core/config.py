@@ -8,6 +8,7 @@ that fit in memory are not stored here; the model runner returns them in :class:
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,94 @@ DEFAULT_ARCHITECTURES = {
 #: values of ``EngineConfig.load_format``: weights from the checkpoint's safetensors ("auto"), or
 #: random weights from ``EngineConfig.seed`` generated on the device (benchmarks, no files)
 LOAD_FORMATS = ("auto", "dummy")
+
+#: values of ``EngineConfig.quantization`` besides None (the checkpoint's own format)
+QUANTIZATION_METHODS = ("fp8",)
+
+#: the one FP8 weight block the kernels take: ``[block_n, block_k]`` (DeepSeek-V3, Qwen3-FP8)
+FP8_BLOCK = (128, 128)
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """How the linear layers of a model are quantized (today: block FP8 only).
+
+    The format is DeepSeek-V3's fine-grained FP8 (DeepSeek-AI, *DeepSeek-V3 Technical Report*,
+    2024, section 3.3), as Qwen's ``-FP8`` releases store it and transformers'
+    ``FineGrainedFP8Config`` reads it: each linear ``weight`` is float8_e4m3fn ``[out, in]``
+    with a float32 ``weight_scale_inv`` ``[ceil(out / 128), ceil(in / 128)]`` (the weight is
+    ``weight * scale`` block by block), and activations are quantized on the fly per token in
+    groups of 128 features (``activation_scheme="dynamic"``).
+
+    Attributes:
+        method: "fp8".
+        weight_block_size: ``(block_n, block_k)``, always :data:`FP8_BLOCK`.
+        modules_to_not_convert: module names (checkpoint names, e.g. ``"lm_head"`` or
+            ``"model.layers.0.mlp.gate"``) left unquantized; matched like transformers'
+            ``should_convert_module`` (:meth:`skips`).
+        checkpoint_quantized: True when the checkpoint stores FP8 weights and scales; False when
+            a high-precision checkpoint is quantized at load (``--quantization fp8``).
+    """
+
+    method: str
+    weight_block_size: tuple[int, int] = FP8_BLOCK
+    modules_to_not_convert: tuple[str, ...] = ()
+    checkpoint_quantized: bool = True
+
+    def skips(self, module_name: str) -> bool:
+        """Whether checkpoint module ``module_name`` stays unquantized: a pattern matches it from
+        the start up to a module boundary (as a regex: ``"layer.1"`` matches ``"layer.1.attn"``,
+        not ``"layer.11.attn"``), or it ends with a pattern (transformers' rule)."""
+        boundary = r"(?:(?<=\.)|(?=\.|$))"
+        return any(
+            re.match(rf"(?:{key}){boundary}", module_name) or module_name.endswith(key)
+            for key in self.modules_to_not_convert
+        )
+
+    @staticmethod
+    def from_hf(qc: dict) -> QuantizationConfig:
+        """Read a config.json ``quantization_config``.
+
+        Raises:
+            ValueError: a method other than ``fp8`` (naming it), a format other than e4m3, a
+                static activation scheme, no or another ``weight_block_size`` than
+                ``[128, 128]``, or power-of-two (ue8m0) scales.
+        """
+        method = qc.get("quant_method")
+        if method != "fp8":
+            raise ValueError(
+                f"checkpoint quantization method {method!r} is not supported; this engine "
+                "serves fp8 (block-quantized float8_e4m3fn weights, weight_block_size "
+                "[128, 128], dynamic activations) and unquantized checkpoints"
+            )
+        fmt = qc.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"fp8 checkpoint format {fmt!r} is not supported (only e4m3)")
+        scheme = qc.get("activation_scheme", "dynamic")
+        if scheme != "dynamic":
+            raise ValueError(
+                f"fp8 activation_scheme {scheme!r} is not supported (only dynamic: activations "
+                "quantized per token in groups of 128 at run time; no static input scales)"
+            )
+        block = qc.get("weight_block_size")
+        if block is None or tuple(block) != FP8_BLOCK:
+            raise ValueError(
+                f"fp8 weight_block_size {block!r} is not supported; only block-quantized "
+                f"checkpoints with weight_block_size {list(FP8_BLOCK)} are (per-tensor or "
+                "per-channel FP8 is not)"
+            )
+        scale_fmt = qc.get("scale_fmt") or "float"
+        if scale_fmt != "float":
+            raise ValueError(
+                f"fp8 scale_fmt {scale_fmt!r} is not supported (only float32 weight_scale_inv)"
+            )
+        skip = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ()
+        return QuantizationConfig(
+            method="fp8",
+            weight_block_size=FP8_BLOCK,
+            modules_to_not_convert=tuple(str(m) for m in skip),
+            checkpoint_quantized=True,
+        )
 
 
 def parse_dtype(name: str | None) -> str | None:
@@ -66,9 +155,9 @@ class ModelConfig:
     other layers have a dense MLP of ``intermediate_size``. ``router_aux_loss_coef`` (training
     only) is not read.
 
-    ``weight_block_size``: ``quantization_config.weight_block_size`` of a block-quantized (FP8)
-    checkpoint, ``[rows, cols]``; read only to refuse tensor-parallel splits that cut its blocks
-    (the engine does not run quantized weights yet).
+    ``quantization``: how the linear layers are quantized (None: not at all). ``from_hf`` gives
+    the checkpoint's ``quantization_config``; :func:`resolve_quantization` adds the engine's
+    ``--quantization`` and the model runner builds the model with the result.
     """
 
     architecture: str
@@ -94,7 +183,7 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    weight_block_size: tuple[int, int] | None = None
+    quantization: QuantizationConfig | None = None
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (0-based) has routed experts (transformers' rule)."""
@@ -108,15 +197,24 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
-    def check_tensor_parallel(self, tp_size: int) -> None:
+    def check_tensor_parallel(
+        self, tp_size: int, quantization: QuantizationConfig | None = None
+    ) -> None:
         """Refuse a tensor-parallel size the checkpoint's shapes do not split over (Megatron
         sharding, see docs/architecture.md): query heads, KV heads (split, or replicated when
         ``tp_size`` is a multiple of them), the dense and expert MLP features, the vocabulary
-        (vocab-parallel embedding and LM head), and, for a block-quantized checkpoint, each
-        rank's slice of the features against ``weight_block_size``.
+        (vocab-parallel embedding and LM head); and any quantization with ``tp_size`` > 1.
+
+        ``quantization``: what the model runs with (:func:`resolve_quantization` of the
+        checkpoint's and ``--quantization``); None: the checkpoint's own (``self.quantization``).
+        Tensor parallelism of quantized layers is not implemented (the FP8 weights' per-block
+        ``weight_scale_inv`` are not split per rank), so a quantized model is refused with
+        ``tp_size`` > 1; the message also names the MLP slices that would cut the quantization
+        blocks (``weight_block_size``), which even a sharded scale could not serve.
 
         Raises:
-            ValueError: naming every dimension that does not divide (none for ``tp_size`` 1).
+            ValueError: naming every dimension that does not divide (none for ``tp_size`` 1),
+                or the quantization.
         """
         if tp_size < 1:
             raise ValueError(f"tensor-parallel size must be >= 1, got {tp_size}")
@@ -141,18 +239,30 @@ class ModelConfig:
         if self.num_experts:
             split("moe_intermediate_size (features of one expert)", self.moe_intermediate_size)
         split("vocab_size", self.vocab_size)
-        if self.weight_block_size is not None and not problems:
-            block = self.weight_block_size[0]
+        quant = quantization if quantization is not None else self.quantization
+        if quant is not None:
+            source = (
+                "the checkpoint's quantization_config"
+                if quant.checkpoint_quantized
+                else "--quantization"
+            )
+            problems.append(
+                f"tensor_parallel_size {tp_size} with {quant.method} quantization ({source}) "
+                "is not supported: the quantized weights' scales are not split per rank; serve "
+                "a quantized model with tensor_parallel_size 1, or split an unquantized one "
+                "without --quantization"
+            )
+            block = quant.weight_block_size[0]
             sizes = (
                 [("moe_intermediate_size", self.moe_intermediate_size)] if self.num_experts else []
             )
             sizes += [("intermediate_size", self.intermediate_size)] if dense else []
             for name, size in sizes:
-                if (size // tp_size) % block:
+                if size % tp_size == 0 and (size // tp_size) % block:
                     problems.append(
                         f"{name} / {tp_size} = {size // tp_size} is not a multiple of the "
-                        f"quantization block {block} (quantization_config.weight_block_size); "
-                        "expert parallelism, which would keep experts whole, is not implemented"
+                        f"quantization block {block} (weight_block_size); expert "
+                        "parallelism, which would keep experts whole, is not implemented"
                     )
         if problems:
             raise ValueError(
@@ -170,9 +280,10 @@ class ModelConfig:
         transformers 5 writes).
 
         Raises:
-            FileNotFoundError: no config.json. ValueError: unsupported model_type, rope scaling
-                or dtype, or an MoE config without experts, with ``num_experts_per_tok`` outside
-                ``[1, num_experts]`` or without ``moe_intermediate_size``.
+            FileNotFoundError: no config.json. ValueError: unsupported model_type, rope scaling,
+                dtype or quantization (:meth:`QuantizationConfig.from_hf`), or an MoE config
+                without experts, with ``num_experts_per_tok`` outside ``[1, num_experts]`` or
+                without ``moe_intermediate_size``.
         """
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         model_type = cfg.get("model_type")
@@ -191,7 +302,8 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         dtype = parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
         moe = _moe_fields(cfg) if model_type == "qwen3_moe" else {}
-        block = (cfg.get("quantization_config") or {}).get("weight_block_size")
+        qc = cfg.get("quantization_config")
+        quantization = QuantizationConfig.from_hf(qc) if qc else None
         return ModelConfig(
             architecture=architectures[0],
             model_type=model_type,
@@ -209,8 +321,8 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             dtype=dtype or "float32",
-            weight_block_size=tuple(int(b) for b in block) if block else None,
             rope_scaling=rope_scaling,
+            quantization=quantization,
             **moe,
         )
 
@@ -348,6 +460,11 @@ class EngineConfig:
             spawns ranks 1..N-1 on this host; ``"tcp://HOST:PORT"`` = the same at that address;
             ``"env://"`` = the ranks were launched by torchrun (``RANK``, ``WORLD_SIZE``,
             ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), possibly on several hosts.
+        quantization: None serves the checkpoint as it is stored (an FP8 checkpoint in FP8);
+            "fp8" also quantizes a high-precision checkpoint at load into the same 128x128
+            block format (and ``load_format="dummy"`` then draws FP8 weights); see
+            :func:`resolve_quantization`. Not with ``tensor_parallel_size`` > 1
+            (:meth:`ModelConfig.check_tensor_parallel`).
     """
 
     model: str
@@ -373,6 +490,7 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     distributed_init_method: str | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
@@ -385,11 +503,44 @@ class EngineConfig:
             raise ValueError(
                 f"distributed_init_method must be env:// or tcp://HOST:PORT, got {init!r}"
             )
+        if self.quantization in ("none", "auto"):
+            object.__setattr__(self, "quantization", None)
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATION_METHODS} or None, "
+                f"got {self.quantization!r}"
+            )
 
     @property
     def device_type(self) -> str:
         """ "cuda" or "cpu" (the part of ``device`` before any ``:N``)."""
         return self.device.split(":", 1)[0]
+
+
+def resolve_quantization(model: ModelConfig, requested: str | None) -> QuantizationConfig | None:
+    """The quantization a model runs with: the checkpoint's, or ``requested`` applied at load.
+
+    * checkpoint quantized, ``requested`` None or the same method: the checkpoint's config;
+    * checkpoint unquantized, ``requested`` "fp8": 128x128 block FP8 of every decoder linear
+      layer, quantized at load (the embeddings, norms and LM head stay in the serving dtype);
+    * neither: None.
+
+    Raises:
+        ValueError: ``requested`` differs from the checkpoint's method (a quantized checkpoint
+            is never re-quantized or dequantized behind the user's back).
+    """
+    if model.quantization is not None:
+        if requested is not None and requested != model.quantization.method:
+            raise ValueError(
+                f"--quantization {requested} asked for, but the checkpoint is already "
+                f"quantized with {model.quantization.method}"
+            )
+        return model.quantization
+    if requested is None:
+        return None
+    return QuantizationConfig(
+        method=requested, modules_to_not_convert=("lm_head",), checkpoint_quantized=False
+    )
 
 
 @dataclass(frozen=True)

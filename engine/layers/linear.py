@@ -18,6 +18,13 @@ A checkpoint tensor handed to a weight loader is a ``torch.Tensor`` or a lazy wi
 (``engine.loader.safetensors_loader.CheckpointSlice``: ``shape``, ``dim()``, ``narrow()``,
 ``materialize()``); the loaders only narrow it, so a rank reads just its slice from disk, and
 :func:`default_weight_loader` materialises what is left.
+
+``quant_config`` (an ``engine.core.config.QuantizationConfig`` or None): a quantized layer's
+``quant_method`` (``engine.layers.quantization``) creates its parameters (block FP8: a float8
+``weight`` and a float32 ``weight_scale_inv``), loads checkpoint tensors into them through the
+layer's own ``weight_loader`` and runs its forward. Quantized layers are built with
+``tp_size == 1`` only (``ModelConfig.check_tensor_parallel`` refuses the rest: the scales are
+not split per rank).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.layers.quantization import make_quant_method
 
 
 def default_weight_loader(param: nn.Parameter, tensor, shard_id=None) -> None:
@@ -69,6 +78,7 @@ class LinearBase(nn.Module):
     Args:
         input_size, output_size: the full layer's features; bias: whether it has one.
         tp_rank, tp_size: this rank and the number of ranks (1: not split).
+        quant_config: the model's quantization or None (see the module docstring).
     """
 
     def __init__(
@@ -81,12 +91,17 @@ class LinearBase(nn.Module):
         *,
         in_per_rank: int,
         out_per_rank: int,
+        quant_config=None,
     ):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.weight = nn.Parameter(torch.empty(out_per_rank, in_per_rank))
-        self.weight.weight_loader = self.weight_loader
+        self.quant_method = make_quant_method(quant_config)
+        if self.quant_method is None:
+            self.weight = nn.Parameter(torch.empty(out_per_rank, in_per_rank))
+            self.weight.weight_loader = self.weight_loader
+        else:
+            self.quant_method.create_weights(self, out_per_rank, in_per_rank)
         self.weight.shard_ids = (None,)
         self.weight.checkpoint_shapes = {None: (output_size, input_size)}
         if bias:
@@ -99,6 +114,8 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in_per_rank]`` -> ``[..., out_per_rank]`` in x's dtype."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, tensor, shard_id=None) -> None:
@@ -108,9 +125,14 @@ class LinearBase(nn.Module):
 class ReplicatedLinear(LinearBase):
     """A linear layer every rank holds whole."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_config=None):
         super().__init__(
-            input_size, output_size, bias, in_per_rank=input_size, out_per_rank=output_size
+            input_size,
+            output_size,
+            bias,
+            in_per_rank=input_size,
+            out_per_rank=output_size,
+            quant_config=quant_config,
         )
 
 
@@ -128,6 +150,7 @@ class ColumnParallelLinear(LinearBase):
         bias: bool = False,
         tp_rank: int = 0,
         tp_size: int = 1,
+        quant_config=None,
     ):
         super().__init__(
             input_size,
@@ -137,6 +160,7 @@ class ColumnParallelLinear(LinearBase):
             tp_size,
             in_per_rank=input_size,
             out_per_rank=_split(output_size, tp_size, "output features"),
+            quant_config=quant_config,
         )
 
     def weight_loader(self, param: nn.Parameter, tensor, shard_id=None) -> None:
@@ -161,9 +185,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         tp_rank: int = 0,
         tp_size: int = 1,
+        quant_config=None,
     ):
         self.output_sizes = [_split(s, tp_size, "output features") for s in output_sizes]
-        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size, quant_config)
         shards = tuple(range(len(output_sizes)))
         self.weight.shard_ids = shards
         self.weight.checkpoint_shapes = {i: (s, input_size) for i, s in enumerate(output_sizes)}
@@ -200,6 +225,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         tp_rank: int = 0,
         tp_size: int = 1,
+        quant_config=None,
     ):
         self.head_dim = head_dim
         self.num_heads = _split(num_heads, tp_size, "attention heads")
@@ -222,6 +248,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             tp_size,
             in_per_rank=hidden_size,
             out_per_rank=self.q_size + 2 * self.kv_size,
+            quant_config=quant_config,
         )
         self.weight.shard_ids = ("q", "k", "v")
         full = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim}
@@ -267,6 +294,7 @@ class RowParallelLinear(LinearBase):
         bias: bool = False,
         tp_rank: int = 0,
         tp_size: int = 1,
+        quant_config=None,
     ):
         super().__init__(
             input_size,
@@ -276,6 +304,7 @@ class RowParallelLinear(LinearBase):
             tp_size,
             in_per_rank=_split(input_size, tp_size, "input features"),
             out_per_rank=output_size,
+            quant_config=quant_config,
         )
 
     def weight_loader(self, param: nn.Parameter, tensor, shard_id=None) -> None:

@@ -42,8 +42,25 @@ def init_random_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
     loaded through the parameter's ``weight_loader``: one seed on one device type gives the
     same weights in every run and at every tensor-parallel size (CPU and CUDA generators
     differ, so a CPU and a GPU build do not match each other).
+
+    A quantized linear layer (a ``quant_method`` with ``init_random``, e.g. block FP8) draws
+    its whole weight N(0, std) in float32 from the weight's seed and stores the quantized
+    weight and scales (quantized layers exist only with tensor-parallel size 1, see
+    ``ModelConfig.check_tensor_parallel``, so this draw needs no per-shard form).
     """
+    quantized = set()
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is None:
+            continue
+        weight = f"{name}.weight" if name else "weight"
+        gen = torch.Generator(device=module.weight.device)
+        gen.manual_seed(parameter_seed(seed, weight))
+        method.init_random(module, gen, std)
+        quantized.update((weight, f"{name}.weight_scale_inv" if name else "weight_scale_inv"))
     for name, p in model.named_parameters():
+        if name in quantized:
+            continue
         if name.endswith("norm.weight"):
             p.fill_(1.0)
             continue

@@ -1,15 +1,19 @@
-"""Load Hugging Face safetensors checkpoints into an engine model through its parameters'
+"""Load Hugging Face safetensors checkpoints (or the GGUF file a prepared GGUF model directory
+names, see :mod:`engine.loader.gguf_loader`) into an engine model through its parameters'
 weight loaders (fused q/k/v and gate/up shards, tensor-parallel slices).
 
-Each checkpoint tensor reaches the weight loaders as a :class:`CheckpointSlice`, a lazy window
+Each safetensors tensor reaches the weight loaders as a :class:`CheckpointSlice`, a lazy window
 of the file: the loaders narrow it to the rank's part and only that part is read (safetensors'
 ``get_slice``), so a tensor-parallel rank never reads, nor holds in host or device memory, the
-other ranks' shards; on one device the window is the whole tensor, read once.
+other ranks' shards; on one device the window is the whole tensor, read once. A GGUF tensor is
+dequantized whole (gguf-py has no partial reads) and reaches the same loaders as a float32
+``torch.Tensor``, which they slice in memory.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -18,11 +22,30 @@ from torch import nn
 
 from engine.layers.linear import default_weight_loader
 
+#: safetensors header dtype names -> torch dtypes
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    _SAFETENSORS_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+
 
 class CheckpointSlice:
     """A window of one tensor of an open safetensors file, read when materialised.
 
-    Quacks like the part of ``torch.Tensor`` the weight loaders use: ``shape``, ``dim()``,
+    Quacks like the part of ``torch.Tensor`` the weight loaders use: ``shape``, ``dtype``,
+    ``element_size()``, ``is_floating_point()``, ``dim()``,
     ``narrow(dim, start, length)``, ``select(dim, index)``, indexing/iterating along dim 0
     (stacked expert tensors); :meth:`materialize` reads the window.
 
@@ -35,6 +58,22 @@ class CheckpointSlice:
     def __init__(self, handle, shape, window: tuple | None = None):
         self._handle = handle
         self._window = window if window is not None else tuple((0, n) for n in shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The file tensor's dtype: from its header, or (a name this table lacks) from reading
+        one element."""
+        dtype = _SAFETENSORS_DTYPES.get(self._handle.get_dtype())
+        if dtype is None:
+            shape = self._handle.get_shape()
+            dtype = self._handle[tuple(slice(0, min(1, n)) for n in shape)].dtype
+        return dtype
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
 
     @property
     def shape(self) -> torch.Size:
@@ -112,6 +151,32 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+def checkpoint_tensors(
+    model_dir: str | Path,
+) -> Iterator[tuple[str, torch.Tensor | CheckpointSlice]]:
+    """(Hugging Face name, tensor) of every checkpoint tensor, one at a time: from the GGUF file
+    that the directory's config.json names in ``"gguf_file"`` (a ``torch.Tensor`` dequantized
+    to float32, see :func:`engine.loader.gguf_loader.gguf_tensors`), else from its safetensors
+    files (a lazy :class:`CheckpointSlice` of the whole tensor, read in the stored dtype on the
+    CPU when a loader materialises its part; valid while the iteration is at that tensor).
+
+    Raises:
+        FileNotFoundError: no weights. ValueError: a GGUF tensor type that cannot be dequantized,
+            or a GGUF tensor with no Hugging Face counterpart.
+    """
+    from engine.loader.gguf_loader import gguf_file_of, gguf_tensors
+
+    gguf_file = gguf_file_of(model_dir)
+    if gguf_file is not None:
+        yield from gguf_tensors(gguf_file)
+        return
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                handle = f.get_slice(name)
+                yield name, CheckpointSlice(handle, handle.get_shape())
+
+
 def parameter_target(model: nn.Module, name: str) -> tuple[str, object]:
     """(parameter name, shard id) a checkpoint tensor loads into, through the model's
     ``packed_modules_mapping`` (fragment -> (fused fragment, shard id)); shard None if unfused."""
@@ -135,6 +200,19 @@ def checkpoint_shards(
     return shards
 
 
+def _check_quantized_dtype(name: str, tensor, param: nn.Parameter) -> None:
+    """A float8 checkpoint tensor goes only into a float8 parameter (scales are checked by
+    their quantized layer's loader)."""
+    if name.endswith("_scale_inv"):
+        return
+    if tensor.element_size() == 1 and tensor.is_floating_point() and param.element_size() != 1:
+        raise ValueError(
+            f"checkpoint tensor {name} is {tensor.dtype}, but the engine keeps this parameter in "
+            f"{param.dtype}: quantized embeddings, LM heads, norms and MoE experts are not "
+            "supported, and FP8 linear layers need the checkpoint's quantization_config"
+        )
+
+
 @torch.no_grad()
 def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     """Copy every checkpoint tensor into its (possibly fused, stacked or sharded) parameter.
@@ -143,36 +221,34 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     optionally ``checkpoint_shards(name, tensor)`` (see :func:`checkpoint_shards`); each
     parameter's ``weight_loader(param, tensor, shard_id)`` copies its part (cast to the
     parameter's dtype and device), and its ``shard_ids`` say which shards it expects. The
-    tensors are :class:`CheckpointSlice` windows: only the slices the loaders keep are read.
+    safetensors tensors are :class:`CheckpointSlice` windows: only the slices the loaders keep
+    are read (GGUF tensors arrive whole, see :func:`checkpoint_tensors`).
 
     Raises:
-        KeyError: a checkpoint tensor with no matching parameter.
-        ValueError: a shape mismatch, a shard loaded twice, or parameters the checkpoint does
-            not provide.
+        KeyError: a checkpoint tensor with no matching parameter (e.g. a ``weight_scale_inv``
+            of a layer the engine does not quantize).
+        ValueError: a shape mismatch, a shard loaded twice, parameters the checkpoint does
+            not provide, or a float8 tensor for a parameter that is not float8 (the weight
+            would be silently cast without its scales).
     """
     params = dict(model.named_parameters())
     loaded: dict[str, list] = {}
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if model.skip_checkpoint_tensor(name):
-                    continue
-                handle = f.get_slice(name)
-                lazy = CheckpointSlice(handle, handle.get_shape())
-                for target, shard, tensor in checkpoint_shards(model, name, lazy):
-                    param = params.get(target)
-                    if param is None:
-                        raise KeyError(
-                            f"checkpoint tensor {name} matches no model parameter ({target})"
-                        )
-                    if shard in loaded.setdefault(target, []):
-                        raise ValueError(f"checkpoint tensor {name} loaded twice")
-                    loader = getattr(param, "weight_loader", default_weight_loader)
-                    try:
-                        loader(param, tensor, shard)
-                    except ValueError as exc:
-                        raise ValueError(f"{name}: {exc}") from None
-                    loaded[target].append(shard)
+    for name, full in checkpoint_tensors(model_dir):
+        if model.skip_checkpoint_tensor(name):
+            continue
+        for target, shard, tensor in checkpoint_shards(model, name, full):
+            param = params.get(target)
+            if param is None:
+                raise KeyError(f"checkpoint tensor {name} matches no model parameter ({target})")
+            if shard in loaded.setdefault(target, []):
+                raise ValueError(f"checkpoint tensor {name} loaded twice")
+            _check_quantized_dtype(name, tensor, param)
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor, shard)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+            loaded[target].append(shard)
     missing = [
         n
         for n, p in params.items()

@@ -38,6 +38,7 @@ from engine.layers.linear import (
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import TensorParallel
 from engine.layers.pointwise import PointwiseOps
+from engine.layers.quantization import finalize_quantization
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.compile import COMPILE_MODES, CompiledForward
 
@@ -68,13 +69,18 @@ class Qwen3Attention(nn.Module):
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             bias=cfg.attention_bias,
+            quant_config=cfg.quantization,
             **_split_args(tp),
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(
-            cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False, **_split_args(tp)
+            cfg.num_attention_heads * cfg.head_dim,
+            cfg.hidden_size,
+            bias=False,
+            quant_config=cfg.quantization,
+            **_split_args(tp),
         )
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -110,10 +116,18 @@ class Qwen3MLP(nn.Module):
         self.ops = ops
         self.tp = tp
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False, **_split_args(tp)
+            cfg.hidden_size,
+            [cfg.intermediate_size] * 2,
+            bias=False,
+            quant_config=cfg.quantization,
+            **_split_args(tp),
         )
         self.down_proj = RowParallelLinear(
-            cfg.intermediate_size, cfg.hidden_size, bias=False, **_split_args(tp)
+            cfg.intermediate_size,
+            cfg.hidden_size,
+            bias=False,
+            quant_config=cfg.quantization,
+            **_split_args(tp),
         )
 
     def forward(self, x):
@@ -201,9 +215,13 @@ class Qwen3ForCausalLM(nn.Module):
         tp: this rank's tensor-parallel group (the model holds its shards and calls the
             collectives); None: the whole model on one device.
 
+    ``cfg.quantization`` (block FP8 or None) quantizes the decoder's linear layers (q/k/v, o,
+    gate/up, down); the embeddings, norms and LM head stay in the model dtype.
+
     Raises:
         ValueError: unknown ``compile_mode`` or attention backend; a shape that does not split
-            over ``tp.size`` ranks (naming it).
+            over ``tp.size`` ranks (naming it); FP8 layers whose shards are not block-aligned
+            (``engine.layers.quantization.finalize_quantization``).
     """
 
     #: checkpoint name fragment -> (fused parameter fragment, shard id of its weight loader)
@@ -249,6 +267,7 @@ class Qwen3ForCausalLM(nn.Module):
                 cfg.hidden_size, cfg.vocab_size, bias=False, **_split_args(tp)
             )
         self._compiled = CompiledForward(self._forward_impl) if compile_mode == "model" else None
+        finalize_quantization(self)
 
     def make_mlp(self, layer: int) -> nn.Module | None:
         """The MLP of decoder layer ``layer``; None: the dense :class:`Qwen3MLP` (subclasses
@@ -259,7 +278,12 @@ class Qwen3ForCausalLM(nn.Module):
     def weight_summary(self) -> str:
         """One line for the start-up log: parameter bytes by kind and their layout."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
-        return f"weights {total / 2**30:.2f} GiB ({self.config.num_hidden_layers} dense layers)"
+        quant = self.config.quantization
+        fp8 = sum(1 for m in self.modules() if getattr(m, "quant_method", None) is not None)
+        how = f", {fp8} linear layers in block FP8" if quant is not None else ""
+        return (
+            f"weights {total / 2**30:.2f} GiB ({self.config.num_hidden_layers} dense layers{how})"
+        )
 
     def skip_checkpoint_tensor(self, name: str) -> bool:
         """Checkpoint tensors this model does not load: rotary tables, a tied LM head."""

@@ -38,12 +38,19 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """Qwen3-MoE causal LM; arguments, forward and logits as :class:`Qwen3ForCausalLM`.
 
     Raises:
-        ValueError: a config without experts, or what :class:`Qwen3ForCausalLM` raises.
+        ValueError: a config without experts, a quantized config (FP8 experts are not
+            supported by the fused MoE kernel), or what :class:`Qwen3ForCausalLM` raises.
     """
 
     def __init__(self, cfg, max_positions, attention_backend, compile_mode="none", tp=None):
         if cfg.num_experts < 1:
             raise ValueError("Qwen3MoeForCausalLM needs a config with num_experts >= 1")
+        if cfg.quantization is not None:
+            raise ValueError(
+                f"{cfg.quantization.method} quantization of Qwen3-MoE is not supported: the "
+                "fused MoE kernel (kernels/fused_moe.py) takes bfloat16/float16/float32 expert "
+                "weights only; serve the unquantized checkpoint"
+            )
         self.moe_backend = "triton" if attention_backend == "triton" else "torch"
         super().__init__(cfg, max_positions, attention_backend, compile_mode, tp)
 

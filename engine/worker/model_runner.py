@@ -15,6 +15,7 @@ the same collectives in the same order. Rank 0 samples and broadcasts the sample
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from engine.attention.registry import default_backend_name
-from engine.core.config import CacheInfo, EngineConfig, ModelConfig
+from engine.core.config import CacheInfo, EngineConfig, ModelConfig, resolve_quantization
 from engine.core.layout import RankLayout
 from engine.core.outputs import SampleOutput
 from engine.core.request import Request, SamplingParams
@@ -94,7 +95,8 @@ class ModelRunner:
 
     Args:
         model_config: architecture; config: engine settings (``load_format="dummy"``: no
-            checkpoint is read, weights are drawn on the device from ``config.seed``).
+            checkpoint is read, weights are drawn on the device from ``config.seed``;
+            ``quantization``: see ``engine.core.config.resolve_quantization``).
         rank: this rank of a tensor-parallel engine (its device, process groups); None: the
             whole model on ``config.device``. The ranks agree on the number of KV blocks (the
             smallest any rank fits), so the scheduler's blocks exist on every rank.
@@ -104,13 +106,17 @@ class ModelRunner:
             the executor's, ``(rank_layout,)`` on one device.
 
     Raises:
-        ValueError: an unsupported architecture, dtype or attention backend, a checkpoint that
-            does not match the model, or a KV cache budget that holds no block.
+        ValueError: an unsupported architecture, dtype, quantization or attention backend, a
+            checkpoint that does not match the model, or a KV cache budget that holds no block.
     """
 
     def __init__(
         self, model_config: ModelConfig, config: EngineConfig, rank: RankContext | None = None
     ):
+        quantization = resolve_quantization(model_config, config.quantization)
+        if rank is not None and rank.tp is not None:  # the executors checked it already
+            model_config.check_tensor_parallel(rank.tp.size, quantization)
+        model_config = dataclasses.replace(model_config, quantization=quantization)
         self.model_config = model_config
         self.config = config
         self.rank = rank
@@ -138,6 +144,21 @@ class ModelRunner:
         else:
             load_weights(model, config.model)
         self.model = model.eval()
+        if model_config.quantization is not None:
+            from engine.layers.quantization import fp8_backend
+
+            backend = fp8_backend(self.device)
+            log.info(
+                "block FP8 linear layers (%s, 128x128 weight blocks, activations per token in "
+                "groups of 128): %s",
+                "from the checkpoint"
+                if model_config.quantization.checkpoint_quantized
+                else "quantized at load",
+                "Triton FP8 GEMM"
+                if backend == "triton"
+                else f"reference path: no FP8 matmul on {self.device}, weights dequantized to "
+                "float32 at every call",
+            )
         log.info(
             "%s (%s): %s",
             model_config.architecture,

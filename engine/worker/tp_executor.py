@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.core.config import EngineConfig, ModelConfig
+from engine.core.config import EngineConfig, ModelConfig, resolve_quantization
 from engine.core.layout import RankLayout, describe_layout
 from engine.core.scheduler import ScheduledBatch
 from engine.worker.control_channel import ControlChannel
@@ -105,7 +105,9 @@ class TensorParallelExecutor:
         on_fault: Callable[[str], None] = exit_process,
     ):
         tp = config.tensor_parallel_size
-        model_config.check_tensor_parallel(tp)
+        model_config.check_tensor_parallel(
+            tp, resolve_quantization(model_config, config.quantization)
+        )
         self.model_config = model_config
         self._processes: dict[int, mp.process.BaseProcess] = {}
         self._closed = False

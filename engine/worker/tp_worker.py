@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from engine.core.config import EngineConfig, ModelConfig
+from engine.core.config import EngineConfig, ModelConfig, resolve_quantization
 from engine.worker.block_table import RowBlockTables
 from engine.worker.control_channel import ControlChannel
 from engine.worker.model_runner import ModelRunner
@@ -76,7 +76,9 @@ def run_rank(config: EngineConfig, rank: int, size: int, local_rank: int, init_m
         RuntimeError: rank 0 is gone, or a step failed.
     """
     model_config = ModelConfig.from_hf(config.model)
-    model_config.check_tensor_parallel(size)
+    model_config.check_tensor_parallel(
+        size, resolve_quantization(model_config, config.quantization)
+    )
     ctx = init_rank(config.device, rank, size, local_rank, init_method)
     heartbeat = None
     if init_method == "env://":  # not rank 0's child: leave when its heartbeat stops

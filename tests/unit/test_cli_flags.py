@@ -75,3 +75,27 @@ def test_log_level_is_case_insensitive_and_help_has_no_empty_defaults(monkeypatc
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--help"])
     assert "(default: None)" not in capsys.readouterr().out
+
+
+def test_quantization_flag_reaches_the_engine_config(monkeypatch):
+    """``--quantization fp8`` (or QWEN_SERVE_QUANTIZATION) is the EngineConfig's; auto is None."""
+    from engine.core.config import EngineConfig
+
+    assert build_parser().parse_args([]).quantization == "auto"
+    assert EngineConfig(model="m", quantization="auto").quantization is None
+    monkeypatch.setenv("QWEN_SERVE_QUANTIZATION", "fp8")
+    args = build_parser().parse_args([])
+    assert EngineConfig(model="m", quantization=args.quantization).quantization == "fp8"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--quantization", "awq"])
+
+
+def test_model_may_be_a_gguf_file_but_not_another_file(tmp_path, capsys):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
+    assert build_parser().parse_args(["--model", str(gguf)]).model == str(gguf)
+    other = tmp_path / "model.safetensors"
+    other.write_bytes(b"{}")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--model", str(other)])
+    assert "is a file but not a GGUF file" in capsys.readouterr().err

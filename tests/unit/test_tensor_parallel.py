@@ -85,6 +85,34 @@ def test_dense_tp2_equals_tp1(tiny_checkpoint, tmp_path, one_torch_thread):
         assert r["kv_cache_bytes"] == whole["kv_cache_bytes"] // 2
 
 
+def test_gguf_tp2_equals_tp1(tiny_checkpoint, tmp_path, monkeypatch, one_torch_thread):
+    """A GGUF file (Q8_0; each tensor dequantized whole to float32 at load, no lazy reads) split
+    over 2 ranks by the same weight loaders gives TP=1's logits and greedy ids on that file."""
+    from engine.loader.gguf_loader import prepare_gguf_model_dir
+    from tests.gguf_helpers import write_tiny_gguf
+
+    monkeypatch.setenv("QWEN_SERVE_CACHE", str(tmp_path / "cache"))  # the TP=2 process too
+    path, model = tiny_checkpoint
+    arch = json.load(open(f"{path}/config.json"))["model_type"]
+    gguf_path = write_tiny_gguf(tmp_path / "tiny.gguf", model, arch, "Q8_0")
+    model_dir = str(prepare_gguf_model_dir(gguf_path))
+    compare(run_tp1(model_dir), run_tp(model_dir, 2, tmp_path))
+
+
+def test_dummy_weights_tp2_equal_tp1(tiny_moe_checkpoint, tmp_path, one_torch_thread):
+    """load_format="dummy" draws each full checkpoint tensor (q/k/v, each expert's gate/up)
+    from its own seed and keeps the rank's slice: TP=2 holds the slices of TP=1's random model
+    (logits within 1e-5; the ids of such a flat random model are not compared)."""
+    path, _ = tiny_moe_checkpoint
+    vocab = json.load(open(f"{path}/config.json"))["vocab_size"]
+    tp1 = tp_scenario.run(tp_scenario.engine_config(path, 1, load_format="dummy", seed=5), vocab)
+    tp2 = run_tp(path, 2, tmp_path, {"load_format": "dummy", "seed": 5})
+    assert tp1["logits"] and tp2["logits"].keys() == tp1["logits"].keys()
+    for key, ref in tp1["logits"].items():
+        err = float((tp2["logits"][key] - ref).norm() / ref.norm())
+        assert err < 1e-5, (key, err)
+
+
 def test_moe_tp2_equals_tp1(tiny_moe_checkpoint, tmp_path, one_torch_thread):
     """Qwen3-MoE: experts split tensor-parallel (each rank holds 32 of every expert's 64
     features); a dense layer (mlp_only_layers) in between."""
@@ -128,8 +156,39 @@ def test_fp8_expert_blocks_are_refused(tiny_moe_checkpoint, tmp_path):
         moe_intermediate_size=768,
         quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]},
     )
-    with pytest.raises(ValueError, match="quantization block 128"):
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 with fp8 quantization") as err:
         ModelConfig.from_hf(path).check_tensor_parallel(4)
+    assert "quantization block 128" in str(err.value)  # 768 / 4 = 192 also cuts the blocks
+
+
+def _spawned_children() -> set[int]:
+    """Pids of this process's live children (a refused engine must leave none behind)."""
+    import multiprocessing
+
+    return {p.pid for p in multiprocessing.active_children()}
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "flag"])
+def test_quantization_with_tp_is_refused_at_start_up(tiny_moe_checkpoint, tmp_path, source):
+    """TP > 1 with any quantization (the checkpoint's block FP8 or --quantization fp8) is a
+    ValueError naming both before any rank starts: the FP8 scales are not split per rank."""
+    from engine.worker.build import build_engine
+
+    if source == "checkpoint":
+        qc = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+        path = _config_with(tiny_moe_checkpoint[0], tmp_path, quantization_config=qc)
+        config = EngineConfig(model=path, tensor_parallel_size=2, load_format="dummy")
+        where = "the checkpoint's quantization_config"
+    else:
+        config = EngineConfig(
+            model=tiny_moe_checkpoint[0], tensor_parallel_size=2, quantization="fp8"
+        )
+        where = "--quantization"
+    before = _spawned_children()
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 with fp8 quantization") as err:
+        build_engine(config)
+    assert where in str(err.value)
+    assert _spawned_children() == before
 
 
 def test_build_engine_refuses_before_spawning_ranks(tiny_moe_checkpoint, tmp_path):

@@ -1,0 +1,523 @@
+"""Block-scaled FP8 linear layers on Hopper: ``y = x W^T`` with W float8_e4m3fn in 128x128 blocks.
+
+The format is DeepSeek-V3's fine-grained FP8 (DeepSeek-AI, *DeepSeek-V3 Technical Report*, 2024,
+section 3.3; Qwen's ``-FP8`` releases use it): ``W [N, K]`` float8_e4m3fn with one float32 scale
+per 128x128 block, ``ws [ceil(N / 128), ceil(K / 128)]``, and activations quantized on the fly
+per token in groups of 128 features (``xs [M, ceil(K / 128)]``). A block of the product is
+
+    y[m, n] = sum_kb xs[m, kb] * ws[n // 128, kb] * sum_{k in kb} xq[m, k] * W[n, k]
+
+so every 128-wide K step is one FP8 tensor-core dot with an fp32 result that is scaled and added
+to an fp32 accumulator (DeepSeek's "promotion to CUDA cores" every 128 elements; vLLM's and
+SGLang's ``w8a8_block_fp8_matmul`` Triton kernels follow the same scheme). Two kernels:
+
+* :func:`fp8_gemv` (small M, decode): weight-bandwidth bound. One program owns ``BLOCK_N``
+  output features and a range of K blocks (split-K), loads the ``M <= BLOCK_M`` activation rows
+  itself and quantizes them in registers (no separate quantization launch, no FP8 activation
+  tensor in memory), and computes ``W_tile x^T`` (the weight tile is the MMA's M operand, so
+  ``BLOCK_N >= 64`` tiles can use wgmma while M is tiny: the "swap AB" of small-batch GEMMs).
+  With ``SPLIT_K > 1`` the programs write fp32 partials and :func:`_splitk_reduce_kernel` sums
+  them in a fixed order (deterministic, unlike atomics) and adds the bias.
+* :func:`fp8_gemm` (large M, prefill): :func:`fp8_group_quant` writes ``xq`` and ``xs``
+  (column-major, so a tile's row scales are one coalesced load), then a tiled tensor-core GEMM
+  (``BLOCK_M x BLOCK_N`` tiles, ``BLOCK_K = 128``, grouped program order for L2 reuse).
+
+Quantization arithmetic (bit-identical to ``kernels.reference.fp8_group_quant_ref``): per group,
+``inv = 448 / max(amax, 1e-10)`` (IEEE division), ``q = rne_fp8(clamp(x * inv, -448, 448))``,
+``s = 1 / inv``. Under the Triton interpreter the float32 -> float8 cast is not round-to-nearest-
+even (Triton 3.9 rounds ties up and mishandles carries), so there the value is first rounded to
+the FP8 grid in float32 (``EMULATE_CAST``) and the cast only reinterprets an exact value; on the
+GPU the hardware ``cvt.rn.satfinite`` is used.
+
+Every launcher sizes its grid from shapes, picks a static tile configuration from
+:func:`fp8_config` (no autotuning at serve time) and allocates its outputs and scratch with
+``torch.empty``, so a launch can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+#: the weight block and activation group the kernels take (``block_n``, ``block_k``)
+FP8_BLOCK = (128, 128)
+FP8_MAX = 448.0
+FP8_AMAX_EPS = 1e-10
+
+#: at most this many rows go through the fused small-M kernel; more through quantize + GEMM
+GEMV_MAX_M = 32
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _to_fp8(v, EMULATE_CAST: tl.constexpr):
+    """float32 ``v`` (already clamped to +-448) -> float8e4nv, rounded to nearest even."""
+    if EMULATE_CAST:
+        bits = v.to(tl.int32, bitcast=True)
+        e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # subnormals share exponent -6
+        step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e-3): one FP8 ulp
+        y = tl.abs(v) / step  # exact (a power of two), y <= 16
+        y = (y + 12582912.0) - 12582912.0  # 1.5 * 2^23: round to an integer, ties to even
+        r = (y * step).to(tl.int32, bitcast=True) | (bits & -2147483648)  # the sign, also of 0
+        v = r.to(tl.float32, bitcast=True)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quant_tile(x, AXIS: tl.constexpr, EMULATE_CAST: tl.constexpr):
+    """Quantize a float32 tile whose ``AXIS`` is one 128-feature group (one group per row of the
+    other axis): returns (float8 tile, float32 scales ``1 / inv`` along the other axis)."""
+    amax = tl.max(tl.abs(x), axis=AXIS)
+    inv = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), tl.maximum(amax, 1e-10))
+    if AXIS == 0:
+        y = x * inv[None, :]
+    else:
+        y = x * inv[:, None]
+    q = _to_fp8(tl.clamp(y, -448.0, 448.0), EMULATE_CAST)
+    s = tl.math.div_rn(tl.full(inv.shape, 1.0, tl.float32), inv)
+    return q, s
+
+
+# ----------------------------------------------------------------------------- quantization
+@triton.jit
+def _group_quant_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    stride_sk,
+    GROUP: tl.constexpr,
+    GROUPS_PER_PROG: tl.constexpr,
+    EMULATE_CAST: tl.constexpr,
+):
+    """Program ``(m, j)``: groups ``j * GROUPS_PER_PROG ..`` of row ``m``."""
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
+    k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = k < K
+    x = tl.load(x_ptr + m * stride_xm + k, mask=mask, other=0.0).to(tl.float32)
+    q, s = _quant_tile(x, 1, EMULATE_CAST)
+    tl.store(q_ptr + m * stride_qm + k, q, mask=mask)
+    tl.store(s_ptr + m * stride_sm + g * stride_sk, s, mask=g * GROUP < K)
+
+
+def fp8_group_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize activations per token in groups of ``group`` features.
+
+    Args:
+        x: ``[M, K]`` bf16/fp16/fp32, unit stride on K.
+
+    Returns:
+        ``xq`` float8_e4m3fn ``[M, K]`` and ``xs`` float32 ``[M, ceil(K / group)]``, the latter a
+        transposed view of a ``[ceil(K / group), M]`` buffer (column-major, what
+        :func:`fp8_gemm` reads).
+    """
+    m, k = x.shape
+    kb = triton.cdiv(k, group)
+    xq = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    xs = torch.empty((kb, m), dtype=torch.float32, device=x.device).t()
+    if m == 0:
+        return xq, xs
+    gpp = 4 if kb >= 4 else 1
+    _group_quant_kernel[(m, triton.cdiv(kb, gpp))](
+        x,
+        xq,
+        xs,
+        k,
+        x.stride(0),
+        xq.stride(0),
+        xs.stride(0),
+        xs.stride(1),
+        GROUP=group,
+        GROUPS_PER_PROG=gpp,
+        EMULATE_CAST=_interpreting(),
+        num_warps=4,
+    )
+    return xq, xs
+
+
+# ----------------------------------------------------------------------------- large M
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr,
+    as_ptr,
+    b_ptr,
+    bs_ptr,
+    bias_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_asm,
+    stride_ask,
+    stride_bn,
+    stride_bsn,
+    stride_bsk,
+    stride_cm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % per_group) % group_m)
+    pid_n = (pid % per_group) // group_m
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm_c = (rm % M).to(tl.int64)  # rows past the end load a valid row; their stores are masked
+    rn_c = (rn % N).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rm_c[:, None] * stride_am + rk[None, :]
+    b_ptrs = b_ptr + rn_c[None, :] * stride_bn + rk[:, None]
+    as_ptrs = as_ptr + rm_c * stride_asm
+    bs_ptrs = bs_ptr + (rn_c // SCALE_N) * stride_bsn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = kb * BLOCK_K + rk < K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        sa = tl.load(as_ptrs + kb * stride_ask)
+        sb = tl.load(bs_ptrs + kb * stride_bsk)
+        acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def fp8_gemm(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    w: torch.Tensor,
+    ws: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    config: Fp8Config | None = None,
+) -> torch.Tensor:
+    """``out = (xq * xs) (w * ws)^T (+ bias)``: the tensor-core block-scaled GEMM.
+
+    Args:
+        xq: float8_e4m3fn ``[M, K]`` (unit stride on K); xs: float32 ``[M, ceil(K / 128)]``
+            (any strides; :func:`fp8_group_quant` gives a column-major one).
+        w: float8_e4m3fn ``[N, K]`` (unit stride on K); ws: float32
+            ``[ceil(N / 128), ceil(K / 128)]``.
+        bias: ``[N]`` or None; out: ``[M, N]`` (bf16/fp16/fp32, unit stride on N), written.
+        config: tiles; None: :func:`fp8_config` ``(M, N, K)`` (its ``kind`` is ignored).
+
+    Returns:
+        ``out``.
+    """
+    m, k = xq.shape
+    n = w.shape[0]
+    if m == 0:
+        return out
+    cfg = config or fp8_config(m, n, k, kind="gemm")
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _fp8_gemm_kernel[grid](
+        xq,
+        xs,
+        w,
+        ws,
+        bias if bias is not None else ws,
+        out,
+        m,
+        n,
+        k,
+        xq.stride(0),
+        xs.stride(0),
+        xs.stride(1),
+        w.stride(0),
+        ws.stride(0),
+        ws.stride(1),
+        out.stride(0),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=FP8_BLOCK[1],
+        SCALE_N=FP8_BLOCK[0],
+        GROUP_M=cfg.group_m,
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % FP8_BLOCK[1] == 0,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- small M
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    ws_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    M,
+    N,
+    K,
+    KB_PER_SPLIT,
+    stride_xm,
+    stride_wn,
+    stride_wsn,
+    stride_wsk,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EMULATE_CAST: tl.constexpr,
+):
+    """Program ``(n tile, k split)``: ``acc [BLOCK_N, BLOCK_M] = sum_kb W_tile x^T`` over its K
+    blocks, each activation group quantized here."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_c = (rn % N).to(tl.int64)
+    rm = tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    rk = tl.arange(0, BLOCK_K)
+    kb_lo = pid_k * KB_PER_SPLIT
+    kb_hi = tl.minimum(kb_lo + KB_PER_SPLIT, tl.cdiv(K, BLOCK_K))
+    x_ptrs = x_ptr + rm[None, :] * stride_xm + (kb_lo * BLOCK_K + rk)[:, None]
+    w_ptrs = w_ptr + rn_c[:, None] * stride_wn + (kb_lo * BLOCK_K + rk)[None, :]
+    ws_ptrs = ws_ptr + (rn_c // SCALE_N) * stride_wsn
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kb in range(kb_lo, kb_hi):
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+            wt = tl.load(w_ptrs)
+        else:
+            k_ok = kb * BLOCK_K + rk < K
+            xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+            wt = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+        xq, xs = _quant_tile(xt.to(tl.float32), 0, EMULATE_CAST)
+        sw = tl.load(ws_ptrs + kb * stride_wsk)
+        acc += tl.dot(wt, xq) * sw[:, None] * xs[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    mask = m_ok[None, :] & (rn[:, None] < N)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn_c).to(tl.float32)[:, None]
+        o_ptrs = out_ptr + rm[None, :] * stride_om + rn[:, None]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        p_ptrs = part_ptr + (pid_k * M + rm[None, :]).to(tl.int64) * N + rn[:, None]
+        tl.store(p_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    part_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_om,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """Program ``(n block, row)``: ``out = sum_s part[s] (+ bias)``, splits in order."""
+    rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = tl.program_id(1)
+    ok = rn < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + (s * M + m).to(tl.int64) * N + rn, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    ws: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    config: Fp8Config | None = None,
+) -> torch.Tensor:
+    """``out = quant(x) (w * ws)^T (+ bias)`` for few rows: quantization fused, split-K.
+
+    Args:
+        x: ``[M, K]`` bf16/fp16/fp32 (unit stride on K), ``M <= config.block_m``.
+        w, ws, bias, out: as :func:`fp8_gemm`.
+        config: tiles; None: :func:`fp8_config` ``(M, N, K)`` (its ``kind`` is ignored).
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: more rows than the configuration's ``block_m``.
+    """
+    m, k = x.shape
+    n = w.shape[0]
+    if m == 0:
+        return out
+    cfg = config or fp8_config(m, n, k, kind="gemv")
+    if m > cfg.block_m:
+        raise ValueError(f"fp8_gemv takes at most block_m={cfg.block_m} rows, got {m}")
+    kb = triton.cdiv(k, FP8_BLOCK[1])
+    split = max(1, min(cfg.split_k, kb))
+    per_split = triton.cdiv(kb, split)
+    split = triton.cdiv(kb, per_split)  # no empty split
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        x,
+        w,
+        ws,
+        bias if bias is not None else ws,
+        out,
+        part,
+        m,
+        n,
+        k,
+        per_split,
+        x.stride(0),
+        w.stride(0),
+        ws.stride(0),
+        ws.stride(1),
+        out.stride(0),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=FP8_BLOCK[1],
+        SCALE_N=FP8_BLOCK[0],
+        SPLIT_K=split,
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % FP8_BLOCK[1] == 0,
+        EMULATE_CAST=_interpreting(),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        block = 256
+        _splitk_reduce_kernel[(triton.cdiv(n, block), m)](
+            part,
+            bias if bias is not None else ws,
+            out,
+            m,
+            n,
+            out.stride(0),
+            SPLIT_K=split,
+            BLOCK=block,
+            HAS_BIAS=bias is not None,
+            num_warps=4,
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------- configs
+@dataclass(frozen=True)
+class Fp8Config:
+    """Tiles of one launch. ``kind``: "gemv" (fused small-M kernel, ``block_m`` >= M, split-K
+    ``split_k``) or "gemm" (quantize + tiled GEMM, ``group_m`` tiles share a column)."""
+
+    kind: str
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+    group_m: int = 8
+
+
+#: number of SMs the split heuristic aims at (H200: 132)
+_TARGET_SMS = 132
+
+#: Qwen3-8B's linear shapes ``(N, K)`` -> split-K of the small-M kernel at ``BLOCK_N = 64``:
+#: about three programs per SM (qkv 4096->6144, o 4096->4096, gate_up 4096->24576,
+#: down 12288->4096). ``python bench/fp8.py --sweep`` times alternatives.
+GEMV_SPLITS = {(6144, 4096): 4, (4096, 4096): 6, (24576, 4096): 1, (4096, 12288): 6}
+
+
+def _gemv_split(n: int, k: int, block_n: int) -> int:
+    if (n, k) in GEMV_SPLITS and block_n == 64:
+        return GEMV_SPLITS[(n, k)]
+    tiles = triton.cdiv(n, block_n)
+    kb = triton.cdiv(k, FP8_BLOCK[1])
+    return max(1, min(triton.cdiv(3 * _TARGET_SMS, tiles), kb // 4 or 1))
+
+
+def fp8_config(m: int, n: int, k: int, kind: str | None = None) -> Fp8Config:
+    """The static tile configuration for an ``[M, K] x [K, N]`` FP8 product.
+
+    ``kind`` None picks the kernel: "gemv" for ``M <= GEMV_MAX_M`` (decode: weight-bandwidth
+    bound, quantization fused), else "gemm". Under the Triton interpreter the tiles are small
+    so tests cross tile boundaries with small shapes.
+    """
+    kind = kind or ("gemv" if m <= GEMV_MAX_M else "gemm")
+    if _interpreting():
+        if kind == "gemv":
+            bm = max(16, triton.next_power_of_2(m))
+            return Fp8Config("gemv", bm, 32, 4, 1, split_k=_gemv_split(n, k, 32))
+        return Fp8Config("gemm", 32, 32, 4, 1, group_m=2)
+    if kind == "gemv":
+        bm = max(16, triton.next_power_of_2(m))
+        return Fp8Config("gemv", bm, 64, 4, 4, split_k=_gemv_split(n, k, 64))
+    if m <= 256:
+        return Fp8Config("gemm", 64, 128, 4, 4, group_m=8)
+    return Fp8Config("gemm", 128, 128, 8, 3, group_m=8)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    ws: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: Fp8Config | None = None,
+) -> torch.Tensor:
+    """One block-FP8 linear layer: ``x [M, K]`` (bf16/fp16/fp32) -> ``[M, N]`` in x's dtype.
+
+    The small-M kernel for ``M <= GEMV_MAX_M``, else activation quantization + the tensor-core
+    GEMM (``config`` overrides the choice). No host synchronisation; CUDA-graph capturable.
+
+    Raises:
+        ValueError: ``w`` not float8_e4m3fn, or K of ``x`` and ``w`` differ.
+    """
+    if w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_linear takes a float8_e4m3fn weight, got {w.dtype}")
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"x has {k} features, the weight {w.shape[1]}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    cfg = config or fp8_config(m, n, k)
+    if cfg.kind == "gemv":
+        return fp8_gemv(x, w, ws, bias, out, cfg)
+    xq, xs = fp8_group_quant(x)
+    return fp8_gemm(xq, xs, w, ws, bias, out, cfg)
