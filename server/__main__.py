@@ -336,6 +336,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="seed of --load-format dummy's random weights (sampling seeds are per request)",
     )
     a(
+        "--tensor-parallel-size",
+        type=int,
+        default=_env("tensor_parallel_size", 1),
+        help="ranks (one process and device each) the model is split over, Megatron-style; "
+        "ranks 1..N-1 start on this host (cuda:0..N-1) unless --distributed-init-method is "
+        "env:// (torchrun started them, on one or several hosts; docs/deploy.md)",
+    )
+    a(
+        "--distributed-init-method",
+        default=_env("distributed_init_method"),
+        help="where the tensor-parallel ranks meet: tcp://HOST:PORT, or env:// under torchrun; "
+        "unset: a free loopback port",
+    )
+    a(
         "--log-level",
         type=str.lower,
         default=_env("log_level", "info"),
@@ -390,8 +404,11 @@ def main(argv: list[str] | None = None) -> None:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from server.app import create_app
-    from server.factory import build_context
+    from server.factory import build_context, engine_config, run_worker_rank_if_any
 
+    code = run_worker_rank_if_any(engine_config(args))
+    if code is not None:  # a torchrun rank other than 0: no HTTP server here
+        return code
     ctx = build_context(args)
     app = create_app(ctx)
     log.info("serving %s on http://%s:%d", ctx.model_name, args.host, args.port)

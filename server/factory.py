@@ -10,7 +10,7 @@ import torch
 
 from engine.core.config import EngineConfig, ModelConfig, read_generation_config
 from engine.frontend.async_engine import AsyncEngine
-from engine.frontend.launch import start_engine_core
+from engine.frontend.launch import is_worker_rank, run_worker_rank, start_engine_core
 from engine.frontend.tokenizer import Tokenizer
 from engine.loader.gguf_loader import is_gguf, resolve_model_path
 from server.context import ServerContext
@@ -29,37 +29,47 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def build_context(args: argparse.Namespace) -> ServerContext:
-    """Load the checkpoint (or build the embedded one) and wire engine, tokenizer and metrics.
+def _model_dir(args: argparse.Namespace) -> str:
+    """``--model`` (a GGUF file: its prepared directory), or the embedded checkpoint's directory
+    (built on first use)."""
+    if args.model is not None:
+        if is_gguf(args.model):
+            log.info("GGUF file %s: weights dequantized at load (gguf-py)", args.model)
+            return resolve_model_path(args.model)
+        return args.model
+    from engine.loader.embedded import default_cache_root, ensure_embedded_checkpoint
+
+    log.info(
+        "no --model: using the embedded random-weight Qwen3 (built on first use under %s, "
+        "set QWEN_SERVE_CACHE to move it)",
+        default_cache_root(),
+    )
+    return str(ensure_embedded_checkpoint())
+
+
+def run_worker_rank_if_any(config: EngineConfig) -> int | None:
+    """On a tensor-parallel rank other than 0 started by torchrun (``env://``, ``RANK`` > 0):
+    serve as that rank until rank 0 shuts the engine down and return the exit code. None in
+    every other process (it goes on to serve HTTP)."""
+    if not is_worker_rank(config):
+        return None
+    return run_worker_rank(config)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine settings of the parsed flags.
 
     ``--model`` is a checkpoint directory or a GGUF file (served from the directory
     :func:`engine.loader.gguf_loader.prepare_gguf_model_dir` derives from it, under the model
     name of the file, e.g. ``model-q4_k_m.gguf``).
 
     Raises:
-        FileNotFoundError / ValueError: unreadable or unsupported checkpoint, bad settings.
+        FileNotFoundError / ValueError: bad settings, an unreadable or unsupported GGUF file.
     """
-    model_dir = args.model
-    if model_dir is None:
-        from engine.loader.embedded import default_cache_root, ensure_embedded_checkpoint
-
-        log.info(
-            "no --model: using the embedded random-weight Qwen3 (built on first use under %s, "
-            "set QWEN_SERVE_CACHE to move it)",
-            default_cache_root(),
-        )
-        model_dir = str(ensure_embedded_checkpoint())
-        name = args.served_model_name or "qwen3-embedded"
-    else:
-        name = args.served_model_name or Path(model_dir).resolve().name
-        if is_gguf(model_dir):
-            log.info("GGUF file %s: weights dequantized at load (gguf-py)", model_dir)
-            model_dir = resolve_model_path(model_dir)
-    device = resolve_device(args.device)
-    config = EngineConfig(
-        model=model_dir,
+    return EngineConfig(
+        model=_model_dir(args),
         dtype=args.dtype,
-        device=device,
+        device=resolve_device(args.device),
         max_model_len=args.max_model_len and int(args.max_model_len),
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks and int(args.num_kv_blocks),
@@ -79,7 +89,22 @@ def build_context(args: argparse.Namespace) -> ServerContext:
         else (None if args.compile_mode == "auto" else args.compile_mode),
         load_format=args.load_format,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_init_method=args.distributed_init_method or None,
         quantization=getattr(args, "quantization", None),
+    )
+
+
+def build_context(args: argparse.Namespace) -> ServerContext:
+    """Load the checkpoint (or build the embedded one) and wire engine, tokenizer and metrics.
+
+    Raises:
+        FileNotFoundError / ValueError: unreadable or unsupported checkpoint, bad settings.
+    """
+    config = engine_config(args)
+    model_dir = config.model
+    name = args.served_model_name or (
+        Path(args.model).resolve().name if args.model is not None else "qwen3-embedded"
     )
     model_config = ModelConfig.from_hf(model_dir)
     tokenizer = Tokenizer(model_dir)
@@ -97,7 +122,9 @@ def build_context(args: argparse.Namespace) -> ServerContext:
             "block_size": limits.block_size,
             "num_kv_blocks": limits.num_kv_blocks,
             "max_model_len": limits.max_model_len,
+            "tensor_parallel_size": max(1, len(limits.ranks)),
         },
+        limits.ranks,
     )
     log.info("engine core: %s", type(core).__name__)
     return ServerContext(

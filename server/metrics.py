@@ -84,10 +84,13 @@ class ServerMetrics:
     Args:
         model_name: the served model id.
         info: static facts for the info metric (model, dtype, block_size, num_kv_blocks,
-            max_model_len).
+            max_model_len, tensor_parallel_size).
+        ranks: the engine's layout (``EngineLimits.ranks``): one sample per rank of
+            ``rank_weight_bytes`` and ``rank_kv_cache_bytes``, labelled with the rank, its
+            device and host (a single-device engine has rank 0).
     """
 
-    def __init__(self, model_name: str, info: dict[str, str]):
+    def __init__(self, model_name: str, info: dict[str, str], ranks: tuple = ()):
         self.registry = reg = CollectorRegistry()
         ProcessCollector(registry=reg)
         labels = ["model_name"]
@@ -151,6 +154,23 @@ class ServerMetrics:
             "Tokens per engine step (prefill positions computed + tokens sampled).",
             TOKEN_BUCKETS,
         )
+        rank_labels = labels + ["rank", "device", "host"]
+        weights = Gauge(
+            PREFIX + "rank_weight_bytes",
+            "Bytes of model weights one tensor-parallel rank holds (its shards).",
+            rank_labels,
+            registry=reg,
+        )
+        kv = Gauge(
+            PREFIX + "rank_kv_cache_bytes",
+            "Bytes of the KV cache of one tensor-parallel rank (its KV heads).",
+            rank_labels,
+            registry=reg,
+        )
+        for r in ranks:
+            where = {"rank": str(r.rank), "device": r.device, "host": r.host, **self._label}
+            weights.labels(**where).set(r.weight_bytes)
+            kv.labels(**where).set(r.kv_cache_bytes)
         Info(PREFIX + "model", "Served model and cache configuration.", registry=reg).info(
             {"model_name": model_name, **{k: str(v) for k, v in info.items()}}
         )

@@ -197,6 +197,79 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
+    def check_tensor_parallel(
+        self, tp_size: int, quantization: QuantizationConfig | None = None
+    ) -> None:
+        """Refuse a tensor-parallel size the checkpoint's shapes do not split over (Megatron
+        sharding, see docs/architecture.md): query heads, KV heads (split, or replicated when
+        ``tp_size`` is a multiple of them), the dense and expert MLP features, the vocabulary
+        (vocab-parallel embedding and LM head); and any quantization with ``tp_size`` > 1.
+
+        ``quantization``: what the model runs with (:func:`resolve_quantization` of the
+        checkpoint's and ``--quantization``); None: the checkpoint's own (``self.quantization``).
+        Tensor parallelism of quantized layers is not implemented (the FP8 weights' per-block
+        ``weight_scale_inv`` are not split per rank), so a quantized model is refused with
+        ``tp_size`` > 1; the message also names the MLP slices that would cut the quantization
+        blocks (``weight_block_size``), which even a sharded scale could not serve.
+
+        Raises:
+            ValueError: naming every dimension that does not divide (none for ``tp_size`` 1),
+                or the quantization.
+        """
+        if tp_size < 1:
+            raise ValueError(f"tensor-parallel size must be >= 1, got {tp_size}")
+        if tp_size == 1:
+            return
+        problems = []
+
+        def split(name: str, size: int) -> None:
+            if size % tp_size:
+                problems.append(f"{name} = {size} is not divisible by {tp_size}")
+
+        split("num_attention_heads", self.num_attention_heads)
+        kv = self.num_key_value_heads
+        if kv % tp_size and tp_size % kv:
+            problems.append(
+                f"num_key_value_heads = {kv} neither divides by {tp_size} nor divides "
+                f"{tp_size} (replicated KV heads)"
+            )
+        dense = self.num_hidden_layers > self.num_moe_layers
+        if dense:
+            split("intermediate_size", self.intermediate_size)
+        if self.num_experts:
+            split("moe_intermediate_size (features of one expert)", self.moe_intermediate_size)
+        split("vocab_size", self.vocab_size)
+        quant = quantization if quantization is not None else self.quantization
+        if quant is not None:
+            source = (
+                "the checkpoint's quantization_config"
+                if quant.checkpoint_quantized
+                else "--quantization"
+            )
+            problems.append(
+                f"tensor_parallel_size {tp_size} with {quant.method} quantization ({source}) "
+                "is not supported: the quantized weights' scales are not split per rank; serve "
+                "a quantized model with tensor_parallel_size 1, or split an unquantized one "
+                "without --quantization"
+            )
+            block = quant.weight_block_size[0]
+            sizes = (
+                [("moe_intermediate_size", self.moe_intermediate_size)] if self.num_experts else []
+            )
+            sizes += [("intermediate_size", self.intermediate_size)] if dense else []
+            for name, size in sizes:
+                if size % tp_size == 0 and (size // tp_size) % block:
+                    problems.append(
+                        f"{name} / {tp_size} = {size // tp_size} is not a multiple of the "
+                        f"quantization block {block} (weight_block_size); expert "
+                        "parallelism, which would keep experts whole, is not implemented"
+                    )
+        if problems:
+            raise ValueError(
+                f"cannot split {self.architecture} over {tp_size} tensor-parallel ranks: "
+                + "; ".join(problems)
+            )
+
     @staticmethod
     def from_hf(model_dir: str | Path) -> ModelConfig:
         """Read ``config.json`` of a Hugging Face checkpoint directory.
@@ -381,10 +454,17 @@ class EngineConfig:
             ``config.json`` alone with random weights drawn on the device from ``seed``
             (benchmarks of shapes without a checkpoint; the outputs are meaningless).
         seed: seed of the random weights of ``load_format="dummy"``.
+        tensor_parallel_size: ranks the model is split over (Megatron sharding, one process
+            and device per rank, torch.distributed; see docs/architecture.md); 1 = one device.
+        distributed_init_method: where the ranks meet: None = a free loopback port, the engine
+            spawns ranks 1..N-1 on this host; ``"tcp://HOST:PORT"`` = the same at that address;
+            ``"env://"`` = the ranks were launched by torchrun (``RANK``, ``WORLD_SIZE``,
+            ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), possibly on several hosts.
         quantization: None serves the checkpoint as it is stored (an FP8 checkpoint in FP8);
             "fp8" also quantizes a high-precision checkpoint at load into the same 128x128
             block format (and ``load_format="dummy"`` then draws FP8 weights); see
-            :func:`resolve_quantization`.
+            :func:`resolve_quantization`. Not with ``tensor_parallel_size`` > 1
+            (:meth:`ModelConfig.check_tensor_parallel`).
     """
 
     model: str
@@ -408,12 +488,21 @@ class EngineConfig:
     async_scheduling: bool | None = None
     load_format: str = "auto"
     seed: int = 0
+    tensor_parallel_size: int = 1
+    distributed_init_method: str | None = None
     quantization: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        init = self.distributed_init_method
+        if init is not None and not (init == "env://" or init.startswith("tcp://")):
+            raise ValueError(
+                f"distributed_init_method must be env:// or tcp://HOST:PORT, got {init!r}"
+            )
         if self.quantization in ("none", "auto"):
             object.__setattr__(self, "quantization", None)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

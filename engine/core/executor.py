@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from engine.core.config import CacheInfo, ModelConfig
+from engine.core.layout import RankLayout
 from engine.core.outputs import SampleOutput
 from engine.core.request import Request
 from engine.core.scheduler import ScheduledBatch
@@ -37,13 +38,16 @@ class ModelExecutor(Protocol):
     """Runs steps of a model over its KV cache.
 
     Attributes:
-        model_config: the architecture; cache_info: the KV cache's runtime facts.
+        model_config: the architecture; cache_info: the KV cache's runtime facts (blocks are
+            the same on every rank; ``kv_bytes_per_block`` is one rank's).
         description: one line for the start-up log (device, dtype, attention backend).
+        layout: where the model lives, one entry per tensor-parallel rank.
     """
 
     model_config: ModelConfig
     cache_info: CacheInfo
     description: str
+    layout: tuple[RankLayout, ...]
 
     def launch(
         self,
@@ -66,4 +70,8 @@ class ModelExecutor(Protocol):
 
     def is_fatal(self, exc: BaseException) -> bool:
         """Whether an exception left the device unusable (every later step would fail too)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release what the executor started (other ranks' processes); idempotent."""
         ...

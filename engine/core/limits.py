@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.core.layout import RankLayout
+
 
 class RequestRejected(ValueError):
     """A request that can never be served.
@@ -29,6 +31,7 @@ class EngineLimits:
         num_kv_blocks, block_size: the paged KV cache.
         max_num_batched_tokens, enable_chunked_prefill: the scheduler's step budget.
         dtype: model dtype name ("float32", "bfloat16", ...).
+        ranks: where the model lives, one entry per tensor-parallel rank (start-up log, metrics).
     """
 
     max_model_len: int
@@ -39,6 +42,7 @@ class EngineLimits:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     dtype: str
+    ranks: tuple[RankLayout, ...] = ()
 
     def validate(self, prompt_token_ids: list[int]) -> None:
         """Reject a prompt that can never be served.

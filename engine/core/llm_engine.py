@@ -73,6 +73,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
             dtype=info.dtype,
+            ranks=tuple(executor.layout),
         )
         log.info(
             "engine ready: %s, KV cache %d blocks x %d tokens (%.2f GiB), max_model_len %d",
@@ -124,6 +125,11 @@ class LLMEngine:
     def is_fatal(self, exc: BaseException) -> bool:
         """Whether ``exc`` left the device unusable (the executor's classification)."""
         return self.executor.is_fatal(exc)
+
+    def shutdown(self) -> None:
+        """Stop what the executor started (a tensor-parallel engine's other ranks);
+        idempotent. The engine takes no steps afterwards."""
+        self.executor.shutdown()
 
     # -------------------------------------------------------------------- step
     def step(self) -> tuple[list[RequestOutput], StepStats]:

@@ -103,6 +103,8 @@ class ThreadCore:
         if self._thread is not None:
             self.send(Shutdown())
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.shutdown()
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

@@ -1,6 +1,9 @@
-"""Start an engine core for a server: in a thread of this process or in a process of its own."""
+"""Start an engine core for a server: in a thread of this process or in a process of its own;
+or, on a tensor-parallel rank other than 0 started by torchrun, run that rank's worker loop."""
 
 from __future__ import annotations
+
+import os
 
 from engine.core.config import EngineConfig
 from engine.frontend.core_client import EngineCoreClient, ThreadCore
@@ -11,8 +14,12 @@ ENGINE_MODES = ("thread", "process")
 
 
 def default_engine_mode(config: EngineConfig) -> str:
-    """ "process" on CUDA (the engine loop never waits for the HTTP server's GIL), else "thread"."""
-    return "process" if config.device_type == "cuda" else "thread"
+    """ "process" on CUDA (the engine loop never waits for the HTTP server's GIL) and for a
+    tensor-parallel engine (losing a rank ends the engine process, see
+    ``engine.worker.rank_monitor``), else "thread"."""
+    if config.device_type == "cuda" or config.tensor_parallel_size > 1:
+        return "process"
+    return "thread"
 
 
 def start_engine_core(
@@ -28,10 +35,17 @@ def start_engine_core(
         mode: "thread", "process" or None (:func:`default_engine_mode`).
 
     Raises:
-        ValueError: unknown mode, or what building the engine raises.
+        ValueError: unknown mode, "thread" with tensor parallelism (a lost rank ends the
+            process holding rank 0, which must not be the server's), or what building the
+            engine raises.
         RuntimeError: the engine process failed to start.
     """
     mode = mode or default_engine_mode(config)
+    if mode == "thread" and config.tensor_parallel_size > 1:
+        raise ValueError(
+            "--engine-mode thread cannot run a tensor-parallel engine: rank 0 runs in the "
+            "engine-core process (use --engine-mode process or auto)"
+        )
     if mode == "process":
         return ProcessCore(config, eos_token_ids, log_interval)
     if mode == "thread":
@@ -39,3 +53,21 @@ def start_engine_core(
 
         return ThreadCore(build_engine(config, eos_token_ids=eos_token_ids), log_interval)
     raise ValueError(f"unknown engine mode {mode!r}; expected one of {ENGINE_MODES}")
+
+
+def is_worker_rank(config: EngineConfig) -> bool:
+    """Whether this process is a tensor-parallel rank other than 0 started by torchrun
+    (``env://`` and ``RANK`` != 0): it runs :func:`run_worker_rank` instead of a server."""
+    return config.distributed_init_method == "env://" and os.environ.get("RANK", "0") != "0"
+
+
+def run_worker_rank(config: EngineConfig) -> int:
+    """Serve as torchrun's rank ``RANK`` until rank 0 shuts the engine down; returns the exit
+    code (a failure logs and exits the process with code 1).
+
+    Raises:
+        ValueError: torchrun's variables missing or inconsistent with the settings.
+    """
+    from engine.worker.tp_worker import torchrun_rank_main  # here: torch only when needed
+
+    return torchrun_rank_main(config)

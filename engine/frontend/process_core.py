@@ -9,9 +9,12 @@ process), for the same reason.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import gc
 import logging
 import multiprocessing as mp
+import signal
 import sys
 import threading
 
@@ -27,7 +30,15 @@ log = logging.getLogger(__name__)
 def _child_main(
     config: EngineConfig, eos_token_ids, conn, log_level: int, log_interval: float
 ) -> None:
-    """Entry point of the engine process: build the engine, report its limits, serve commands."""
+    """Entry point of the engine process: build the engine, report its limits, serve commands.
+
+    A tensor-parallel engine core ignores SIGTERM and SIGINT: launchers (torchrun, a terminal's
+    Ctrl-C) signal the whole process group, and the server stops its engine itself (a Shutdown
+    command, then the ranks' shutdown message) once its requests are done; a core killed by
+    the signal instead would leave its ranks to fail on a closed connection."""
+    if config.tensor_parallel_size > 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s"
     )
@@ -63,7 +74,10 @@ def _child_main(
         except (BrokenPipeError, OSError):
             pass
 
-    run_engine_loop(engine, next_commands, emit, log_interval)
+    try:
+        run_engine_loop(engine, next_commands, emit, log_interval)
+    finally:  # also after a fatal step: stop the other tensor-parallel ranks
+        engine.shutdown()
 
 
 class ProcessCore:
@@ -89,14 +103,19 @@ class ProcessCore:
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self._send_lock = threading.Lock()
+        # a tensor-parallel engine core spawns its other ranks, which a daemonic process may
+        # not do; it leaves when this process's pipe closes (next_commands) and its ranks die
+        # with it (engine.worker.tp_worker), and shutdown() kills it after its timeout
         self._proc = ctx.Process(
             target=_child_main,
             name="engine-core",
-            daemon=True,
+            daemon=config.tensor_parallel_size == 1,
             args=(config, eos_token_ids, child_conn, logging.getLogger().level, log_interval),
         )
         self._proc.start()
         child_conn.close()
+        if not self._proc.daemon:  # multiprocessing would join it at exit, maybe forever
+            atexit.register(self._reap)
         if not self._conn.poll(startup_timeout):
             self._proc.kill()
             raise RuntimeError(f"engine process not ready after {startup_timeout:.0f}s")
@@ -158,3 +177,16 @@ class ProcessCore:
 
     def is_alive(self) -> bool:
         return self._proc.is_alive()
+
+    def _reap(self, timeout: float = 30.0) -> None:
+        """At interpreter exit without :meth:`shutdown` (a server that failed after starting
+        its engine): close the pipe, which stops the engine loop and its ranks, then wait for
+        the process, and kill it after ``timeout`` seconds."""
+        if not self._proc.is_alive():
+            return
+        with contextlib.suppress(OSError):
+            self._conn.close()
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)

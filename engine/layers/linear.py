@@ -8,14 +8,23 @@ gate/up) are column-parallel layers made of shards that the checkpoint stores as
 tensors: each shard is split on its own, so a rank holds its heads of q, k and v.
 
 Every parameter gets a ``weight_loader(param, tensor, shard_id)`` that copies the rank's slice
-of a full checkpoint tensor into it (vLLM's and nano-vllm's convention), and ``shard_ids``, the
-shards it expects (the loader checks that each was loaded once). With ``tp_size == 1`` (today's
-engine) every layer is a plain ``F.linear``.
+of a full checkpoint tensor into it (vLLM's and nano-vllm's convention), ``shard_ids``, the
+shards it expects (the loader checks that each was loaded once), and ``checkpoint_shapes``, the
+full (unsplit) checkpoint shape of each shard (``load_format="dummy"`` draws those, so random
+weights are the same model at every tensor-parallel size). With ``tp_size == 1`` every layer is
+a plain ``F.linear``.
+
+A checkpoint tensor handed to a weight loader is a ``torch.Tensor`` or a lazy window of a file
+(``engine.loader.safetensors_loader.CheckpointSlice``: ``shape``, ``dim()``, ``narrow()``,
+``materialize()``); the loaders only narrow it, so a rank reads just its slice from disk, and
+:func:`default_weight_loader` materialises what is left.
 
 ``quant_config`` (an ``engine.core.config.QuantizationConfig`` or None): a quantized layer's
 ``quant_method`` (``engine.layers.quantization``) creates its parameters (block FP8: a float8
 ``weight`` and a float32 ``weight_scale_inv``), loads checkpoint tensors into them through the
-layer's own ``weight_loader`` and runs its forward.
+layer's own ``weight_loader`` and runs its forward. Quantized layers are built with
+``tp_size == 1`` only (``ModelConfig.check_tensor_parallel`` refuses the rest: the scales are
+not split per rank).
 """
 
 from __future__ import annotations
@@ -27,8 +36,9 @@ from torch import nn
 from engine.layers.quantization import make_quant_method
 
 
-def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
-    """Copy a whole checkpoint tensor into ``param`` (cast to its dtype and device).
+def default_weight_loader(param: nn.Parameter, tensor, shard_id=None) -> None:
+    """Copy a whole checkpoint tensor (or lazy slice, read now) into ``param`` (cast to its dtype
+    and device).
 
     Raises:
         ValueError: a shape mismatch.
@@ -37,10 +47,17 @@ def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id=No
         raise ValueError(
             f"checkpoint shape {tuple(tensor.shape)} != parameter shape {tuple(param.shape)}"
         )
-    param.data.copy_(tensor)
+    param.data.copy_(tensor if isinstance(tensor, torch.Tensor) else tensor.materialize())
 
 
-def _full(tensor: torch.Tensor, dim: int, expected: int) -> torch.Tensor:
+def checkpoint_shapes(param: nn.Parameter) -> dict:
+    """Shard id -> full checkpoint shape of each tensor ``param`` loads (its own shape, shard
+    None, for a parameter without ``checkpoint_shapes``)."""
+    shapes = getattr(param, "checkpoint_shapes", None)
+    return shapes if shapes is not None else {None: tuple(param.shape)}
+
+
+def _full(tensor, dim: int, expected: int):
     """``tensor`` after checking its size along ``dim`` (the unsplit checkpoint size)."""
     if tensor.dim() <= dim or tensor.shape[dim] != expected:
         raise ValueError(
@@ -86,10 +103,12 @@ class LinearBase(nn.Module):
         else:
             self.quant_method.create_weights(self, out_per_rank, in_per_rank)
         self.weight.shard_ids = (None,)
+        self.weight.checkpoint_shapes = {None: (output_size, input_size)}
         if bias:
             self.bias = nn.Parameter(torch.empty(out_per_rank))
             self.bias.weight_loader = self.weight_loader
             self.bias.shard_ids = (None,)
+            self.bias.checkpoint_shapes = {None: (output_size,)}
         else:
             self.register_parameter("bias", None)
 
@@ -99,7 +118,7 @@ class LinearBase(nn.Module):
             return self.quant_method.apply(self, x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, tensor, shard_id=None) -> None:
         default_weight_loader(param, tensor)
 
 
@@ -144,7 +163,7 @@ class ColumnParallelLinear(LinearBase):
             quant_config=quant_config,
         )
 
-    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, tensor, shard_id=None) -> None:
         n = param.shape[0]
         default_weight_loader(
             param, _full(tensor, 0, n * self.tp_size).narrow(0, self.tp_rank * n, n)
@@ -172,10 +191,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size, quant_config)
         shards = tuple(range(len(output_sizes)))
         self.weight.shard_ids = shards
+        self.weight.checkpoint_shapes = {i: (s, input_size) for i, s in enumerate(output_sizes)}
         if self.bias is not None:
             self.bias.shard_ids = shards
+            self.bias.checkpoint_shapes = {i: (s,) for i, s in enumerate(output_sizes)}
 
-    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, tensor, shard_id=None) -> None:
         """Copy this rank's slice of shard ``shard_id`` (an index) into its place."""
         size = self.output_sizes[shard_id]
         offset = sum(self.output_sizes[:shard_id])
@@ -230,10 +251,14 @@ class QKVParallelLinear(ColumnParallelLinear):
             quant_config=quant_config,
         )
         self.weight.shard_ids = ("q", "k", "v")
+        full = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim}
+        full["v"] = full["k"]
+        self.weight.checkpoint_shapes = {k: (n, hidden_size) for k, n in full.items()}
         if self.bias is not None:
             self.bias.shard_ids = ("q", "k", "v")
+            self.bias.checkpoint_shapes = {k: (n,) for k, n in full.items()}
 
-    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, tensor, shard_id=None) -> None:
         """Copy this rank's heads of the ``shard_id`` ("q", "k" or "v") checkpoint tensor."""
         if shard_id == "q":
             offset, size, start = 0, self.q_size, self.tp_rank * self.q_size
@@ -282,7 +307,7 @@ class RowParallelLinear(LinearBase):
             quant_config=quant_config,
         )
 
-    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, tensor, shard_id=None) -> None:
         if param.dim() == 1:  # the bias (rank 0)
             default_weight_loader(param, tensor)
             return

@@ -8,10 +8,15 @@ expert a SwiGLU MLP. The experts' weights live in two tensors per layer, ``w13 [
 (gate rows, then up rows) and ``w2 [E, H, I]``, filled expert by expert from the checkpoint's
 ``experts.{e}.gate_proj/up_proj/down_proj`` tensors by :meth:`FusedMoE.weight_loader`.
 
-Parallelism: like the linear layers, tensor parallelism splits each expert's intermediate
-features (``tp_size`` ranks hold ``I / tp`` gate/up rows and down columns; the caller sums the
-ranks' outputs). Expert parallelism would give each rank a range of experts and a global ->
-local expert map in the alignment kernel; it is not implemented (one rank holds every expert).
+Parallelism: tensor parallelism within experts (Megatron's MLP split applied to every expert):
+each of ``tp`` ranks holds ``I / tp`` gate/up rows and down columns of every expert, routes
+every token itself (the router is replicated), and :class:`SparseMoE` sums the ranks' partial
+outputs with one all-reduce, as after a dense MLP. Every rank does the same share of every
+expert's work, so no token is dispatched between ranks and load stays balanced whatever the
+routing. Expert parallelism (a range of experts per rank, tokens exchanged all-to-all) is not
+implemented; block-quantized (FP8, 128-wide blocks) experts would need it once ``I / tp`` stops
+being a multiple of the block (Qwen3-30B-A3B: 768 / 4 = 192), which
+``ModelConfig.check_tensor_parallel`` refuses (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 from torch import nn
 
 from engine.layers.linear import ReplicatedLinear, _split, default_weight_loader
+from engine.layers.parallel import TensorParallel
 from kernels.fused_moe import fused_moe, moe_workspace
 from kernels.reference import fused_moe_ref
 
@@ -123,11 +129,19 @@ class FusedMoE(nn.Module):
         experts = range(num_experts)
         self.w13_weight.shard_ids = tuple((k, e) for k in ("gate", "up") for e in experts)
         self.w2_weight.shard_ids = tuple(("down", e) for e in experts)
+        full_i = intermediate_size
+        self.w13_weight.checkpoint_shapes = {
+            s: (full_i, hidden_size) for s in self.w13_weight.shard_ids
+        }
+        self.w2_weight.checkpoint_shapes = {
+            s: (hidden_size, full_i) for s in self.w2_weight.shard_ids
+        }
         for p in (self.w13_weight, self.w2_weight):
             p.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id) -> None:
-        """Copy this rank's slice of one expert's checkpoint tensor into its place.
+    def weight_loader(self, param: nn.Parameter, tensor, shard_id) -> None:
+        """Copy this rank's slice of one expert's checkpoint tensor (or lazy file slice) into its
+        place.
 
         ``shard_id`` is ``(kind, expert)``: "gate"/"up" take an ``[I, H]`` tensor into rows
         ``0..I/tp`` / ``I/tp..2I/tp`` of ``w13[expert]``; "down" an ``[H, I]`` tensor into
@@ -176,9 +190,10 @@ class FusedMoE(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """A sparse MoE MLP: the router ``gate`` (``[E, H]``, no bias, output in the model dtype)
-    and the routed ``experts`` (:class:`FusedMoE`); Hugging Face's module names (``mlp.gate``,
-    ``mlp.experts``). Arguments as :class:`FusedMoE`."""
+    """A sparse MoE MLP: the router ``gate`` (``[E, H]``, no bias, output in the model dtype,
+    replicated on every rank) and the routed ``experts`` (:class:`FusedMoE`); Hugging Face's
+    module names (``mlp.gate``, ``mlp.experts``). Arguments as :class:`FusedMoE`, and ``tp``:
+    the tensor-parallel group (experts split within, partial outputs all-reduced), or None."""
 
     def __init__(
         self,
@@ -189,13 +204,24 @@ class SparseMoE(nn.Module):
         renormalize: bool,
         backend: str,
         custom_op: bool = False,
+        tp: TensorParallel | None = None,
     ):
         super().__init__()
+        self.tp = tp
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
         self.experts = FusedMoE(
-            num_experts, top_k, hidden_size, intermediate_size, renormalize, backend, custom_op
+            num_experts,
+            top_k,
+            hidden_size,
+            intermediate_size,
+            renormalize,
+            backend,
+            custom_op,
+            tp_rank=tp.rank if tp is not None else 0,
+            tp_size=tp.size if tp is not None else 1,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]`` -> ``[T, H]``."""
-        return self.experts(x, self.gate(x))
+        """``x [T, H]`` -> ``[T, H]`` (summed over the ranks)."""
+        out = self.experts(x, self.gate(x))
+        return out if self.tp is None else self.tp.all_reduce(out)

@@ -1,6 +1,14 @@
 """Load Hugging Face safetensors checkpoints (or the GGUF file a prepared GGUF model directory
 names, see :mod:`engine.loader.gguf_loader`) into an engine model through its parameters'
-weight loaders (fused q/k/v and gate/up shards, tensor-parallel slices)."""
+weight loaders (fused q/k/v and gate/up shards, tensor-parallel slices).
+
+Each safetensors tensor reaches the weight loaders as a :class:`CheckpointSlice`, a lazy window
+of the file: the loaders narrow it to the rank's part and only that part is read (safetensors'
+``get_slice``), so a tensor-parallel rank never reads, nor holds in host or device memory, the
+other ranks' shards; on one device the window is the whole tensor, read once. A GGUF tensor is
+dequantized whole (gguf-py has no partial reads) and reaches the same loaders as a float32
+``torch.Tensor``, which they slice in memory.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +21,114 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.layers.linear import default_weight_loader
+
+#: safetensors header dtype names -> torch dtypes
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    _SAFETENSORS_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+
+
+class CheckpointSlice:
+    """A window of one tensor of an open safetensors file, read when materialised.
+
+    Quacks like the part of ``torch.Tensor`` the weight loaders use: ``shape``, ``dtype``,
+    ``element_size()``, ``is_floating_point()``, ``dim()``,
+    ``narrow(dim, start, length)``, ``select(dim, index)``, indexing/iterating along dim 0
+    (stacked expert tensors); :meth:`materialize` reads the window.
+
+    Args:
+        handle: ``safe_open(...).get_slice(name)``; shape: the file tensor's shape (unused when
+            ``window`` is given).
+        window: per file dim, ``(start, stop)`` or an int (a selected, dropped dim); None: all.
+    """
+
+    def __init__(self, handle, shape, window: tuple | None = None):
+        self._handle = handle
+        self._window = window if window is not None else tuple((0, n) for n in shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The file tensor's dtype: from its header, or (a name this table lacks) from reading
+        one element."""
+        dtype = _SAFETENSORS_DTYPES.get(self._handle.get_dtype())
+        if dtype is None:
+            shape = self._handle.get_shape()
+            dtype = self._handle[tuple(slice(0, min(1, n)) for n in shape)].dtype
+        return dtype
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(w[1] - w[0] for w in self._window if not isinstance(w, int))
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def _file_dim(self, dim: int) -> int:
+        """Index in the window of the ``dim``-th kept dimension."""
+        kept = [i for i, w in enumerate(self._window) if not isinstance(w, int)]
+        return kept[dim]
+
+    def narrow(self, dim: int, start: int, length: int) -> CheckpointSlice:
+        """Rows ``start .. start + length`` along ``dim``.
+
+        Raises:
+            ValueError: a range outside the window.
+        """
+        i = self._file_dim(dim)
+        a, b = self._window[i]
+        if start < 0 or length < 0 or a + start + length > b:
+            raise ValueError(f"narrow({dim}, {start}, {length}) outside shape {tuple(self.shape)}")
+        window = list(self._window)
+        window[i] = (a + start, a + start + length)
+        return CheckpointSlice(self._handle, None, tuple(window))
+
+    def select(self, dim: int, index: int) -> CheckpointSlice:
+        """Index ``index`` along ``dim``, which is dropped (as ``Tensor.select``)."""
+        i = self._file_dim(dim)
+        a, b = self._window[i]
+        if not 0 <= index < b - a:
+            raise IndexError(f"index {index} out of range for dim {dim} of {tuple(self.shape)}")
+        window = list(self._window)
+        window[i] = a + index
+        return CheckpointSlice(self._handle, None, tuple(window))
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key):
+        if isinstance(key, int):
+            return self.select(0, key)
+        if isinstance(key, slice) and key.step in (None, 1):
+            start, stop, _ = key.indices(len(self))
+            return self.narrow(0, start, max(0, stop - start))
+        raise TypeError(f"CheckpointSlice supports an int or a unit-step slice, got {key!r}")
+
+    def __iter__(self):
+        return (self.select(0, i) for i in range(len(self)))
+
+    def materialize(self) -> torch.Tensor:
+        """The window as a CPU tensor in the file's dtype (only its bytes are read)."""
+        index = tuple(w if isinstance(w, int) else slice(*w) for w in self._window)
+        return self._handle[index]
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -35,11 +151,14 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_tensors(
+    model_dir: str | Path,
+) -> Iterator[tuple[str, torch.Tensor | CheckpointSlice]]:
     """(Hugging Face name, tensor) of every checkpoint tensor, one at a time: from the GGUF file
-    that the directory's config.json names in ``"gguf_file"`` (dequantized to float32, see
-    :func:`engine.loader.gguf_loader.gguf_tensors`), else from its safetensors files (stored
-    dtype, CPU).
+    that the directory's config.json names in ``"gguf_file"`` (a ``torch.Tensor`` dequantized
+    to float32, see :func:`engine.loader.gguf_loader.gguf_tensors`), else from its safetensors
+    files (a lazy :class:`CheckpointSlice` of the whole tensor, read in the stored dtype on the
+    CPU when a loader materialises its part; valid while the iteration is at that tensor).
 
     Raises:
         FileNotFoundError: no weights. ValueError: a GGUF tensor type that cannot be dequantized,
@@ -54,7 +173,8 @@ def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tenso
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                handle = f.get_slice(name)
+                yield name, CheckpointSlice(handle, handle.get_shape())
 
 
 def parameter_target(model: nn.Module, name: str) -> tuple[str, object]:
@@ -80,7 +200,7 @@ def checkpoint_shards(
     return shards
 
 
-def _check_quantized_dtype(name: str, tensor: torch.Tensor, param: nn.Parameter) -> None:
+def _check_quantized_dtype(name: str, tensor, param: nn.Parameter) -> None:
     """A float8 checkpoint tensor goes only into a float8 parameter (scales are checked by
     their quantized layer's loader)."""
     if name.endswith("_scale_inv"):
@@ -100,7 +220,9 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     The model provides ``packed_modules_mapping``, ``skip_checkpoint_tensor(name)`` and
     optionally ``checkpoint_shards(name, tensor)`` (see :func:`checkpoint_shards`); each
     parameter's ``weight_loader(param, tensor, shard_id)`` copies its part (cast to the
-    parameter's dtype and device), and its ``shard_ids`` say which shards it expects.
+    parameter's dtype and device), and its ``shard_ids`` say which shards it expects. The
+    safetensors tensors are :class:`CheckpointSlice` windows: only the slices the loaders keep
+    are read (GGUF tensors arrive whole, see :func:`checkpoint_tensors`).
 
     Raises:
         KeyError: a checkpoint tensor with no matching parameter (e.g. a ``weight_scale_inv``

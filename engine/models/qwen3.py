@@ -8,6 +8,12 @@ layout (Su et al. 2021), grouped-query attention (Ainslie et al. 2023), SwiGLU M
 Parameter names are Hugging Face's, except two fused projections: ``qkv_proj``
 (q_proj, k_proj, v_proj stacked on the output dim) and ``gate_up_proj`` (gate_proj, up_proj);
 :attr:`Qwen3ForCausalLM.packed_modules_mapping` is the one mapping the weight loader uses.
+
+Tensor parallelism (``tp``, Megatron-LM's split, Shoeybi et al. 2019): q/k/v and gate/up are
+column-parallel (a rank holds its heads and its MLP features), o_proj and down_proj
+row-parallel followed by an all-reduce, the embedding and the LM head vocab-parallel (the
+logits' columns are gathered on rank 0 once per step, for the sampler). Norms, rotary tables
+and Qwen3's q/k norms (per head) are replicated. Without ``tp`` the model calls no collective.
 """
 
 from __future__ import annotations
@@ -21,25 +27,42 @@ from torch import nn
 from engine.attention.layer import PagedAttention
 from engine.attention.metadata import AttentionMetadata
 from engine.core.config import ModelConfig
+from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.linear import (
+    ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
 )
 from engine.layers.norm import RMSNorm
+from engine.layers.parallel import TensorParallel
 from engine.layers.pointwise import PointwiseOps
 from engine.layers.quantization import finalize_quantization
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.compile import COMPILE_MODES, CompiledForward
 
 
+def _split_args(tp: TensorParallel | None) -> dict:
+    """The ``tp_rank``/``tp_size`` keywords of the parallel linear layers."""
+    return {} if tp is None else {"tp_rank": tp.rank, "tp_size": tp.size}
+
+
 class Qwen3Attention(nn.Module):
+    """Self-attention of one layer: this rank's query and KV heads (all of them without ``tp``),
+    ``o_proj``'s partial sums all-reduced over the ranks."""
+
     def __init__(
-        self, cfg: ModelConfig, ops: PointwiseOps, attention_backend: str, custom_op: bool
+        self,
+        cfg: ModelConfig,
+        ops: PointwiseOps,
+        attention_backend: str,
+        custom_op: bool,
+        tp: TensorParallel | None = None,
     ):
         super().__init__()
         self.ops = ops
+        self.tp = tp
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size,
             cfg.head_dim,
@@ -47,6 +70,7 @@ class Qwen3Attention(nn.Module):
             cfg.num_key_value_heads,
             bias=cfg.attention_bias,
             quant_config=cfg.quantization,
+            **_split_args(tp),
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -56,6 +80,7 @@ class Qwen3Attention(nn.Module):
             cfg.hidden_size,
             bias=False,
             quant_config=cfg.quantization,
+            **_split_args(tp),
         )
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -79,30 +104,42 @@ class Qwen3Attention(nn.Module):
             )
         else:
             q, k = self.ops.rope(q, k, cos, sin)
-        o = self.attn(q, k, v.contiguous(), kv_cache, meta)
-        return self.o_proj(o.reshape(t, self.q_size))
+        o = self.o_proj(self.attn(q, k, v.contiguous(), kv_cache, meta).reshape(t, self.q_size))
+        return o if self.tp is None else self.tp.all_reduce(o)
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: PointwiseOps):
+    """SwiGLU MLP: this rank's features of gate/up, ``down_proj``'s partial sums all-reduced."""
+
+    def __init__(self, cfg: ModelConfig, ops: PointwiseOps, tp: TensorParallel | None = None):
         super().__init__()
         self.ops = ops
+        self.tp = tp
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False, quant_config=cfg.quantization
+            cfg.hidden_size,
+            [cfg.intermediate_size] * 2,
+            bias=False,
+            quant_config=cfg.quantization,
+            **_split_args(tp),
         )
         self.down_proj = RowParallelLinear(
-            cfg.intermediate_size, cfg.hidden_size, bias=False, quant_config=cfg.quantization
+            cfg.intermediate_size,
+            cfg.hidden_size,
+            bias=False,
+            quant_config=cfg.quantization,
+            **_split_args(tp),
         )
 
     def forward(self, x):
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class Qwen3DecoderLayer(nn.Module):
     """Attention then MLP, each after an RMSNorm, with the residual stream carried between layers.
 
     ``mlp``: the MLP module, any ``[T, H] -> [T, H]`` (default: the dense :class:`Qwen3MLP`;
-    Qwen3-MoE passes a sparse MoE block).
+    Qwen3-MoE passes a sparse MoE block). ``tp``: the tensor-parallel group or None.
     """
 
     def __init__(
@@ -112,11 +149,12 @@ class Qwen3DecoderLayer(nn.Module):
         attention_backend: str,
         custom_op: bool,
         mlp: nn.Module | None = None,
+        tp: TensorParallel | None = None,
     ):
         super().__init__()
         self.ops = ops
-        self.self_attn = Qwen3Attention(cfg, ops, attention_backend, custom_op)
-        self.mlp = mlp if mlp is not None else Qwen3MLP(cfg, ops)
+        self.self_attn = Qwen3Attention(cfg, ops, attention_backend, custom_op, tp)
+        self.mlp = mlp if mlp is not None else Qwen3MLP(cfg, ops, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -143,11 +181,15 @@ class Qwen3Model(nn.Module):
         attention_backend: str,
         custom_op: bool,
         make_mlp: Callable[[int], nn.Module | None] = lambda layer: None,
+        tp: TensorParallel | None = None,
     ):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if tp is None:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(cfg, ops, attention_backend, custom_op, make_mlp(i))
+            Qwen3DecoderLayer(cfg, ops, attention_backend, custom_op, make_mlp(i), tp)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -170,13 +212,16 @@ class Qwen3ForCausalLM(nn.Module):
             compiles the whole forward (:class:`~engine.models.compile.CompiledForward`, the
             attention layers then call the custom op), ``"ops"`` only the elementwise functions
             (:class:`~engine.layers.pointwise.PointwiseOps`), ``"none"`` runs eagerly.
+        tp: this rank's tensor-parallel group (the model holds its shards and calls the
+            collectives); None: the whole model on one device.
 
     ``cfg.quantization`` (block FP8 or None) quantizes the decoder's linear layers (q/k/v, o,
     gate/up, down); the embeddings, norms and LM head stay in the model dtype.
 
     Raises:
-        ValueError: unknown ``compile_mode`` or attention backend; FP8 layers whose shards are
-            not block-aligned (``engine.layers.quantization.finalize_quantization``).
+        ValueError: unknown ``compile_mode`` or attention backend; a shape that does not split
+            over ``tp.size`` ranks (naming it); FP8 layers whose shards are not block-aligned
+            (``engine.layers.quantization.finalize_quantization``).
     """
 
     #: checkpoint name fragment -> (fused parameter fragment, shard id of its weight loader)
@@ -194,11 +239,13 @@ class Qwen3ForCausalLM(nn.Module):
         max_positions: int,
         attention_backend: str,
         compile_mode: str = "none",
+        tp: TensorParallel | None = None,
     ):
         super().__init__()
         if compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {compile_mode!r}")
         self.config = cfg
+        self.tp = tp
         self.compile_mode = compile_mode
         self.attention_backend = attention_backend
         self.ops = PointwiseOps(compile_mode == "ops")
@@ -209,18 +256,23 @@ class Qwen3ForCausalLM(nn.Module):
             attention_backend,
             custom_op=compile_mode == "model",
             make_mlp=self.make_mlp,
+            tp=tp,
         )
         if cfg.tie_word_embeddings:
             self.lm_head = None
-        else:
+        elif tp is None:
             self.lm_head = ReplicatedLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        else:  # vocab-parallel: this rank's rows of the [V, H] head
+            self.lm_head = ColumnParallelLinear(
+                cfg.hidden_size, cfg.vocab_size, bias=False, **_split_args(tp)
+            )
         self._compiled = CompiledForward(self._forward_impl) if compile_mode == "model" else None
         finalize_quantization(self)
 
     def make_mlp(self, layer: int) -> nn.Module | None:
         """The MLP of decoder layer ``layer``; None: the dense :class:`Qwen3MLP` (subclasses
-        with other MLPs override this; it runs inside ``__init__``, after ``config``, ``ops``
-        and ``attention_backend`` are set)."""
+        with other MLPs override this; it runs inside ``__init__``, after ``config``, ``tp``,
+        ``ops`` and ``attention_backend`` are set)."""
         return None
 
     def weight_summary(self) -> str:
@@ -271,8 +323,12 @@ class Qwen3ForCausalLM(nn.Module):
         norm = self.model.norm
         return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits ``[N, vocab]`` in the model dtype for hidden states ``[N, hidden]`` (the
-        sampler upcasts what it processes; a float32 copy of every row would cost a pass)."""
+        sampler upcasts what it processes; a float32 copy of every row would cost a pass).
+
+        Tensor-parallel: every rank computes its vocab shard's columns and the shards are
+        gathered on rank 0 (the one that samples); the other ranks return None."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        logits = F.linear(hidden, weight)
+        return logits if self.tp is None else self.tp.gather_columns(logits)

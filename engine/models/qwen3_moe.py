@@ -42,7 +42,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             supported by the fused MoE kernel), or what :class:`Qwen3ForCausalLM` raises.
     """
 
-    def __init__(self, cfg, max_positions, attention_backend, compile_mode="none"):
+    def __init__(self, cfg, max_positions, attention_backend, compile_mode="none", tp=None):
         if cfg.num_experts < 1:
             raise ValueError("Qwen3MoeForCausalLM needs a config with num_experts >= 1")
         if cfg.quantization is not None:
@@ -52,7 +52,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                 "weights only; serve the unquantized checkpoint"
             )
         self.moe_backend = "triton" if attention_backend == "triton" else "torch"
-        super().__init__(cfg, max_positions, attention_backend, compile_mode)
+        super().__init__(cfg, max_positions, attention_backend, compile_mode, tp)
 
     def make_mlp(self, layer: int) -> nn.Module | None:
         cfg = self.config
@@ -66,6 +66,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             cfg.norm_topk_prob,
             self.moe_backend,
             custom_op=self.compile_mode == "model",
+            tp=self.tp,
         )
 
     def checkpoint_shards(
@@ -107,7 +108,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         expert_bytes = sum(
             p.numel() * p.element_size() for m in experts for p in m.experts.parameters()
         )
-        i, h = cfg.moe_intermediate_size, cfg.hidden_size
+        tp = self.tp.size if self.tp is not None else 1
+        i, h = cfg.moe_intermediate_size // tp, cfg.hidden_size
         embed = self.model.embed_tokens.weight
         # per token: all but the embedding table (one row) and the experts not routed to
         active = (
@@ -117,7 +119,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         )
         return (
             f"weights {total / 2**30:.2f} GiB, of which experts {expert_bytes / 2**30:.2f} GiB: "
-            f"{len(experts)} sparse layers x {cfg.num_experts} experts stacked as gate_up "
+            f"{len(experts)} sparse layers x {cfg.num_experts} experts "
+            f"{f'(1/{tp} of each expert on this rank) ' if tp > 1 else ''}stacked as gate_up "
             f"[E={cfg.num_experts}, 2I={2 * i}, H={h}] + down [E, H={h}, I={i}], "
             f"top-{cfg.num_experts_per_tok}"
             f"{' renormalised' if cfg.norm_topk_prob else ''}, kernel {self.moe_backend}; "

@@ -1,5 +1,5 @@
-"""Build an engine core: a :class:`ModelRunner` for the checkpoint, handed to an
-:class:`LLMEngine`."""
+"""Build an engine core: a :class:`ModelRunner` for the checkpoint (or, over several ranks, a
+:class:`TensorParallelExecutor`), handed to an :class:`LLMEngine`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ from engine.worker.model_runner import ModelRunner
 def build_engine(config: EngineConfig, eos_token_ids: frozenset[int] | None = None) -> LLMEngine:
     """The engine for ``config.model`` on ``config.device``.
 
+    With ``config.tensor_parallel_size`` > 1 this process becomes rank 0 and the other ranks
+    start (see ``engine.worker.tp_executor``); call :meth:`LLMEngine.shutdown` to stop them.
+
     Args:
         config: engine settings (``config.model`` is the checkpoint directory, or a GGUF
             file: its prepared directory is used, see
@@ -22,12 +25,20 @@ def build_engine(config: EngineConfig, eos_token_ids: frozenset[int] | None = No
 
     Raises:
         FileNotFoundError, ValueError: an unreadable or unsupported checkpoint (a GGUF of
-            another architecture or with tensor types gguf-py cannot dequantize), bad settings.
+            another architecture or with tensor types gguf-py cannot dequantize), bad settings
+            (shapes that do not split over the tensor-parallel ranks, or quantization with more
+            than one rank, included).
+        RuntimeError: the ranks failed to meet.
     """
     model = resolve_model_path(config.model)
     if model != config.model:
         config = dataclasses.replace(config, model=model)
     model_config = ModelConfig.from_hf(config.model)
-    runner = ModelRunner(model_config, config)
+    if config.tensor_parallel_size > 1:
+        from engine.worker.tp_executor import TensorParallelExecutor
+
+        executor = TensorParallelExecutor(model_config, config)
+    else:
+        executor = ModelRunner(model_config, config)
     eos = eos_token_ids if eos_token_ids is not None else eos_ids_from(config.model)
-    return LLMEngine(config, runner, eos)
+    return LLMEngine(config, executor, eos)

@@ -171,14 +171,16 @@ class DecodeGraphs:
     def can_run(self, batch: int, max_seq_len: int) -> bool:
         return batch <= self.sizes[-1] and max_seq_len <= self.max_seq_len
 
-    def run(self, step: StepTensors) -> torch.Tensor:
+    def run(self, step: StepTensors) -> torch.Tensor | None:
         """Replay the graph for a decode step of B sequences; returns logits ``[B, vocab]``
-        (model dtype)."""
+        (model dtype), or None on a tensor-parallel rank other than 0 (its graph ends with the
+        logits' gather, whose result only rank 0 keeps)."""
         b = step.num_seqs
         bs = next(s for s in self.sizes if s >= b)
         self.inputs.copy_from(step, bs, bs, decode=True)
         self.graphs[bs].replay()
-        return self.logits[bs][:b]
+        logits = self.logits[bs]
+        return None if logits is None else logits[:b]
 
 
 def prefill_capture_sizes(max_tokens: int) -> list[int]:

@@ -4,6 +4,12 @@ The engine core (``engine.core.llm_engine``) hands each :class:`ScheduledBatch` 
 :meth:`ModelRunner.launch`, which builds the step's inputs once (``engine.worker.step_inputs``),
 replays a CUDA graph or runs the model eagerly, samples, and queues the copy of the samples to
 the host without waiting (:class:`StepHandle`).
+
+In a tensor-parallel engine every rank has a runner over its shard of the model, its KV heads,
+its CUDA graphs; rank 0's is driven by the engine core (through
+``engine.worker.tp_executor.TensorParallelExecutor``), the others by the step messages they
+receive (``engine.worker.tp_worker``); both run :meth:`ModelRunner.execute`, so the ranks issue
+the same collectives in the same order. Rank 0 samples and broadcasts the sampled ids.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +27,7 @@ import torch
 
 from engine.attention.registry import default_backend_name
 from engine.core.config import CacheInfo, EngineConfig, ModelConfig, resolve_quantization
+from engine.core.layout import RankLayout
 from engine.core.outputs import SampleOutput
 from engine.core.request import Request, SamplingParams
 from engine.core.scheduler import ScheduledBatch
@@ -27,7 +36,12 @@ from engine.loader.safetensors_loader import load_weights
 from engine.models.registry import model_class
 from engine.worker.block_table import PersistentBlockTables
 from engine.worker.device import MemoryStats, dtype_name, is_device_error, torch_dtype
-from engine.worker.prompt_logprobs import PendingPromptLogprobs, score_prompt_rows
+from engine.worker.parallel_state import RankContext
+from engine.worker.prompt_logprobs import (
+    DevicePromptLogprobs,
+    PendingPromptLogprobs,
+    score_prompt_rows,
+)
 from engine.worker.sampler import PendingSamples, Sampler
 from engine.worker.staging import HostStaging
 from engine.worker.step_inputs import StepInputs, StepTensors, prepare_inputs
@@ -83,19 +97,31 @@ class ModelRunner:
         model_config: architecture; config: engine settings (``load_format="dummy"``: no
             checkpoint is read, weights are drawn on the device from ``config.seed``;
             ``quantization``: see ``engine.core.config.resolve_quantization``).
+        rank: this rank of a tensor-parallel engine (its device, process groups); None: the
+            whole model on ``config.device``. The ranks agree on the number of KV blocks (the
+            smallest any rank fits), so the scheduler's blocks exist on every rank.
+
+    Attributes:
+        rank_layout: where this runner's shard lives (device, weight and KV bytes); layout:
+            the executor's, ``(rank_layout,)`` on one device.
 
     Raises:
         ValueError: an unsupported architecture, dtype, quantization or attention backend, a
             checkpoint that does not match the model, or a KV cache budget that holds no block.
     """
 
-    def __init__(self, model_config: ModelConfig, config: EngineConfig):
-        model_config = dataclasses.replace(
-            model_config, quantization=resolve_quantization(model_config, config.quantization)
-        )
+    def __init__(
+        self, model_config: ModelConfig, config: EngineConfig, rank: RankContext | None = None
+    ):
+        quantization = resolve_quantization(model_config, config.quantization)
+        if rank is not None and rank.tp is not None:  # the executors checked it already
+            model_config.check_tensor_parallel(rank.tp.size, quantization)
+        model_config = dataclasses.replace(model_config, quantization=quantization)
         self.model_config = model_config
         self.config = config
-        self.device = torch.device(config.device)
+        self.rank = rank
+        self.tp = rank.tp if rank is not None else None
+        self.device = rank.device if rank is not None else torch.device(config.device)
         cuda = self.device.type == "cuda"
         self.dtype = torch_dtype(config.dtype or (model_config.dtype if cuda else "float32"))
         max_len = min(
@@ -111,6 +137,7 @@ class ModelRunner:
                 max_positions=max_len,
                 attention_backend=self.backend_name,
                 compile_mode=compile_mode,
+                **({} if self.tp is None else {"tp": self.tp}),
             )
         if config.load_format == "dummy":
             init_random_weights(model, config.seed)
@@ -141,20 +168,18 @@ class ModelRunner:
             model.weight_summary(),
         )
         self.staging = HostStaging(self.device)
-        self.sampler = Sampler(self.device, staging=self.staging)
+        # rank 0 samples (a tensor-parallel engine's other ranks receive the ids)
+        first = rank is None or rank.rank == 0
+        self.sampler = Sampler(self.device, staging=self.staging) if first else None
 
         mc = model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        per_block = (
-            2
-            * mc.num_hidden_layers
-            * config.block_size
-            * mc.num_key_value_heads
-            * mc.head_dim
-            * elem
-        )
+        kv_heads = model.model.layers[0].self_attn.num_kv_heads  # this rank's
+        per_block = 2 * mc.num_hidden_layers * config.block_size * kv_heads * mc.head_dim * elem
         num_blocks = self._num_kv_blocks(per_block)
-        shape = (num_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim)
+        if rank is not None:
+            num_blocks = rank.min_across_ranks(num_blocks)
+        shape = (num_blocks, config.block_size, kv_heads, mc.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -172,11 +197,25 @@ class ModelRunner:
             num_blocks, config.block_size, max_len, per_block, dtype_name(self.dtype)
         )
         self.description = (
-            f"{mc.architecture} on {config.device} ({dtype_name(self.dtype)}), "
+            f"{mc.architecture} on {self.device} ({dtype_name(self.dtype)}), "
             f"attention {self.backend_name}"
         )
+        if rank is not None:
+            self.description += f", tensor parallel {rank.size} (rank {rank.rank})"
+        self.rank_layout = RankLayout(
+            rank=rank.rank if rank is not None else 0,
+            device=str(self.device),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+            kv_cache_bytes=num_blocks * per_block,
+            kv_heads=kv_heads,
+        )
+        self.layout = (self.rank_layout,)
         self.block_tables = PersistentBlockTables(
-            -(-max_len // config.block_size), max(64, config.max_num_seqs)
+            -(-max_len // config.block_size),
+            max(64, config.max_num_seqs),
+            record_changes=rank is not None and rank.rank == 0,
         )
         self._memory = MemoryStats(self.device)
         self.graphs = None
@@ -224,6 +263,9 @@ class ModelRunner:
         """A device error: the CUDA context is unusable (see :func:`is_device_error`)."""
         return is_device_error(exc)
 
+    def shutdown(self) -> None:
+        """Nothing to release on one device (the tensor-parallel executor stops its ranks)."""
+
     @torch.inference_mode()
     def launch(
         self,
@@ -257,57 +299,107 @@ class ModelRunner:
         Raises:
             RuntimeError: a request with a token in flight that ``prev`` did not sample.
         """
-        inp = prepare_inputs(
+        return self.launch_inputs(
+            self.prepare(batch, prev), batch, eos_token_ids, prev, before_sampling
+        )
+
+    def prepare(self, batch: ScheduledBatch, prev: StepHandle | None = None) -> StepInputs:
+        """The step's host inputs (the batch's block-table changes applied to the mirror).
+
+        Raises:
+            RuntimeError: a request with a token in flight that ``prev`` did not sample.
+        """
+        return prepare_inputs(
             batch,
             self.config.block_size,
             self.block_tables,
             prev.rows if prev is not None else None,
         )
-        self.staging.next_step()
-        step = inp.to_device(self.staging, prev.token_ids if prev is not None else None)
-        prompt = None
-        if (
-            self.graphs is not None
-            and inp.is_decode
-            and self.graphs.can_run(step.num_seqs, inp.max_seq_len)
-        ):
-            logits = self.graphs.run(step)
-        else:
-            if (
-                step.prompt_rows is None
-                and self.prefill_graphs is not None
-                and self.prefill_graphs.can_run(step.num_tokens, inp.max_seq_len)
-            ):
-                hidden = self.prefill_graphs.run(step)
-            else:
-                full = self.forward(step)
-                hidden = full[step.logits_indices]
-                if step.prompt_rows is not None:
-                    prompt = score_prompt_rows(
-                        self.model.compute_logits,
-                        full[step.prompt_rows],
-                        step.prompt_targets,
-                        max(seg[3] for seg in inp.prompt_segments),
-                        self.model_config.vocab_size,
-                    ).to_host()
-                del full
-            if not inp.sample_requests:
-                return StepHandle([], None, None, {}, prompt, inp.prompt_segments)
-            logits = self.model.compute_logits(hidden)
+
+    def launch_inputs(
+        self,
+        inp: StepInputs,
+        batch: ScheduledBatch,
+        eos_token_ids: frozenset[int],
+        prev: StepHandle | None = None,
+        before_sampling: Callable[[], None] | None = None,
+    ) -> StepHandle:
+        """:meth:`launch` after :meth:`prepare`: run, call ``before_sampling``, sample (rank 0
+        of a tensor-parallel engine then broadcasts the ids to the other ranks, on the
+        device), queue the copy to the host. Call it under ``torch.inference_mode()``
+        (:meth:`launch` does)."""
+        logits, prompt = self.execute(inp, prev.token_ids if prev is not None else None)
+        pending_prompt = prompt.to_host() if prompt is not None else None
+        if logits is None or not inp.sample_requests:
+            return StepHandle([], None, None, {}, pending_prompt, inp.prompt_segments)
         if before_sampling is not None:
             before_sampling()
         samples = self.sampler(
             logits, inp.sample_requests, eos_token_ids, batch.grammar_rows, batch.grammar_bitmask
         )
+        if self.tp is not None:
+            self.tp.broadcast_from_first(samples.token_ids)
         rows = {r.request_id: i for i, r in enumerate(inp.sample_requests)}
         return StepHandle(
             inp.sample_requests,
             samples.to_host(),
             samples.token_ids,
             rows,
-            prompt,
+            pending_prompt,
             inp.prompt_segments,
         )
+
+    def execute(
+        self, inp: StepInputs, prev_token_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, DevicePromptLogprobs | None]:
+        """Run one step's forward on the device (queued, no host sync): a CUDA graph or the
+        eager model; its keys/values go to the KV cache. Call it under
+        ``torch.inference_mode()``. Every rank of a tensor-parallel engine calls it with the
+        same inputs, so the ranks issue the same collectives in the same order.
+
+        Args:
+            inp: the step's host inputs.
+            prev_token_ids: int64 ``[N_prev]`` sampled ids of the step in flight (the inputs
+                of ``inp.gather_dst``), or None.
+
+        Returns:
+            ``(logits, prompt)``: logits ``[N, vocab]`` (model dtype) of the
+            ``N = len(inp.logits_indices)`` rows that sample, None when no row samples; the
+            step's prompt log-probabilities on the device when ``inp.prompt_rows`` is set,
+            else None. Both are None on the ranks of a tensor-parallel engine other than 0
+            (they take part in the logits' gathers, rank 0 keeps the result).
+        """
+        self.staging.next_step()
+        step = inp.to_device(self.staging, prev_token_ids)
+        prompt = None
+        if (
+            self.graphs is not None
+            and inp.is_decode
+            and self.graphs.can_run(step.num_seqs, inp.max_seq_len)
+        ):
+            return self.graphs.run(step), None
+        if (
+            step.prompt_rows is None
+            and self.prefill_graphs is not None
+            and self.prefill_graphs.can_run(step.num_tokens, inp.max_seq_len)
+        ):
+            hidden = self.prefill_graphs.run(step)
+        else:
+            full = self.forward(step)
+            hidden = full[step.logits_indices]
+            if step.prompt_rows is not None:
+                k = max((seg[3] for seg in inp.prompt_segments or ()), default=0)
+                prompt = score_prompt_rows(
+                    self.model.compute_logits,
+                    full[step.prompt_rows],
+                    step.prompt_targets,
+                    k,
+                    self.model_config.vocab_size,
+                )
+            del full
+        if not len(inp.logits_indices):
+            return None, prompt
+        return self.model.compute_logits(hidden), prompt
 
     # --------------------------------------------------------------- internals
     def forward(self, step: StepTensors) -> torch.Tensor:
@@ -351,6 +443,8 @@ class ModelRunner:
             self.staging.next_step()
             step = inp.to_device(self.staging)
             logits = self.model.compute_logits(self.forward(step)[step.logits_indices])
+            if logits is None:  # not rank 0 of a tensor-parallel engine: it does not sample
+                continue
             reqs = [
                 Request(
                     f"warmup-{i}",

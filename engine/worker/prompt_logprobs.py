@@ -96,11 +96,13 @@ class DevicePromptLogprobs:
 
 def score_prompt_rows(
     compute_logits, hidden: torch.Tensor, targets: torch.Tensor, k: int, vocab_size: int
-) -> DevicePromptLogprobs:
+) -> DevicePromptLogprobs | None:
     """Score prompt tokens from the hidden states of the positions before them.
 
     Args:
-        compute_logits: the model's LM head, ``[n, hidden] -> [n, vocab]`` logits.
+        compute_logits: the model's LM head, ``[n, hidden] -> [n, vocab]`` logits; on the
+            ranks of a tensor-parallel engine other than 0 it returns None (it gathers the
+            vocab shards on rank 0), and so does this function, after the same calls.
         hidden: ``[R, hidden]`` final hidden states of the scored positions (model dtype).
         targets: int64 ``[R]`` the prompt token each position predicts.
         k: number of top alternatives to return (0: none).
@@ -118,13 +120,20 @@ def score_prompt_rows(
     ranks = torch.empty(rows, dtype=torch.int64, device=dev)
     top_v = torch.empty(rows, k, dtype=torch.float32, device=dev) if k else None
     top_i = torch.empty(rows, k, dtype=torch.int64, device=dev) if k else None
+    gathered = True
     for a in range(0, rows, step):
         b = min(rows, a + step)
-        logprobs = torch.log_softmax(compute_logits(hidden[a:b]).float(), dim=-1)
+        logits = compute_logits(hidden[a:b])
+        if logits is None:  # a tensor-parallel rank other than 0: the gather is all it runs
+            gathered = False
+            continue
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
         picked = logprobs.gather(1, targets[a:b, None])
         chosen[a:b] = picked.squeeze(1)
         ranks[a:b] = (logprobs > picked).sum(dim=-1) + 1
         if k:
             top_v[a:b], top_i[a:b] = logprobs.topk(k, dim=-1)
-        del logprobs
+        del logprobs, logits
+    if not gathered:
+        return None
     return DevicePromptLogprobs(chosen, ranks, top_v, top_i)

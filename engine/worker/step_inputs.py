@@ -77,7 +77,8 @@ class StepInputs:
     that completes its tokens this step), ``sample_requests``: those requests.
     ``gather_dst``/``gather_src``: int64 input tokens still in flight (async scheduling):
     ``input_ids[gather_dst[i]]`` is the previous step's sampled id in row ``gather_src[i]``; the
-    host holds a 0 there until the device fills it in.
+    host holds a 0 there until the device fills it in. ``table_rows``: int64 ``[B]``, each
+    sequence's row in the block-table mirror (what rank 0 of a tensor-parallel engine sends).
     ``prompt_rows``/``prompt_targets``: int64 ``[R]``, for requests that score their prompt
     (``Request.scores_prompt``): the packed row of each prompt position ``j`` of the step with
     ``j + 1 < num_prompt_tokens`` and the prompt token ``j + 1`` it predicts; ``prompt_segments``
@@ -97,6 +98,7 @@ class StepInputs:
     max_seq_len: int
     gather_dst: np.ndarray | None = None
     gather_src: np.ndarray | None = None
+    table_rows: np.ndarray | None = None
     prompt_rows: np.ndarray | None = None
     prompt_targets: np.ndarray | None = None
     prompt_segments: list[tuple[str, int, int, int]] | None = None
@@ -105,7 +107,7 @@ class StepInputs:
     def is_decode(self) -> bool:
         """One new token per sequence, and every sequence samples (a 1-token prefill chunk does
         not)."""
-        return self.max_query_len == 1 and len(self.sample_requests) == len(self.seq_lens)
+        return self.max_query_len == 1 and len(self.logits_indices) == len(self.seq_lens)
 
     def to_device(
         self, staging: HostStaging, prev_token_ids: torch.Tensor | None = None
@@ -234,6 +236,7 @@ def prepare_inputs(
         max_seq_len=int(seq_lens.max()) if b else 0,
         gather_dst=np.asarray(gather_dst, dtype=np.int64) if gather_dst else None,
         gather_src=np.asarray(gather_src, dtype=np.int64) if gather_src else None,
+        table_rows=rows,
         prompt_rows=np.concatenate(prompt_rows) if prompt_rows else None,
         prompt_targets=np.asarray(prompt_targets, dtype=np.int64) if prompt_targets else None,
         prompt_segments=prompt_segments or None,

@@ -65,6 +65,8 @@ GAUGES = {
     "qwen_serve:gpu_memory_allocated_bytes",
     "qwen_serve:gpu_memory_reserved_bytes",
     "qwen_serve:gpu_memory_total_bytes",
+    "qwen_serve:rank_weight_bytes",
+    "qwen_serve:rank_kv_cache_bytes",
     "process_resident_memory_bytes",
 }
 COUNTERS = {

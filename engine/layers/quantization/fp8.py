@@ -146,7 +146,7 @@ class Fp8LinearMethod:
                 f"--quantization fp8 quantizes high-precision weights at load; got {tensor.dtype} "
                 "(a checkpoint already in FP8 must say so in its quantization_config)"
             )
-        q, s = quantize_fp8_blocks(tensor.to(param.device), self.block)
+        q, s = quantize_fp8_blocks(_read(tensor).to(param.device), self.block)
         layer.weight_loader(param, q, shard_id)
         self._load_scale_into(layer, s, shard_id)
 
@@ -161,7 +161,7 @@ class Fp8LinearMethod:
                 f"weight_scale_inv of dtype {tensor.dtype} is not supported (float32 expected)"
             )
         try:
-            self._load_scale_into(layer, tensor, shard_id)
+            self._load_scale_into(layer, _read(tensor), shard_id)
         except ValueError as exc:
             raise ValueError(
                 f"weight_scale_inv of shape {tuple(tensor.shape)} does not match the weight's "
@@ -238,6 +238,12 @@ class Fp8LinearMethod:
             )
 
 
+def _read(tensor) -> torch.Tensor:
+    """A checkpoint tensor, or a lazy safetensors window
+    (``engine.loader.safetensors_loader.CheckpointSlice``) read now."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.materialize()
+
+
 def _sliced_dims(layer) -> tuple[bool, bool]:
     """(rows, columns): which weight dimensions the layer's loader slices or places shards on."""
     fused = len(getattr(layer.weight, "shard_ids", (None,))) > 1
@@ -265,6 +271,8 @@ def _unquantize(layer) -> None:
     w = nn.Parameter(torch.empty(old.shape, device=old.device))
     w.weight_loader = layer.weight_loader
     w.shard_ids = old.shard_ids
+    if hasattr(old, "checkpoint_shapes"):
+        w.checkpoint_shapes = old.checkpoint_shapes
     layer.weight = w
     del layer.weight_scale_inv
     layer.quant_method = None
