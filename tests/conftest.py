@@ -11,9 +11,12 @@ import pytest
 import torch
 
 
-def write_tiny_checkpoint(path, model_type: str, seed: int, tie: bool):
-    """Write a random tiny ``model_type`` checkpoint with transformers; returns the HF model
-    (float32)."""
+def tiny_hf_model(
+    model_type: str, seed: int, tie: bool, head_dim: int = 32, random_norms: bool = False
+):
+    """A random tiny ``model_type`` ("qwen3" or "qwen2") transformers model in float32: weights
+    drawn N(0, 0.08) so greedy choices are well separated, and with ``random_norms`` norm
+    weights U(0.8, 1.2) (a dropped norm then shows)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
@@ -29,14 +32,23 @@ def write_tiny_checkpoint(path, model_type: str, seed: int, tie: bool):
         rope_theta=10000.0,
     )
     if model_type == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(head_dim=32, **common))
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=head_dim, **common))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     model = model.float().eval()
-    with torch.no_grad():  # make the random model less flat so greedy choices are well separated
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0.0, 0.08)
+            elif random_norms and name.endswith("weight"):
+                p.uniform_(0.8, 1.2)
+    return model
+
+
+def write_tiny_checkpoint(path, model_type: str, seed: int, tie: bool):
+    """Write a random tiny ``model_type`` checkpoint with transformers (:func:`tiny_hf_model`);
+    returns the HF model (float32)."""
+    model = tiny_hf_model(model_type, seed, tie)
     model.save_pretrained(path)
     return model
 

@@ -18,7 +18,7 @@ from engine.core.request import SamplingParams
 from engine.frontend.tokenizer import Tokenizer
 from engine.loader.gguf_loader import prepare_gguf_model_dir
 from engine.worker.build import build_engine
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, tiny_hf_model
 from tests.engine_helpers import logits_for
 from tests.gguf_helpers import write_tiny_gguf
 
@@ -32,32 +32,8 @@ CASES = [
 
 
 def _tiny_hf(arch: str, tie: bool):
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(1234)
-    common = dict(
-        vocab_size=384,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=tie,
-        rope_theta=10000.0,
-    )
-    if arch == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(head_dim=128, **common))
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    model = model.float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.08)
-            elif name.endswith("weight"):
-                p.uniform_(0.8, 1.2)  # norms that are not all ones: a dropped norm shows
-    return model
+    # head_dim 128: transformers' GGUF reader ignores qwen3.attention.key_length
+    return tiny_hf_model(arch, 1234, tie, head_dim=128, random_norms=True)
 
 
 @pytest.fixture(autouse=True)
