@@ -54,7 +54,11 @@ def hf_prefill_ms(ckpt: str, tokens: int, device: str) -> float:
     return ms
 
 
-def run_tree(tree: Path, args, prompts: dict[int, list[str]], port: int) -> list[dict]:
+def run_tree(
+    tree: Path, args, prompts: dict[int, list[str]], port: int, variant: str, extra_args: list[str]
+) -> list[dict]:
+    """Starts the server of ``tree`` with ``extra_args`` and runs every level against it; the
+    rows are labelled ``tree`` and ``variant``."""
     cmd = [
         sys.executable,
         "-m",
@@ -72,6 +76,7 @@ def run_tree(tree: Path, args, prompts: dict[int, list[str]], port: int) -> list
         "--log-level",
         "warning",
         *args.server_args,
+        *extra_args,
     ]
     base = f"http://127.0.0.1:{port}"
     env = {
@@ -80,7 +85,7 @@ def run_tree(tree: Path, args, prompts: dict[int, list[str]], port: int) -> list
         "PYTHONPATH": f"{tree}:{os.environ.get('PYTHONPATH', '')}",
     }
     rows = []
-    with open(f"{args.out}/long_{tree.name}.log", "w") as log:
+    with open(f"{args.out}/long_{tree.name}_{variant}.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tree, env=env)
         try:
             wait_health(base, proc)
@@ -110,6 +115,7 @@ def run_tree(tree: Path, args, prompts: dict[int, list[str]], port: int) -> list
                 queried = after[0] - before[0]
                 r.update(
                     tree=tree.name,
+                    variant=variant,
                     prompt=length,
                     prefix_hit_rate=(after[1] - before[1]) / queried if queried else 0.0,
                 )
@@ -130,6 +136,13 @@ def main() -> None:
     ap.add_argument("--tokenizer-from", default=None)
     ap.add_argument("--trees", nargs="*", default=[str(REPO)])
     ap.add_argument("--server-args", nargs="*", default=[])
+    ap.add_argument(
+        "--variants",
+        nargs="*",
+        default=["default="],
+        help="server configurations run on every tree, each NAME=ARGS (ARGS split on spaces), "
+        "e.g. 'budgets=--prefill-only-token-budget 8192'",
+    )
     ap.add_argument("--max-model-len", type=int, default=40960)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument(
@@ -151,16 +164,21 @@ def main() -> None:
         )
     ref = None if args.skip_hf else hf_prefill_ms(args.ckpt, 32000, "cuda")
     rows = []
-    for i, tree in enumerate(args.trees):
-        rows += run_tree(Path(tree).resolve(), args, prompts, 8400 + i)
+    port = 8400
+    for tree in args.trees:
+        for spec in args.variants:
+            name, _, extra = spec.partition("=")
+            rows += run_tree(Path(tree).resolve(), args, prompts, port, name, extra.split())
+            port += 1
     print(
-        "\n| tree | prompt | conc | done | TTFT mean/med/p99 ms | TPOT mean/med ms | ITL p99 ms "
-        "| out tok/s | prefix hits |"
+        "\n| tree | variant | prompt | conc | done | TTFT mean/med/p99 ms | TPOT mean/med ms "
+        "| ITL p99 ms | out tok/s | prefix hits |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['tree']} | {r['prompt']} | {r['concurrency']} | {r['completed']} "
+            f"| {r['tree']} | {r['variant']} | {r['prompt']} | {r['concurrency']} "
+            f"| {r['completed']} "
             f"| {r['ttft_mean']:.1f}/{r['ttft_median']:.1f}/{r['ttft_p99']:.1f} "
             f"| {r['tpot_mean']:.2f}/{r['tpot_median']:.2f} | {r['itl_p99']:.1f} "
             f"| {r['out_tok_s']:.0f} | {100 * r['prefix_hit_rate']:.1f}% |"
