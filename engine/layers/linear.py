@@ -12,7 +12,7 @@ of a full checkpoint tensor into it (vLLM's and nano-vllm's convention), ``shard
 shards it expects (the loader checks that each was loaded once), and ``checkpoint_shapes``, the
 full (unsplit) checkpoint shape of each shard (``load_format="dummy"`` draws those, so random
 weights are the same model at every tensor-parallel size). With ``tp_size == 1`` every layer is
-a plain ``F.linear``.
+a plain ``F.linear`` (cuBLAS, or the small-M kernel of ``engine.layers.dense_linear``).
 
 A checkpoint tensor handed to a weight loader is a ``torch.Tensor`` or a lazy window of a file
 (``engine.loader.safetensors_loader.CheckpointSlice``: ``shape``, ``dim()``, ``narrow()``,
@@ -30,9 +30,9 @@ not split per rank).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.dense_linear import dense_linear
 from engine.layers.quantization import make_quant_method
 
 
@@ -116,7 +116,7 @@ class LinearBase(nn.Module):
         """``x`` ``[..., in_per_rank]`` -> ``[..., out_per_rank]`` in x's dtype."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return dense_linear(x, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, tensor, shard_id=None) -> None:
         default_weight_loader(param, tensor)

@@ -1,0 +1,255 @@
+"""Small-M linear layer ``y = x W^T (+ b)`` in bf16/fp16 for decode steps: weight-bandwidth bound.
+
+At batch 1-16 a decode step's projections read every weight once and do almost no arithmetic,
+so their time is the weight bytes over the HBM bandwidth the kernel reaches. On the H200 cuBLAS
+reaches about 1.2 TB/s on Qwen3-0.6B's projections at M = 1 (4-13 MB each: 5-9 us per call plus
+a separate split-K reduce kernel for some shapes; ``bench/decode_profile.py``), a third of the
+copy bandwidth. This kernel is the "swap AB" small-batch GEMM (as in TensorRT-LLM's and
+vLLM's small-M paths, and the FP8 ``fp8_gemv`` of :mod:`kernels.fp8_gemm`): the weight tile
+``[BLOCK_N, BLOCK_K]`` is the MMA's first operand and the ``M <= 16`` activation rows its second,
+one program per (``BLOCK_N`` output features, K split), every tile load pipelined.
+
+Split-K without a second launch (CUTLASS's "serial split-K" semaphore, Stream-K's fix-up): each
+program of a split writes its fp32 partial, then increments the arrival counter of its N tile
+(``atomic_add``, acquire-release, GPU scope, after a CTA barrier so every thread's partial is
+ordered before it); the program that arrives last sums the partials in split order (the result
+does not depend on arrival order), adds the bias, writes ``y`` and sets the counter back to
+zero, so the next launch -- and every CUDA-graph replay -- starts from zero. The counters are
+one int32 buffer per device, zeroed once (:func:`gemv_counters`).
+
+Tile configurations are static per shape (no autotuning at serve time, CUDA-graph capturable):
+a table measured on the GPU (``bench/gemv.py --sweep`` writes
+``kernels/configs/gemv_<device>.json``; it also records whether cuBLAS was faster, in which case
+:func:`use_gemv` says no), else a heuristic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+#: at most this many rows go through the small-M kernel (one 16-row MMA operand)
+GEMV_MAX_M = 16
+#: counters per device: enough for N / BLOCK_N tiles of any projection (N <= 16 * 65536)
+NUM_COUNTERS = 65536
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tiles of one launch: ``block_n`` output features and ``block_k`` inputs per tile, the
+    number of K splits, and Triton's ``num_warps`` / ``num_stages``."""
+
+    block_n: int = 32
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    counter_ptr,
+    M,
+    N,
+    K,
+    K_PER_SPLIT,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Program ``(n tile, k split)``: ``acc [BLOCK_N, BLOCK_M] = sum_k W_tile x_tile^T`` over
+    its K range; the last split of an N tile to finish reduces (see the module docstring)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_c = (rn % N).to(tl.int64)  # rows past N read row n % N (in bounds) and are not stored
+    rm = tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    rk = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    x_ptrs = x_ptr + rm[None, :] * stride_xm + (k_lo + rk)[:, None]
+    w_ptrs = w_ptr + rn_c[:, None] * stride_wn + (k_lo + rk)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            wt = tl.load(w_ptrs)
+            xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+        else:
+            k_ok = k0 + rk < k_hi
+            wt = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+        if UPCAST:  # the CPU interpreter's dot multiplies bfloat16 as raw integers
+            acc += tl.dot(wt.to(tl.float32), xt.to(tl.float32))
+        else:
+            acc += tl.dot(wt, xt.to(wt.dtype))
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    mask = m_ok[None, :] & (rn[:, None] < N)
+    o_ptrs = out_ptr + rm[None, :] * stride_om + rn[:, None]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn_c).to(tl.float32)[:, None]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tile = (rm[None, :] * N + rn[:, None]).to(tl.int64)  # [BLOCK_N, BLOCK_M] in one partial
+        tl.store(part_ptr + pid_k * M * N + tile, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the arrival below
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(
+                    part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg"
+                )
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + rn_c).to(tl.float32)[:, None]
+            tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def gemv_counters(device: torch.device) -> torch.Tensor:
+    """The device's ``[NUM_COUNTERS]`` int32 arrival counters (zeroed at first use; every
+    launch leaves them zero). Kernels on one stream share them: launches are ordered."""
+    device = torch.device(device)
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        buf = _COUNTERS[device] = torch.zeros(NUM_COUNTERS, dtype=torch.int32, device=device)
+    return buf
+
+
+@cache
+def _table(device_name: str) -> dict:
+    path = CONFIG_DIR / f"gemv_{device_name.replace(' ', '_')}.json"
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text())
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    return torch.cuda.get_device_name(device)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether :func:`gemv` can run on ``device``: CUDA, or any device under the interpreter."""
+    return torch.device(device).type == "cuda" or _interpreting()
+
+
+def gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig | None:
+    """The static tiles for ``[M, K] x [K, N]`` on ``device``, or None where the measured table
+    says cuBLAS is faster for this shape.
+
+    Looks up ``kernels/configs/gemv_<device name>.json`` (``{"<N>,<K>": {"m1": {...},
+    "m16": {...}}}``, each entry a :class:`GemvConfig`'s fields plus ``"cublas_faster"``); a
+    shape not in the table gets a heuristic: 32-feature tiles, splits so that about one
+    program per SM runs. Under the Triton interpreter the tiles are small (tests cross tile
+    and split boundaries with small shapes).
+    """
+    if _interpreting():
+        return GemvConfig(block_n=16, block_k=32, split_k=max(1, min(3, k // 64)), num_stages=1)
+    entry = _table(_device_name(device)).get(f"{n},{k}")
+    if entry is not None:
+        row = entry["m1" if m == 1 else "m16"]
+        if row.get("cublas_faster"):
+            return None
+        return GemvConfig(**{f: row[f] for f in GemvConfig.__dataclass_fields__})
+    tiles = triton.cdiv(n, 32)
+    split = max(1, min(8, 132 // max(tiles, 1), k // 512))
+    return GemvConfig(block_n=32, block_k=256, split_k=split)
+
+
+def gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """``x [M, K] @ w[N, K]^T (+ bias [N])`` -> ``[M, N]`` in x's dtype, for ``M <= 16``.
+
+    Args:
+        x: ``[M, K]`` with unit stride on K (bf16, fp16, or fp32 under the interpreter).
+        w: ``[N, K]`` contiguous rows (Hugging Face's linear layout), x's dtype.
+        bias: ``[N]`` or None.
+        config: tiles; None: :func:`gemv_config` (the heuristic when the table prefers cuBLAS).
+
+    Returns:
+        a new ``[M, N]`` tensor. Accumulation in float32; deterministic (splits are summed in
+        split order by the last program of each N tile).
+
+    Raises:
+        ValueError: more than ``GEMV_MAX_M`` rows, or mismatched K.
+    """
+    m, k = x.shape
+    n = w.shape[0]
+    if m > GEMV_MAX_M:
+        raise ValueError(f"gemv takes at most {GEMV_MAX_M} rows, got {m}")
+    if w.shape[1] != k:
+        raise ValueError(f"x has {k} features, the weight {w.shape[1]}")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cfg = config or gemv_config(m, n, k, x.device) or GemvConfig()
+    tiles = triton.cdiv(n, cfg.block_n)
+    per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, per_split)  # no empty split
+    if split > 1 and tiles > NUM_COUNTERS:
+        raise ValueError(f"{tiles} N tiles exceed the {NUM_COUNTERS} split-K counters")
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    counters = gemv_counters(x.device) if split > 1 else out
+    _gemv_kernel[(tiles, split)](
+        x,
+        w,
+        bias if bias is not None else w,
+        out,
+        part,
+        counters,
+        m,
+        n,
+        k,
+        per_split,
+        x.stride(0),
+        w.stride(0),
+        out.stride(0),
+        BLOCK_M=16,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        SPLIT_K=split,
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % per_split == 0 and per_split % cfg.block_k == 0,
+        UPCAST=x.device.type != "cuda" and w.dtype != torch.float32,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
