@@ -43,6 +43,57 @@ def _packed_row(cu_q_ptr, seq):
 
 
 @triton.jit
+def _merge_splits(
+    out_ptr,
+    po_ptr,
+    plse_ptr,
+    row,
+    seq,
+    head,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Merge the ``num_splits`` partials of query head ``head`` of sequence ``seq`` (all splits at
+    once, in split order) into row ``row`` of ``out``. Loads bypass L1 (``.cg``): the partials
+    were written by other programs of the same launch."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < num_splits
+    lse = tl.load(
+        plse_ptr + seq * stride_plb + head * stride_plh + offs_s,
+        mask=s_ok,
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )
+    m = tl.max(lse, 0)
+    w = tl.math.exp2(lse - m)  # 0 for empty splits (lse = -inf)
+    po = tl.load(
+        po_ptr
+        + seq * stride_pob
+        + head * stride_poh
+        + offs_s[:, None] * stride_pos
+        + offs_d[None, :],
+        mask=s_ok[:, None],
+        other=0.0,
+        cache_modifier=".cg",
+    )
+    o = tl.sum(po * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(
+        out_ptr + row * stride_ob + head * stride_oh + offs_d * stride_od,
+        o.to(out_ptr.dtype.element_ty),
+    )
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -50,6 +101,7 @@ def _decode_split_kernel(
     out_ptr,
     po_ptr,
     plse_ptr,
+    cnt_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     cu_q_ptr,
@@ -75,6 +127,7 @@ def _decode_split_kernel(
     stride_pos,
     stride_plb,
     stride_plh,
+    stride_cb,
     NUM_GROUPS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -85,6 +138,7 @@ def _decode_split_kernel(
     UPCAST: tl.constexpr,
     BT_PREFETCH: tl.constexpr,
     VARLEN: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -190,61 +244,39 @@ def _decode_split_kernel(
         )
         tl.store(po_ptrs, acc, mask=g_ok[:, None])
         tl.store(plse_ptr + seq64 * stride_plb + heads * stride_plh + split, lse, mask=g_ok)
+        # Arrive on the (sequence, KV head) counter; the program that arrives last merges. The
+        # barrier orders every thread's partial stores before the (single-thread) release of the
+        # acq_rel atomic; its acquire orders the merge's loads after all other splits' stores.
+        tl.debug_barrier()
+        cnt = cnt_ptr + seq64 * stride_cb + kv_head
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            for g in range(NUM_GROUPS):
+                _merge_splits(
+                    out_ptr,
+                    po_ptr,
+                    plse_ptr,
+                    row64,
+                    seq64,
+                    kv_head * NUM_GROUPS + g,
+                    num_splits,
+                    stride_ob,
+                    stride_oh,
+                    stride_od,
+                    stride_pob,
+                    stride_poh,
+                    stride_pos,
+                    stride_plb,
+                    stride_plh,
+                    HEAD_DIM,
+                    BLOCK_S,
+                )
+            tl.store(cnt, 0)  # the next launch (or CUDA-graph replay) starts from zero
     else:
         o_ptrs = (
             out_ptr + row64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
         )
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    out_ptr,
-    po_ptr,
-    plse_ptr,
-    cu_q_ptr,
-    num_splits,
-    stride_ob,
-    stride_oh,
-    stride_od,
-    stride_pob,
-    stride_poh,
-    stride_pos,
-    stride_plb,
-    stride_plh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    VARLEN: tl.constexpr,
-):
-    head = tl.program_id(0)
-    seq = tl.program_id(1).to(tl.int64)
-    row = seq
-    if VARLEN:  # as in stage 1
-        row, q_len = _packed_row(cu_q_ptr, seq)
-        if q_len != 1:
-            return
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_ok = offs_s < num_splits
-    lse = tl.load(
-        plse_ptr + seq * stride_plb + head * stride_plh + offs_s, mask=s_ok, other=float("-inf")
-    )
-    m = tl.max(lse, 0)
-    w = tl.math.exp2(lse - m)  # 0 for empty splits (lse = -inf)
-    po = tl.load(
-        po_ptr
-        + seq * stride_pob
-        + head * stride_poh
-        + offs_s[:, None] * stride_pos
-        + offs_d[None, :],
-        mask=s_ok[:, None],
-        other=0.0,
-    )
-    o = tl.sum(po * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(
-        out_ptr + row * stride_ob + head * stride_oh + offs_d * stride_od,
-        o.to(out_ptr.dtype.element_ty),
-    )
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -305,13 +337,16 @@ def choose_num_splits(
 
 def decode_scratch(
     batch: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allocate the split-KV scratch of :func:`decode_attention`.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Allocate the split-KV scratch of :func:`decode_attention` (once; reused by every launch,
+    so a launch captured in a CUDA graph keeps valid pointers).
 
     Returns:
-        ``(partial_out, partial_lse)``: float32 ``[batch, num_heads, num_splits, head_dim]`` and
-        float32 ``[batch, num_heads, num_splits]`` (uninitialised; every used element is written
-        by stage 1 before stage 2 reads it).
+        ``(partial_out, partial_lse, counters)``: float32
+        ``[batch, num_heads, num_splits, head_dim]`` and float32 ``[batch, num_heads, num_splits]``
+        (uninitialised; every used element is written by its split before the last split reads
+        it), and the int32 arrival counters ``[batch, num_heads]``, zeroed here and left zero by
+        every launch (one per (sequence, KV head) is used; ``num_heads >= H_kv``).
 
     Raises:
         ValueError: on a non-positive size.
@@ -320,7 +355,8 @@ def decode_scratch(
         raise ValueError("decode_scratch: sizes must be positive")
     po = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=device)
     plse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=device)
-    return po, plse
+    counters = torch.zeros(batch, num_heads, dtype=torch.int32, device=device)
+    return po, plse, counters
 
 
 def decode_attention(
@@ -337,6 +373,7 @@ def decode_attention(
     *,
     config: dict | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged decode attention, one query token per sequence, split-KV (Triton).
 
@@ -361,9 +398,12 @@ def decode_attention(
             partial_lse: float32 ``[B, H_q, S]`` (log2-domain log-sum-exp), last dim contiguous.
             Scratch from :func:`decode_scratch`; unused when ``num_splits == 1``.
         num_splits: host int >= 1, e.g. from :func:`choose_num_splits`; sizes the grid.
-        config: optional stage-1 tile override ``{BLOCK_N, num_warps, num_stages}`` (benchmarks).
+        config: optional tile override ``{BLOCK_N, num_warps, num_stages}`` (benchmarks).
         cu_seqlens_q: optional int32 ``[B + 1]`` on q's device, non-decreasing, with
             ``cu_seqlens_q[B] <= T`` (not checked: it lives on the device).
+        counters: int32 ``[B, >= H_kv]`` (last dim contiguous), all zero (the third tensor of
+            :func:`decode_scratch`); required when ``num_splits > 1``, left all zero by the
+            launch. Not to be shared by two launches that may run concurrently (other streams).
 
     Returns:
         ``out``.
@@ -371,9 +411,10 @@ def decode_attention(
     Raises:
         ValueError: on inconsistent shapes, dtypes, devices, strides or ``num_splits < 1``.
 
-    Grid: ``(H_kv, B, num_splits)`` and ``(H_q, B)`` for the reduction, from shapes and the host
-    int ``num_splits`` only (with ``cu_seqlens_q``, skipped sequences' programs return at once),
-    so a launch can be captured in a CUDA graph at a padded ``T`` and ``B``.
+    Grid: one launch of ``(H_kv, B, num_splits)``, from shapes and the host int ``num_splits``
+    only (with ``cu_seqlens_q``, skipped sequences' programs return at once), so a launch can be
+    captured in a CUDA graph at a padded ``T`` and ``B``. With several splits the last split of
+    each (sequence, KV head) to finish merges all of them (arrival counter in ``counters``).
 
     Algorithm: Flash-Decoding (Dao et al. 2023 blog) with FlashAttention-2's online softmax;
     the query heads of one KV head form one tile so each KV block is read once.
@@ -431,6 +472,21 @@ def decode_attention(
         )
     if partial_out.stride(3) != 1 or partial_lse.stride(2) != 1:
         raise ValueError("scratch last dimensions must be contiguous")
+    split = num_splits > 1
+    if split and counters is None:
+        raise ValueError("num_splits > 1 needs counters (the third tensor of decode_scratch)")
+    if counters is not None and (
+        counters.dtype != torch.int32
+        or counters.dim() != 2
+        or counters.shape[0] != b
+        or counters.shape[1] < hkv
+        or (counters.stride(1) != 1 and counters.shape[1] > 1)
+        or counters.device != q.device
+    ):
+        raise ValueError(
+            f"counters must be int32 [B={b}, >={hkv}] on q's device, last dim contiguous, got "
+            f"{tuple(counters.shape)} {counters.dtype}"
+        )
     devs = {
         k_cache.device,
         v_cache.device,
@@ -450,8 +506,8 @@ def decode_attention(
     if config:
         cfg.update(config)
     group = hq // hkv
-    split = num_splits > 1
     cu_q = cu_seqlens_q if varlen else seq_lens  # unused placeholder without VARLEN
+    cnt = counters if split else seq_lens  # unused placeholder with one split
     _decode_split_kernel[(hkv, b, num_splits)](
         q,
         k_cache,
@@ -459,6 +515,7 @@ def decode_attention(
         out,
         partial_out,
         partial_lse,
+        cnt,
         block_tables,
         seq_lens,
         cu_q,
@@ -484,6 +541,7 @@ def decode_attention(
         partial_out.stride(2),
         partial_lse.stride(0),
         partial_lse.stride(1),
+        cnt.stride(0),
         NUM_GROUPS=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d,
@@ -494,27 +552,8 @@ def decode_attention(
         UPCAST=upcast,
         BT_PREFETCH=bool(cfg.get("BT_PREFETCH", False)),
         VARLEN=varlen,
+        BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    if split:
-        _decode_reduce_kernel[(hq, b)](
-            out,
-            partial_out,
-            partial_lse,
-            cu_q,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            out.stride(2),
-            partial_out.stride(0),
-            partial_out.stride(1),
-            partial_out.stride(2),
-            partial_lse.stride(0),
-            partial_lse.stride(1),
-            HEAD_DIM=d,
-            BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
-            VARLEN=varlen,
-            num_warps=4,
-        )
     return out

@@ -36,7 +36,7 @@ def test_decode_matches_reference(device, seq_lens, hq, hkv, d, block_size, dtyp
     decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), block_tables, sl, ref, scale)
 
     out = torch.full((b, hq, d), float("nan"), dtype=dtype, device=device)
-    po, plse = decode_scratch(b, hq, d, num_splits, device)
+    po, plse, cnt = decode_scratch(b, hq, d, num_splits, device)
     po.fill_(float("nan"))
     plse.fill_(float("nan"))
     res = decode_attention(
@@ -50,6 +50,7 @@ def test_decode_matches_reference(device, seq_lens, hq, hkv, d, block_size, dtyp
         po,
         plse,
         num_splits,
+        counters=cnt,
     )
     assert res is out
     assert torch.isfinite(out).all(), f"unwritten or NaN output (seed={seed})"
@@ -73,9 +74,10 @@ def test_choose_num_splits():
 
 
 def test_decode_scratch_shapes(device):
-    po, plse = decode_scratch(3, 8, 128, 5, device)
+    po, plse, cnt = decode_scratch(3, 8, 128, 5, device)
     assert po.shape == (3, 8, 5, 128) and po.dtype == torch.float32
     assert plse.shape == (3, 8, 5) and plse.dtype == torch.float32
+    assert cnt.shape == (3, 8) and cnt.dtype == torch.int32 and (cnt == 0).all()
 
 
 def test_decode_rejects_bad_inputs(device):
@@ -83,9 +85,19 @@ def test_decode_rejects_bad_inputs(device):
     kc = torch.zeros(4, 16, 2, 64, device=device)
     bt = torch.zeros(2, 4, dtype=torch.int32, device=device)
     sl = torch.ones(2, dtype=torch.int32, device=device)
-    po, plse = decode_scratch(2, 8, 64, 2, device)
+    po, plse, cnt = decode_scratch(2, 8, 64, 2, device)
     with pytest.raises(ValueError):  # scratch too small for 4 splits
-        decode_attention(q, kc, kc, bt, sl, torch.empty_like(q), 0.1, po, plse, 4)
+        decode_attention(q, kc, kc, bt, sl, torch.empty_like(q), 0.1, po, plse, 4, counters=cnt)
+    with pytest.raises(ValueError):  # several splits without counters
+        decode_attention(q, kc, kc, bt, sl, torch.empty_like(q), 0.1, po, plse, 2)
+    with pytest.raises(ValueError):  # int64 counters
+        decode_attention(
+            q, kc, kc, bt, sl, torch.empty_like(q), 0.1, po, plse, 2, counters=cnt.long()
+        )
+    with pytest.raises(ValueError):  # fewer counters than KV heads
+        decode_attention(
+            q, kc, kc, bt, sl, torch.empty_like(q), 0.1, po, plse, 2, counters=cnt[:, :1]
+        )
     with pytest.raises(ValueError):
         decode_attention(q, kc, kc, bt, sl, torch.empty_like(q), 0.1, po, plse, 0)
     with pytest.raises(ValueError):  # wrong seq_lens dtype
@@ -138,7 +150,7 @@ def test_decode_varlen_computes_decode_rows_only(
 
     sentinel = 7.0
     out = torch.full((t, hq, d), sentinel, dtype=dtype, device=device)
-    po, plse = decode_scratch(b, hq, d, num_splits, device)
+    po, plse, cnt = decode_scratch(b, hq, d, num_splits, device)
     po.fill_(float("nan"))
     plse.fill_(float("nan"))
     res = decode_attention(
@@ -153,7 +165,9 @@ def test_decode_varlen_computes_decode_rows_only(
         plse,
         num_splits,
         cu_seqlens_q=cu.to(device),
+        counters=cnt,
     )
+    assert (cnt == 0).all(), f"arrival counters not reset (seed={seed})"
     assert res is out
     out = out.cpu()
     err = rel_err(out[rows], ref)
