@@ -76,6 +76,9 @@ def main() -> None:
     ap.add_argument("--label", default=None)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
     args = ap.parse_args()
+    from bench.common import random_qwen3_checkpoint
+
+    random_qwen3_checkpoint(args.ckpt)
     tree = Path(args.tree).resolve()
     build, EngineConfig, SamplingParams = load_engine_api(tree)
     import torch

@@ -48,7 +48,7 @@ class GemvConfig:
     number of K splits, and Triton's ``num_warps`` / ``num_stages``."""
 
     block_n: int = 32
-    block_k: int = 256
+    block_k: int = 128
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
@@ -185,7 +185,7 @@ def gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig | No
         return GemvConfig(**{f: row[f] for f in GemvConfig.__dataclass_fields__})
     tiles = triton.cdiv(n, 32)
     split = max(1, min(8, 132 // max(tiles, 1), k // 512))
-    return GemvConfig(block_n=32, block_k=256, split_k=split)
+    return GemvConfig(block_n=32, block_k=128, split_k=split)
 
 
 def gemv(

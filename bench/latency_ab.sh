@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device call for the latency issue: kernel sweep and checks, then the previous main against
+# this tree. Usage (on the GPU): OLD=.basetree bash bench/latency_ab.sh
+#   1. bench/gemv.py --sweep --write-table: the small-M GEMV tiles vs cuBLAS (writes the table
+#      this tree's engine then reads; the JSON comes back in $OUT)
+#   2. the kernel tests on the GPU (real Triton): gemv, decode attention, the fused kernels
+#   3. bench/engine_check.py: engine correctness against torch attention run eagerly
+#   4. bench/decode_profile.py for OLD and this tree: kernels per decode step and top kernels
+#   5. bench/ab_trees.py: offline, batch-1 TTFT/TPOT (engine only), serving at c=1/64/256
+# Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD.
+set -u
+OUT=${OUT:-/tmp/out}
+OLD=${OLD:-.basetree}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+fi
+export PYTHONUNBUFFERED=1
+CKPT=/tmp/qwen3-0.6b-random
+T0=$SECONDS
+stamp() { echo "== $1 at $((SECONDS - T0)) s"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+timeout 120 python3 bench/gemv.py --sweep --write-table --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/gemv.txt" | grep -v '^{'
+stamp gemv
+TRITON_INTERPRET=0 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py \
+  tests/kernels/test_decode_attention.py ${EXTRA_TESTS:-} 2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
+stamp tests
+timeout 120 python3 bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning | tee "$OUT/check.txt" | tail -12
+stamp check
+for t in "$OLD" .; do
+  timeout 80 python3 bench/decode_profile.py --tree "$t" --ckpt $CKPT --batch 1 64 --label "$( [ "$t" = . ] && echo new || echo old )" 2>&1 \
+    | grep -v "Warning\|warn" | tee -a "$OUT/decode_profile.txt" | grep -v '^{'
+done
+stamp profile
+timeout 300 python3 bench/ab_trees.py --old "$OLD" --repeats 2 --serve-conc 1 64 256 --out /tmp/ab 2>&1 \
+  | grep -v "Writing\|Warning" > "$OUT/ab_trees.txt"; tail -16 "$OUT/ab_trees.txt"
+stamp ab
