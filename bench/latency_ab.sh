@@ -9,18 +9,10 @@
 #   5. bench/ab_trees.py: offline, batch-1 TTFT/TPOT (engine only), serving at c=1/64/256
 # Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD.
 set -u
-OUT=${OUT:-/tmp/out}
 OLD=${OLD:-.basetree}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
-fi
-export PYTHONUNBUFFERED=1
-CKPT=/tmp/qwen3-0.6b-random
+source "$(dirname "$0")/gpu_env.sh"
 T0=$SECONDS
 stamp() { echo "== $1 at $((SECONDS - T0)) s"; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 timeout 120 python3 bench/gemv.py --sweep --write-table --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/gemv.txt" | grep -v '^{'
 stamp gemv
 TRITON_INTERPRET=0 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py \

@@ -4,16 +4,8 @@
 # Env: SERVE_CONC (serve levels, default 1 16 64), HF_SECONDS (0 = skip transformers offline), QWEN_SERVE_* (server flags).
 # Expects carried wheels in .whl (fastapi, uvicorn, pydantic, ...) and .benchassets/tokenizer.
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
-fi
-export PYTHONUNBUFFERED=1
-CKPT=/tmp/qwen3-0.6b-random
+source "$(dirname "$0")/gpu_env.sh"
 stages=${*:-check offline serve}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 for s in $stages; do
   case $s in
