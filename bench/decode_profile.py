@@ -65,6 +65,29 @@ def kernel_table(prof, steps: int) -> tuple[int, float, list[tuple[str, float, f
     return round(count), busy, rows
 
 
+def host_profile(eng, steps: int, sync, top: int = 14) -> list[tuple[str, float, float, float]]:
+    """cProfile of ``steps`` engine steps: [(function, calls/step, own us/step, cumulative
+    us/step)] for the ``top`` functions by own time (the host work async scheduling overlaps
+    with the GPU; cProfile's overhead inflates it, so read it as proportions)."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        eng.step()
+    sync()
+    pr.disable()
+    st = pstats.Stats(pr)
+    rows = []
+    for (file, line, fn), (_cc, nc, tt, ct, _callers) in st.stats.items():
+        rows.append(
+            (f"{Path(file).name}:{line}({fn})", nc / steps, 1e6 * tt / steps, 1e6 * ct / steps)
+        )
+    rows.sort(key=lambda r: -r[2])
+    return rows[:top]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", required=True)
@@ -75,6 +98,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--label", default=None)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
+    ap.add_argument("--host-profile", action="store_true", help="also cProfile the host work")
     args = ap.parse_args()
     from bench.common import random_qwen3_checkpoint
 
@@ -105,7 +129,7 @@ def main() -> None:
     )
     rng = random.Random(7)
     label = args.label or tree.name
-    total = args.steps + args.profile_steps + 8
+    total = args.steps + 2 * args.profile_steps + 8
     for b in args.batch:
         sp = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True)
         for i in range(b):
@@ -131,6 +155,7 @@ def main() -> None:
                 eng.step()
             sync()
         count, busy, rows = kernel_table(prof, args.profile_steps)
+        host = host_profile(eng, args.profile_steps, sync) if args.host_profile else None
         while eng.has_unfinished():
             eng.step()
         res = {
@@ -152,6 +177,11 @@ def main() -> None:
         print("| kernel | launches/step | us/step |\n|---|---|---|")
         for n, c, us in rows[: args.top]:
             print(f"| `{n}` | {c:.2f} | {us:.1f} |")
+        if host:
+            print(f"\nhost (cProfile of {args.profile_steps} steps, us per step, by own time):\n")
+            print("| function | calls/step | own us/step | cumulative us/step |\n|---|---|---|---|")
+            for name, calls, own, cum in host:
+                print(f"| `{name}` | {calls:.1f} | {own:.1f} | {cum:.1f} |")
 
 
 if __name__ == "__main__":
