@@ -47,6 +47,89 @@ def store_kv_cache_ref(
     v_flat[slots] = value[valid]
 
 
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension as in Hugging Face's Qwen3/Qwen2.
+
+    ``weight * (x / sqrt(mean(x^2) + eps))``: the statistics and the scaling in float32, the
+    normalized value cast back to ``x.dtype`` *before* the product with ``weight`` (so a
+    ``weight`` in the model dtype gives a result in the model dtype, rounded twice).
+
+    Args:
+        x: ``[..., D]`` any float dtype; weight: ``[D]``; eps: added to the mean square.
+
+    Returns:
+        A new tensor of ``x``'s shape in the promoted dtype of ``weight`` and ``x``.
+    """
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_ref(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding with the rotate-half (GPT-NeoX) layout: ``x * cos + rotate_half(x) *
+    sin`` with ``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])``.
+
+    Args:
+        q: ``[T, H_q, D]``; k: ``[T, H_kv, D]``; cos, sin: ``[T, 1, D]`` (broadcast over the
+            heads), D even. Computed in the promoted dtype, each product and the sum rounded
+            (eager torch arithmetic).
+
+    Returns:
+        (rotated q, rotated k), new tensors of the inputs' shapes.
+    """
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def qk_norm_rope_store_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """Per-head RMSNorm of q and k (Qwen3; skipped when the weights are None, Qwen2), rotary
+    embedding, then k and v stored into the paged cache: :func:`rms_norm_ref` ->
+    :func:`rope_ref` -> :func:`store_kv_cache_ref`, the oracle of
+    ``kernels.qk_norm_rope.qk_norm_rope_store``.
+
+    Args:
+        q: ``[T, H_q, D]``; k, v: ``[T, H_kv, D]`` in the cache dtype (any strides).
+        k_cache, v_cache: ``[num_blocks, block_size, H_kv, D]``, updated in place.
+        slot_mapping: int64 ``[T]``; a negative slot stores nothing.
+        cos, sin: ``[T, 1, D]`` or ``[T, D]``.
+        q_weight, k_weight: ``[D]`` RMSNorm weights, both or neither; eps: RMSNorm epsilon.
+
+    Returns:
+        The rotated q, a new ``[T, H_q, D]`` tensor.
+
+    Raises:
+        ValueError: only one of the two norm weights given.
+    """
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight and k_weight must both be given or both be None")
+    if cos.dim() == 2:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if q_weight is not None:
+        q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
+    q, k = rope_ref(q, k, cos, sin)
+    store_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
 def gather_kv_ref(
     k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

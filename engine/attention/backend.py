@@ -45,3 +45,37 @@ class AttentionBackend(Protocol):
             ``[T, H_q, D]`` attention output in ``q.dtype``.
         """
         ...
+
+    def forward_qk_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_weight: torch.Tensor | None,
+        k_weight: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:
+        """:meth:`forward` on the raw projections: per-head RMSNorm of q and k (skipped when
+        the weights are None), rotary embedding (rotate-half) of both, k and v stored, then
+        attention. Same results as ``kernels.reference.qk_norm_rope_store_ref`` followed by
+        :meth:`forward`'s attention.
+
+        Args:
+            q: ``[T, H_q, D]``; k, v: ``[T, H_kv, D]`` in the cache dtype, any strides (views of
+                the qkv projection output).
+            k_cache, v_cache, meta, scale: as in :meth:`forward`.
+            cos, sin: ``[T, 1, D]`` (or ``[T, D]``) in the cache dtype, the rotary table rows of
+                the tokens' positions.
+            q_weight, k_weight: ``[D]`` RMSNorm weights (Qwen3) or both None (Qwen2); eps: the
+                RMSNorm epsilon.
+
+        Returns:
+            ``[T, H_q, D]`` attention output in ``q.dtype``.
+        """
+        ...

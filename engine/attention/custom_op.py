@@ -6,6 +6,11 @@ implementation, the real kernel launches (Triton, or the torch reference with it
 loops over sequences) stay outside the graph, and everything around them -- projections,
 RMSNorm, rotary, SwiGLU, residual adds -- compiles into fused Inductor kernels and direct
 cuBLAS calls.
+
+``qwen_serve::paged_attention_qk_rope`` takes the raw q/k/v projections instead, with the
+rotary rows and Qwen3's q/k norm weights: the backend normalizes, rotates and stores them
+itself (the Triton backend in one launch, ``kernels/qk_norm_rope.py``), so the compiled graph
+no longer holds the q/k norm + rotary kernels of each layer.
 """
 
 from __future__ import annotations
@@ -95,4 +100,114 @@ def paged_attention(
         meta.is_decode,
         scale,
         backend,
+    )
+
+
+@torch.library.custom_op("qwen_serve::paged_attention_qk_rope", mutates_args=("k_cache", "v_cache"))
+def paged_attention_qk_rope_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    is_decode: bool,
+    scale: float,
+    backend: str,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """:func:`paged_attention_op` on the raw q/k/v projections: the backend's
+    ``forward_qk_rope`` normalizes q and k per head (Qwen3; not when the weights are None),
+    rotates them, stores k/v and attends (``torch.ops.qwen_serve.paged_attention_qk_rope``).
+
+    Args:
+        q: ``[T, H_q, D]``; k, v: ``[T, H_kv, D]``, any strides (views of the qkv output).
+        cos, sin: ``[T, 1, D]`` rotary rows; q_weight, k_weight: ``[D]`` or both None; eps:
+            the RMSNorm epsilon. The other arguments as in :func:`paged_attention_op`.
+
+    Returns:
+        A new contiguous ``[T, H_q, D]`` tensor in ``q.dtype``.
+
+    Raises:
+        ValueError: unknown backend name, or what the backend raises.
+    """
+    meta = AttentionMetadata(
+        slot_mapping, block_tables, seq_lens, cu_seqlens_q, max_query_len, max_seq_len, is_decode
+    )
+    return get_attention_backend(backend).forward_qk_rope(
+        q, k, v, k_cache, v_cache, meta, scale, cos, sin, q_weight, k_weight, eps
+    )
+
+
+@paged_attention_qk_rope_op.register_fake
+def _paged_attention_qk_rope_fake(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    block_tables,
+    seq_lens,
+    cu_seqlens_q,
+    max_query_len,
+    max_seq_len,
+    is_decode,
+    scale,
+    backend,
+    cos,
+    sin,
+    q_weight,
+    k_weight,
+    eps,
+):
+    # contiguous whatever q's strides (q is a view of the projection output here)
+    return q.new_empty(q.shape)
+
+
+def paged_attention_qk_rope(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    scale: float,
+    backend: str,
+    cos,
+    sin,
+    q_weight,
+    k_weight,
+    eps: float,
+) -> torch.Tensor:
+    """:func:`paged_attention_qk_rope_op` with the metadata unpacked."""
+    return paged_attention_qk_rope_op(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta.slot_mapping,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.cu_seqlens_q,
+        meta.max_query_len,
+        meta.max_seq_len,
+        meta.is_decode,
+        scale,
+        backend,
+        cos,
+        sin,
+        q_weight,
+        k_weight,
+        eps,
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention.custom_op import paged_attention
+from engine.attention.custom_op import paged_attention, paged_attention_qk_rope
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.registry import get_attention_backend
 
@@ -55,3 +55,46 @@ class PagedAttention(nn.Module):
                 q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.backend_name
             )
         return self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+
+    def forward_qk_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_weight: torch.Tensor | None,
+        k_weight: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:
+        """:meth:`forward` on the raw projections: the backend applies the per-head q/k RMSNorm
+        (``q_weight``/``k_weight`` ``[D]``, both None: none) and the rotary embedding (``cos``,
+        ``sin`` ``[T, 1, D]``) before storing k/v and attending (``forward_qk_rope`` of
+        :class:`engine.attention.backend.AttentionBackend`). ``q`` ``[T, H_q, D]``, ``k``/``v``
+        ``[T, H_kv, D]`` may be strided views. Returns ``[T, H_q, D]``.
+
+        Raises:
+            ValueError: what the backend raises (shapes, dtypes, device).
+        """
+        k_cache, v_cache = kv_cache
+        if self.custom_op:
+            return paged_attention_qk_rope(
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                meta,
+                self.scale,
+                self.backend_name,
+                cos,
+                sin,
+                q_weight,
+                k_weight,
+                eps,
+            )
+        return self.backend.forward_qk_rope(
+            q, k, v, k_cache, v_cache, meta, self.scale, cos, sin, q_weight, k_weight, eps
+        )

@@ -1,6 +1,8 @@
 """Triton attention backend: the engine's backend on CUDA (see ``engine.attention.backend``).
 
-Stores the step's keys/values with :func:`kernels.kv_cache.store_kv_cache`, then runs the
+Stores the step's keys/values with :func:`kernels.kv_cache.store_kv_cache` (or, in
+``forward_qk_rope``, normalizes and rotates q/k and stores k/v in one launch of
+:func:`kernels.qk_norm_rope.qk_norm_rope_store`), then runs the
 split-KV paged decode kernel when every sequence has one new token. Any other step (prefill, or
 a mixed step of decodes and prompt chunks) runs the decode kernel in its varlen mode on the
 sequences with one new token and the varlen paged prefill kernel on the others
@@ -18,6 +20,12 @@ from engine.attention.metadata import AttentionMetadata
 from kernels.decode_attention import choose_num_splits, decode_attention, decode_scratch
 from kernels.kv_cache import store_kv_cache
 from kernels.prefill_attention import prefill_attention
+from kernels.qk_norm_rope import qk_norm_rope_store
+
+
+def _check_device(q: torch.Tensor) -> None:
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the triton backend needs a CUDA device or TRITON_INTERPRET=1")
 
 
 class TritonAttentionBackend:
@@ -83,9 +91,51 @@ class TritonAttentionBackend:
         Raises:
             ValueError: on a non-CUDA device without ``TRITON_INTERPRET=1``.
         """
-        if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("the triton backend needs a CUDA device or TRITON_INTERPRET=1")
+        _check_device(q)
         store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, k_cache, v_cache, meta, scale)
+
+    def forward_qk_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_weight: torch.Tensor | None,
+        k_weight: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:
+        """q/k RMSNorm, rotary and the k/v store in one launch
+        (:func:`kernels.qk_norm_rope.qk_norm_rope_store`), then attention as :meth:`forward`;
+        shapes as in ``AttentionBackend.forward_qk_rope``.
+
+        Returns:
+            ``[T, H_q, D]`` in ``q.dtype``.
+
+        Raises:
+            ValueError: on a non-CUDA device without ``TRITON_INTERPRET=1``; what the kernel
+                raises (shapes, dtypes).
+        """
+        _check_device(q)
+        q = qk_norm_rope_store(
+            q, k, v, k_cache, v_cache, meta.slot_mapping, cos, sin, q_weight, k_weight, eps
+        )
+        return self._attend(q, k_cache, v_cache, meta, scale)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of ``q`` over the caches (this step's k/v already stored)."""
         out = torch.empty_like(q)
         num_seqs = meta.block_tables.shape[0]
         decode = meta.is_decode and q.shape[0] == num_seqs

@@ -6,13 +6,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.reference import rms_norm_ref
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * x / sqrt(mean(x^2) + eps)`` with the statistics in float32; ``x`` ``[..., D]``."""
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    """``weight * x / sqrt(mean(x^2) + eps)`` with the statistics in float32; ``x`` ``[..., D]``
+    (the math is :func:`kernels.reference.rms_norm_ref`, shared with the attention backends'
+    fused q/k norm)."""
+    return rms_norm_ref(x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):

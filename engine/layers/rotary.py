@@ -9,16 +9,13 @@ import torch
 from torch import nn
 
 from engine.layers.norm import rms_norm
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+from kernels.reference import rope_ref
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Rotate q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` by cos/sin ``[T, 1, D]``."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    """Rotate q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` by cos/sin ``[T, 1, D]`` (the math is
+    :func:`kernels.reference.rope_ref`)."""
+    return rope_ref(q, k, cos, sin)
 
 
 def qk_norm_rope(q, k, q_weight, k_weight, eps: float, cos, sin):

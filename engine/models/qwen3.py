@@ -50,7 +50,13 @@ def _split_args(tp: TensorParallel | None) -> dict:
 
 class Qwen3Attention(nn.Module):
     """Self-attention of one layer: this rank's query and KV heads (all of them without ``tp``),
-    ``o_proj``'s partial sums all-reduced over the ranks."""
+    ``o_proj``'s partial sums all-reduced over the ranks.
+
+    ``fuse_qk_rope``: hand the attention layer the raw q/k/v views with the q/k norm weights
+    and the rotary rows (:meth:`PagedAttention.forward_qk_rope`: the Triton backend normalizes,
+    rotates and stores in one launch); False: q/k norm + rotary through ``ops`` here, then
+    :meth:`PagedAttention.forward`.
+    """
 
     def __init__(
         self,
@@ -59,10 +65,12 @@ class Qwen3Attention(nn.Module):
         attention_backend: str,
         custom_op: bool,
         tp: TensorParallel | None = None,
+        fuse_qk_rope: bool = False,
     ):
         super().__init__()
         self.ops = ops
         self.tp = tp
+        self.fuse_qk_rope = fuse_qk_rope
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size,
             cfg.head_dim,
@@ -98,13 +106,20 @@ class Qwen3Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         cos, sin = rope
-        if self.q_norm is not None:
-            q, k = self.ops.qk_norm_rope(
-                q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin
-            )
+        if self.fuse_qk_rope:
+            q_w = None if self.q_norm is None else self.q_norm.weight
+            k_w = None if self.k_norm is None else self.k_norm.weight
+            eps = 0.0 if self.q_norm is None else self.q_norm.eps
+            attn = self.attn.forward_qk_rope(q, k, v, kv_cache, meta, cos, sin, q_w, k_w, eps)
         else:
-            q, k = self.ops.rope(q, k, cos, sin)
-        o = self.o_proj(self.attn(q, k, v.contiguous(), kv_cache, meta).reshape(t, self.q_size))
+            if self.q_norm is not None:
+                q, k = self.ops.qk_norm_rope(
+                    q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin
+                )
+            else:
+                q, k = self.ops.rope(q, k, cos, sin)
+            attn = self.attn(q, k, v.contiguous(), kv_cache, meta)
+        o = self.o_proj(attn.reshape(t, self.q_size))
         return o if self.tp is None else self.tp.all_reduce(o)
 
 
@@ -140,6 +155,7 @@ class Qwen3DecoderLayer(nn.Module):
 
     ``mlp``: the MLP module, any ``[T, H] -> [T, H]`` (default: the dense :class:`Qwen3MLP`;
     Qwen3-MoE passes a sparse MoE block). ``tp``: the tensor-parallel group or None.
+    ``fuse_qk_rope``: see :class:`Qwen3Attention`.
     """
 
     def __init__(
@@ -150,10 +166,11 @@ class Qwen3DecoderLayer(nn.Module):
         custom_op: bool,
         mlp: nn.Module | None = None,
         tp: TensorParallel | None = None,
+        fuse_qk_rope: bool = False,
     ):
         super().__init__()
         self.ops = ops
-        self.self_attn = Qwen3Attention(cfg, ops, attention_backend, custom_op, tp)
+        self.self_attn = Qwen3Attention(cfg, ops, attention_backend, custom_op, tp, fuse_qk_rope)
         self.mlp = mlp if mlp is not None else Qwen3MLP(cfg, ops, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -182,6 +199,7 @@ class Qwen3Model(nn.Module):
         custom_op: bool,
         make_mlp: Callable[[int], nn.Module | None] = lambda layer: None,
         tp: TensorParallel | None = None,
+        fuse_qk_rope: bool = False,
     ):
         super().__init__()
         if tp is None:
@@ -189,7 +207,7 @@ class Qwen3Model(nn.Module):
         else:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(cfg, ops, attention_backend, custom_op, make_mlp(i), tp)
+            Qwen3DecoderLayer(cfg, ops, attention_backend, custom_op, make_mlp(i), tp, fuse_qk_rope)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -214,6 +232,11 @@ class Qwen3ForCausalLM(nn.Module):
             (:class:`~engine.layers.pointwise.PointwiseOps`), ``"none"`` runs eagerly.
         tp: this rank's tensor-parallel group (the model holds its shards and calls the
             collectives); None: the whole model on one device.
+        fuse_qk_rope: the attention backend applies Qwen3's q/k RMSNorm and the rotary
+            embedding together with the KV-cache store (``PagedAttention.forward_qk_rope``; one
+            Triton launch per layer instead of the norm/rotary kernels plus the store); None:
+            on with the ``"triton"`` backend only (the torch backend would run them eagerly
+            inside the opaque attention op, where the unfused path compiles them).
 
     ``cfg.quantization`` (block FP8 or None) quantizes the decoder's linear layers (q/k/v, o,
     gate/up, down); the embeddings, norms and LM head stay in the model dtype.
@@ -240,6 +263,7 @@ class Qwen3ForCausalLM(nn.Module):
         attention_backend: str,
         compile_mode: str = "none",
         tp: TensorParallel | None = None,
+        fuse_qk_rope: bool | None = None,
     ):
         super().__init__()
         if compile_mode not in COMPILE_MODES:
@@ -248,6 +272,9 @@ class Qwen3ForCausalLM(nn.Module):
         self.tp = tp
         self.compile_mode = compile_mode
         self.attention_backend = attention_backend
+        if fuse_qk_rope is None:
+            fuse_qk_rope = attention_backend == "triton"
+        self.fuse_qk_rope = fuse_qk_rope
         self.ops = PointwiseOps(compile_mode == "ops")
         self.model = Qwen3Model(
             cfg,
@@ -257,6 +284,7 @@ class Qwen3ForCausalLM(nn.Module):
             custom_op=compile_mode == "model",
             make_mlp=self.make_mlp,
             tp=tp,
+            fuse_qk_rope=fuse_qk_rope,
         )
         if cfg.tie_word_embeddings:
             self.lm_head = None

@@ -42,7 +42,15 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             supported by the fused MoE kernel), or what :class:`Qwen3ForCausalLM` raises.
     """
 
-    def __init__(self, cfg, max_positions, attention_backend, compile_mode="none", tp=None):
+    def __init__(
+        self,
+        cfg,
+        max_positions,
+        attention_backend,
+        compile_mode="none",
+        tp=None,
+        fuse_qk_rope=None,
+    ):
         if cfg.num_experts < 1:
             raise ValueError("Qwen3MoeForCausalLM needs a config with num_experts >= 1")
         if cfg.quantization is not None:
@@ -52,7 +60,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                 "weights only; serve the unquantized checkpoint"
             )
         self.moe_backend = "triton" if attention_backend == "triton" else "torch"
-        super().__init__(cfg, max_positions, attention_backend, compile_mode, tp)
+        super().__init__(cfg, max_positions, attention_backend, compile_mode, tp, fuse_qk_rope)
 
     def make_mlp(self, layer: int) -> nn.Module | None:
         cfg = self.config

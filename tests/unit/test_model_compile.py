@@ -7,6 +7,7 @@ code object, shared by model instances) holds one set of graphs per attention ba
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -140,6 +141,39 @@ def test_compiled_model_matches_eager_torch_backend():
 def test_compiled_model_matches_eager_triton_backend():
     """The Triton kernels run inside the custom op under TRITON_INTERPRET=1 (set by conftest)."""
     _compare("triton", steps=5, seed=1)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "qwen2"])
+def test_fused_qk_rope_matches_unfused(backend, qk_norm):
+    """``fuse_qk_rope`` (q/k norm + rotary + store inside the attention backend) against the
+    model's own norm + rotary before the attention layer, eager: bit for bit with the torch
+    backend (the same reference functions), within float32 rounding with the Triton kernel."""
+    cfg = dataclasses.replace(_config(), qk_norm=qk_norm, attention_bias=not qk_norm)
+    unfused = Qwen3ForCausalLM(cfg, 512, backend, compile_mode="none", fuse_qk_rope=False)
+    init_random_weights(unfused, 0, std=0.08)
+    fused = Qwen3ForCausalLM(cfg, 512, backend, compile_mode="none", fuse_qk_rope=True)
+    fused.load_state_dict(unfused.state_dict())
+    assert fused.fuse_qk_rope and not unfused.fuse_qk_rope
+    default = Qwen3ForCausalLM(cfg, 512, backend, compile_mode="none")
+    assert default.fuse_qk_rope == (backend == "triton")
+    caches_u, caches_f = _caches(), _caches()
+    gen = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        for i in range(4):
+            ids, pos, meta = _step(gen, *_random_shapes(gen, i))
+            want = unfused(ids, pos, caches_u, meta)
+            got = fused(ids, pos, caches_f, meta)
+            if backend == "torch":
+                assert torch.equal(got, want), f"step {i}"
+                assert all(
+                    torch.equal(a, b) for cu, cf in zip(caches_u, caches_f) for a, b in zip(cu, cf)
+                )
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                for (ku, vu), (kf, vf) in zip(caches_u, caches_f):
+                    torch.testing.assert_close(kf, ku, rtol=1e-5, atol=1e-5)
+                    torch.testing.assert_close(vf, vu, rtol=1e-5, atol=1e-5)  # from layer 2 on
 
 
 def test_no_recompiles_across_varying_shapes():

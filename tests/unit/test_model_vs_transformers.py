@@ -18,9 +18,12 @@ def _engine(path, **kw):
     return build_engine(EngineConfig(**cfg), eos_token_ids=frozenset())
 
 
-def test_prefill_logits_match_transformers(tiny_checkpoint):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_prefill_logits_match_transformers(tiny_checkpoint, backend):
+    """``triton``: the Triton kernels under the interpreter, q/k norm + rotary + KV store fused
+    into one launch per layer (``fuse_qk_rope``, the default with that backend)."""
     path, hf = tiny_checkpoint
-    eng = _engine(path)
+    eng = _engine(path, attention_backend=backend)
     gen = torch.Generator().manual_seed(7)
     lengths = [1, 7, 16, 33, 50]
     prompts = [torch.randint(0, 384, (n,), generator=gen).tolist() for n in lengths]

@@ -1,0 +1,323 @@
+"""Triton kernel: Qwen3's per-head q/k RMSNorm, the rotary embedding and the KV-cache store of
+one layer in one launch.
+
+Between the qkv projection and attention a Qwen3 layer otherwise runs the q/k norm + rotary
+(one or two Inductor kernels) and :func:`kernels.kv_cache.store_kv_cache`; here one program
+per (token, tile of heads) reads its rows of q, or of k and v, once, normalizes and rotates
+them in registers and writes q to a new tensor and k, v to their cache slots. Qwen2 (no q/k
+norm) runs the same kernel with the norm compiled out (``HAS_NORM=False``).
+
+Layouts are those of :mod:`kernels.reference`; the oracle is
+:func:`kernels.reference.qk_norm_rope_store_ref`. Imports only torch and triton.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["qk_norm_rope_store"]
+
+
+@triton.jit
+def _norm_rope_tile(
+    x_ptr,
+    offs_h,
+    offs_j,
+    mask,
+    stride_h,
+    stride_d,
+    w_ptr,
+    c1,
+    c2,
+    s1,
+    s2,
+    head_dim,
+    half,
+    eps,
+    HAS_NORM: tl.constexpr,
+):
+    """Rows ``offs_h`` of one token's ``[H, D]`` slice at ``x_ptr``, normalized (HAS_NORM) and
+    rotated: returns the two halves ``[BLOCK_H, BLOCK_HALF]`` in the input dtype. Rounds to the
+    input dtype wherever eager torch does (rms_norm_ref's cast before the weight, each product
+    and the sum of rope_ref), so the results match the reference composition."""
+    base = x_ptr + offs_h[:, None] * stride_h
+    x1 = tl.load(base + offs_j[None, :] * stride_d, mask=mask, other=0.0)
+    x2 = tl.load(base + (offs_j[None, :] + half) * stride_d, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    if HAS_NORM:
+        j_mask = offs_j < half
+        w1 = tl.load(w_ptr + offs_j, mask=j_mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + half + offs_j, mask=j_mask, other=0.0).to(tl.float32)
+        mean_sq = (tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) / head_dim
+        r = tl.rsqrt(mean_sq + eps)[:, None]
+        x1f = (w1[None, :] * (x1f * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2f = (w2[None, :] * (x2f * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    # rotate-half: out1 = x1 cos1 - x2 sin1, out2 = x2 cos2 + x1 sin2
+    o1 = (x1f * c1).to(dtype).to(tl.float32) - (x2f * s1).to(dtype).to(tl.float32)
+    o2 = (x2f * c2).to(dtype).to(tl.float32) + (x1f * s2).to(dtype).to(tl.float32)
+    return o1.to(dtype), o2.to(dtype)
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_cb,  # cache strides (k_cache and v_cache are checked to share them)
+    stride_co,
+    stride_ch,
+    stride_cd,
+    stride_cos_t,
+    stride_cos_d,
+    stride_sin_t,
+    stride_sin_d,
+    num_q_heads,
+    num_kv_heads,
+    num_q_tiles,
+    head_dim,
+    eps,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    # One program per (token, tile of BLOCK_H heads): tiles 0 .. num_q_tiles - 1 are query heads
+    # (written to q_out), the following ones KV heads (k normalized and rotated, v copied, both
+    # into the cache slot of the token).
+    tok = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    half = head_dim // 2
+    offs_j = tl.arange(0, BLOCK_HALF)
+    j_mask = offs_j < half
+    # this token's cos/sin halves, [1, BLOCK_HALF], broadcast over the heads
+    cos_row = cos_ptr + tok * stride_cos_t
+    sin_row = sin_ptr + tok * stride_sin_t
+    c1 = tl.load(cos_row + offs_j * stride_cos_d, mask=j_mask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_row + (offs_j + half) * stride_cos_d, mask=j_mask, other=0.0).to(tl.float32)[
+        None, :
+    ]
+    s1 = tl.load(sin_row + offs_j * stride_sin_d, mask=j_mask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_row + (offs_j + half) * stride_sin_d, mask=j_mask, other=0.0).to(tl.float32)[
+        None, :
+    ]
+    if tile < num_q_tiles:
+        offs_h = tile * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = (offs_h[:, None] < num_q_heads) & j_mask[None, :]
+        o1, o2 = _norm_rope_tile(
+            q_ptr + tok * stride_qt,
+            offs_h,
+            offs_j,
+            mask,
+            stride_qh,
+            stride_qd,
+            q_w_ptr,
+            c1,
+            c2,
+            s1,
+            s2,
+            head_dim,
+            half,
+            eps,
+            HAS_NORM,
+        )
+        dst = q_out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh
+        tl.store(dst + offs_j[None, :] * stride_od, o1, mask=mask)
+        tl.store(dst + (offs_j[None, :] + half) * stride_od, o2, mask=mask)
+    else:
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        offs_h = (tile - num_q_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_limit = tl.where(slot >= 0, num_kv_heads, 0)  # negative slot: store nothing
+        mask = (offs_h[:, None] < h_limit) & j_mask[None, :]
+        o1, o2 = _norm_rope_tile(
+            k_ptr + tok * stride_kt,
+            offs_h,
+            offs_j,
+            mask,
+            stride_kh,
+            stride_kd,
+            k_w_ptr,
+            c1,
+            c2,
+            s1,
+            s2,
+            head_dim,
+            half,
+            eps,
+            HAS_NORM,
+        )
+        safe_slot = tl.maximum(slot, 0)
+        dst = (
+            (safe_slot // BLOCK_SIZE) * stride_cb
+            + (safe_slot % BLOCK_SIZE) * stride_co
+            + offs_h[:, None] * stride_ch
+        )
+        lo = dst + offs_j[None, :] * stride_cd
+        hi = dst + (offs_j[None, :] + half) * stride_cd
+        tl.store(k_cache_ptr + lo, o1, mask=mask)
+        tl.store(k_cache_ptr + hi, o2, mask=mask)
+        v_row = v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh
+        v1 = tl.load(v_row + offs_j[None, :] * stride_vd, mask=mask)
+        v2 = tl.load(v_row + (offs_j[None, :] + half) * stride_vd, mask=mask)
+        tl.store(v_cache_ptr + lo, v1, mask=mask)
+        tl.store(v_cache_ptr + hi, v2, mask=mask)
+
+
+def _rope_table(x: torch.Tensor, t: int, d: int, name: str) -> tuple[int, int]:
+    """(token stride, dim stride) of a cos/sin table ``[T, D]`` or ``[T, 1, D]``."""
+    if x.dim() == 3 and x.shape[1] == 1:
+        x = x[:, 0]
+    if x.dim() != 2 or tuple(x.shape) != (t, d):
+        raise ValueError(f"{name} must be [T={t}, D={d}] or [T, 1, D], got {tuple(x.shape)}")
+    return x.stride(0), x.stride(1)
+
+
+def qk_norm_rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Per-head RMSNorm of q and k, rotary embedding (rotate-half), and the store of k and v
+    into the paged cache, in one launch (Triton).
+
+    Same results as :func:`kernels.reference.qk_norm_rope_store_ref` up to the float32
+    reduction order of the mean square (the rounding to the model dtype happens at the same
+    points: after the normalization, after the weight, after each rotary product and sum).
+
+    Args:
+        q: ``[T, H_q, D]``; k, v: ``[T, H_kv, D]``, D even; any strides (e.g. views into the
+            fused qkv projection output). One dtype for q, k, v, caches, cos, sin and weights.
+        k_cache, v_cache: ``[num_blocks, block_size, H_kv, D]`` with identical shapes and
+            strides, the last dimension contiguous; updated in place with the rotated k and
+            the unchanged v. Any ``block_size``.
+        slot_mapping: int64 (int32 accepted) ``[T]``; ``slot = block * block_size + offset``; a
+            negative slot stores nothing (padding tokens; their q is still computed).
+        cos, sin: ``[T, D]`` or ``[T, 1, D]``, the rotary table rows of the tokens' positions.
+        q_weight, k_weight: ``[D]`` RMSNorm weights (Qwen3), or both None: no norm (Qwen2).
+        eps: RMSNorm epsilon.
+
+    Returns:
+        The rotated q as a new contiguous ``[T, H_q, D]`` tensor in q's dtype.
+
+    Raises:
+        ValueError: mismatched shapes, dtypes, devices or strides; an odd D; only one of the
+            two norm weights given.
+
+    The grid depends only on T and the head counts and the launch reads no host values, so it
+    can be captured in a CUDA graph.
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(
+            f"q must be [T, H_q, D] and k/v [T, H_kv, D] of equal shape, got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    t, h_q, d = q.shape
+    _, h_kv, _ = k.shape
+    if k.shape[0] != t or k.shape[2] != d:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on T or D")
+    if d % 2:
+        raise ValueError(f"head_dim must be even for rotate-half rotary, got {d}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError("k_cache/v_cache must be [num_blocks, block_size, H_kv, D] of equal shape")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must have identical strides")
+    if k_cache.stride(-1) != 1:
+        raise ValueError("cache last dimension must be contiguous")
+    block_size = k_cache.shape[1]
+    if tuple(k_cache.shape[2:]) != (h_kv, d):
+        raise ValueError(
+            f"cache heads/head_dim {tuple(k_cache.shape[2:])} do not match k {(h_kv, d)}"
+        )
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != t:
+        raise ValueError(f"slot_mapping must be [T={t}], got {tuple(slot_mapping.shape)}")
+    if slot_mapping.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"slot_mapping must be int64 or int32, got {slot_mapping.dtype}")
+    cos_strides = _rope_table(cos, t, d, "cos")
+    sin_strides = _rope_table(sin, t, d, "sin")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight and k_weight must both be given or both be None")
+    has_norm = q_weight is not None
+    tensors = [q, k, v, k_cache, v_cache, cos, sin]
+    if has_norm:
+        if q_weight.shape != (d,) or k_weight.shape != (d,):
+            raise ValueError(
+                f"q_weight/k_weight must be [D={d}], got {tuple(q_weight.shape)}, "
+                f"{tuple(k_weight.shape)}"
+            )
+        tensors += [q_weight, k_weight]
+    if len({x.dtype for x in tensors}) != 1:
+        raise ValueError(
+            "q, k, v, the caches, cos, sin and the norm weights must share one dtype, got "
+            f"{sorted({str(x.dtype) for x in tensors})}"
+        )
+    devs = {x.device for x in tensors} | {slot_mapping.device}
+    if len(devs) != 1:
+        raise ValueError(f"all tensors must be on one device, got {devs}")
+    q_out = torch.empty((t, h_q, d), dtype=q.dtype, device=q.device)
+    if t == 0:
+        return q_out
+    block_h = 16  # tiles >= 16 in every dimension; rows past the head count are masked
+    block_half = max(16, triton.next_power_of_2(d // 2))
+    num_q_tiles = triton.cdiv(h_q, block_h)
+    grid = (t, num_q_tiles + triton.cdiv(h_kv, block_h))
+    _qk_norm_rope_store_kernel[grid](
+        q,
+        k,
+        v,
+        q_out,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        cos,
+        sin,
+        q_weight if has_norm else q,  # unused pointers when HAS_NORM is False
+        k_weight if has_norm else k,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *q_out.stride(),
+        *k_cache.stride(),
+        *cos_strides,
+        *sin_strides,
+        h_q,
+        h_kv,
+        num_q_tiles,
+        d,
+        float(eps),
+        BLOCK_SIZE=block_size,
+        BLOCK_H=block_h,
+        BLOCK_HALF=block_half,
+        HAS_NORM=has_norm,
+    )
+    return q_out
