@@ -46,7 +46,7 @@ def candidates(n: int, k: int, sweep: bool) -> list[GemvConfig]:
         return [GemvConfig()]
     out = []
     for bn, bk, split, stages, warps in itertools.product(
-        (16, 32, 64), (128, 256), (1, 2, 4), (3, 4), (4,)
+        (16, 32, 64), (128, 256), (1, 2, 4), (3,), (4,)
     ):
         if k // split < bk:
             continue

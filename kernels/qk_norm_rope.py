@@ -170,13 +170,15 @@ def _qk_norm_rope_store_kernel(
             HAS_NORM,
         )
         safe_slot = tl.maximum(slot, 0)
-        dst = (
+        # (a name of its own: Triton merges a variable assigned in both branches, and this one is
+        # an offset where the query branch's ``dst`` is a pointer)
+        cache_off = (
             (safe_slot // BLOCK_SIZE) * stride_cb
             + (safe_slot % BLOCK_SIZE) * stride_co
             + offs_h[:, None] * stride_ch
         )
-        lo = dst + offs_j[None, :] * stride_cd
-        hi = dst + (offs_j[None, :] + half) * stride_cd
+        lo = cache_off + offs_j[None, :] * stride_cd
+        hi = cache_off + (offs_j[None, :] + half) * stride_cd
         tl.store(k_cache_ptr + lo, o1, mask=mask)
         tl.store(k_cache_ptr + hi, o2, mask=mask)
         v_row = v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh

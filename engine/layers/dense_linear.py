@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.layers.kernel_switches import SMALL_M_GEMV
 from kernels.gemv import GEMV_MAX_M, gemv, gemv_config, triton_runs_on
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -22,7 +23,7 @@ def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     """``x [M, K] @ weight[N, K]^T (+ bias)`` -> new ``[M, N]``: :func:`kernels.gemv.gemv` for
     ``M <= GEMV_MAX_M`` where the device's table (or heuristic) prefers it, else ``F.linear``."""
     m, k = x.shape
-    if m <= GEMV_MAX_M and weight.is_contiguous() and triton_runs_on(x.device):
+    if SMALL_M_GEMV and m <= GEMV_MAX_M and weight.is_contiguous() and triton_runs_on(x.device):
         cfg = gemv_config(m, weight.shape[0], k, x.device)
         if cfg is not None:
             return gemv(x, weight, bias, cfg)

@@ -27,6 +27,7 @@ from torch import nn
 from engine.attention.layer import PagedAttention
 from engine.attention.metadata import AttentionMetadata
 from engine.core.config import ModelConfig
+from engine.layers import kernel_switches
 from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.linear import (
     ColumnParallelLinear,
@@ -236,7 +237,8 @@ class Qwen3ForCausalLM(nn.Module):
             embedding together with the KV-cache store (``PagedAttention.forward_qk_rope``; one
             Triton launch per layer instead of the norm/rotary kernels plus the store); None:
             on with the ``"triton"`` backend only (the torch backend would run them eagerly
-            inside the opaque attention op, where the unfused path compiles them).
+            inside the opaque attention op, where the unfused path compiles them) unless
+            ``QWEN_SERVE_FUSED_QK_ROPE=0`` (:mod:`engine.layers.kernel_switches`).
 
     ``cfg.quantization`` (block FP8 or None) quantizes the decoder's linear layers (q/k/v, o,
     gate/up, down); the embeddings, norms and LM head stay in the model dtype.
@@ -273,7 +275,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.compile_mode = compile_mode
         self.attention_backend = attention_backend
         if fuse_qk_rope is None:
-            fuse_qk_rope = attention_backend == "triton"
+            fuse_qk_rope = attention_backend == "triton" and kernel_switches.FUSED_QK_ROPE
         self.fuse_qk_rope = fuse_qk_rope
         self.ops = PointwiseOps(compile_mode == "ops")
         self.model = Qwen3Model(
