@@ -100,11 +100,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
     ap.add_argument("--host-profile", action="store_true", help="also cProfile the host work")
     args = ap.parse_args()
+    tree = Path(args.tree).resolve()
+    # the tree's engine and kernels first: the checkpoint writer imports transformers, which
+    # probes for (and imports) a top-level package named ``kernels`` -- it would bind this
+    # repository's instead of the tree's
+    build, EngineConfig, SamplingParams = load_engine_api(tree)
     from bench.common import random_qwen3_checkpoint
 
     random_qwen3_checkpoint(args.ckpt)
-    tree = Path(args.tree).resolve()
-    build, EngineConfig, SamplingParams = load_engine_api(tree)
     import torch
     from torch.profiler import ProfilerActivity, profile
 

@@ -76,6 +76,7 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     """Program ``(n tile, k split)``: ``acc [BLOCK_N, BLOCK_M] = sum_k W_tile x_tile^T`` over
     its K range; the last split of an N tile to finish reduces (see the module docstring)."""
@@ -102,7 +103,7 @@ def _gemv_kernel(
         if UPCAST:  # the CPU interpreter's dot multiplies bfloat16 as raw integers
             acc += tl.dot(wt.to(tl.float32), xt.to(tl.float32))
         else:
-            acc += tl.dot(wt, xt.to(wt.dtype))
+            acc += tl.dot(wt, xt.to(wt.dtype), input_precision=DOT_PREC)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
@@ -249,6 +250,7 @@ def gemv(
         HAS_BIAS=bias is not None,
         EVEN_K=k % per_split == 0 and per_split % cfg.block_k == 0,
         UPCAST=x.device.type != "cuda" and w.dtype != torch.float32,
+        DOT_PREC="ieee" if w.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

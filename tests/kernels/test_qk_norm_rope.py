@@ -51,7 +51,8 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype) -> bool:
     float32 and float16: within 1e-5 / one unit in the last place (the float32 mean square may
     differ from torch's in its last bit, which can move one rounding to float16 by an ulp; the
     kernel rounds at the same points as the reference, so float16 is otherwise bit-exact).
-    bfloat16: one ulp on CUDA; under the Triton interpreter, whose float32 -> bfloat16 cast
+    bfloat16: on CUDA two ulps of max(|value|, 1) and a whole-tensor relative error below 5e-3
+    (see the comment in the code); under the Triton interpreter, whose float32 -> bfloat16 cast
     truncates instead of rounding to nearest (triton/runtime/interpreter.py
     ``_convert_float``), each of the kernel's roundings may lose up to an ulp of its
     intermediate, all toward zero (about 1% in all): 8 ulps, and a relative error of the whole
@@ -61,10 +62,22 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype) -> bool:
     if dtype == torch.float32:
         return torch.allclose(a, b, rtol=1e-5, atol=1e-5)
     eps = torch.finfo(dtype).eps
-    if dtype == torch.float16 or os.environ.get("TRITON_INTERPRET") != "1":
+    if dtype == torch.float16:
         return bool(((a - b).abs() <= eps * b.abs() + 1e-3).all())
+    if os.environ.get("TRITON_INTERPRET") != "1":  # bfloat16 on CUDA
+        # the GPU's rsqrt is not torch's (approximate in its last float32 bits), which moves a
+        # rounding of an intermediate by one ulp; rotary's difference of two rounded products
+        # then carries that ulp of the products (~1), not of the (possibly cancelled) result
+        rel = ((a - b).norm() / b.norm()).item()
+        return rel < 5e-3 and bool(((a - b).abs() <= 2 * eps * b.abs().clamp_min(1.0)).all())
     rel = ((a - b).norm() / b.norm()).item()
     return rel < 3e-2 and bool(((a - b).abs() <= 8 * eps * b.abs().clamp_min(1.0)).all())
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    """The largest difference, absolute and in units of max(|reference|, 1)."""
+    d = (a.float() - b.float()).abs()
+    return f"max |diff| {d.max():.3g}, max |diff| / max(|ref|, 1) {(d / b.float().abs().clamp_min(1)).max():.3g}"
 
 
 @pytest.mark.parametrize("t,hq,hkv,d,block_size,dtype,norm", CASES)
@@ -97,8 +110,8 @@ def test_matches_reference(device, t, hq, hkv, d, block_size, dtype, norm):
         eps,
     )
     assert out.shape == (t, hq, d) and out.dtype == dtype and out.is_contiguous()
-    assert _close(out.cpu(), q_ref, dtype), f"q: seed={seed}"
-    assert _close(k_dev.cpu(), k_ref, dtype), f"k_cache: seed={seed}"
+    assert _close(out.cpu(), q_ref, dtype), f"q: seed={seed} {_diff(out.cpu(), q_ref)}"
+    assert _close(k_dev.cpu(), k_ref, dtype), f"k_cache: seed={seed} {_diff(k_dev.cpu(), k_ref)}"
     assert torch.equal(v_dev.cpu(), v_ref), f"v_cache: seed={seed}"  # v is copied bit for bit
     # slots nobody stored to (padding tokens, unused slots) keep their old contents exactly
     stored = torch.zeros(k_cache.shape[0] * block_size, dtype=torch.bool)
