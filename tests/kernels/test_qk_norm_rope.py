@@ -77,7 +77,8 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype) -> bool:
 def _diff(a: torch.Tensor, b: torch.Tensor) -> str:
     """The largest difference, absolute and in units of max(|reference|, 1)."""
     d = (a.float() - b.float()).abs()
-    return f"max |diff| {d.max():.3g}, max |diff| / max(|ref|, 1) {(d / b.float().abs().clamp_min(1)).max():.3g}"
+    scaled = (d / b.float().abs().clamp_min(1)).max()
+    return f"max |diff| {d.max():.3g}, max |diff| / max(|ref|, 1) {scaled:.3g}"
 
 
 @pytest.mark.parametrize("t,hq,hkv,d,block_size,dtype,norm", CASES)
