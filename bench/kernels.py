@@ -180,11 +180,11 @@ def check_correctness(device, g) -> list[tuple[str, float, float]]:
         ref = torch.empty(qd.shape, device=device)
         decode_attention_ref(qd.float(), kc.float(), vc.float(), bt, sl, ref, D**-0.5)
         for ns in (1, 3, 16):
-            po, pl, cnt = decode_scratch(len(lens), HQ, D, ns, device)
+            po, pl = decode_scratch(len(lens), HQ, D, ns, device)
             po.fill_(float("nan"))
             pl.fill_(float("nan"))
             out = torch.full_like(qd, float("nan"))
-            decode_attention(qd, kc, vc, bt, sl, out, D**-0.5, po, pl, ns, counters=cnt)
+            decode_attention(qd, kc, vc, bt, sl, out, D**-0.5, po, pl, ns)
             e = rel(out, ref) if torch.isfinite(out).all() else float("inf")
             rows.append((f"decode {dtype} splits={ns}", e, tol))
     return rows
@@ -362,9 +362,9 @@ def decode_fns(sets, num_splits, cfg):
     fns = []
     for st in sets:
         b = st["q"].shape[0]
-        po, pl, cnt = decode_scratch(b, HQ, D, num_splits, st["q"].device)
+        po, pl = decode_scratch(b, HQ, D, num_splits, st["q"].device)
 
-        def f(st=st, po=po, pl=pl, cnt=cnt):
+        def f(st=st, po=po, pl=pl):
             decode_attention(
                 st["q"],
                 st["kc"],
@@ -377,7 +377,6 @@ def decode_fns(sets, num_splits, cfg):
                 pl,
                 num_splits,
                 config=cfg,
-                counters=cnt,
             )
 
         fns.append(f)
@@ -524,24 +523,16 @@ def mixed_fns(sets, num_splits):
     old, new = [], []
     for st in sets:
         b = st["sl"].shape[0]
-        po, pl, cnt = decode_scratch(b, HQ, D, num_splits, st["q"].device)
+        po, pl = decode_scratch(b, HQ, D, num_splits, st["q"].device)
         args = (st["q"], st["kc"], st["vc"], st["bt"])
 
         def f_old(st=st, args=args):
             prefill_attention(*args, st["cu"], st["sl"], st["out"], D**-0.5, True)
             return st["out"]
 
-        def f_new(st=st, args=args, po=po, pl=pl, cnt=cnt):
+        def f_new(st=st, args=args, po=po, pl=pl):
             decode_attention(
-                *args,
-                st["sl"],
-                st["out"],
-                D**-0.5,
-                po,
-                pl,
-                num_splits,
-                cu_seqlens_q=st["cu"],
-                counters=cnt,
+                *args, st["sl"], st["out"], D**-0.5, po, pl, num_splits, cu_seqlens_q=st["cu"]
             )
             prefill_attention(
                 *args, st["cu"], st["sl"], st["out"], D**-0.5, True, skip_decode_rows=True

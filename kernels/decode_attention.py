@@ -1,31 +1,24 @@
-"""Triton split-KV paged decode attention (flash-decoding), the splits merged by the last one.
+"""Triton split-KV paged decode attention (flash-decoding) with a reduction stage.
 
 Layouts are those of :mod:`kernels.reference`: one query token per sequence, ``q`` and ``out``
 ``[B, H_q, D]``, K/V in the paged cache ``[num_blocks, block_size, H_kv, D]`` reached through
 ``block_tables`` and ``seq_lens``.
 
 Algorithm: Flash-Decoding (Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context
-inference", PyTorch blog, 2023), in one launch. Every (KV head, sequence, split) gets its own
+inference", PyTorch blog, 2023). Stage 1 gives every (KV head, sequence, split) its own
 program: the ``H_q / H_kv`` query heads that share the KV head are processed together as the
 rows of one ``[BLOCK_G, D]`` tile, so each KV block is read from memory once, and the split's
 keys are swept with the FlashAttention-2 online softmax (fp32 running max / sum / accumulator).
-Each split writes its normalised partial output and its log-sum-exp to the scratch, then
-increments the arrival counter of its (sequence, KV head) (``atomic_add``, ``acq_rel``, gpu
-scope, after a CTA barrier so every thread's stores are released); the program that arrives last
-(old value ``num_splits - 1``) reads all splits' partials in split order (``.cg`` loads, L2 not
-L1), merges them with weights ``exp(lse_s - max lse)`` -- the same arithmetic for every arrival
-order, so the result is deterministic -- writes ``out`` and resets the counter to 0 for the next
-launch or CUDA-graph replay (the counters are zeroed once, by :func:`decode_scratch`). This
-replaces a second, reduction launch (28 launches of ~2.6 us per Qwen3-0.6B step at batch 1). With
-one split, the program writes ``out`` directly and the counters are not touched.
+Each split writes its normalised partial output and its log-sum-exp; stage 2 merges the splits
+with weights ``exp(lse_s - max lse)``. With one split, stage 1 writes ``out`` directly and stage 2
+is skipped.
 
 Mixed steps (``cu_seqlens_q`` given, constexpr ``VARLEN``): ``q``/``out`` are the packed
-``[T, H_q, D]`` tensors of a step that also carries prompt chunks; each program reads
-``cu_seqlens_q[b]``, ``cu_seqlens_q[b + 1]`` and returns at once unless sequence ``b`` has
-exactly one new token, whose query and output are row ``cu_seqlens_q[b]`` (all splits of a
-skipped sequence return, so its counters stay 0). The scratch stays indexed by ``b``. The
-prefill kernel (``skip_decode_rows=True``) computes the other rows. Imports only torch and
-triton.
+``[T, H_q, D]`` tensors of a step that also carries prompt chunks; each program of both stages
+reads ``cu_seqlens_q[b]``, ``cu_seqlens_q[b + 1]`` and returns at once unless sequence ``b`` has
+exactly one new token, whose query and output are row ``cu_seqlens_q[b]``. The scratch stays
+indexed by ``b``. The prefill kernel (``skip_decode_rows=True``) computes the other rows. Imports
+only torch and triton.
 """
 
 from __future__ import annotations
@@ -50,57 +43,6 @@ def _packed_row(cu_q_ptr, seq):
 
 
 @triton.jit
-def _merge_splits(
-    out_ptr,
-    po_ptr,
-    plse_ptr,
-    row,
-    seq,
-    head,
-    num_splits,
-    stride_ob,
-    stride_oh,
-    stride_od,
-    stride_pob,
-    stride_poh,
-    stride_pos,
-    stride_plb,
-    stride_plh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """Merge the ``num_splits`` partials of query head ``head`` of sequence ``seq`` (all splits at
-    once, in split order) into row ``row`` of ``out``. Loads bypass L1 (``.cg``): the partials
-    were written by other programs of the same launch."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_ok = offs_s < num_splits
-    lse = tl.load(
-        plse_ptr + seq * stride_plb + head * stride_plh + offs_s,
-        mask=s_ok,
-        other=float("-inf"),
-        cache_modifier=".cg",
-    )
-    m = tl.max(lse, 0)
-    w = tl.math.exp2(lse - m)  # 0 for empty splits (lse = -inf)
-    po = tl.load(
-        po_ptr
-        + seq * stride_pob
-        + head * stride_poh
-        + offs_s[:, None] * stride_pos
-        + offs_d[None, :],
-        mask=s_ok[:, None],
-        other=0.0,
-        cache_modifier=".cg",
-    )
-    o = tl.sum(po * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(
-        out_ptr + row * stride_ob + head * stride_oh + offs_d * stride_od,
-        o.to(out_ptr.dtype.element_ty),
-    )
-
-
-@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -108,7 +50,6 @@ def _decode_split_kernel(
     out_ptr,
     po_ptr,
     plse_ptr,
-    cnt_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     cu_q_ptr,
@@ -134,7 +75,6 @@ def _decode_split_kernel(
     stride_pos,
     stride_plb,
     stride_plh,
-    stride_cb,
     NUM_GROUPS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -145,7 +85,6 @@ def _decode_split_kernel(
     UPCAST: tl.constexpr,
     BT_PREFETCH: tl.constexpr,
     VARLEN: tl.constexpr,
-    BLOCK_S: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -251,34 +190,6 @@ def _decode_split_kernel(
         )
         tl.store(po_ptrs, acc, mask=g_ok[:, None])
         tl.store(plse_ptr + seq64 * stride_plb + heads * stride_plh + split, lse, mask=g_ok)
-        # Arrive on the (sequence, KV head) counter; the program that arrives last merges. The
-        # barrier orders every thread's partial stores before the (single-thread) release of the
-        # acq_rel atomic; its acquire orders the merge's loads after all other splits' stores.
-        tl.debug_barrier()
-        cnt = cnt_ptr + seq64 * stride_cb + kv_head
-        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:
-            for g in range(NUM_GROUPS):
-                _merge_splits(
-                    out_ptr,
-                    po_ptr,
-                    plse_ptr,
-                    row64,
-                    seq64,
-                    kv_head * NUM_GROUPS + g,
-                    num_splits,
-                    stride_ob,
-                    stride_oh,
-                    stride_od,
-                    stride_pob,
-                    stride_poh,
-                    stride_pos,
-                    stride_plb,
-                    stride_plh,
-                    HEAD_DIM,
-                    BLOCK_S,
-                )
-            tl.store(cnt, 0)  # the next launch (or CUDA-graph replay) starts from zero
     else:
         o_ptrs = (
             out_ptr + row64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
@@ -286,9 +197,59 @@ def _decode_split_kernel(
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,
+    po_ptr,
+    plse_ptr,
+    cu_q_ptr,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    head = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    row = seq
+    if VARLEN:  # as in stage 1
+        row, q_len = _packed_row(cu_q_ptr, seq)
+        if q_len != 1:
+            return
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < num_splits
+    lse = tl.load(
+        plse_ptr + seq * stride_plb + head * stride_plh + offs_s, mask=s_ok, other=float("-inf")
+    )
+    m = tl.max(lse, 0)
+    w = tl.math.exp2(lse - m)  # 0 for empty splits (lse = -inf)
+    po = tl.load(
+        po_ptr
+        + seq * stride_pob
+        + head * stride_poh
+        + offs_s[:, None] * stride_pos
+        + offs_d[None, :],
+        mask=s_ok[:, None],
+        other=0.0,
+    )
+    o = tl.sum(po * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(
+        out_ptr + row * stride_ob + head * stride_oh + offs_d * stride_od,
+        o.to(out_ptr.dtype.element_ty),
+    )
+
+
 def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """Tile configuration ``{BLOCK_N, num_warps, num_stages, BT_PREFETCH}`` of the kernel
-    (host-side, static); ``BT_PREFETCH`` loads the next tile's block ids one iteration ahead.
+    """Tile configuration ``{BLOCK_N, num_warps, num_stages, BT_PREFETCH}`` of stage 1 (host-side,
+    static); ``BT_PREFETCH`` loads the next tile's block ids one iteration ahead.
 
     Values for bf16/fp16 on CUDA were chosen by the sweep in ``bench/kernels.py`` on an H200.
 
@@ -318,7 +279,7 @@ def choose_num_splits(
 ) -> int:
     """Number of KV splits for :func:`decode_attention` (host-side; no device access or sync).
 
-    Picks the smallest split count that gives at least ``programs_per_sm * num_sms``
+    Picks the smallest split count that gives at least ``programs_per_sm * num_sms`` stage-1
     programs (``batch * num_kv_heads * splits``), capped so that every split keeps at least
     ``min_keys_per_split`` keys of the longest sequence, and by ``max_splits``.
 
@@ -344,16 +305,13 @@ def choose_num_splits(
 
 def decode_scratch(
     batch: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Allocate the split-KV scratch of :func:`decode_attention` (once; reused by every launch,
-    so a launch captured in a CUDA graph keeps valid pointers).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate the split-KV scratch of :func:`decode_attention`.
 
     Returns:
-        ``(partial_out, partial_lse, counters)``: float32
-        ``[batch, num_heads, num_splits, head_dim]`` and float32 ``[batch, num_heads, num_splits]``
-        (uninitialised; every used element is written by its split before the last split reads
-        it), and the int32 arrival counters ``[batch, num_heads]``, zeroed here and left zero by
-        every launch (one per (sequence, KV head) is used; ``num_heads >= H_kv``).
+        ``(partial_out, partial_lse)``: float32 ``[batch, num_heads, num_splits, head_dim]`` and
+        float32 ``[batch, num_heads, num_splits]`` (uninitialised; every used element is written
+        by stage 1 before stage 2 reads it).
 
     Raises:
         ValueError: on a non-positive size.
@@ -362,8 +320,7 @@ def decode_scratch(
         raise ValueError("decode_scratch: sizes must be positive")
     po = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=device)
     plse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=device)
-    counters = torch.zeros(batch, num_heads, dtype=torch.int32, device=device)
-    return po, plse, counters
+    return po, plse
 
 
 def decode_attention(
@@ -380,7 +337,6 @@ def decode_attention(
     *,
     config: dict | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged decode attention, one query token per sequence, split-KV (Triton).
 
@@ -405,12 +361,9 @@ def decode_attention(
             partial_lse: float32 ``[B, H_q, S]`` (log2-domain log-sum-exp), last dim contiguous.
             Scratch from :func:`decode_scratch`; unused when ``num_splits == 1``.
         num_splits: host int >= 1, e.g. from :func:`choose_num_splits`; sizes the grid.
-        config: optional tile override ``{BLOCK_N, num_warps, num_stages}`` (benchmarks).
+        config: optional stage-1 tile override ``{BLOCK_N, num_warps, num_stages}`` (benchmarks).
         cu_seqlens_q: optional int32 ``[B + 1]`` on q's device, non-decreasing, with
             ``cu_seqlens_q[B] <= T`` (not checked: it lives on the device).
-        counters: int32 ``[B, >= H_kv]`` (last dim contiguous), all zero (the third tensor of
-            :func:`decode_scratch`); required when ``num_splits > 1``, left all zero by the
-            launch. Not to be shared by two launches that may run concurrently (other streams).
 
     Returns:
         ``out``.
@@ -418,10 +371,9 @@ def decode_attention(
     Raises:
         ValueError: on inconsistent shapes, dtypes, devices, strides or ``num_splits < 1``.
 
-    Grid: one launch of ``(H_kv, B, num_splits)``, from shapes and the host int ``num_splits``
-    only (with ``cu_seqlens_q``, skipped sequences' programs return at once), so a launch can be
-    captured in a CUDA graph at a padded ``T`` and ``B``. With several splits the last split of
-    each (sequence, KV head) to finish merges all of them (arrival counter in ``counters``).
+    Grid: ``(H_kv, B, num_splits)`` and ``(H_q, B)`` for the reduction, from shapes and the host
+    int ``num_splits`` only (with ``cu_seqlens_q``, skipped sequences' programs return at once),
+    so a launch can be captured in a CUDA graph at a padded ``T`` and ``B``.
 
     Algorithm: Flash-Decoding (Dao et al. 2023 blog) with FlashAttention-2's online softmax;
     the query heads of one KV head form one tile so each KV block is read once.
@@ -479,21 +431,6 @@ def decode_attention(
         )
     if partial_out.stride(3) != 1 or partial_lse.stride(2) != 1:
         raise ValueError("scratch last dimensions must be contiguous")
-    split = num_splits > 1
-    if split and counters is None:
-        raise ValueError("num_splits > 1 needs counters (the third tensor of decode_scratch)")
-    if counters is not None and (
-        counters.dtype != torch.int32
-        or counters.dim() != 2
-        or counters.shape[0] != b
-        or counters.shape[1] < hkv
-        or (counters.stride(1) != 1 and counters.shape[1] > 1)
-        or counters.device != q.device
-    ):
-        raise ValueError(
-            f"counters must be int32 [B={b}, >={hkv}] on q's device, last dim contiguous, got "
-            f"{tuple(counters.shape)} {counters.dtype}"
-        )
     devs = {
         k_cache.device,
         v_cache.device,
@@ -513,8 +450,8 @@ def decode_attention(
     if config:
         cfg.update(config)
     group = hq // hkv
+    split = num_splits > 1
     cu_q = cu_seqlens_q if varlen else seq_lens  # unused placeholder without VARLEN
-    cnt = counters if split else seq_lens  # unused placeholder with one split
     _decode_split_kernel[(hkv, b, num_splits)](
         q,
         k_cache,
@@ -522,7 +459,6 @@ def decode_attention(
         out,
         partial_out,
         partial_lse,
-        cnt,
         block_tables,
         seq_lens,
         cu_q,
@@ -548,7 +484,6 @@ def decode_attention(
         partial_out.stride(2),
         partial_lse.stride(0),
         partial_lse.stride(1),
-        cnt.stride(0),
         NUM_GROUPS=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d,
@@ -559,8 +494,27 @@ def decode_attention(
         UPCAST=upcast,
         BT_PREFETCH=bool(cfg.get("BT_PREFETCH", False)),
         VARLEN=varlen,
-        BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
+    if split:
+        _decode_reduce_kernel[(hq, b)](
+            out,
+            partial_out,
+            partial_lse,
+            cu_q,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            partial_out.stride(0),
+            partial_out.stride(1),
+            partial_out.stride(2),
+            partial_lse.stride(0),
+            partial_lse.stride(1),
+            HEAD_DIM=d,
+            BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
+            VARLEN=varlen,
+            num_warps=4,
+        )
     return out

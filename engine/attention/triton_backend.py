@@ -31,10 +31,9 @@ def _check_device(q: torch.Tensor) -> None:
 class TritonAttentionBackend:
     """Attention through the Triton kernels in ``kernels/``.
 
-    The decode scratch (``partial_out``, ``partial_lse`` and the zeroed split-arrival
-    ``counters``, which every launch leaves zero) is allocated on first use for each
-    (batch, heads, head_dim, num_splits, device) and reused by later steps, layers and CUDA-graph
-    replays, so repeated steps allocate nothing but their outputs.
+    The decode scratch (``partial_out``, ``partial_lse``) is allocated on first use for each
+    (batch, heads, head_dim, num_splits, device) and reused by later steps and layers, so
+    repeated steps allocate nothing but their outputs.
 
     Args:
         split_mixed_steps: in steps that are not pure decode, compute the rows of sequences with
@@ -49,7 +48,7 @@ class TritonAttentionBackend:
 
     def __init__(self, split_mixed_steps: bool = True) -> None:
         self.split_mixed_steps = split_mixed_steps
-        self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._num_sms: dict[torch.device, int] = {}
 
     def _sm_count(self, device: torch.device) -> int:
@@ -146,7 +145,7 @@ class TritonAttentionBackend:
             splits = choose_num_splits(
                 num_seqs, k_cache.shape[2], meta.max_seq_len, self._sm_count(q.device)
             )
-            po, plse, counters = self.scratch(num_seqs, num_heads, head_dim, splits, q.device)
+            po, plse = self.scratch(num_seqs, num_heads, head_dim, splits, q.device)
             decode_attention(
                 q,
                 k_cache,
@@ -159,7 +158,6 @@ class TritonAttentionBackend:
                 plse,
                 splits,
                 cu_seqlens_q=None if decode else meta.cu_seqlens_q,
-                counters=counters,
             )
             if decode:
                 return out

@@ -36,7 +36,7 @@ def test_decode_matches_reference(device, seq_lens, hq, hkv, d, block_size, dtyp
     decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), block_tables, sl, ref, scale)
 
     out = torch.full((b, hq, d), float("nan"), dtype=dtype, device=device)
-    po, plse, cnt = decode_scratch(b, hq, d, num_splits, device)
+    po, plse = decode_scratch(b, hq, d, num_splits, device)
     po.fill_(float("nan"))
     plse.fill_(float("nan"))
     res = decode_attention(
@@ -50,7 +50,6 @@ def test_decode_matches_reference(device, seq_lens, hq, hkv, d, block_size, dtyp
         po,
         plse,
         num_splits,
-        counters=cnt,
     )
     assert res is out
     assert torch.isfinite(out).all(), f"unwritten or NaN output (seed={seed})"
@@ -74,10 +73,9 @@ def test_choose_num_splits():
 
 
 def test_decode_scratch_shapes(device):
-    po, plse, cnt = decode_scratch(3, 8, 128, 5, device)
+    po, plse = decode_scratch(3, 8, 128, 5, device)
     assert po.shape == (3, 8, 5, 128) and po.dtype == torch.float32
     assert plse.shape == (3, 8, 5) and plse.dtype == torch.float32
-    assert cnt.shape == (3, 8) and cnt.dtype == torch.int32 and (cnt == 0).all()
 
 
 def test_decode_rejects_bad_inputs(device):
@@ -85,19 +83,9 @@ def test_decode_rejects_bad_inputs(device):
     kc = torch.zeros(4, 16, 2, 64, device=device)
     bt = torch.zeros(2, 4, dtype=torch.int32, device=device)
     sl = torch.ones(2, dtype=torch.int32, device=device)
-    po, plse, cnt = decode_scratch(2, 8, 64, 2, device)
+    po, plse = decode_scratch(2, 8, 64, 2, device)
     with pytest.raises(ValueError):  # scratch too small for 4 splits
-        decode_attention(q, kc, kc, bt, sl, torch.empty_like(q), 0.1, po, plse, 4, counters=cnt)
-    with pytest.raises(ValueError):  # several splits without counters
-        decode_attention(q, kc, kc, bt, sl, torch.empty_like(q), 0.1, po, plse, 2)
-    with pytest.raises(ValueError):  # int64 counters
-        decode_attention(
-            q, kc, kc, bt, sl, torch.empty_like(q), 0.1, po, plse, 2, counters=cnt.long()
-        )
-    with pytest.raises(ValueError):  # fewer counters than KV heads
-        decode_attention(
-            q, kc, kc, bt, sl, torch.empty_like(q), 0.1, po, plse, 2, counters=cnt[:, :1]
-        )
+        decode_attention(q, kc, kc, bt, sl, torch.empty_like(q), 0.1, po, plse, 4)
     with pytest.raises(ValueError):
         decode_attention(q, kc, kc, bt, sl, torch.empty_like(q), 0.1, po, plse, 0)
     with pytest.raises(ValueError):  # wrong seq_lens dtype
@@ -150,7 +138,7 @@ def test_decode_varlen_computes_decode_rows_only(
 
     sentinel = 7.0
     out = torch.full((t, hq, d), sentinel, dtype=dtype, device=device)
-    po, plse, cnt = decode_scratch(b, hq, d, num_splits, device)
+    po, plse = decode_scratch(b, hq, d, num_splits, device)
     po.fill_(float("nan"))
     plse.fill_(float("nan"))
     res = decode_attention(
@@ -165,9 +153,7 @@ def test_decode_varlen_computes_decode_rows_only(
         plse,
         num_splits,
         cu_seqlens_q=cu.to(device),
-        counters=cnt,
     )
-    assert (cnt == 0).all(), f"arrival counters not reset (seed={seed})"
     assert res is out
     out = out.cpu()
     err = rel_err(out[rows], ref)
@@ -177,97 +163,3 @@ def test_decode_varlen_computes_decode_rows_only(
     assert (out[untouched] == sentinel).all(), (
         f"rows of skipped sequences or padding written (seed={seed})"
     )
-
-
-def _run_decode(device, inputs, num_splits, scratch):
-    """One decode_attention launch into a NaN-filled ``out`` with the given scratch."""
-    q, k_cache, v_cache, block_tables, sl, scale = inputs
-    po, plse, cnt = scratch
-    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=device)
-    decode_attention(
-        q, k_cache, v_cache, block_tables, sl, out, scale, po, plse, num_splits, counters=cnt
-    )
-    return out
-
-
-FUSED_CASES = [
-    # seq_lens (uneven, with a length-1 context), Hq, Hkv, D, block_size, dtype, num_splits
-    ([1, 70, 33], 4, 2, 32, 16, torch.float32, 2),
-    ([1, 70, 33], 4, 2, 32, 16, torch.float32, 5),
-    ([45, 1], 8, 2, 64, 16, torch.bfloat16, 3),  # the length-1 sequence: one real split, rest empty
-    ([129], 2, 1, 32, 32, torch.float16, 8),
-    ([1], 4, 4, 32, 16, torch.float32, 17),  # BLOCK_S = 32; every split but the first empty
-]
-
-
-@pytest.mark.parametrize("seq_lens,hq,hkv,d,block_size,dtype,num_splits", FUSED_CASES)
-def test_decode_last_split_merges_and_resets_counters(
-    device, seq_lens, hq, hkv, d, block_size, dtype, num_splits
-):
-    """Several splits merged by the last-arriving split: the result matches decode_attention_ref,
-    the arrival counters are all zero after the launch, and a second launch on the same scratch
-    (as the next layer or a CUDA-graph replay does) gives the identical result."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    g = torch.Generator().manual_seed(seed)
-    k_cache, v_cache, block_tables = make_paged(seq_lens, hkv, d, block_size, dtype, g)
-    b = len(seq_lens)
-    q = torch.randn(b, hq, d, generator=g).to(dtype)
-    sl = torch.tensor(seq_lens, dtype=torch.int32)
-    scale = d**-0.5
-    ref = torch.empty(b, hq, d)
-    decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), block_tables, sl, ref, scale)
-
-    inputs = tuple(x.to(device) for x in (q, k_cache, v_cache, block_tables, sl)) + (scale,)
-    scratch = decode_scratch(b, hq, d, num_splits, device)
-    scratch[0].fill_(float("nan"))
-    scratch[1].fill_(float("nan"))
-    cnt = scratch[2]
-    first = _run_decode(device, inputs, num_splits, scratch)
-    assert cnt.shape == (b, hq) and (cnt == 0).all(), f"counters not reset: {cnt} (seed={seed})"
-    assert torch.isfinite(first).all(), f"unwritten or NaN output (seed={seed})"
-    err = rel_err(first.cpu(), ref)
-    assert err <= TOL[dtype], f"rel err {err:.2e} (seed={seed})"
-
-    second = _run_decode(device, inputs, num_splits, scratch)
-    assert (cnt == 0).all(), f"counters not reset by the second launch (seed={seed})"
-    assert torch.equal(second, first), f"second launch differs (seed={seed})"
-
-
-def test_decode_single_split_leaves_counters_alone(device):
-    """With one split the kernel writes out directly and never touches the counters."""
-    g = torch.Generator().manual_seed(0)
-    k_cache, v_cache, block_tables = make_paged([20, 1], 2, 32, 16, torch.float32, g)
-    q = torch.randn(2, 4, 32, generator=g)
-    sl = torch.tensor([20, 1], dtype=torch.int32)
-    ref = torch.empty(2, 4, 32)
-    decode_attention_ref(q, k_cache, v_cache, block_tables, sl, ref, 0.2)
-    inputs = tuple(x.to(device) for x in (q, k_cache, v_cache, block_tables, sl)) + (0.2,)
-    po, plse, cnt = decode_scratch(2, 4, 32, 1, device)
-    cnt.fill_(5)  # a value a merging launch would have to reset
-    out = _run_decode(device, inputs, 1, (po, plse, cnt))
-    assert (cnt == 5).all()
-    assert rel_err(out.cpu(), ref) <= TOL[torch.float32]
-    out = torch.empty_like(out)  # counters may be omitted with one split
-    decode_attention(*inputs[:5], out, 0.2, po, plse, 1)
-    assert rel_err(out.cpu(), ref) <= TOL[torch.float32]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs concurrent programs (a GPU)")
-@pytest.mark.parametrize("num_splits", [8, 33])
-def test_decode_last_split_merge_is_deterministic_on_gpu(num_splits):
-    """On a GPU the splits really race for the counter (the interpreter runs programs one after
-    the other, last split last): many launches on one scratch give bit-identical outputs."""
-    g = torch.Generator().manual_seed(0)
-    seq_lens = [1100, 1, 517, 64]
-    k_cache, v_cache, block_tables = make_paged(seq_lens, 8, 128, 16, torch.bfloat16, g)
-    q = torch.randn(len(seq_lens), 16, 128, generator=g).to(torch.bfloat16)
-    sl = torch.tensor(seq_lens, dtype=torch.int32)
-    ref = torch.empty(q.shape)
-    decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), block_tables, sl, ref, 0.088)
-    inputs = tuple(x.cuda() for x in (q, k_cache, v_cache, block_tables, sl)) + (0.088,)
-    scratch = decode_scratch(len(seq_lens), 16, 128, num_splits, "cuda")
-    first = _run_decode("cuda", inputs, num_splits, scratch)
-    assert rel_err(first.cpu(), ref) <= TOL[torch.bfloat16]
-    for _ in range(200):
-        assert torch.equal(_run_decode("cuda", inputs, num_splits, scratch), first)
-    assert (scratch[2] == 0).all()

@@ -161,8 +161,6 @@ def test_triton_backend_mixed_step_matches_reference(
     for name, rows in (("all rows", list(range(t))), ("decode rows", dec_rows)):
         err = rel_err(out[rows], ref[rows])
         assert err <= tol, f"{name}: rel err {err:.2e} (seed={seed})"
-    # the split-arrival counters are left zero for the next layer / graph replay
-    assert all((buf[2] == 0).all() for buf in be._scratch.values())
 
 
 @pytest.mark.parametrize("norm", [True, False], ids=["qwen3", "qwen2"])
