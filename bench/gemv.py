@@ -84,6 +84,10 @@ def main() -> int:
                     continue
                 if best is None or ms < best[0]:
                     best = (ms, cfg)
+            if best is None:
+                print(f"{name} M={m}: no configuration compiled; cuBLAS kept", flush=True)
+                table.setdefault(f"{n},{k}", {})[f"m{m}"] = {"cublas_faster": True}
+                continue
             ms, cfg = best
             err = ((gemv(x, ws[0], None, cfg).float() - ref).norm() / ref.norm()).item()
             gb = n * k * 2 / 1e9
@@ -104,7 +108,8 @@ def main() -> int:
             print(json.dumps(row), flush=True)
             table.setdefault(f"{n},{k}", {})[f"m{m}"] = {
                 **cfg.__dict__,
-                "cublas_faster": cublas_ms < ms,
+                # the kernel only where it is faster and as accurate as cuBLAS
+                "cublas_faster": cublas_ms < ms or err > 2 * cublas_err + 1e-3,
                 "gemv_us": round(1e3 * ms, 2),
                 "cublas_us": round(1e3 * cublas_ms, 2),
             }

@@ -20,7 +20,7 @@ one int32 buffer per device, zeroed once (:func:`gemv_counters`).
 Tile configurations are static per shape (no autotuning at serve time, CUDA-graph capturable):
 a table measured on the GPU (``bench/gemv.py --sweep`` writes
 ``kernels/configs/gemv_<device>.json``; it also records whether cuBLAS was faster, in which case
-:func:`use_gemv` says no), else a heuristic.
+:func:`gemv_config` says None); a device or shape without a table entry uses cuBLAS.
 """
 
 from __future__ import annotations
@@ -151,6 +151,7 @@ def _table(device_name: str) -> dict:
     return json.loads(path.read_text())
 
 
+@cache
 def _device_name(device: torch.device) -> str:
     if device.type != "cuda":
         return "cpu"
@@ -167,26 +168,47 @@ def triton_runs_on(device: torch.device) -> bool:
 
 
 def gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig | None:
-    """The static tiles for ``[M, K] x [K, N]`` on ``device``, or None where the measured table
-    says cuBLAS is faster for this shape.
+    """The static tiles for ``[M, K] x [K, N]`` on ``device``, or None where cuBLAS is to be
+    used: the measured table says it is faster for this shape, or the device and shape were
+    never measured (no table entry: an untimed kernel is not assumed to win).
 
     Looks up ``kernels/configs/gemv_<device name>.json`` (``{"<N>,<K>": {"m1": {...},
-    "m16": {...}}}``, each entry a :class:`GemvConfig`'s fields plus ``"cublas_faster"``); a
-    shape not in the table gets a heuristic: 32-feature tiles, splits so that about one
-    program per SM runs. Under the Triton interpreter the tiles are small (tests cross tile
-    and split boundaries with small shapes).
+    "m16": {...}}}``, each entry a :class:`GemvConfig`'s fields plus ``"cublas_faster"``;
+    ``m1`` serves M = 1, ``m16`` every M from 2 to 16). Under the Triton interpreter the tiles
+    are small (tests cross tile and split boundaries with small shapes).
     """
     if _interpreting():
         return GemvConfig(block_n=16, block_k=32, split_k=max(1, min(3, k // 64)), num_stages=1)
     entry = _table(_device_name(device)).get(f"{n},{k}")
-    if entry is not None:
-        row = entry["m1" if m == 1 else "m16"]
-        if row.get("cublas_faster"):
-            return None
-        return GemvConfig(**{f: row[f] for f in GemvConfig.__dataclass_fields__})
-    tiles = triton.cdiv(n, 32)
-    split = max(1, min(8, 132 // max(tiles, 1), k // 512))
-    return GemvConfig(block_n=32, block_k=128, split_k=split)
+    row = entry.get("m1" if m == 1 else "m16") if entry is not None else None
+    if row is None or row.get("cublas_faster"):
+        return None
+    return GemvConfig(**{f: row[f] for f in GemvConfig.__dataclass_fields__})
+
+
+def gemv_supports(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether :func:`gemv` takes these operands: 2-D ``x`` of at most ``GEMV_MAX_M`` rows, ``w``
+    ``[N, K]`` with unit stride on K, a ``[N]`` unit-stride bias or None, one dtype and one
+    device for all, and a device the kernel runs on."""
+    return (
+        x.dim() == 2
+        and w.dim() == 2
+        and x.shape[0] <= GEMV_MAX_M
+        and x.shape[1] == w.shape[1]
+        and w.stride(1) == 1
+        and x.dtype == w.dtype
+        and x.device == w.device
+        and (
+            bias is None
+            or (
+                bias.shape == (w.shape[0],)
+                and bias.stride(0) == 1
+                and bias.dtype == w.dtype
+                and bias.device == w.device
+            )
+        )
+        and triton_runs_on(x.device)
+    )
 
 
 def gemv(
@@ -198,17 +220,20 @@ def gemv(
     """``x [M, K] @ w[N, K]^T (+ bias [N])`` -> ``[M, N]`` in x's dtype, for ``M <= 16``.
 
     Args:
-        x: ``[M, K]`` with unit stride on K (bf16, fp16, or fp32 under the interpreter).
-        w: ``[N, K]`` contiguous rows (Hugging Face's linear layout), x's dtype.
-        bias: ``[N]`` or None.
-        config: tiles; None: :func:`gemv_config` (the heuristic when the table prefers cuBLAS).
+        x: ``[M, K]`` bf16, fp16 or fp32 (fp32 with an IEEE dot: no TF32 rounding); any row
+            stride (copied if its K stride is not 1).
+        w: ``[N, K]`` with unit stride on K (Hugging Face's linear layout), x's dtype.
+        bias: ``[N]`` with unit stride, x's dtype, or None.
+        config: tiles; None: :func:`gemv_config`, or the default tiles where that says cuBLAS.
 
     Returns:
         a new ``[M, N]`` tensor. Accumulation in float32; deterministic (splits are summed in
         split order by the last program of each N tile).
 
     Raises:
-        ValueError: more than ``GEMV_MAX_M`` rows, or mismatched K.
+        ValueError: more than ``GEMV_MAX_M`` rows, mismatched K, operands :func:`gemv_supports`
+            refuses (weight K stride, bias shape or stride, dtypes, devices), or more N tiles
+            than split-K counters.
     """
     m, k = x.shape
     n = w.shape[0]
@@ -216,6 +241,12 @@ def gemv(
         raise ValueError(f"gemv takes at most {GEMV_MAX_M} rows, got {m}")
     if w.shape[1] != k:
         raise ValueError(f"x has {k} features, the weight {w.shape[1]}")
+    if not gemv_supports(x, w, bias):
+        raise ValueError(
+            "gemv needs w [N, K] with K stride 1, a [N] unit-stride bias or None, one dtype and "
+            f"one device; got x {x.dtype} {x.device}, w {tuple(w.shape)} stride {w.stride()} "
+            f"{w.dtype}, bias {None if bias is None else (tuple(bias.shape), bias.stride())}"
+        )
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out

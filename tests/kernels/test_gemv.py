@@ -87,3 +87,26 @@ def test_linear_op_dispatch_matches_f_linear():
         ref = torch.nn.functional.linear(x, w, b)
         assert _rel(linear_op(x, w, b), ref) < 1e-5
         assert torch.equal(dense_linear(x, w, b), ref) or DEVICE == "cuda"
+
+
+def test_gemv_refuses_operands_it_would_misread():
+    """A weight with K stride != 1, a strided or mis-shaped bias, or mixed dtypes: gemv raises
+    (the kernel would read them wrongly) and the op falls back to F.linear's result."""
+    from engine.layers.dense_linear import linear_op
+
+    x, w, b = _inputs(3, 48, 64, torch.float32, seed=6)
+    wt = w.T.contiguous().T  # same values, K stride 48
+    wide_b = torch.zeros(96, device=x.device, dtype=x.dtype)
+    wide_b[::2] = b
+    cases = {
+        "weight K stride": (x, wt, None),
+        "strided bias": (x, w, wide_b[::2]),
+        "bias shape": (x, w, b[:-1]),
+        "mixed dtypes": (x.to(torch.bfloat16), w, None),
+    }
+    for name, (xx, ww, bb) in cases.items():
+        with pytest.raises(ValueError):
+            gemv(xx, ww, bb, GemvConfig(16, 32, 2, 4, 1))
+        if name in ("weight K stride", "strided bias"):
+            ref = torch.nn.functional.linear(xx, ww, bb)
+            assert _rel(linear_op(xx, ww, bb), ref) < 1e-5, name

@@ -156,7 +156,9 @@ def test_fused_qk_rope_matches_unfused(backend, qk_norm):
     fused.load_state_dict(unfused.state_dict())
     assert fused.fuse_qk_rope and not unfused.fuse_qk_rope
     default = Qwen3ForCausalLM(cfg, 512, backend, compile_mode="none")
-    assert default.fuse_qk_rope == (backend == "triton")
+    from engine.layers import kernel_switches
+
+    assert default.fuse_qk_rope == (backend == "triton" and kernel_switches.FUSED_QK_ROPE)
     caches_u, caches_f = _caches(), _caches()
     gen = torch.Generator().manual_seed(3)
     with torch.inference_mode():
