@@ -2,8 +2,9 @@
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-HOST ?= 127.0.0.1
-PORT ?= 8000
+# the server's QWEN_SERVE_HOST / QWEN_SERVE_PORT are honoured (the flags below would override them)
+HOST ?= $(or $(QWEN_SERVE_HOST),127.0.0.1)
+PORT ?= $(or $(QWEN_SERVE_PORT),8000)
 ARGS ?=
 
 .PHONY: serve test lint install real-checkpoint test-real clean
