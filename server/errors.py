@@ -111,7 +111,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
-            # FastAPI's answer to a body it cannot decode (bytes that are not UTF-8)
+            # FastAPI's answer to a body it cannot decode: bytes that are not UTF-8, or JSON
+            # nested deeper than the parser's recursion limit
+            if isinstance(exc.__cause__ or exc.__context__, RecursionError):
+                return error_response(
+                    400, "the request body's JSON is nested too deeply", None, "json_invalid"
+                )
             return error_response(
                 400, "the request body is not valid UTF-8 JSON", None, "invalid_text"
             )

@@ -235,6 +235,22 @@ def test_body_bytes_that_are_not_utf8_are_invalid_text(server):
             assert "UTF-8" in err["message"] and err["param"] is None
 
 
+def test_json_nested_too_deeply_is_json_invalid(server):
+    """Valid JSON nested past the parser's recursion limit: a 400 that says so (not a text
+    encoding error), and the server keeps answering."""
+    raw = b'{"model": "m", "prompt": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = httpx.post(
+        server.base_url + "/v1/completions",
+        content=raw,
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "json_invalid", r.text
+    assert "nested too deeply" in err["message"] and err["param"] is None
+    assert httpx.get(server.base_url + "/health", timeout=30).status_code == 200
+
+
 def test_null_means_the_default(client, baseline):
     """OpenAI's clients send null for options left unset: null is the field's default."""
     out = client.chat.completions.create(
