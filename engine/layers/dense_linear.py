@@ -14,14 +14,16 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.kernel_switches import SMALL_M_GEMV
-from kernels.gemv import gemv, gemv_config, gemv_supports
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _small_m_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """:func:`kernels.gemv.gemv` where it takes the operands and the device's table prefers
-    it, else ``F.linear``; ``x`` 2-D."""
+    it, else ``F.linear``; ``x`` 2-D. (:mod:`kernels.gemv` is imported here, not at module
+    import: a CPU server never imports Triton.)"""
+    from kernels.gemv import gemv, gemv_config, gemv_supports
+
     if gemv_supports(x, weight, bias):
         cfg = gemv_config(x.shape[0], weight.shape[0], x.shape[1], x.device)
         if cfg is not None:

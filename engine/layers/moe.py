@@ -26,7 +26,6 @@ from torch import nn
 
 from engine.layers.linear import ReplicatedLinear, _split, default_weight_loader
 from engine.layers.parallel import TensorParallel
-from kernels.fused_moe import fused_moe, moe_workspace
 from kernels.reference import fused_moe_ref
 
 #: how the experts run: the fused Triton kernel (CUDA, or the Triton interpreter), or the torch
@@ -53,6 +52,8 @@ def run_moe(
         ValueError: unknown backend, or what the kernel's launcher raises.
     """
     if backend == "triton":
+        from kernels.fused_moe import fused_moe, moe_workspace  # here: CPU runs import no Triton
+
         e, h, i = w13.shape[0], hidden.shape[1], w2.shape[2]
         ws = moe_workspace(hidden.shape[0], e, top_k, h, i, hidden.dtype, hidden.device)
         return fused_moe(hidden, router_logits, w13, w2, renormalize, torch.empty_like(hidden), ws)

@@ -18,6 +18,7 @@ functions count too: a lazy import is still a dependency) and checks:
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -240,3 +241,17 @@ def test_the_graph_reader_finds_an_edge_between_every_adjacent_layer():
         assert pair in edges, (
             f"no import from {pair[0]} to {pair[1]}: the graph reader misses imports"
         )
+
+
+def test_a_cpu_server_does_not_import_triton():
+    """The server, the engine builder and the model import no Triton at module level: kernels
+    are imported where a CUDA (or interpreter) path needs them. A CPU server that imported it
+    would pay its import time and print nanobind's leak report at every shutdown."""
+    code = (
+        "import sys; import server.app, engine.worker.build, engine.models.qwen3, "
+        "engine.models.qwen3_moe; "
+        "sys.exit(1 if 'triton' in sys.modules else 0)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True)
+    assert r.returncode == 0, r.stderr.decode()[-2000:] or "triton was imported"
