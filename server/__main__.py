@@ -8,6 +8,7 @@ import gc
 import logging
 import os
 import re
+import socket
 import sys
 
 import uvicorn
@@ -409,15 +410,41 @@ def main(argv: list[str] | None = None) -> None:
     code = run_worker_rank_if_any(engine_config(args))
     if code is not None:  # a torchrun rank other than 0: no HTTP server here
         return code
+    sock = listen_socket(args.host, args.port)  # before the model loads: a taken port fails now
     ctx = build_context(args)
     app = create_app(ctx)
-    log.info("serving %s on http://%s:%d", ctx.model_name, args.host, args.port)
+    log.info("serving %s on http://%s:%d", ctx.model_name, args.host, sock.getsockname()[1])
     # What start-up built lives as long as the server: keep it out of the garbage collector's full
     # passes, whose pauses would otherwise stall every stream (vLLM freezes after start-up too).
     gc.collect()
     gc.freeze()
-    make_server(app, args).run()
+    make_server(app, args).run(sockets=[sock])
     return 0
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (uvicorn listens on it), so that an address in use
+    or not available ends start-up at once, before the engine loads its weights.
+
+    Raises:
+        SystemExit: the address cannot be bound (one line naming it and the reason).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        raise SystemExit(f"python -m server: cannot listen on {host}:{port}: {e}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise SystemExit(
+            f"python -m server: cannot listen on {host}:{port}: {e.strerror or e} "
+            "(another server on that port? choose one with --port or QWEN_SERVE_PORT)"
+        ) from None
+    return sock
 
 
 def make_server(app, args: argparse.Namespace) -> GracefulServer:

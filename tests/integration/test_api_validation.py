@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
+import time
 
 import httpx
 import openai
@@ -421,3 +425,22 @@ def test_no_input_crashes_the_engine_or_changes_another_output(server, baseline)
         base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120
     )
     assert client.chat.completions.create(**GREEDY).choices[0].message.content == baseline
+
+
+def test_a_taken_port_fails_start_up_before_the_model_loads(server):
+    """A second server on the running server's port exits at once with one line naming the
+    address (the socket is bound before the engine loads), and the first keeps serving."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    t = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "server", "--port", str(server.port)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{server.port}" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "engine ready" not in r.stderr, r.stderr[-2000:]
+    assert time.monotonic() - t < 60
+    assert httpx.get(server.base_url + "/health", timeout=30).status_code == 200
