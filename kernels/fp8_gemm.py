@@ -36,12 +36,13 @@ Every launcher sizes its grid from shapes, picks a static tile configuration fro
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.interpreter import interpreting as _interpreting
 
 #: the weight block and activation group the kernels take (``block_n``, ``block_k``)
 FP8_BLOCK = (128, 128)
@@ -50,10 +51,6 @@ FP8_AMAX_EPS = 1e-10
 
 #: at most this many rows go through the fused small-M kernel; more through quantize + GEMM
 GEMV_MAX_M = 32
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit

@@ -26,7 +26,6 @@ a table measured on the GPU (``bench/gemv.py --sweep`` writes
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -34,6 +33,8 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+
+from kernels.interpreter import interpreting as _interpreting
 
 #: at most this many rows go through the small-M kernel (one 16-row MMA operand)
 GEMV_MAX_M = 16
@@ -156,10 +157,6 @@ def _device_name(device: torch.device) -> str:
     if device.type != "cuda":
         return "cpu"
     return torch.cuda.get_device_name(device)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def triton_runs_on(device: torch.device) -> bool:
