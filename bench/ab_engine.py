@@ -44,6 +44,25 @@ def load_engine_api(tree: Path):
         return (lambda cfg: LLMEngine(cfg, eos_token_ids=frozenset())), EngineConfig, SamplingParams
 
 
+def server_default_engine(build, EngineConfig, ckpt: str, device: str):
+    """The tree's engine with the server's defaults (CUDA graphs, async scheduling, token budget
+    1024), bf16 on CUDA (float32 elsewhere), 4096-token window, 256 sequences, prefix caching
+    off so that every prompt is cold; ``build``/``EngineConfig`` from :func:`load_engine_api`."""
+    import torch
+
+    cuda = device.startswith("cuda")
+    return build(
+        EngineConfig(
+            model=ckpt,
+            device=device,
+            dtype=torch.bfloat16 if cuda else torch.float32,
+            max_model_len=4096,
+            max_num_seqs=256,
+            enable_prefix_caching=False,
+        )
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
@@ -66,16 +85,7 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t0 = time.perf_counter()
-    eng = build(
-        EngineConfig(
-            model=args.ckpt,
-            device=args.device,
-            dtype=torch.bfloat16 if cuda else torch.float32,
-            max_model_len=4096,
-            max_num_seqs=256,
-            enable_prefix_caching=False,
-        )
-    )
+    eng = server_default_engine(build, EngineConfig, args.ckpt, args.device)
     startup = time.perf_counter() - t0
     prompts, out_lens = nano_vllm_workload(args.num_seqs)
     eng.generate([prompts[0][:64]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up

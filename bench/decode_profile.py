@@ -29,7 +29,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.ab_engine import load_engine_api  # noqa: E402
+from bench.ab_engine import load_engine_api, server_default_engine  # noqa: E402
 
 
 def short(name: str, width: int = 70) -> str:
@@ -115,16 +115,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 
-    eng = build(
-        EngineConfig(
-            model=args.ckpt,
-            device=args.device,
-            dtype=torch.bfloat16 if cuda else torch.float32,
-            max_model_len=4096,
-            max_num_seqs=256,
-            enable_prefix_caching=False,
-        )
-    )
+    eng = server_default_engine(build, EngineConfig, args.ckpt, args.device)
     weights_gb = (
         sum(p.numel() * p.element_size() for p in eng.executor.model.parameters()) / 1e9
         if hasattr(eng, "executor") and hasattr(eng.executor, "model")
