@@ -6,7 +6,9 @@ one tree (``bench/latency_ab.sh``) and as an escape hatch should a kernel misbeh
 * ``QWEN_SERVE_SMALL_M_GEMV=0``: every unquantized projection runs on cuBLAS
   (``kernels/gemv.py`` not used).
 
-Both default to on. Outputs are the same model's either way (within bf16 rounding).
+Both default to on; values 1/true/yes/on or 0/false/no/off, anything else is refused at
+import with a ValueError naming the variable. Outputs are the same model's either way (within
+bf16 rounding).
 """
 
 from __future__ import annotations
@@ -15,7 +17,12 @@ import os
 
 
 def _enabled(name: str) -> bool:
-    return os.environ.get(name, "1").strip() != "0"
+    value = os.environ.get(name, "1").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r}: use 1/true/yes/on or 0/false/no/off")
 
 
 FUSED_QK_ROPE = _enabled("QWEN_SERVE_FUSED_QK_ROPE")
