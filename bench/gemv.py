@@ -27,7 +27,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.kernels import graph_ms  # noqa: E402
-from kernels.gemv import CONFIG_DIR, GemvConfig, gemv  # noqa: E402
+from kernels.configs import table_path  # noqa: E402
+from kernels.gemv import GemvConfig, gemv  # noqa: E402
 
 SHAPES = {
     "0.6B qkv": (4096, 1024),
@@ -130,14 +131,13 @@ def main() -> int:
             f"| {c['block_n']}, {c['block_k']}, {c['split_k']}, {c['num_warps']}, "
             f"{c['num_stages']} |"
         )
-    name = torch.cuda.get_device_name(dev).replace(" ", "_")
+    path = table_path("gemv", torch.cuda.get_device_name(dev))
     blob = json.dumps(table, indent=1, sort_keys=True) + "\n"
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"gemv_{name}.json").write_text(blob)
+    (Path(args.out) / path.name).write_text(blob)
     if args.write_table:
-        CONFIG_DIR.mkdir(exist_ok=True)
-        (CONFIG_DIR / f"gemv_{name}.json").write_text(blob)
-        print(f"wrote {CONFIG_DIR / f'gemv_{name}.json'}")
+        path.write_text(blob)
+        print(f"wrote {path}")
     return 0
 
 

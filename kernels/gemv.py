@@ -25,22 +25,19 @@ a table measured on the GPU (``bench/gemv.py --sweep`` writes
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from functools import cache
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.configs import device_name, kernel_table
 from kernels.interpreter import interpreting as _interpreting
 
 #: at most this many rows go through the small-M kernel (one 16-row MMA operand)
 GEMV_MAX_M = 16
 #: counters per device: enough for N / BLOCK_N tiles of any projection (N <= 16 * 65536)
 NUM_COUNTERS = 65536
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
 @dataclass(frozen=True)
@@ -144,21 +141,6 @@ def gemv_counters(device: torch.device) -> torch.Tensor:
     return buf
 
 
-@cache
-def _table(device_name: str) -> dict:
-    path = CONFIG_DIR / f"gemv_{device_name.replace(' ', '_')}.json"
-    if not path.exists():
-        return {}
-    return json.loads(path.read_text())
-
-
-@cache
-def _device_name(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "cpu"
-    return torch.cuda.get_device_name(device)
-
-
 def triton_runs_on(device: torch.device) -> bool:
     """Whether :func:`gemv` can run on ``device``: CUDA, or any device under the interpreter."""
     return torch.device(device).type == "cuda" or _interpreting()
@@ -176,7 +158,7 @@ def gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig | No
     """
     if _interpreting():
         return GemvConfig(block_n=16, block_k=32, split_k=max(1, min(3, k // 64)), num_stages=1)
-    entry = _table(_device_name(device)).get(f"{n},{k}")
+    entry = kernel_table("gemv", device_name(device)).get(f"{n},{k}")
     row = entry.get("m1" if m == 1 else "m16") if entry is not None else None
     if row is None or row.get("cublas_faster"):
         return None
