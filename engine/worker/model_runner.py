@@ -35,7 +35,13 @@ from engine.loader.dummy import init_random_weights
 from engine.loader.safetensors_loader import load_weights
 from engine.models.registry import model_class
 from engine.worker.block_table import PersistentBlockTables
-from engine.worker.device import MemoryStats, dtype_name, is_device_error, torch_dtype
+from engine.worker.device import (
+    MemoryStats,
+    dtype_name,
+    is_device_error,
+    limit_host_threads,
+    torch_dtype,
+)
 from engine.worker.parallel_state import RankContext
 from engine.worker.prompt_logprobs import (
     DevicePromptLogprobs,
@@ -252,6 +258,8 @@ class ModelRunner:
                 pool=self.prefill_graphs.pool if self.prefill_graphs is not None else None,
             )
             self.graphs.capture()
+        if cuda and limit_host_threads():
+            log.info("torch CPU threads set to 1 for the GPU engine (OMP_NUM_THREADS overrides)")
 
     # ------------------------------------------------------------- executor API
     def memory_stats(self) -> dict[str, int]:

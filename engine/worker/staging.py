@@ -65,7 +65,7 @@ class HostStaging:
             return t.to(self.device)
         key, buf = self._buffer(name, t.numel(), t.dtype)
         staged = buf[: t.numel()].view(t.shape)
-        staged.copy_(t)
+        staged.numpy()[...] = t.numpy()  # numpy's copy: no torch intra-op thread pool
         return self._copy(key, staged)
 
     def stage_many(self, name: str, arrays: list[np.ndarray]) -> list[torch.Tensor]:
