@@ -338,7 +338,9 @@ def check_and_time(cfg, x, ref, wqs, wss, device, compiled) -> tuple[float | Non
 
 
 def sweep_shape(name, n, k, ms, device, compiled, deadline, tiny) -> list[dict]:
-    """Rows (one per M) with the best configuration and all timings of one shape."""
+    """Rows (one per M) with the best configuration and all timings of one shape. Each M gets
+    an equal share of the time left before ``deadline``: past its share stage B is skipped,
+    past the deadline the M."""
     from engine.layers.quantization.fp8 import quantize_fp8_blocks
     from kernels.reference import fp8_block_dequant_ref, fp8_group_quant_ref
 
@@ -351,10 +353,12 @@ def sweep_shape(name, n, k, ms, device, compiled, deadline, tiny) -> list[dict]:
     wss_all = [ws] + [ws.clone() for _ in range(copies - 1)]
     wbs_all = [w] + [w.clone() for _ in range(-(-copies // 2) - 1)]  # bf16: twice the bytes
     rows = []
-    for m in ms:
-        if time.perf_counter() > deadline:
+    for i, m in enumerate(ms):
+        now = time.perf_counter()
+        if now > deadline:
             log(f"{name} M={m}: time budget spent, skipped")
             continue
+        share = now + (deadline - now) / (len(ms) - i)
         # from M = LARGE_M the product is compute bound: one weight copy (L2 residency aside)
         c = copies if m < LARGE_M else 1
         wqs, wss, wbs = wqs_all[:c], wss_all[:c], wbs_all[: -(-c // 2)]
@@ -367,7 +371,7 @@ def sweep_shape(name, n, k, ms, device, compiled, deadline, tiny) -> list[dict]:
         for cfg in stage_a(m, n, k, tiny):
             timed[cfg] = check_and_time(cfg, x, ref, wqs, wss, device, compiled)
         ranked = sorted((c for c in timed if timed[c][0] is not None), key=lambda c: timed[c][0])
-        if time.perf_counter() < deadline:
+        if time.perf_counter() < share:
             for cfg in stage_b(m, n, k, ranked, set(timed), MAX_CANDIDATES - len(timed)):
                 timed[cfg] = check_and_time(cfg, x, ref, wqs, wss, device, compiled)
         ok = {c: v for c, v in timed.items() if v[0] is not None}
@@ -495,8 +499,10 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, blob = [], "{}\n"
-    for name, n, k in shapes:
-        rows += sweep_shape(name, n, k, ms, device, compiled, deadline, args.tiny)
+    for i, (name, n, k) in enumerate(shapes):
+        now = time.perf_counter()
+        share = now + (deadline - now) / (len(shapes) - i)  # an equal share of the time left
+        rows += sweep_shape(name, n, k, ms, device, compiled, share, args.tiny)
         (out / "fp8_sweep.json").write_text(json.dumps(rows))  # kept if a later shape fails
         blob = json.dumps(table_of(rows), indent=1, sort_keys=True) + "\n"
         (out / path.name).write_text(blob)

@@ -189,7 +189,7 @@ def _fp8_gemm_kernel(
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
     first_m = (pid // per_group) * GROUP_M
-    group_m = min(num_m - first_m, GROUP_M)
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + ((pid % per_group) % group_m)
     pid_n = (pid % per_group) // group_m
 
