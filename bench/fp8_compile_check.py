@@ -12,8 +12,9 @@ arguments are exactly what the launcher passes; Triton's own specialization of t
 1) gives the signature, and ``triton.compile`` builds it for ``GPUTarget("cuda", arch, 32)``.
 Prints per kernel: shared memory, registers and spilled bytes (``ptxas -v`` on the PTX), compile
 seconds, and the failures (a compile error, or more shared memory than the H200's 227 KB, which
-fails at launch); exits 1 when a built-in configuration fails (any other is skipped by the
-sweep).
+fails at launch). First it checks that the sweep's warm-up launches specialize as its timed
+ones (else the timing process would compile again). Exits 1 when a built-in configuration fails
+or a warm-up specializes differently (any other failing configuration is skipped by the sweep).
 """
 
 from __future__ import annotations
@@ -78,12 +79,14 @@ def launches_of(cfg: Fp8Config, m: int = 16, n: int = 4096, k: int = 4096) -> li
     return launches
 
 
-def compile_launch(fn, args, kwargs, arch: int):
-    """``triton.compile`` of one recorded launch for ``cuda:arch``, specialized as the JIT
-    would specialize these arguments."""
+def specialization(fn, args, kwargs) -> tuple[dict, dict, dict, dict]:
+    """(signature, constexprs, attributes, options) the JIT derives from one launch's arguments
+    (Triton's ``native_specialize_impl``, honouring ``do_not_specialize``): what its compile
+    cache is keyed on, besides the source."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.nvidia.compiler import CUDABackend
 
+    kwargs = dict(kwargs)
     opts = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
     bound = dict(zip(fn.arg_names, args)) | kwargs
     signature, constexprs, attrs = {}, {}, {}
@@ -100,6 +103,13 @@ def compile_launch(fn, args, kwargs, arch: int):
             constexprs[(i,)] = key
         elif isinstance(key, str) and key:
             attrs[(i,)] = CUDABackend.parse_attr(key)
+    return signature, constexprs, attrs, opts
+
+
+def compile_launch(fn, args, kwargs, arch: int):
+    """``triton.compile`` of one recorded launch for ``cuda:arch``, specialized as the JIT
+    would specialize these arguments."""
+    signature, constexprs, attrs, opts = specialization(fn, args, kwargs)
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
@@ -116,6 +126,30 @@ def ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
     regs = re.search(r"Used (\d+) registers", err)
     spill = re.search(r"(\d+) bytes spill stores", err)
     return (int(regs.group(1)) if regs else None, int(spill.group(1)) if spill else None)
+
+
+def warm_mismatches() -> list[str]:
+    """Configurations of the sweep whose warm-up launch (``bench.fp8_sweep.WARM_SHAPE``) the
+    JIT would specialize differently from a timed shape and M (the timing process would then
+    compile it again itself): the GEMM, small-M and quantization kernels."""
+    from bench.fp8_sweep import WARM_SHAPE
+
+    main_kernels = KERNELS[:3]
+
+    def keys(cfg, m, n, k):
+        return [specialization(f, a, kw) for f, _, a, kw in launches_of(cfg, m, n, k)
+                if f.__name__ in main_kernels]  # fmt: skip
+
+    bad = []
+    for cfg in compile_set(SHAPES, M_BUCKETS):
+        warm = keys(cfg, *WARM_SHAPE)
+        for name, n, k in SHAPES:
+            for m in M_BUCKETS:
+                if cfg.kind == "gemv" and m > cfg.block_m or cfg.split_k > 1 and m > 256:
+                    continue  # never timed there (bench.fp8_sweep.stage_a, variants)
+                if keys(cfg, m, n, k) != warm:
+                    bad.append(f"{cfg_str(cfg)} at {name} M={m}")
+    return bad
 
 
 def quick_set() -> list[Fp8Config]:
@@ -138,6 +172,11 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
         return 2
+    bad = warm_mismatches()
+    for what in bad:
+        print(f"warm-up specializes differently: {what}")
+    if not bad:
+        print("warm-up launches specialize as the timed ones")
     builtin = {default_fp8_config(m, n, k) for _, n, k in SHAPES for m in (1, 16, *M_BUCKETS)}
     cfgs = quick_set() if args.quick else compile_set(SHAPES, M_BUCKETS)
     cfgs = sorted(set(cfgs) | builtin, key=cfg_str)
@@ -155,7 +194,7 @@ def main() -> int:
                 continue
             seen.add(key)
             try:
-                kernel = compile_launch(fn, a, dict(kw), args.arch)
+                kernel = compile_launch(fn, a, kw, args.arch)
             except Exception as exc:  # noqa: BLE001 - reported, then judged below
                 print(f"| {cfg_str(cfg)} | {fn.__name__} | FAILED {type(exc).__name__}: "
                       f"{str(exc)[:160]} | | | |")  # fmt: skip
@@ -173,7 +212,7 @@ def main() -> int:
     print(f"{len(seen)} kernels in {time.perf_counter() - t_all:.1f} s")
     for cfg, what in failed:
         print(f"failed: {cfg_str(cfg)} {what}{' (built-in)' if cfg in builtin else ''}")
-    return 1 if any(cfg in builtin for cfg, _ in failed) else 0
+    return 1 if bad or any(cfg in builtin for cfg, _ in failed) else 0
 
 
 if __name__ == "__main__":

@@ -220,13 +220,16 @@ def compile_set(shapes, ms, tiny: bool = False) -> list[Fp8Config]:
 
 # ----------------------------------------------------------------------------- compilation
 _WARM: dict = {}
+#: (M, N, K) of the warm-up launches: sizes and strides divisible by 16 as the timed ones are,
+#: so the JIT specializes alike (tests/unit/test_bench_fp8_sweep.py checks it)
+WARM_SHAPE = (16, 256, 2048)
 
 
 def _warm_init(tiny: bool) -> None:
     if tiny:
         os.environ["TRITON_INTERPRET"] = "1"
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    m, n, k = (16, 64, 256) if tiny else (16, 256, 2048)  # sizes and strides divisible by 16
+    m, n, k = (16, 64, 256) if tiny else WARM_SHAPE
     g = torch.Generator().manual_seed(0)
     _WARM["x"] = torch.randn(m, k, generator=g).to(dev, torch.bfloat16)
     _WARM["w"] = torch.randn(n, k, generator=g).to(dev, torch.float8_e4m3fn)

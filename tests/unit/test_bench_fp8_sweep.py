@@ -72,6 +72,9 @@ def test_table_of_writes_entries_fp8_config_accepts(tmp_path, monkeypatch):
 
 
 def test_compile_check_quick_compiles_for_sm90():
+    """Also checks (outside the interpreter, which this session runs under) that the sweep's
+    warm-up launches specialize as the timed ones: the sweep compiles each configuration on
+    small inputs in other processes and then only loads it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO)
     r = subprocess.run(
@@ -80,6 +83,7 @@ def test_compile_check_quick_compiles_for_sm90():
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "_fp8_gemm_kernel" in r.stdout and "FAILED" not in r.stdout
+    assert "warm-up launches specialize as the timed ones" in r.stdout
 
 
 def test_a_wrong_nondeterministic_or_failing_configuration_is_rejected(monkeypatch):
