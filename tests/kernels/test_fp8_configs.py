@@ -14,10 +14,9 @@ import kernels.fp8_configs as fc
 from kernels.fp8_configs import Fp8Config, default_fp8_config, fp8_config, fp8_table_config
 
 DEVICE = "Test GPU"
-ROW_GEMM = {"kind": "gemm", "block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 5,
-            "split_k": 4, "group_m": 1, "fuse_quant": True, "fp8_us": 9.5, "bf16_us": 10.1}  # fmt: skip
-ROW_GEMV = {"kind": "gemv", "block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 4,
-            "split_k": 6}  # fmt: skip
+ROW_GEMM = dict(kind="gemm", block_m=16, block_n=64, num_warps=4, num_stages=5, split_k=4,
+                group_m=1, fuse_quant=True, fp8_us=9.5, bf16_us=10.1)  # fmt: skip
+ROW_GEMV = dict(kind="gemv", block_m=64, block_n=64, num_warps=4, num_stages=4, split_k=6)
 ROW_BIG = {"kind": "gemm", "block_m": 128, "block_n": 256, "num_warps": 8, "num_stages": 3}
 
 
