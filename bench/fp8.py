@@ -10,7 +10,9 @@ Stages (each prints its table when done; JSON rows go to ``--out``):
 
 * ``kernels``: Qwen3-8B's four linear shapes (qkv 4096->6144, o 4096->4096, gate_up
   4096->24576, down 12288->4096) at M = 1, 16, 64, 256, 4096: ``kernels.fp8_gemm.fp8_linear``
-  (block-FP8 weights, activations quantized per token in groups of 128), bf16 ``torch.matmul``,
+  (block-FP8 weights, activations quantized per token in groups of 128; its tiles from the
+  device's table ``kernels/configs/fp8_gemm_<device>.json`` where ``bench/fp8_sweep.py
+  --write-table`` wrote one, else the built-in ones), bf16 ``torch.matmul``,
   and ``torch._scaled_mm`` with row-wise scales (the fastest FP8 GEMM torch ships; a different
   scaling, so only its time is compared), all CUDA-graph timed; TFLOP/s, weight TB/s, and the
   kernel's relative error against the float32 product of the dequantized operands

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: engine correctness on the GPU, offline throughput, online serving.
-# Usage: bash bench/run_gpu.sh [stages...]   (stages: kernels check offline profile serve peer both moe fp8 structured; default: check offline serve)
+# Usage: bash bench/run_gpu.sh [stages...]   (stages: kernels check offline profile serve peer both moe fp8 fp8sweep structured; default: check offline serve)
 # Env: SERVE_CONC (serve levels, default 1 16 64), HF_SECONDS (0 = skip transformers offline), QWEN_SERVE_* (server flags).
 # Expects carried wheels in .whl (fastapi, uvicorn, pydantic, ...) and .benchassets/tokenizer.
 set -u
@@ -20,6 +20,7 @@ for s in $stages; do
     both) timeout 560 python3 bench/serve.py --ckpt $CKPT --tokenizer-from .benchassets/tokenizer --peer-concurrency ${PEER_CONC:-1 16 64} --peer-time-cap 40 --out "$OUT" 2>&1 | tee "$OUT/both.log" ;;
     moe) timeout 540 python3 bench/moe.py --out "$OUT" ${MOE_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/moe.log" ;;
     fp8) timeout 540 python3 bench/fp8.py --out "$OUT" ${FP8_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/fp8.log" ;;
+    fp8sweep) timeout 300 python3 bench/fp8_sweep.py --out "$OUT" --write-table 2>&1 | grep -v Warning | tee "$OUT/fp8_sweep.log" ;;
     structured) timeout 240 python3 bench/structured.py --ckpt $CKPT --tokenizer-from .benchassets/tokenizer --out "$OUT" 2>&1 | tee "$OUT/structured.log" ;;
     peer) timeout 500 python3 bench/serve.py --ckpt $CKPT --tokenizer-from .benchassets/tokenizer --concurrency ${PEER_CONC:-1 16 64} --peer-time-cap 60 --out "$OUT" --skip-ours 2>&1 | tee "$OUT/peer.log" ;;
   esac

@@ -16,11 +16,19 @@ SGLang's ``w8a8_block_fp8_matmul`` Triton kernels follow the same scheme). Two k
   itself and quantizes them in registers (no separate quantization launch, no FP8 activation
   tensor in memory), and computes ``W_tile x^T`` (the weight tile is the MMA's M operand, so
   ``BLOCK_N >= 64`` tiles can use wgmma while M is tiny: the "swap AB" of small-batch GEMMs).
-  With ``SPLIT_K > 1`` the programs write fp32 partials and :func:`_splitk_reduce_kernel` sums
+  With ``split_k > 1`` the programs write fp32 partials and :func:`_splitk_reduce_kernel` sums
   them in a fixed order (deterministic, unlike atomics) and adds the bias.
 * :func:`fp8_gemm` (large M, prefill): :func:`fp8_group_quant` writes ``xq`` and ``xs``
   (column-major, so a tile's row scales are one coalesced load), then a tiled tensor-core GEMM
-  (``BLOCK_M x BLOCK_N`` tiles, ``BLOCK_K = 128``, grouped program order for L2 reuse).
+  (``BLOCK_M x BLOCK_N`` tiles, ``BLOCK_K = 128``, grouped program order for L2 reuse). A tile
+  at most 128 wide lies in one weight-scale block, so each K step scales by one per-row vector
+  ``sa * sb`` (one multiply-add per accumulator element). Options of :class:`Fp8Config`, for
+  the M where few tiles leave SMs idle or the quantization launch is a large part of the time:
+  ``fuse_quant`` (the GEMM reads x in its own dtype and quantizes each ``[BLOCK_M, 128]`` tile
+  in registers, bit-identical to :func:`fp8_group_quant`: one launch instead of two) and
+  ``split_k`` (kernels/gemv.py's serial split-K: each split writes an fp32 partial and counts
+  its arrival per tile; the last one sums the partials in split order, adds the bias, writes
+  and resets the counter; deterministic, one launch).
 
 Quantization arithmetic (bit-identical to ``kernels.reference.fp8_group_quant_ref``): per group,
 ``inv = 448 / max(amax, 1e-10)`` (IEEE division), ``q = rne_fp8(clamp(x * inv, -448, 448))``,
@@ -30,27 +38,23 @@ the FP8 grid in float32 (``EMULATE_CAST``) and the cast only reinterprets an exa
 GPU the hardware ``cvt.rn.satfinite`` is used.
 
 Every launcher sizes its grid from shapes, picks a static tile configuration from
-:func:`fp8_config` (no autotuning at serve time) and allocates its outputs and scratch with
+:func:`kernels.fp8_configs.fp8_config` (the device's measured per-shape, per-M-bucket table or
+the built-in tiles; no autotuning at serve time) and allocates its outputs and scratch with
 ``torch.empty``, so a launch can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_configs import FP8_BLOCK, Fp8Config, fp8_config
+from kernels.gemv import NUM_COUNTERS, gemv_counters
 from kernels.interpreter import interpreting as _interpreting
 
-#: the weight block and activation group the kernels take (``block_n``, ``block_k``)
-FP8_BLOCK = (128, 128)
 FP8_MAX = 448.0
 FP8_AMAX_EPS = 1e-10
-
-#: at most this many rows go through the fused small-M kernel; more through quantize + GEMM
-GEMV_MAX_M = 32
 
 
 @triton.jit
@@ -144,7 +148,7 @@ def fp8_group_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, to
 
 
 # ----------------------------------------------------------------------------- large M
-@triton.jit
+@triton.jit(do_not_specialize=["KB_PER_SPLIT", "GROUP_M"])
 def _fp8_gemm_kernel(
     a_ptr,
     as_ptr,
@@ -152,9 +156,13 @@ def _fp8_gemm_kernel(
     bs_ptr,
     bias_ptr,
     c_ptr,
+    part_ptr,
+    counter_ptr,
     M,
     N,
     K,
+    KB_PER_SPLIT,
+    GROUP_M,
     stride_am,
     stride_asm,
     stride_ask,
@@ -166,16 +174,22 @@ def _fp8_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SCALE_N: tl.constexpr,
-    GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
+    FUSE_QUANT: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EMULATE_CAST: tl.constexpr,
 ):
+    """Program ``(tile, k split)``: ``acc [BLOCK_M, BLOCK_N] = sum_kb (a b) * sa * sb`` over the
+    split's K blocks; ``a`` is read as FP8 with its scales ``sa``, or (``FUSE_QUANT``) read in
+    x's dtype and quantized here. With ``SPLIT`` the last-arriving split of a tile reduces."""
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
     first_m = (pid // per_group) * GROUP_M
-    group_m = min(num_m - first_m, GROUP_M)
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + ((pid % per_group) % group_m)
     pid_n = (pid % per_group) // group_m
 
@@ -184,13 +198,18 @@ def _fp8_gemm_kernel(
     rm_c = (rm % M).to(tl.int64)  # rows past the end load a valid row; their stores are masked
     rn_c = (rn % N).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rm_c[:, None] * stride_am + rk[None, :]
-    b_ptrs = b_ptr + rn_c[None, :] * stride_bn + rk[:, None]
+    kb_lo = pid_k * KB_PER_SPLIT
+    kb_hi = tl.minimum(kb_lo + KB_PER_SPLIT, tl.cdiv(K, BLOCK_K))
+    a_ptrs = a_ptr + rm_c[:, None] * stride_am + (kb_lo * BLOCK_K + rk)[None, :]
+    b_ptrs = b_ptr + rn_c[None, :] * stride_bn + (kb_lo * BLOCK_K + rk)[:, None]
     as_ptrs = as_ptr + rm_c * stride_asm
-    bs_ptrs = bs_ptr + (rn_c // SCALE_N) * stride_bsn
+    if BLOCK_N <= SCALE_N:  # the tile lies in one weight-scale block: one scale per K block
+        bs_ptrs = bs_ptr + ((pid_n * BLOCK_N) // SCALE_N) * stride_bsn
+    else:
+        bs_ptrs = bs_ptr + (rn_c // SCALE_N) * stride_bsn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(kb_lo, kb_hi):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
@@ -198,16 +217,105 @@ def _fp8_gemm_kernel(
             k_ok = kb * BLOCK_K + rk < K
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        sa = tl.load(as_ptrs + kb * stride_ask)
+        if FUSE_QUANT:
+            a, sa = _quant_tile(a.to(tl.float32), 1, EMULATE_CAST)
+        else:
+            sa = tl.load(as_ptrs + kb * stride_ask)
         sb = tl.load(bs_ptrs + kb * stride_bsk)
-        acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+        if BLOCK_N <= SCALE_N:
+            acc += tl.dot(a, b) * (sa * sb)[:, None]
+        else:
+            acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    rm64 = rm.to(tl.int64)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    c_ptrs = c_ptr + rm64[:, None] * stride_cm + rn[None, :]
+    if SPLIT:
+        # kernels/gemv.py's serial split-K: write the partial, count arrivals per tile; the last
+        # split to arrive sums all partials in split order (deterministic), writes, resets.
+        splits = tl.num_programs(1)
+        tile = rm64[:, None] * N + rn[None, :]  # the launcher keeps splits * M * N < 2^31
+        tl.store(part_ptr + pid_k * M * N + tile, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the arrival below
+        arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(0, splits):
+                total += tl.load(
+                    part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg"
+                )
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
+            tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter_ptr + pid, 0, sem="relaxed", scope="gpu")
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def _k_splits(kb: int, split_k: int) -> tuple[int, int]:
+    """(splits, K blocks per split) for ``kb`` K blocks and at most ``split_k`` splits, no
+    split empty."""
+    split = max(1, min(split_k, kb))
+    per_split = triton.cdiv(kb, split)
+    return triton.cdiv(kb, per_split), per_split
+
+
+def _launch_gemm(a, a_scale, w, ws, bias, out, cfg: Fp8Config) -> torch.Tensor:
+    """The tiled GEMM on FP8 ``a`` with scales ``a_scale``, or (``a_scale`` None) on ``a`` in
+    bf16/fp16/fp32, quantized in the kernel."""
+    m, k = a.shape
+    n = w.shape[0]
+    fuse = a_scale is None
+    split, per_split = _k_splits(triton.cdiv(k, FP8_BLOCK[1]), cfg.split_k)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    if split > 1:
+        if tiles > NUM_COUNTERS or split * m * n >= 2**31:
+            raise ValueError(
+                f"split-K {split} of a {m}x{n} output: {tiles} tiles (at most {NUM_COUNTERS} "
+                f"counters) and {split * m * n} partial elements (fewer than 2^31)"
+            )
+        part = torch.empty((split, m, n), dtype=torch.float32, device=a.device)
+        counters = gemv_counters(a.device)
+    else:
+        part = counters = out
+    _fp8_gemm_kernel[(tiles, split)](
+        a,
+        ws if fuse else a_scale,
+        w,
+        ws,
+        bias if bias is not None else ws,
+        out,
+        part,
+        counters,
+        m,
+        n,
+        k,
+        per_split,
+        cfg.group_m,
+        a.stride(0),
+        0 if fuse else a_scale.stride(0),
+        0 if fuse else a_scale.stride(1),
+        w.stride(0),
+        ws.stride(0),
+        ws.stride(1),
+        out.stride(0),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=FP8_BLOCK[1],
+        SCALE_N=FP8_BLOCK[0],
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % FP8_BLOCK[1] == 0,
+        FUSE_QUANT=fuse,
+        SPLIT=split > 1,
+        EMULATE_CAST=_interpreting(),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
 
 
 def fp8_gemm(
@@ -227,49 +335,28 @@ def fp8_gemm(
         w: float8_e4m3fn ``[N, K]`` (unit stride on K); ws: float32
             ``[ceil(N / 128), ceil(K / 128)]``.
         bias: ``[N]`` or None; out: ``[M, N]`` (bf16/fp16/fp32, unit stride on N), written.
-        config: tiles; None: :func:`fp8_config` ``(M, N, K)`` (its ``kind`` is ignored).
+        config: tiles (its ``kind`` and ``fuse_quant`` are ignored: ``xq`` is already
+            quantized); None: :func:`fp8_config` ``(M, N, K, "gemm", xq.device)``. With
+            ``split_k > 1`` the K blocks are split over programs whose fp32 partials the last
+            one of each tile sums in split order (deterministic).
 
     Returns:
         ``out``.
+
+    Raises:
+        ValueError: with ``split_k > 1``, more output tiles than split-K counters or
+            ``splits * M * N >= 2^31`` partial elements.
     """
     m, k = xq.shape
     n = w.shape[0]
     if m == 0:
         return out
-    cfg = config or fp8_config(m, n, k, kind="gemm")
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _fp8_gemm_kernel[grid](
-        xq,
-        xs,
-        w,
-        ws,
-        bias if bias is not None else ws,
-        out,
-        m,
-        n,
-        k,
-        xq.stride(0),
-        xs.stride(0),
-        xs.stride(1),
-        w.stride(0),
-        ws.stride(0),
-        ws.stride(1),
-        out.stride(0),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=FP8_BLOCK[1],
-        SCALE_N=FP8_BLOCK[0],
-        GROUP_M=cfg.group_m,
-        HAS_BIAS=bias is not None,
-        EVEN_K=k % FP8_BLOCK[1] == 0,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    return out
+    cfg = config or fp8_config(m, n, k, kind="gemm", device=xq.device)
+    return _launch_gemm(xq, xs, w, ws, bias, out, cfg)
 
 
 # ----------------------------------------------------------------------------- small M
-@triton.jit
+@triton.jit(do_not_specialize=["KB_PER_SPLIT"])
 def _fp8_gemv_kernel(
     x_ptr,
     w_ptr,
@@ -290,13 +377,13 @@ def _fp8_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SCALE_N: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     EMULATE_CAST: tl.constexpr,
 ):
     """Program ``(n tile, k split)``: ``acc [BLOCK_N, BLOCK_M] = sum_kb W_tile x^T`` over its K
-    blocks, each activation group quantized here."""
+    blocks, each activation group quantized here; with ``SPLIT`` an fp32 partial per split."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -326,7 +413,7 @@ def _fp8_gemv_kernel(
         w_ptrs += BLOCK_K
 
     mask = m_ok[None, :] & (rn[:, None] < N)
-    if SPLIT_K == 1:
+    if not SPLIT:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn_c).to(tl.float32)[:, None]
         o_ptrs = out_ptr + rm[None, :] * stride_om + rn[:, None]
@@ -373,7 +460,8 @@ def fp8_gemv(
     Args:
         x: ``[M, K]`` bf16/fp16/fp32 (unit stride on K), ``M <= config.block_m``.
         w, ws, bias, out: as :func:`fp8_gemm`.
-        config: tiles; None: :func:`fp8_config` ``(M, N, K)`` (its ``kind`` is ignored).
+        config: tiles (its ``kind`` is ignored); None: :func:`fp8_config`
+            ``(M, N, K, "gemv", x.device)``.
 
     Returns:
         ``out``.
@@ -385,13 +473,10 @@ def fp8_gemv(
     n = w.shape[0]
     if m == 0:
         return out
-    cfg = config or fp8_config(m, n, k, kind="gemv")
+    cfg = config or fp8_config(m, n, k, kind="gemv", device=x.device)
     if m > cfg.block_m:
         raise ValueError(f"fp8_gemv takes at most block_m={cfg.block_m} rows, got {m}")
-    kb = triton.cdiv(k, FP8_BLOCK[1])
-    split = max(1, min(cfg.split_k, kb))
-    per_split = triton.cdiv(kb, split)
-    split = triton.cdiv(kb, per_split)  # no empty split
+    split, per_split = _k_splits(triton.cdiv(k, FP8_BLOCK[1]), cfg.split_k)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x,
@@ -413,7 +498,7 @@ def fp8_gemv(
         BLOCK_N=cfg.block_n,
         BLOCK_K=FP8_BLOCK[1],
         SCALE_N=FP8_BLOCK[0],
-        SPLIT_K=split,
+        SPLIT=split > 1,
         HAS_BIAS=bias is not None,
         EVEN_K=k % FP8_BLOCK[1] == 0,
         EMULATE_CAST=_interpreting(),
@@ -437,59 +522,6 @@ def fp8_gemv(
     return out
 
 
-# ----------------------------------------------------------------------------- configs
-@dataclass(frozen=True)
-class Fp8Config:
-    """Tiles of one launch. ``kind``: "gemv" (fused small-M kernel, ``block_m`` >= M, split-K
-    ``split_k``) or "gemm" (quantize + tiled GEMM, ``group_m`` tiles share a column)."""
-
-    kind: str
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    split_k: int = 1
-    group_m: int = 8
-
-
-#: number of SMs the split heuristic aims at (H200: 132)
-_TARGET_SMS = 132
-
-#: Qwen3-8B's linear shapes ``(N, K)`` -> split-K of the small-M kernel at ``BLOCK_N = 64``:
-#: about three programs per SM (qkv 4096->6144, o 4096->4096, gate_up 4096->24576,
-#: down 12288->4096). ``python bench/fp8.py --sweep`` times alternatives.
-GEMV_SPLITS = {(6144, 4096): 4, (4096, 4096): 6, (24576, 4096): 1, (4096, 12288): 6}
-
-
-def _gemv_split(n: int, k: int, block_n: int) -> int:
-    if (n, k) in GEMV_SPLITS and block_n == 64:
-        return GEMV_SPLITS[(n, k)]
-    tiles = triton.cdiv(n, block_n)
-    kb = triton.cdiv(k, FP8_BLOCK[1])
-    return max(1, min(triton.cdiv(3 * _TARGET_SMS, tiles), kb // 4 or 1))
-
-
-def fp8_config(m: int, n: int, k: int, kind: str | None = None) -> Fp8Config:
-    """The static tile configuration for an ``[M, K] x [K, N]`` FP8 product.
-
-    ``kind`` None picks the kernel: "gemv" for ``M <= GEMV_MAX_M`` (decode: weight-bandwidth
-    bound, quantization fused), else "gemm". Under the Triton interpreter the tiles are small
-    so tests cross tile boundaries with small shapes.
-    """
-    kind = kind or ("gemv" if m <= GEMV_MAX_M else "gemm")
-    if _interpreting():
-        if kind == "gemv":
-            bm = max(16, triton.next_power_of_2(m))
-            return Fp8Config("gemv", bm, 32, 4, 1, split_k=_gemv_split(n, k, 32))
-        return Fp8Config("gemm", 32, 32, 4, 1, group_m=2)
-    if kind == "gemv":
-        bm = max(16, triton.next_power_of_2(m))
-        return Fp8Config("gemv", bm, 64, 4, 4, split_k=_gemv_split(n, k, 64))
-    if m <= 256:
-        return Fp8Config("gemm", 64, 128, 4, 4, group_m=8)
-    return Fp8Config("gemm", 128, 128, 8, 3, group_m=8)
-
-
 def fp8_linear(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -499,11 +531,15 @@ def fp8_linear(
 ) -> torch.Tensor:
     """One block-FP8 linear layer: ``x [M, K]`` (bf16/fp16/fp32) -> ``[M, N]`` in x's dtype.
 
-    The small-M kernel for ``M <= GEMV_MAX_M``, else activation quantization + the tensor-core
-    GEMM (``config`` overrides the choice). No host synchronisation; CUDA-graph capturable.
+    ``config`` (None: :func:`fp8_config` ``(M, N, K, device=x.device)``, the device's measured
+    table or the built-in tiles) picks the kernel: "gemv", the fused small-M kernel; "gemm" with
+    ``fuse_quant``, the GEMM quantizing the activation tiles itself; "gemm" otherwise,
+    :func:`fp8_group_quant` then :func:`fp8_gemm`. No host synchronisation; CUDA-graph
+    capturable.
 
     Raises:
-        ValueError: ``w`` not float8_e4m3fn, or K of ``x`` and ``w`` differ.
+        ValueError: ``w`` not float8_e4m3fn, or K of ``x`` and ``w`` differ; those of
+            :func:`fp8_gemv` / :func:`fp8_gemm` for the configuration.
     """
     if w.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_linear takes a float8_e4m3fn weight, got {w.dtype}")
@@ -513,8 +549,12 @@ def fp8_linear(
         raise ValueError(f"x has {k} features, the weight {w.shape[1]}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    cfg = config or fp8_config(m, n, k)
+    cfg = config or fp8_config(m, n, k, device=x.device)
     if cfg.kind == "gemv":
         return fp8_gemv(x, w, ws, bias, out, cfg)
+    if m == 0:
+        return out
+    if cfg.fuse_quant:
+        return _launch_gemm(x, None, w, ws, bias, out, cfg)
     xq, xs = fp8_group_quant(x)
     return fp8_gemm(xq, xs, w, ws, bias, out, cfg)

@@ -24,6 +24,7 @@ from kernels.fp8_gemm import (
     fp8_group_quant,
     fp8_linear,
 )
+from kernels.gemv import gemv_counters
 from kernels.reference import (
     fp8_block_matmul_ref,
     fp8_group_quant_ref,
@@ -81,11 +82,12 @@ def test_group_quant_rounds_to_nearest_even_at_ties_and_saturates():
     assert want[1:5].tolist() == [1.0, 1.25, 16.0, 20.0]  # ties to even
 
 
-@pytest.mark.parametrize("m", [1, 3, 16, 32])
+@pytest.mark.parametrize("m", [1, 3, 16, 32, 50])
 @pytest.mark.parametrize("split_k", [1, 2, 3])
 @pytest.mark.parametrize("n, k", [(200, 300), (256, 512)])
 def test_gemv_matches_reference(m, split_k, n, k):
-    """Unaligned N and K, 1..3 splits (one uneven), bias, rows up to block_m."""
+    """Unaligned N and K, 1..3 splits (one uneven), bias, rows up to block_m (64: the largest a
+    table may give the small-M kernel)."""
     w, ws = _weights(n, k)
     x = _x(m, k)
     bias = torch.randn(n, device=DEVICE)
@@ -105,6 +107,62 @@ def test_gemm_matches_reference(m, n, k):
         out = torch.empty(m, n, device=DEVICE)
         fp8_gemm(xq, xs, w, ws, bias, out, Fp8Config("gemm", 32, 32, 4, 1, group_m=2))
         assert _rel(out, fp8_block_matmul_ref(xq, xs, w, ws, bias=bias, out_dtype=out.dtype)) < 1e-6
+
+
+#: GEMM options: (block_m, block_n, group_m, split_k, fuse_quant); block_n 256 spans two
+#: weight-scale blocks (per-column scales), <= 128 one (one scale per K block)
+GEMM_OPTIONS = [
+    (16, 64, 1, 1, False),
+    (16, 256, 3, 1, False),
+    (32, 32, 2, 2, False),  # split-K, reduced by the last-arriving program
+    (16, 64, 1, 8, False),  # more splits asked than K blocks
+    (32, 32, 2, 1, True),  # activations quantized in the GEMM
+    (16, 128, 2, 3, True),  # both
+]
+
+
+@pytest.mark.parametrize("bm, bn, group_m, split_k, fuse", GEMM_OPTIONS)
+@pytest.mark.parametrize("m, n, k", [(33, 200, 300), (70, 256, 512), (5, 136, 640)])
+def test_gemm_options_match_reference(bm, bn, group_m, split_k, fuse, m, n, k):
+    """M, N and K that are not multiples of the tiles (K tails, N past the last scale block),
+    bias; fp8_linear with the configuration against the quantize-then-dequantize reference, and
+    fp8_gemm on pre-quantized inputs (which ignores ``fuse_quant``)."""
+    w, ws = _weights(n, k, seed=6)
+    x = _x(m, k, seed=7)
+    bias = torch.randn(n, device=DEVICE)
+    cfg = Fp8Config("gemm", bm, bn, 4, 1, split_k=split_k, group_m=group_m, fuse_quant=fuse)
+    out = fp8_linear(x, w, ws, bias, config=cfg)
+    assert _rel(out, fp8_linear_ref(x, w, ws, bias)) < 1e-6
+    xq, xs = fp8_group_quant(x)
+    out2 = fp8_gemm(xq, xs, w, ws, bias, torch.empty(m, n, device=DEVICE), cfg)
+    assert _rel(out2, fp8_block_matmul_ref(xq, xs, w, ws, bias=bias, out_dtype=out2.dtype)) < 1e-6
+    assert int(gemv_counters(x.device).abs().sum()) == 0, "split-K counters left non-zero"
+
+
+def test_gemm_split_k_is_deterministic_and_fused_quant_is_exact():
+    """Split-K twice on the same counters gives the same bits (stale counts would misroute the
+    reduction); the fused quantization gives what fp8_group_quant + the GEMM give."""
+    n, k, m = 96, 512, 40
+    w, ws = _weights(n, k, seed=8)
+    x = _x(m, k, seed=9, dtype=torch.bfloat16)
+    split = Fp8Config("gemm", 16, 32, 4, 1, split_k=3, group_m=2)
+    a = fp8_linear(x, w, ws, config=split)
+    assert torch.equal(a, fp8_linear(x, w, ws, config=split))
+    fused = Fp8Config("gemm", 16, 32, 4, 1, group_m=2, fuse_quant=True)
+    plain = Fp8Config("gemm", 16, 32, 4, 1, group_m=2)
+    assert _rel(fp8_linear(x, w, ws, config=fused), fp8_linear(x, w, ws, config=plain)) < 1e-6
+    assert _rel(a, fp8_linear(x, w, ws, config=plain)) < 1e-6
+
+
+def test_gemm_split_k_refuses_more_tiles_than_counters():
+    """A split launch needs one arrival counter per output tile (checked before any launch)."""
+    xq = torch.zeros(4112, 256, device=DEVICE).to(torch.float8_e4m3fn)
+    xs = torch.ones(4112, 2, device=DEVICE)
+    w, ws = _weights(4096, 256)
+    out = torch.empty(4112, 4096, dtype=torch.bfloat16, device=DEVICE)
+    cfg = Fp8Config("gemm", 16, 16, 4, 1, split_k=2)
+    with pytest.raises(ValueError, match="split-K 2 of a 4112x4096 output: 65792 tiles"):
+        fp8_gemm(xq, xs, w, ws, None, out, cfg)
 
 
 @pytest.mark.parametrize("m", [1, 7, 40])

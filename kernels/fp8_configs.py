@@ -1,0 +1,235 @@
+"""Static tile configurations of the block-FP8 kernels (:mod:`kernels.fp8_gemm`), per device,
+shape and M bucket.
+
+No autotuning at serve time (launches stay CUDA-graph capturable and the first request pays no
+search): :func:`fp8_config` returns, in this order,
+
+1. under the Triton interpreter, small tiles (tests cross tile boundaries with small shapes);
+2. the entry of the device's measured table ``kernels/configs/fp8_gemm_<device>.json`` for the
+   shape ``"N,K"`` and the M bucket of ``M`` (:func:`fp8_table_config`), written by
+   ``bench/fp8_sweep.py --write-table``;
+3. otherwise the built-in choice (:func:`default_fp8_config`): the fused small-M kernel for
+   ``M <= GEMV_MAX_M``, the tiled GEMM above.
+
+The table, as vLLM's per-shape ``w8a8_block_fp8_matmul`` JSON files are organised::
+
+    {"<N>,<K>": {"<bucket>": {"kind": "gemm", "block_m": 64, "block_n": 128, "num_warps": 4,
+                              "num_stages": 4, "group_m": 8, "split_k": 1, "fuse_quant": false,
+                              "fp8_us": 12.3, ...}, ...}, ...}
+
+Buckets are :data:`M_BUCKETS`; bucket ``b`` serves the M above the previous bucket up to ``b``
+(``"64"``: M = 33..64), the last one every larger M too; M <= 16 never reads the table (the
+decode sizes keep the fused kernel's built-in split-K). A shape, a bucket or a device without an
+entry gets :func:`default_fp8_config` unchanged. Keys ending in ``_us``, ``_tflops`` or
+``_err`` are measurements kept for the reader; any other key outside :class:`Fp8Config`'s
+fields is an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, fields
+from functools import cache
+
+import torch
+import triton
+
+from kernels.configs import device_name, kernel_table, table_path
+from kernels.interpreter import interpreting
+
+#: the weight block and activation group the kernels take (``block_n``, ``block_k``)
+FP8_BLOCK = (128, 128)
+
+#: at most this many rows go through the fused small-M kernel without a table entry
+GEMV_MAX_M = 32
+#: the fused small-M kernel may serve M up to this many rows where the table says so
+GEMV_TABLE_MAX_M = 64
+#: the M buckets of the table (each the largest M it serves; the last also every larger M)
+M_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+#: M up to this never reads the table
+TABLE_MIN_M = 16
+
+#: number of SMs the split heuristic aims at (H200: 132)
+_TARGET_SMS = 132
+
+#: Qwen3-8B's linear shapes ``(N, K)`` -> split-K of the small-M kernel at ``BLOCK_N = 64``:
+#: about three programs per SM (qkv 4096->6144, o 4096->4096, gate_up 4096->24576,
+#: down 12288->4096). ``python bench/fp8.py --sweep`` times alternatives.
+GEMV_SPLITS = {(6144, 4096): 4, (4096, 4096): 6, (24576, 4096): 1, (4096, 12288): 6}
+
+_MEASUREMENT_SUFFIXES = ("_us", "_tflops", "_err")
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """Tiles of one launch.
+
+    ``kind`` "gemv": the fused small-M kernel (``block_m`` >= M rows quantized in registers,
+    ``block_n`` output features per program, ``split_k`` K splits summed by a second launch).
+    ``kind`` "gemm": the tiled tensor-core GEMM (``block_m x block_n`` tiles, ``group_m`` M tiles
+    share a weight column in launch order for L2 reuse, ``split_k`` K splits reduced in the
+    kernel by the last-arriving program, ``fuse_quant``: the GEMM quantizes the activation tiles
+    itself instead of reading ``fp8_group_quant``'s output). ``num_warps`` and ``num_stages``
+    are Triton's.
+    """
+
+    kind: str
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+    group_m: int = 8
+    fuse_quant: bool = False
+
+
+def _gemv_split(n: int, k: int, block_n: int) -> int:
+    if (n, k) in GEMV_SPLITS and block_n == 64:
+        return GEMV_SPLITS[(n, k)]
+    tiles = triton.cdiv(n, block_n)
+    kb = triton.cdiv(k, FP8_BLOCK[1])
+    return max(1, min(triton.cdiv(3 * _TARGET_SMS, tiles), kb // 4 or 1))
+
+
+def default_fp8_config(m: int, n: int, k: int, kind: str | None = None) -> Fp8Config:
+    """The built-in GPU tiles (what every device and shape without a table entry runs).
+
+    ``kind`` None picks the kernel: "gemv" for ``M <= GEMV_MAX_M`` (decode: weight-bandwidth
+    bound, quantization fused), else "gemm".
+    """
+    kind = kind or ("gemv" if m <= GEMV_MAX_M else "gemm")
+    if kind == "gemv":
+        bm = max(16, triton.next_power_of_2(m))
+        return Fp8Config("gemv", bm, 64, 4, 4, split_k=_gemv_split(n, k, 64))
+    if m <= 256:
+        return Fp8Config("gemm", 64, 128, 4, 4, group_m=8)
+    return Fp8Config("gemm", 128, 128, 8, 3, group_m=8)
+
+
+def m_bucket(m: int) -> int | None:
+    """The table bucket serving ``m`` rows: the smallest of :data:`M_BUCKETS` >= ``m`` (the last
+    one above it); None for ``m <= TABLE_MIN_M``."""
+    if m <= TABLE_MIN_M:
+        return None
+    return next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
+
+
+def _pow2(v: int, lo: int, hi: int) -> bool:
+    return lo <= v <= hi and v & (v - 1) == 0
+
+
+def parse_table_entry(row: object, bucket: int, where: str = "fp8_gemm table") -> Fp8Config:
+    """One bucket's entry of the table -> :class:`Fp8Config`, checked.
+
+    Raises:
+        ValueError: naming ``where`` and the bucket: not an object, an unknown key, a missing or
+            mistyped field, an unknown ``kind``, tiles the kernels cannot run (``block_m`` /
+            ``block_n`` not a power of two in 16..256, ``num_warps`` not 2/4/8,
+            ``num_stages`` outside 1..8, ``split_k`` / ``group_m`` below 1), a "gemv" entry
+            whose ``block_m`` cannot hold the bucket's rows or exceeds ``GEMV_TABLE_MAX_M``, or
+            ``fuse_quant`` on a "gemv" entry.
+    """
+    at = f"{where}, bucket {bucket}"
+    if not isinstance(row, dict):
+        raise ValueError(f"{at}: expected an object of tile fields, got {type(row).__name__}")
+    names = {f.name: f for f in fields(Fp8Config)}
+    unknown = [key for key in row if key not in names and not key.endswith(_MEASUREMENT_SUFFIXES)]
+    if unknown:
+        raise ValueError(f"{at}: unknown keys {sorted(unknown)} (fields: {sorted(names)})")
+    required = [f.name for f in fields(Fp8Config) if f.default is MISSING]
+    missing = [name for name in required if name not in row]
+    if missing:
+        raise ValueError(f"{at}: missing {missing}")
+    values = {}
+    for name in names:
+        if name not in row:
+            continue
+        v = row[name]
+        want = {"kind": str, "fuse_quant": bool}.get(name, int)
+        if type(v) is not want:  # bool is an int subclass: exact types only
+            raise ValueError(f"{at}: {name} must be {want.__name__}, got {v!r}")
+        values[name] = v
+    cfg = Fp8Config(**values)
+    if cfg.kind not in ("gemm", "gemv"):
+        raise ValueError(f"{at}: kind must be 'gemm' or 'gemv', got {cfg.kind!r}")
+    problems = []
+    if not _pow2(cfg.block_m, 16, 256):
+        problems.append(f"block_m {cfg.block_m} is not a power of two in 16..256")
+    if not _pow2(cfg.block_n, 16, 256):
+        problems.append(f"block_n {cfg.block_n} is not a power of two in 16..256")
+    if cfg.num_warps not in (2, 4, 8):
+        problems.append(f"num_warps {cfg.num_warps} is not 2, 4 or 8")
+    if not 1 <= cfg.num_stages <= 8:
+        problems.append(f"num_stages {cfg.num_stages} is outside 1..8")
+    if cfg.split_k < 1 or cfg.group_m < 1:
+        problems.append(f"split_k {cfg.split_k} and group_m {cfg.group_m} must be >= 1")
+    if cfg.kind == "gemv":
+        if cfg.block_m < bucket or cfg.block_m > GEMV_TABLE_MAX_M:
+            problems.append(
+                f"a gemv entry needs bucket {bucket} <= block_m {cfg.block_m} <= {GEMV_TABLE_MAX_M}"
+            )
+        if cfg.fuse_quant:
+            problems.append("fuse_quant is a gemm option (the gemv always quantizes itself)")
+    if problems:
+        raise ValueError(f"{at}: " + "; ".join(problems))
+    return cfg
+
+
+@cache
+def _table_entry(name: str, n: int, k: int, bucket: int) -> Fp8Config | None:
+    shape = kernel_table("fp8_gemm", name).get(f"{n},{k}")
+    if shape is None:
+        return None
+    where = f"{table_path('fp8_gemm', name)} entry {n},{k}"
+    if not isinstance(shape, dict):
+        raise ValueError(f"{where}: expected an object keyed by M bucket")
+    bad = [key for key in shape if key not in {str(b) for b in M_BUCKETS}]
+    if bad:
+        raise ValueError(f"{where}: unknown M buckets {bad} (buckets: {list(M_BUCKETS)})")
+    row = shape.get(str(bucket))
+    return None if row is None else parse_table_entry(row, bucket, where)
+
+
+def fp8_table_config(
+    name: str, m: int, n: int, k: int, kind: str | None = None
+) -> Fp8Config | None:
+    """The measured tiles for ``[M, K] x [K, N]`` on the device called ``name`` (see the module
+    docstring), or None: no table, shape or bucket entry, ``M <= TABLE_MIN_M``, or an entry of
+    another ``kind`` than the one asked for.
+
+    Raises:
+        ValueError: a malformed entry (:func:`parse_table_entry`), an unknown bucket key, a
+            shape entry that is not an object.
+        json.JSONDecodeError: a table file that is not JSON.
+    """
+    bucket = m_bucket(m)
+    if bucket is None:
+        return None
+    cfg = _table_entry(name, n, k, bucket)
+    if cfg is None or (kind is not None and cfg.kind != kind):
+        return None
+    return cfg
+
+
+def fp8_config(
+    m: int, n: int, k: int, kind: str | None = None, device: torch.device | str | None = None
+) -> Fp8Config:
+    """The static tile configuration for an ``[M, K] x [K, N]`` FP8 product on ``device``.
+
+    ``kind`` None lets the table or :func:`default_fp8_config` pick the kernel; "gemv" or "gemm"
+    forces one (a table entry of the other kind is then not used). ``device`` None (or a CPU
+    device) reads no table.
+
+    Raises:
+        ValueError: a malformed table entry for this shape and bucket.
+    """
+    if interpreting():
+        kind = kind or ("gemv" if m <= GEMV_MAX_M else "gemm")
+        if kind == "gemv":
+            bm = max(16, triton.next_power_of_2(m))
+            return Fp8Config("gemv", bm, 32, 4, 1, split_k=_gemv_split(n, k, 32))
+        return Fp8Config("gemm", 32, 32, 4, 1, group_m=2)
+    if device is not None and torch.device(device).type == "cuda":
+        cfg = fp8_table_config(device_name(device), m, n, k, kind)
+        if cfg is not None:
+            return cfg
+    return default_fp8_config(m, n, k, kind)

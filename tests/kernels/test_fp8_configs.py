@@ -1,0 +1,124 @@
+"""The block-FP8 tile tables (``kernels/fp8_configs.py``): M buckets, the lookup of a measured
+entry, the built-in configuration where there is none, and clear errors for malformed entries.
+Tables are written to a temporary ``CONFIG_DIR`` under an invented device name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import kernels.configs as configs
+import kernels.fp8_configs as fc
+from kernels.fp8_configs import Fp8Config, default_fp8_config, fp8_config, fp8_table_config
+
+DEVICE = "Test GPU"
+ROW_GEMM = dict(kind="gemm", block_m=16, block_n=64, num_warps=4, num_stages=5, split_k=4,
+                group_m=1, fuse_quant=True, fp8_us=9.5, bf16_us=10.1)  # fmt: skip
+ROW_GEMV = dict(kind="gemv", block_m=64, block_n=64, num_warps=4, num_stages=4, split_k=6)
+ROW_BIG = {"kind": "gemm", "block_m": 128, "block_n": 256, "num_warps": 8, "num_stages": 3}
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    """Write ``{shape: {bucket: row}}`` as the table of DEVICE; returns the writer."""
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+
+    def write(content):
+        configs.kernel_table.cache_clear()
+        fc._table_entry.cache_clear()
+        configs.table_path("fp8_gemm", DEVICE).write_text(json.dumps(content))
+
+    yield write
+    configs.kernel_table.cache_clear()
+    fc._table_entry.cache_clear()
+
+
+def test_m_buckets():
+    assert [fc.m_bucket(m) for m in (1, 16)] == [None, None]
+    assert [fc.m_bucket(m) for m in (17, 32, 33, 64, 65, 200, 256, 2049, 4096)] == [
+        32, 32, 64, 64, 128, 256, 256, 4096, 4096,
+    ]  # fmt: skip
+    assert fc.m_bucket(100_000) == 4096  # the last bucket serves every larger M
+
+
+def test_lookup_picks_the_bucket_and_kind(table):
+    table({"4096,4096": {"64": ROW_GEMV, "128": ROW_GEMM, "4096": ROW_BIG}})
+    want_gemm = Fp8Config("gemm", 16, 64, 4, 5, split_k=4, group_m=1, fuse_quant=True)
+    want_gemv = Fp8Config("gemv", 64, 64, 4, 4, split_k=6)
+    for m in (33, 50, 64):
+        assert fp8_table_config(DEVICE, m, 4096, 4096) == want_gemv
+    for m in (65, 128):
+        assert fp8_table_config(DEVICE, m, 4096, 4096) == want_gemm
+    assert fp8_table_config(DEVICE, 9000, 4096, 4096) == Fp8Config("gemm", 128, 256, 8, 3)
+    # a forced kind other than the entry's, a missing bucket / shape / device, M <= 16: none
+    assert fp8_table_config(DEVICE, 64, 4096, 4096, kind="gemm") is None
+    assert fp8_table_config(DEVICE, 64, 4096, 4096, kind="gemv") == want_gemv
+    assert fp8_table_config(DEVICE, 256, 4096, 4096) is None
+    assert fp8_table_config(DEVICE, 128, 4096, 12288) is None
+    assert fp8_table_config("Other GPU", 128, 4096, 4096) is None
+    assert fp8_table_config(DEVICE, 16, 4096, 4096) is None
+
+
+def test_fp8_config_uses_the_table_else_the_builtin_tiles(table, monkeypatch):
+    """On a CUDA device (its name faked; the interpreter's small tiles switched off), an entry
+    wins; without one the result is the built-in configuration, exactly."""
+    table({"4096,4096": {"128": ROW_GEMM}})
+    monkeypatch.setattr(fc, "interpreting", lambda: False)
+    monkeypatch.setattr(fc, "device_name", lambda device: DEVICE)
+    cuda = torch.device("cuda")
+    assert fp8_config(100, 4096, 4096, device=cuda) == fp8_table_config(DEVICE, 100, 4096, 4096)
+    for m in (1, 16, 32, 64, 256, 300, 4096):
+        for n, k in ((4096, 4096), (6144, 4096), (4096, 12288)):
+            if (m, n, k) == (100, 4096, 4096):
+                continue
+            assert fp8_config(m, n, k, device=cuda) == default_fp8_config(m, n, k)
+    assert fp8_config(100, 4096, 4096, device="cpu") == default_fp8_config(100, 4096, 4096)
+    assert fp8_config(100, 4096, 4096) == default_fp8_config(100, 4096, 4096)  # no device
+
+
+def test_builtin_tiles_are_unchanged():
+    """The configuration every device without a table runs (as before the tables existed)."""
+    assert default_fp8_config(1, 4096, 4096) == Fp8Config("gemv", 16, 64, 4, 4, split_k=6)
+    assert default_fp8_config(32, 6144, 4096) == Fp8Config("gemv", 32, 64, 4, 4, split_k=4)
+    assert default_fp8_config(33, 4096, 4096) == Fp8Config("gemm", 64, 128, 4, 4, group_m=8)
+    assert default_fp8_config(256, 24576, 4096) == Fp8Config("gemm", 64, 128, 4, 4, group_m=8)
+    assert default_fp8_config(257, 4096, 12288) == Fp8Config("gemm", 128, 128, 8, 3, group_m=8)
+    assert default_fp8_config(8, 4096, 4096, kind="gemm").kind == "gemm"
+
+
+@pytest.mark.parametrize(
+    "row, match",
+    [
+        ({**ROW_GEMM, "block_size_m": 16}, r"unknown keys \['block_size_m'\]"),
+        ({k: v for k, v in ROW_GEMM.items() if k != "num_warps"}, r"missing \['num_warps'\]"),
+        ({**ROW_GEMM, "block_m": "16"}, "block_m must be int, got '16'"),
+        ({**ROW_GEMM, "fuse_quant": 1}, "fuse_quant must be bool"),
+        ({**ROW_GEMM, "split_k": True}, "split_k must be int"),
+        ({**ROW_GEMM, "kind": "mma"}, "kind must be 'gemm' or 'gemv'"),
+        ({**ROW_GEMM, "block_n": 96}, "block_n 96 is not a power of two"),
+        ({**ROW_GEMM, "num_warps": 3}, "num_warps 3 is not 2, 4 or 8"),
+        ({**ROW_GEMM, "num_stages": 0}, "num_stages 0 is outside"),
+        ({**ROW_GEMM, "split_k": 0}, "split_k 0 and group_m 1 must be >= 1"),
+        ({**ROW_GEMV, "block_m": 32}, "bucket 128 <= block_m 32"),
+        ({**ROW_GEMV, "fuse_quant": True}, "fuse_quant is a gemm option"),
+        ([16, 64], "expected an object of tile fields, got list"),
+    ],
+)
+def test_malformed_entry_raises_naming_file_shape_and_bucket(table, row, match):
+    table({"4096,4096": {"128": row}})
+    with pytest.raises(ValueError, match=match) as err:
+        fp8_table_config(DEVICE, 100, 4096, 4096)
+    assert "fp8_gemm_Test_GPU.json entry 4096,4096, bucket 128" in str(err.value)
+
+
+def test_malformed_shape_entry_raises(table):
+    table({"4096,4096": {"100": ROW_GEMM}})
+    with pytest.raises(ValueError, match=r"unknown M buckets \['100'\]"):
+        fp8_table_config(DEVICE, 100, 4096, 4096)
+    table({"4096,4096": [ROW_GEMM]})
+    with pytest.raises(ValueError, match="expected an object keyed by M bucket"):
+        fp8_table_config(DEVICE, 100, 4096, 4096)
+    table({"6144,4096": {"100": ROW_GEMM}})  # another shape's error does not touch this one
+    assert fp8_table_config(DEVICE, 100, 4096, 4096) is None

@@ -1,0 +1,110 @@
+"""``bench/fp8_sweep.py``'s candidate logic (no kernel runs): the per-(shape, M) cap, the shared
+memory limit, the built-in configuration always timed, every candidate compiled beforehand,
+and a table that ``kernels.fp8_configs`` accepts; and ``bench/fp8_compile_check.py --quick``,
+which compiles the built-in configurations and one of each option for sm_90 without a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from bench import fp8_sweep as sw
+from kernels.fp8_configs import M_BUCKETS, Fp8Config, default_fp8_config, fp8_table_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_candidates_are_capped_fit_and_precompiled():
+    keys = {sw.compile_key(c) for c in sw.compile_set(sw.SHAPES, M_BUCKETS)}
+    for _, n, k in sw.SHAPES:
+        for m in M_BUCKETS:
+            first = sw.stage_a(m, n, k)
+            assert first[0] == default_fp8_config(m, n, k)
+            assert len(first) == len(set(first))
+            # stage B after a made-up ranking: the slowest first (any order may happen)
+            second = sw.stage_b(m, n, k, first[::-1], set(first), sw.MAX_CANDIDATES - len(first))
+            everything = first + second
+            assert len(everything) <= sw.MAX_CANDIDATES and not set(first) & set(second)
+            for cfg in everything[1:]:
+                assert sw.smem_bytes(cfg) <= sw.SMEM_LIMIT, cfg
+                assert cfg.kind == "gemm" or m <= 64
+            assert {sw.compile_key(c) for c in everything} <= keys
+
+
+def test_variants_change_one_thing_and_skip_splits_that_launch_alike():
+    cfg = Fp8Config("gemm", 16, 64, 4, 5, split_k=2, group_m=8)
+    vs = sw.variants(64, 4096, 4096, cfg)
+    assert replace(cfg, fuse_quant=True) in vs
+    assert {v.split_k for v in vs if v.split_k != 2} == {1, 4, 8}
+    assert {v.group_m for v in vs if v.group_m != 8} == {1, 16, 32, 64}  # 4 M tiles
+    gemv = Fp8Config("gemv", 32, 64, 4, 4, split_k=4)
+    # K = 384: 3 K blocks, so splits 3, 4, 6, 8, 12 all make 3 launches' worth
+    assert [v.split_k for v in sw.variants(32, 4096, 384, gemv)] == [1, 2]
+
+
+def test_table_of_writes_entries_fp8_config_accepts(tmp_path, monkeypatch):
+    import kernels.configs as configs
+    import kernels.fp8_configs as fc
+
+    best = Fp8Config("gemm", 32, 128, 4, 4, split_k=4, group_m=1, fuse_quant=True)
+    rows = [
+        {"n": 4096, "k": 4096, "m": 64, "best": asdict(best), "fp8_us": 7.123, "bf16_us": 10.0,
+         "default_us": 19.0},
+        {"n": 4096, "k": 4096, "m": 128, "default_us": None},  # nothing passed: no entry
+    ]  # fmt: skip
+    table = sw.table_of(rows)
+    assert table == {"4096,4096": {"64": {**asdict(best), "fp8_us": 7.12, "bf16_us": 10.0,
+                                          "default_us": 19.0}}}  # fmt: skip
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    configs.kernel_table.cache_clear()
+    fc._table_entry.cache_clear()
+    configs.table_path("fp8_gemm", "Sweep GPU").write_text(json.dumps(table))
+    try:
+        assert fp8_table_config("Sweep GPU", 50, 4096, 4096) == best
+        assert fp8_table_config("Sweep GPU", 100, 4096, 4096) is None
+    finally:
+        configs.kernel_table.cache_clear()
+        fc._table_entry.cache_clear()
+
+
+def test_compile_check_quick_compiles_for_sm90():
+    """Also checks (outside the interpreter, which this session runs under) that the sweep's
+    warm-up launches specialize as the timed ones: the sweep compiles each configuration on
+    small inputs in other processes and then only loads it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "bench/fp8_compile_check.py"), "--quick"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "_fp8_gemm_kernel" in r.stdout and "FAILED" not in r.stdout
+    assert "warm-up launches specialize as the timed ones" in r.stdout
+
+
+def test_a_wrong_nondeterministic_or_failing_configuration_is_rejected(monkeypatch):
+    import torch
+
+    import kernels.fp8_gemm as fg
+
+    cfg = Fp8Config("gemm", 16, 64, 4, 1)
+    ref = torch.randn(4, 8)
+    outs = iter([ref, ref + 1e-3])
+    cpu = torch.device("cpu")
+    args = (torch.zeros(4, 8), ref, [None], [None], cpu)
+    monkeypatch.setattr(fg, "fp8_linear", lambda *a, **kw: ref * 1.01)
+    assert sw.check_and_time(cfg, *args, None)[2].startswith("relative error 1.0e-02")
+    monkeypatch.setattr(fg, "fp8_linear", lambda *a, **kw: next(outs))
+    assert sw.check_and_time(cfg, *args, None)[2] == "two launches differ"
+    monkeypatch.setattr(fg, "fp8_linear", lambda *a, **kw: 1 / 0)
+    assert sw.check_and_time(cfg, *args, None)[2].startswith("ZeroDivisionError")
+    assert sw.check_and_time(cfg, *args, {})[2] == "not compiled within the budget"
+    key = sw.compile_key(cfg)
+    assert sw.check_and_time(cfg, *args, {key: "OutOfResources"})[2] == "compile failed"
+    monkeypatch.setattr(fg, "fp8_linear", lambda *a, **kw: ref)
+    us, err, why = sw.check_and_time(cfg, *args, {key: None})
+    assert why == "" and err == 0.0 and us > 0
