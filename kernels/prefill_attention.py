@@ -49,6 +49,9 @@ __all__ = ["prefill_attention", "prefill_config", "PREFILL_TABLE_KEYS"]
 _LOG2E = 1.4426950408889634
 # CUDA's limit on gridDim.y, the query-tile axis of the launch
 _MAX_GRID_Y = 65535
+#: rows per program of the split merge, and its warps (32 fp32 values per thread per tile at D=128)
+MERGE_M = 32
+MERGE_WARPS = 4
 
 
 def _interpreter_upcast(q: torch.Tensor) -> bool:
@@ -167,11 +170,8 @@ def _find_seq(cu_q_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _query_tile(cu_q_ptr, num_seqs, BLOCK_M: tl.constexpr):
-    """``(seq, q_start, q_len, m_blk)`` of this program's slot on the flat query-tile axis
-    (grid axis 1). The axis is walked in reverse: within a sequence its last (heaviest under the
-    causal mask) query tiles start first, which balances the tail of the launch."""
-    tile = tl.num_programs(1) - 1 - tl.program_id(1)
+def _query_tile(cu_q_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
+    """``(seq, q_start, q_len, m_blk)`` of slot ``tile`` of the flat query-tile axis."""
     seq = _find_seq(cu_q_ptr, tile, num_seqs, BLOCK_M)
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
@@ -259,7 +259,10 @@ def _prefill_kernel(
     SPLIT: tl.constexpr,
 ):
     head = tl.program_id(0)
-    seq, q_start, q_len, m_blk = _query_tile(cu_q_ptr, num_seqs, BLOCK_M)
+    # The flat slot axis is walked in reverse: within a sequence its last (heaviest under the
+    # causal mask) query tiles start first, which balances the tail of the launch.
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    seq, q_start, q_len, m_blk = _query_tile(cu_q_ptr, tile, num_seqs, BLOCK_M)
     # Spare slots have no rows: a sequence owns up to one more slot than cdiv(q_len, BLOCK_M)
     # (a padding sequence, q_len 0, owns just that one), and the slots that padding tokens past
     # cu_q[B] add to the grid all fall to the last sequence, past its q_len.
@@ -285,13 +288,11 @@ def _prefill_kernel(
         end = tl.minimum(lo + split_len, hi)
         full_end = tl.maximum(tl.minimum(end, hi_full), lo)
         mask_lo = tl.maximum(lo, hi_full)
-        write_partial = n_split > 1
     else:
         lo = 0
         end = hi
         full_end = hi_full
         mask_lo = hi_full
-        write_partial = False
 
     offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -371,27 +372,25 @@ def _prefill_kernel(
     )
     has = l_i > 0.0  # a split may hold no key a row can see (rows above the diagonal)
     acc = acc / tl.where(has, l_i, 1.0)[:, None]
-    if write_partial:
-        lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        po_ptrs = (
-            po_ptr
-            + split.to(tl.int64) * stride_pos
-            + q_rows[:, None] * stride_pot
-            + head * stride_poh
-            + offs_d[None, :]
-        )
-        tl.store(po_ptrs, acc, mask=row_ok[:, None])
-        tl.store(
-            plse_ptr + split.to(tl.int64) * stride_pls + q_rows * stride_plt + head * stride_plh,
-            lse,
-            mask=row_ok,
-        )
+    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od
+    if SPLIT:
+        if n_split > 1:
+            lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            split64 = split.to(tl.int64)
+            po_ptrs = (
+                po_ptr
+                + split64 * stride_pos
+                + q_rows[:, None] * stride_pot
+                + head * stride_poh
+                + offs_d[None, :]
+            )
+            tl.store(po_ptrs, acc, mask=row_ok[:, None])
+            lse_ptrs = plse_ptr + split64 * stride_pls + q_rows * stride_plt + head * stride_plh
+            tl.store(lse_ptrs, lse, mask=row_ok)
+        else:  # the tile's keys fit one split: no merge
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
-        tl.store(
-            out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
-            acc.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None],
-        )
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit(
@@ -418,15 +417,21 @@ def _prefill_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MERGE_M: tl.constexpr,
     CAUSAL: tl.constexpr,
     SKIP_DECODE: tl.constexpr,
 ):
-    """Second stage of the split-KV mode, same grid ``(H_q, slots)`` as the first: merges the
-    ``n > 1`` splits of query tile ``(head, slot)`` with weights ``2^(lse_s - max lse)`` (online,
-    one split at a time); tiles that had one split were written by the first stage."""
+    """Second stage of the split-KV mode, grid ``(H_q, slots * BLOCK_M // MERGE_M)``: program
+    ``(head, slot * BLOCK_M // MERGE_M + sub)`` merges rows ``sub * MERGE_M ..`` of the first
+    stage's query tile ``(head, slot)`` over its ``n > 1`` splits, with weights
+    ``2^(lse_s - max lse)`` (online, one split at a time); tiles that had one split were written
+    by the first stage. Small row blocks keep the merge's tiles in registers (it streams
+    ``n * MERGE_M * D`` fp32 partials and does little arithmetic)."""
     head = tl.program_id(0)
-    seq, q_start, q_len, m_blk = _query_tile(cu_q_ptr, num_seqs, BLOCK_M)
-    if m_blk * BLOCK_M >= q_len:
+    tile = tl.program_id(1) // (BLOCK_M // MERGE_M)
+    sub = tl.program_id(1) % (BLOCK_M // MERGE_M)
+    seq, q_start, q_len, m_blk = _query_tile(cu_q_ptr, tile, num_seqs, BLOCK_M)
+    if m_blk * BLOCK_M + sub * MERGE_M >= q_len:
         return
     if SKIP_DECODE:  # noqa: SIM102
         if q_len == 1:
@@ -436,20 +441,25 @@ def _prefill_merge_kernel(
     _, n_split = _split_len(hi, num_splits, min_split_keys, BLOCK_N)
     if n_split <= 1:
         return
-    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, MERGE_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < q_len
-    q_rows = (q_start + offs_m).to(tl.int64)
-    lse_ptrs = plse_ptr + q_rows * stride_plt + head * stride_plh
-    po_ptrs = po_ptr + q_rows[:, None] * stride_pot + head * stride_poh + offs_d[None, :]
-    m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    first = m_blk * BLOCK_M + sub * MERGE_M  # first row of this block in its sequence
+    row_ok = first + offs_r < q_len
+    row0 = (q_start + first).to(tl.int64)  # its packed row
+    # scalar bases advanced split by split, small loop-invariant offsets within the block (a
+    # loop-carried pointer tensor would hold two registers per element)
+    lse_base = plse_ptr + row0 * stride_plt + head * stride_plh
+    po_base = po_ptr + row0 * stride_pot + head * stride_poh
+    lse_offs = offs_r * stride_plt
+    po_offs = offs_r[:, None] * stride_pot + offs_d[None, :]
+    m = tl.full([MERGE_M], -1.0e30, dtype=tl.float32)
+    w_sum = tl.zeros([MERGE_M], dtype=tl.float32)
+    acc = tl.zeros([MERGE_M, HEAD_DIM], dtype=tl.float32)
     for _ in range(0, n_split):
-        lse = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"))
-        po = tl.load(po_ptrs, mask=row_ok[:, None], other=0.0)
-        lse_ptrs += stride_pls
-        po_ptrs += stride_pos
+        lse = tl.load(lse_base + lse_offs, mask=row_ok, other=float("-inf"))
+        po = tl.load(po_base + po_offs, mask=row_ok[:, None], other=0.0)
+        lse_base += stride_pls
+        po_base += stride_pos
         m_new = tl.maximum(m, lse)
         alpha = tl.math.exp2(m - m_new)
         w = tl.math.exp2(lse - m_new)  # 0 where the split saw no key of the row (lse = -inf)
@@ -457,6 +467,7 @@ def _prefill_merge_kernel(
         w_sum = w_sum * alpha + w
         m = m_new
     acc = acc / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
+    q_rows = row0 + offs_r
     tl.store(
         out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
         acc.to(out_ptr.dtype.element_ty),
@@ -772,7 +783,14 @@ def prefill_attention(
         num_stages=cfg["num_stages"],
     )
     if split:
-        _prefill_merge_kernel[(hq, num_slots)](
+        merge_m = min(MERGE_M, block_m)
+        merge_slots = num_slots * (block_m // merge_m)
+        if merge_slots > _MAX_GRID_Y:
+            raise ValueError(
+                f"{merge_slots} merge row blocks exceed the grid's second axis ({_MAX_GRID_Y}): "
+                "fewer query rows per split launch"
+            )
+        _prefill_merge_kernel[(hq, merge_slots)](
             out,
             po,
             plse,
@@ -789,14 +807,9 @@ def prefill_attention(
             HEAD_DIM=d,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
+            MERGE_M=merge_m,
             CAUSAL=bool(causal),
             SKIP_DECODE=bool(skip_decode_rows),
-            num_warps=merge_warps(block_m, d),
+            num_warps=MERGE_WARPS,
         )
     return out
-
-
-def merge_warps(block_m: int, head_dim: int) -> int:
-    """Warps of the split merge: one fp32 ``[BLOCK_M, D]`` accumulator and one loaded partial,
-    about 64 values per thread of each (8 warps at 128 x 128)."""
-    return max(1, min(8, block_m * head_dim // 2048))
