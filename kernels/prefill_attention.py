@@ -729,7 +729,7 @@ def prefill_attention(
             f"({_MAX_GRID_Y})"
         )
     # splits are whole BLOCK_N tiles (the unmasked loop starts on a tile boundary)
-    min_split_keys = triton.cdiv(max(1, int(cfg.get("MIN_SPLIT_KEYS", block_n))), block_n) * block_n
+    min_split_keys = -(-max(1, int(cfg.get("MIN_SPLIT_KEYS", block_n))) // block_n) * block_n
     if split:
         po, plse = partial_out, partial_lse
         po_strides = (po.stride(0), po.stride(1), po.stride(2))

@@ -12,13 +12,12 @@ modelled time wins. Everything is computed from host ints (token count, heads, t
 ``max_seq_len`` bound, the SM count), never from device values, so a step captured in a CUDA
 graph at a padded token count (where ``max_seq_len`` is the engine's ``max_model_len``) gets a
 fixed split count and a fixed scratch, and the kernel itself splits a tile's range only as far
-as its real length allows (``MIN_SPLIT_KEYS``). Imports only torch and triton.
+as its real length allows (``MIN_SPLIT_KEYS``). Imports only torch (and the kernel module).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
 
 from kernels.prefill_attention import prefill_config
 
@@ -39,6 +38,12 @@ MAX_PREFILL_SPLITS = 16
 #: modelled cost of one split program beyond its key tiles (partial write, merge read), in
 #: key tiles; keeps a split from being chosen for a gain of less than about two tiles
 SPLIT_OVERHEAD_TILES = 2
+
+
+def _cdiv(a: int, b: int) -> int:
+    # plain ints: triton.cdiv is a constexpr function, ~8 us a call on the host (triton 3.9),
+    # and this runs for every layer of every prefill step
+    return -(-a // b)
 
 
 def choose_prefill_splits(
@@ -92,7 +97,7 @@ def choose_prefill_splits(
         raise ValueError("choose_prefill_splits: invalid arguments")
     programs = num_query_tiles * num_heads
     slots = num_sms * programs_per_sm
-    key_tiles = triton.cdiv(max_seq_len, block_n)
+    key_tiles = _cdiv(max_seq_len, block_n)
     if programs == 0 or programs >= slots or key_tiles < 2:
         return 1
     cap = max_splits
@@ -101,7 +106,7 @@ def choose_prefill_splits(
     cap = min(cap, key_tiles)
     best, best_cost = 1, key_tiles
     for s in range(2, cap + 1):
-        cost = triton.cdiv(programs * s, slots) * (triton.cdiv(key_tiles, s) + overhead_tiles)
+        cost = _cdiv(programs * s, slots) * (_cdiv(key_tiles, s) + overhead_tiles)
         if cost < best_cost:
             best, best_cost = s, cost
     return best
@@ -130,7 +135,7 @@ def prefill_num_splits(
     """
     cfg = prefill_config(head_dim, dtype, device, causal=True, split=True)
     return choose_prefill_splits(
-        triton.cdiv(num_tokens, cfg["BLOCK_M"]),
+        _cdiv(num_tokens, cfg["BLOCK_M"]),
         num_heads,
         max_seq_len,
         num_sms,

@@ -107,7 +107,9 @@ def test_split_single_range_tiles_write_out_directly(device):
     prefill_attention(
         *(x.to(device) for x in (q, k_cache, v_cache, bt, cu, sl)), plain, d**-0.5, config=cfg
     )
-    assert torch.equal(out, plain.cpu()), f"seed={seed}"
+    # the same loops in the same order (bitwise equal under the interpreter; a GPU compiles the
+    # two variants separately)
+    torch.testing.assert_close(out, plain.cpu(), rtol=1e-6, atol=1e-6, msg=f"seed={seed}")
 
 
 def test_split_padding_and_decode_rows(device):
