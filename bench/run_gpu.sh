@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: engine correctness on the GPU, offline throughput, online serving.
-# Usage: bash bench/run_gpu.sh [stages...]   (stages: kernels check offline profile serve peer both moe fp8 fp8sweep structured; default: check offline serve)
-# Env: SERVE_CONC (serve levels, default 1 16 64), HF_SECONDS (0 = skip transformers offline), QWEN_SERVE_* (server flags).
+# Usage: bash bench/run_gpu.sh [stages...]   (stages: kernels prefill_long check offline profile serve peer both moe fp8 fp8sweep structured; default: check offline serve)
+# Env: SERVE_CONC (serve levels, default 1 16 64), PREFILL_ARGS (prefill_long flags, default --sweep), HF_SECONDS (0 = skip transformers offline), QWEN_SERVE_* (server flags).
 # Expects carried wheels in .whl (fastapi, uvicorn, pydantic, ...) and .benchassets/tokenizer.
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -10,6 +10,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 for s in $stages; do
   case $s in
     kernels) timeout 150 python3 bench/kernels.py --only prefill --out "$OUT/kernels" 2>&1 | grep -v Warning | tail -14 ;;
+    prefill_long) timeout 300 python3 bench/prefill_long.py ${PREFILL_ARGS:---sweep} --out "$OUT/prefill_long" 2>&1 | grep -v Warning | tee "$OUT/prefill_long.log" ;;
     check) timeout 240 python3 bench/engine_check.py --ckpt $CKPT 2>&1 | tee "$OUT/check.log" ;;
     offline) hf="--hf-seconds ${HF_SECONDS:-90}"; [ "${HF_SECONDS:-90}" = 0 ] && hf=--skip-hf
              timeout 300 python3 bench/offline.py --ckpt $CKPT $hf --serve-shape 2>&1 | grep -v Warning | tee "$OUT/offline.log" ;;

@@ -18,6 +18,22 @@ size and replayed for any step that fits. The query tiles of all sequences are l
 axis, and each program finds its sequence by a binary search over ``cu_seqlens_q``, the scheme
 of vLLM's Triton unified attention (``find_seq_idx`` in
 ``vllm/v1/attention/ops/triton_unified_attention.py``); see :func:`_find_seq`.
+
+Split-KV mode (``num_splits > 1``): Flash-Decoding (Dao, Haziza, Massa, Sizov, "Flash-Decoding for
+long-context inference", 2023) applied to query tiles. A prompt chunk of few rows over a long
+cached prefix gives few (query tile, head) programs, each sweeping every key serially, and most
+SMs idle; a third grid axis then cuts each tile's key range ``[0, hi)`` into ``num_splits``
+contiguous, ``BLOCK_N``-aligned ranges (at least ``MIN_SPLIT_KEYS`` keys each, so a short range
+is split less or not at all). Each split runs the same two loops (unmasked keys, then the masked
+causal diagonal, which falls in the last split or two) and writes its normalised partial output
+and base-2 log-sum-exp to fp32 scratch; :func:`_prefill_merge_kernel` merges the splits of every
+tile that had more than one (a tile whose range fits one split is written to ``out`` directly).
+The host picks ``num_splits`` (:mod:`kernels.prefill_split`), so grids stay shape-only.
+
+Tile configurations are static: :func:`prefill_config` reads the table measured on the GPU
+(``bench/prefill_long.py --sweep --write-table`` writes
+``kernels/configs/prefill_attention_<device>.json``); a device, dtype or head_dim without an entry
+keeps the configuration chosen by the issue-3 sweep.
 """
 
 from __future__ import annotations
@@ -26,11 +42,16 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["prefill_attention", "prefill_config"]
+from kernels.configs import device_name, kernel_table
+
+__all__ = ["prefill_attention", "prefill_config", "PREFILL_TABLE_KEYS"]
 
 _LOG2E = 1.4426950408889634
 # CUDA's limit on gridDim.y, the query-tile axis of the launch
 _MAX_GRID_Y = 65535
+#: rows per program of the split merge, and its warps (32 fp32 values per thread per tile at D=128)
+MERGE_M = 32
+MERGE_WARPS = 4
 
 
 def _interpreter_upcast(q: torch.Tensor) -> bool:
@@ -148,18 +169,61 @@ def _find_seq(cu_q_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
     return lo - 1
 
 
+@triton.jit
+def _query_tile(cu_q_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
+    """``(seq, q_start, q_len, m_blk)`` of slot ``tile`` of the flat query-tile axis."""
+    seq = _find_seq(cu_q_ptr, tile, num_seqs, BLOCK_M)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    m_blk = tile - (q_start // BLOCK_M + seq)
+    return seq, q_start, q_len, m_blk
+
+
+@triton.jit
+def _key_range(
+    ctx, seq_len, m_blk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr
+):
+    """``(hi_full, hi)``: query tile ``m_blk`` attends to keys ``0 .. hi``, and keys below
+    ``hi_full`` (a multiple of ``BLOCK_N``) are visible to every row of the tile (no mask)."""
+    if CAUSAL:
+        # keys 0 .. ctx + first row are visible to every row of the tile
+        hi_full = ((ctx + m_blk * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(seq_len, ctx + (m_blk + 1) * BLOCK_M)
+    else:
+        hi_full = (seq_len // BLOCK_N) * BLOCK_N
+        hi = seq_len
+    return hi_full, hi
+
+
+@triton.jit
+def _split_len(hi, num_splits, min_split_keys, BLOCK_N: tl.constexpr):
+    """``(split_len, n)``: a key range ``0 .. hi`` (``hi >= 1``) cut into ``n <= num_splits``
+    splits of ``split_len`` keys (the last one shorter), ``split_len`` a multiple of ``BLOCK_N``
+    and at least ``min_split_keys`` (itself a multiple of ``BLOCK_N``)."""
+    split_len = tl.cdiv(tl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N
+    split_len = tl.maximum(split_len, min_split_keys)
+    return split_len, tl.cdiv(hi, split_len)
+
+
 # num_seqs is not specialized (== 1, % 16) so that a new batch size never compiles another
-# variant; it only bounds the tile search.
-@triton.jit(do_not_specialize=["num_seqs"])
+# variant; it only bounds the tile search. Nor are the split-mode ints (split count, minimum split
+# length, the scratch's split strides, which grow with T).
+@triton.jit(
+    do_not_specialize=["num_seqs", "num_splits", "min_split_keys", "stride_pos", "stride_pls"]
+)
 def _prefill_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
     out_ptr,
+    po_ptr,
+    plse_ptr,
     block_tables_ptr,
     cu_q_ptr,
     seq_lens_ptr,
     num_seqs,
+    num_splits,
+    min_split_keys,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -176,6 +240,12 @@ def _prefill_kernel(
     stride_vh,
     stride_vd,
     stride_bt,
+    stride_pos,
+    stride_pot,
+    stride_poh,
+    stride_pls,
+    stride_plt,
+    stride_plh,
     NUM_GROUPS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -186,15 +256,13 @@ def _prefill_kernel(
     UPCAST: tl.constexpr,
     BT_PREFETCH: tl.constexpr,
     SKIP_DECODE: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     head = tl.program_id(0)
     # The flat slot axis is walked in reverse: within a sequence its last (heaviest under the
     # causal mask) query tiles start first, which balances the tail of the launch.
     tile = tl.num_programs(1) - 1 - tl.program_id(1)
-    seq = _find_seq(cu_q_ptr, tile, num_seqs, BLOCK_M)
-    q_start = tl.load(cu_q_ptr + seq)
-    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
-    m_blk = tile - (q_start // BLOCK_M + seq)
+    seq, q_start, q_len, m_blk = _query_tile(cu_q_ptr, tile, num_seqs, BLOCK_M)
     # Spare slots have no rows: a sequence owns up to one more slot than cdiv(q_len, BLOCK_M)
     # (a padding sequence, q_len 0, owns just that one), and the slots that padding tokens past
     # cu_q[B] add to the grid all fall to the last sequence, past its q_len.
@@ -208,6 +276,23 @@ def _prefill_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len  # cached prefix length (bottom-right causal alignment)
     kv_head = head // NUM_GROUPS
+    hi_full, hi = _key_range(ctx, seq_len, m_blk, BLOCK_M, BLOCK_N, CAUSAL)
+    if SPLIT:
+        # split `split` of the tile's keys 0 .. hi: unmasked keys lo .. full_end, then the masked
+        # ones mask_lo .. end (empty unless the split reaches the diagonal / the tail)
+        split = tl.program_id(2)
+        split_len, n_split = _split_len(hi, num_splits, min_split_keys, BLOCK_N)
+        if split >= n_split:
+            return
+        lo = split * split_len
+        end = tl.minimum(lo + split_len, hi)
+        full_end = tl.maximum(tl.minimum(end, hi_full), lo)
+        mask_lo = tl.maximum(lo, hi_full)
+    else:
+        lo = 0
+        end = hi
+        full_end = hi_full
+        mask_lo = hi_full
 
     offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -229,13 +314,6 @@ def _prefill_kernel(
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if CAUSAL:
-        # Keys 0 .. ctx + first row are visible to every row of the tile: no mask needed there.
-        hi_full = ((ctx + m_blk * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
-        hi = tl.minimum(seq_len, ctx + (m_blk + 1) * BLOCK_M)
-    else:
-        hi_full = (seq_len // BLOCK_N) * BLOCK_N
-        hi = seq_len
     acc, l_i, m_i = _paged_attn_tile(
         acc,
         l_i,
@@ -244,8 +322,8 @@ def _prefill_kernel(
         k_base,
         v_base,
         bt_row_ptr,
-        0,
-        hi_full,
+        lo,
+        full_end,
         seq_len,
         q_pos,
         qk_scale,
@@ -272,8 +350,8 @@ def _prefill_kernel(
         k_base,
         v_base,
         bt_row_ptr,
-        hi_full,
-        hi,
+        mask_lo,
+        end,
         seq_len,
         q_pos,
         qk_scale,
@@ -292,8 +370,104 @@ def _prefill_kernel(
         UPCAST,
         False,
     )
-    l_i = tl.where(l_i > 0.0, l_i, 1.0)
-    acc = acc / l_i[:, None]
+    has = l_i > 0.0  # a split may hold no key a row can see (rows above the diagonal)
+    acc = acc / tl.where(has, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od
+    if SPLIT:
+        if n_split > 1:
+            lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            split64 = split.to(tl.int64)
+            po_ptrs = (
+                po_ptr
+                + split64 * stride_pos
+                + q_rows[:, None] * stride_pot
+                + head * stride_poh
+                + offs_d[None, :]
+            )
+            tl.store(po_ptrs, acc, mask=row_ok[:, None])
+            lse_ptrs = plse_ptr + split64 * stride_pls + q_rows * stride_plt + head * stride_plh
+            tl.store(lse_ptrs, lse, mask=row_ok)
+        else:  # the tile's keys fit one split: no merge
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit(
+    do_not_specialize=["num_seqs", "num_splits", "min_split_keys", "stride_pos", "stride_pls"]
+)
+def _prefill_merge_kernel(
+    out_ptr,
+    po_ptr,
+    plse_ptr,
+    cu_q_ptr,
+    seq_lens_ptr,
+    num_seqs,
+    num_splits,
+    min_split_keys,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_pos,
+    stride_pot,
+    stride_poh,
+    stride_pls,
+    stride_plt,
+    stride_plh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MERGE_M: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SKIP_DECODE: tl.constexpr,
+):
+    """Second stage of the split-KV mode, grid ``(H_q, slots * BLOCK_M // MERGE_M)``: program
+    ``(head, slot * BLOCK_M // MERGE_M + sub)`` merges rows ``sub * MERGE_M ..`` of the first
+    stage's query tile ``(head, slot)`` over its ``n > 1`` splits, with weights
+    ``2^(lse_s - max lse)`` (online, one split at a time); tiles that had one split were written
+    by the first stage. Small row blocks keep the merge's tiles in registers (it streams
+    ``n * MERGE_M * D`` fp32 partials and does little arithmetic)."""
+    head = tl.program_id(0)
+    tile = tl.program_id(1) // (BLOCK_M // MERGE_M)
+    sub = tl.program_id(1) % (BLOCK_M // MERGE_M)
+    seq, q_start, q_len, m_blk = _query_tile(cu_q_ptr, tile, num_seqs, BLOCK_M)
+    if m_blk * BLOCK_M + sub * MERGE_M >= q_len:
+        return
+    if SKIP_DECODE:  # noqa: SIM102
+        if q_len == 1:
+            return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    _, hi = _key_range(seq_len - q_len, seq_len, m_blk, BLOCK_M, BLOCK_N, CAUSAL)
+    _, n_split = _split_len(hi, num_splits, min_split_keys, BLOCK_N)
+    if n_split <= 1:
+        return
+    offs_r = tl.arange(0, MERGE_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    first = m_blk * BLOCK_M + sub * MERGE_M  # first row of this block in its sequence
+    row_ok = first + offs_r < q_len
+    row0 = (q_start + first).to(tl.int64)  # its packed row
+    # scalar bases advanced split by split, small loop-invariant offsets within the block (a
+    # loop-carried pointer tensor would hold two registers per element)
+    lse_base = plse_ptr + row0 * stride_plt + head * stride_plh
+    po_base = po_ptr + row0 * stride_pot + head * stride_poh
+    lse_offs = offs_r * stride_plt
+    po_offs = offs_r[:, None] * stride_pot + offs_d[None, :]
+    m = tl.full([MERGE_M], -1.0e30, dtype=tl.float32)
+    w_sum = tl.zeros([MERGE_M], dtype=tl.float32)
+    acc = tl.zeros([MERGE_M, HEAD_DIM], dtype=tl.float32)
+    for _ in range(0, n_split):
+        lse = tl.load(lse_base + lse_offs, mask=row_ok, other=float("-inf"))
+        po = tl.load(po_base + po_offs, mask=row_ok[:, None], other=0.0)
+        lse_base += stride_pls
+        po_base += stride_pos
+        m_new = tl.maximum(m, lse)
+        alpha = tl.math.exp2(m - m_new)
+        w = tl.math.exp2(lse - m_new)  # 0 where the split saw no key of the row (lse = -inf)
+        acc = acc * alpha[:, None] + po * w[:, None]
+        w_sum = w_sum * alpha + w
+        m = m_new
+    acc = acc / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
+    q_rows = row0 + offs_r
     tl.store(
         out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
         acc.to(out_ptr.dtype.element_ty),
@@ -301,23 +475,31 @@ def _prefill_kernel(
     )
 
 
-def prefill_config(
-    head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = True
-) -> dict:
-    """Tile configuration used by :func:`prefill_attention`: ``{BLOCK_M, BLOCK_N, num_warps,
-    num_stages}`` plus the flag ``BT_PREFETCH`` (load the next tile's block ids one iteration
-    ahead).
+#: keys of a table row that :func:`prefill_config` takes: the tiles, the kernel's flag, and (split
+#: rows) the split policy of :mod:`kernels.prefill_split`; other keys (timings) are ignored
+PREFILL_TABLE_KEYS = (
+    "BLOCK_M",
+    "BLOCK_N",
+    "num_warps",
+    "num_stages",
+    "BT_PREFETCH",
+    "MIN_SPLIT_KEYS",
+    "PROGRAMS_PER_SM",
+    "MAX_SPLITS",
+)
+#: split policy without a table row: splits of at least 512 keys (4 tiles of 128: the partial
+#: write and merge stay small next to the key sweep), one resident program per SM (BLOCK_M 128,
+#: 8 warps), at most 16 splits (``MAX_SPLITS`` 1 turns the split mode off); the interpreter
+#: splits at one tile so small tests cross split boundaries
+_SPLIT_POLICY = {"MIN_SPLIT_KEYS": 512, "PROGRAMS_PER_SM": 1, "MAX_SPLITS": 16}
 
-    Host-side and static (no autotuning at launch, so launches can be captured in a CUDA graph).
-    Values for bf16/fp16 on CUDA were chosen by the sweep in ``bench/kernels.py`` on an H200.
 
-    Args:
-        head_dim: D; dtype: q's dtype; device: q's device (CPU means the Triton interpreter);
-        causal: the mask mode.
+def _dtype_key(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
-    Returns:
-        A new dict; raises nothing.
-    """
+
+def _default_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """The tiles without a table entry (the issue-3 choice, unchanged)."""
     if device.type != "cuda":
         # Triton interpreter: small tiles exercise the tile boundaries in the tests.
         return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "BT_PREFETCH": True}
@@ -327,6 +509,94 @@ def prefill_config(
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "BT_PREFETCH": True}
     # chosen by the H200 sweep of bench/kernels.py (figures in docs/benchmarks.md, issue 3)
     return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "BT_PREFETCH": True}
+
+
+def prefill_config(
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    causal: bool = True,
+    split: bool = False,
+) -> dict:
+    """Tile configuration used by :func:`prefill_attention`: ``{BLOCK_M, BLOCK_N, num_warps,
+    num_stages, BT_PREFETCH}`` (``BT_PREFETCH``: load the next tile's block ids one iteration
+    ahead); with ``split``, also the split policy ``MIN_SPLIT_KEYS`` (fewest keys of one split),
+    ``PROGRAMS_PER_SM`` (programs one SM runs at once) and ``MAX_SPLITS`` (1: never split), for
+    :func:`kernels.prefill_split.choose_prefill_splits`.
+
+    Host-side and static (no autotuning at launch, so launches can be captured in a CUDA graph).
+    On CUDA the row ``"causal"``, ``"non_causal"`` or ``"split"`` of entry ``"<dtype>,<head_dim>"``
+    (e.g. ``"bfloat16,128"``) of ``kernels/configs/prefill_attention_<device name>.json``
+    (:func:`kernels.configs.kernel_table`, written by ``bench/prefill_long.py --write-table``)
+    overrides the keys it holds (split mode: the mask mode's row, then the split row); without
+    rows the tiles are those the issue-3 sweep chose, and the split policy 512 keys, 1 program
+    per SM, 16 splits. Under the
+    interpreter (CPU) the tiles are 32 x 32 and splits as short as one tile.
+
+    Args:
+        head_dim: D; dtype: q's dtype; device: q's device (CPU means the Triton interpreter);
+        causal: the mask mode; split: the split-KV mode (``num_splits > 1``).
+
+    Returns:
+        A new dict.
+
+    Raises:
+        json.JSONDecodeError: a table file that is not JSON (from ``kernel_table``).
+    """
+    device = torch.device(device)
+    cfg = _default_config(head_dim, dtype, device)
+    if device.type == "cuda":
+        entry = kernel_table("prefill_attention", device_name(device)).get(
+            f"{_dtype_key(dtype)},{head_dim}", {}
+        )
+        modes = ["causal" if causal else "non_causal"]
+        if split:
+            modes.append("split")  # a split row overrides the mask mode's row
+        for mode in modes:
+            row = entry.get(mode) or {}
+            cfg.update({k: row[k] for k in PREFILL_TABLE_KEYS if k in row})
+    if split:
+        policy = dict(_SPLIT_POLICY)
+        if device.type != "cuda":
+            policy["MIN_SPLIT_KEYS"] = cfg["BLOCK_N"]
+        cfg = {**policy, **cfg}
+    else:
+        for key in _SPLIT_POLICY:
+            cfg.pop(key, None)
+    return cfg
+
+
+def _check_split_scratch(
+    partial_out: torch.Tensor | None,
+    partial_lse: torch.Tensor | None,
+    num_splits: int,
+    q: torch.Tensor,
+) -> None:
+    """ValueError unless the split-KV scratch fits ``num_splits`` splits of ``q``'s rows."""
+    t, hq, d = q.shape
+    if partial_out is None or partial_lse is None:
+        raise ValueError(f"num_splits={num_splits} needs partial_out and partial_lse")
+    if (
+        partial_out.dtype != torch.float32
+        or partial_lse.dtype != torch.float32
+        or partial_out.dim() != 4
+        or partial_lse.dim() != 3
+        or partial_out.shape[0] < num_splits
+        or partial_out.shape[1] < t
+        or partial_out.shape[2:] != (hq, d)
+        or partial_lse.shape[0] < num_splits
+        or partial_lse.shape[1] < t
+        or partial_lse.shape[2] != hq
+    ):
+        raise ValueError(
+            f"scratch must be float32 [>={num_splits}, >={t}, {hq}, {d}] and "
+            f"[>={num_splits}, >={t}, {hq}], got {tuple(partial_out.shape)} {partial_out.dtype}, "
+            f"{tuple(partial_lse.shape)} {partial_lse.dtype}"
+        )
+    if partial_out.stride(3) != 1:
+        raise ValueError("partial_out's last dimension must be contiguous")
+    if partial_out.device != q.device or partial_lse.device != q.device:
+        raise ValueError("the scratch must be on q's device")
 
 
 def prefill_attention(
@@ -342,6 +612,9 @@ def prefill_attention(
     *,
     config: dict | None = None,
     skip_decode_rows: bool = False,
+    num_splits: int = 1,
+    partial_out: torch.Tensor | None = None,
+    partial_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen (packed) attention of new query tokens over the paged KV cache (Triton).
 
@@ -361,26 +634,38 @@ def prefill_attention(
         out: ``[T, H_q, D]`` like ``q``; rows of every sequence written in place, returned.
         scale: softmax scale (usually ``D ** -0.5``).
         causal: bottom-right aligned causal mask (query j at position ``seq_len - q_len + j``).
-        config: optional tile override ``{BLOCK_M, BLOCK_N, num_warps, num_stages}`` (benchmarks).
+        config: optional override of :func:`prefill_config`'s keys (benchmarks).
         skip_decode_rows: when True (a compile-time flag of the kernel), sequences with exactly
             one new token are skipped like padding: their rows of ``out`` are left untouched for
             ``decode_attention(..., cu_seqlens_q=cu_seqlens_q)`` to fill (mixed steps).
+        num_splits: host int >= 1; above 1, the split-KV mode (e.g. from
+            :func:`kernels.prefill_split.prefill_num_splits`): each query tile's keys are cut
+            into up to ``num_splits`` ranges of at least ``MIN_SPLIT_KEYS`` keys, computed by
+            separate programs and merged by a second launch.
+        partial_out: float32 ``[S, T', H_q, D]`` with ``S >= num_splits``, ``T' >= T``, last dim
+            contiguous; partial_lse: float32 ``[S, T', H_q]`` (base-2 log-sum-exp). Scratch of
+            the split mode (:func:`kernels.prefill_split.prefill_scratch`), indexed by packed
+            query row; needed only when ``num_splits > 1``, not initialised (every element the
+            merge reads is written by the first launch).
 
     Returns:
         ``out``.
 
     Raises:
-        ValueError: on inconsistent shapes, dtypes, devices, head counts or head_dim, or when
-            ``T // BLOCK_M + B`` exceeds CUDA's 65535 limit on the grid's second axis.
+        ValueError: on inconsistent shapes, dtypes, devices, head counts or head_dim, a
+            ``num_splits`` that is not an int >= 1 (or above 65535) or scratch that does not fit
+            it, or when ``T // BLOCK_M + B`` exceeds CUDA's 65535 limit on the grid's second axis.
 
-    Grid: ``(H_q, T // BLOCK_M + B)``, from the shapes of ``q`` and ``cu_seqlens_q`` only (no
-    host int, no device-to-host sync), so a launch can be captured in a CUDA graph at a padded
-    ``T`` and ``B`` and replayed for every step that fits. Each program finds its sequence and
-    query tile by a binary search over ``cu_seqlens_q`` (after vLLM's Triton unified attention,
-    ``find_seq_idx`` in ``vllm/v1/attention/ops/triton_unified_attention.py``).
+    Grid: ``(H_q, T // BLOCK_M + B)`` (split mode: ``(H_q, T // BLOCK_M + B, num_splits)`` and the
+    merge ``(H_q, T // BLOCK_M + B)``), from the shapes of ``q`` and ``cu_seqlens_q`` and the host
+    int ``num_splits`` only (no device-to-host sync), so a launch can be captured in a CUDA graph
+    at a padded ``T`` and ``B`` and replayed for every step that fits. Each program finds its
+    sequence and query tile by a binary search over ``cu_seqlens_q`` (after vLLM's Triton unified
+    attention, ``find_seq_idx`` in ``vllm/v1/attention/ops/triton_unified_attention.py``).
 
     Algorithm: FlashAttention-2 (Dao 2023) after Triton's fused-attention tutorial; K/V rows are
-    gathered through the block table tile by tile (``block = block_tables[b, pos // block_size]``).
+    gathered through the block table tile by tile (``block = block_tables[b, pos // block_size]``);
+    the split mode is Flash-Decoding's (Dao et al. 2023) split-KV with a log-sum-exp merge.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [T, H_q, D], got {tuple(q.shape)}")
@@ -421,29 +706,50 @@ def prefill_attention(
     devs = {k_cache.device, v_cache.device, block_tables.device, seq_lens.device}
     if devs != {q.device}:
         raise ValueError("all tensors must be on q's device")
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits:
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    if num_splits > _MAX_GRID_Y:
+        raise ValueError(f"num_splits={num_splits} exceeds the grid's third axis ({_MAX_GRID_Y})")
+    split = num_splits > 1
+    if split:
+        _check_split_scratch(partial_out, partial_lse, num_splits, q)
     if t == 0 or b == 0:
         return out
     upcast = _interpreter_upcast(q)
-    cfg = dict(prefill_config(d, q.dtype, q.device, causal))
+    cfg = dict(prefill_config(d, q.dtype, q.device, causal, split=split))
     if config:
         cfg.update(config)
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     # Shapes only (never a per-step value such as the longest q_len), so the launch can be
     # captured in a CUDA graph at a padded T and B; see _find_seq for why this covers every tile.
-    num_slots = t // cfg["BLOCK_M"] + b
+    num_slots = t // block_m + b
     if num_slots > _MAX_GRID_Y:
         raise ValueError(
             f"T // BLOCK_M + B = {num_slots} query-tile slots exceed the grid's second axis "
             f"({_MAX_GRID_Y})"
         )
-    _prefill_kernel[(hq, num_slots)](
+    # splits are whole BLOCK_N tiles (the unmasked loop starts on a tile boundary)
+    min_split_keys = -(-max(1, int(cfg.get("MIN_SPLIT_KEYS", block_n))) // block_n) * block_n
+    if split:
+        po, plse = partial_out, partial_lse
+        po_strides = (po.stride(0), po.stride(1), po.stride(2))
+        plse_strides = (plse.stride(0), plse.stride(1), plse.stride(2))
+    else:  # placeholders, never dereferenced
+        po, plse = out, out
+        po_strides = plse_strides = (0, 0, 0)
+    _prefill_kernel[(hq, num_slots, num_splits)](
         q,
         k_cache,
         v_cache,
         out,
+        po,
+        plse,
         block_tables,
         cu_seqlens_q,
         seq_lens,
         b,
+        num_splits,
+        min_split_keys,
         float(scale) * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -460,17 +766,50 @@ def prefill_attention(
         v_cache.stride(2),
         v_cache.stride(3),
         block_tables.stride(0),
+        *po_strides,
+        *plse_strides,
         NUM_GROUPS=hq // hkv,
         HEAD_DIM=d,
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         PAGE_SIZE=page_size,
         CAUSAL=bool(causal),
         DOT_PREC="ieee" if q.dtype == torch.float32 or upcast else "tf32",
         UPCAST=upcast,
         BT_PREFETCH=bool(cfg.get("BT_PREFETCH", False)),
         SKIP_DECODE=bool(skip_decode_rows),
+        SPLIT=split,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
+    if split:
+        merge_m = min(MERGE_M, block_m)
+        merge_slots = num_slots * (block_m // merge_m)
+        if merge_slots > _MAX_GRID_Y:
+            raise ValueError(
+                f"{merge_slots} merge row blocks exceed the grid's second axis ({_MAX_GRID_Y}): "
+                "fewer query rows per split launch"
+            )
+        _prefill_merge_kernel[(hq, merge_slots)](
+            out,
+            po,
+            plse,
+            cu_seqlens_q,
+            seq_lens,
+            b,
+            num_splits,
+            min_split_keys,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            *po_strides,
+            *plse_strides,
+            HEAD_DIM=d,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            MERGE_M=merge_m,
+            CAUSAL=bool(causal),
+            SKIP_DECODE=bool(skip_decode_rows),
+            num_warps=MERGE_WARPS,
+        )
     return out

@@ -6,8 +6,10 @@ Stores the step's keys/values with :func:`kernels.kv_cache.store_kv_cache` (or, 
 split-KV paged decode kernel when every sequence has one new token. Any other step (prefill, or
 a mixed step of decodes and prompt chunks) runs the decode kernel in its varlen mode on the
 sequences with one new token and the varlen paged prefill kernel on the others
-(``split_mixed_steps``; otherwise the prefill kernel computes every row). Off CUDA it runs only
-under the Triton interpreter (``TRITON_INTERPRET=1``).
+(``split_mixed_steps``; otherwise the prefill kernel computes every row). A prefill launch whose
+grid would leave most SMs idle (a short prompt chunk over a long cached prefix) runs in the
+kernel's split-KV mode, its split count chosen from host ints (``kernels.prefill_split``). Off
+CUDA it runs only under the Triton interpreter (``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ from engine.attention.metadata import AttentionMetadata
 from kernels.decode_attention import choose_num_splits, decode_attention, decode_scratch
 from kernels.kv_cache import store_kv_cache
 from kernels.prefill_attention import prefill_attention
+from kernels.prefill_split import (
+    MAX_PARTIAL_ROWS,
+    prefill_num_splits,
+    prefill_scratch,
+    scratch_numel,
+)
 from kernels.qk_norm_rope import qk_norm_rope_store
 
 
@@ -42,13 +50,21 @@ class TritonAttentionBackend:
             ``BLOCK_M``-row query tile per query head for each of them. Both launches have
             shape-only grids, so the step stays capturable in a CUDA graph. False restores the
             single prefill launch (benchmarks).
+        split_prefill: let prefill launches take the split-KV mode where
+            :func:`kernels.prefill_split.prefill_num_splits` says the grid underfills the GPU
+            (split count from the token count, heads and ``max_seq_len``: fixed per captured
+            graph). Its scratch is one flat buffer per (device, heads, head_dim) of
+            ``MAX_PARTIAL_ROWS`` rows, allocated on first use and shared by every launch. False
+            keeps the single-pass launch (benchmarks, A/B runs).
     """
 
     name = "triton"
 
-    def __init__(self, split_mixed_steps: bool = True) -> None:
+    def __init__(self, split_mixed_steps: bool = True, split_prefill: bool = True) -> None:
         self.split_mixed_steps = split_mixed_steps
+        self.split_prefill = split_prefill
         self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._prefill_scratch: dict[tuple, torch.Tensor] = {}
         self._num_sms: dict[torch.device, int] = {}
 
     def _sm_count(self, device: torch.device) -> int:
@@ -71,6 +87,28 @@ class TritonAttentionBackend:
             buf = decode_scratch(batch, num_heads, head_dim, num_splits, device)
             self._scratch[key] = buf
         return buf
+
+    def prefill_splits(
+        self, q: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+        """``(num_splits, partial_out, partial_lse)`` of this step's prefill launch: 1 and no
+        scratch unless the split-KV mode is on and chosen (host ints only, no sync)."""
+        if not self.split_prefill:
+            return 1, None, None
+        t, num_heads, head_dim = q.shape
+        splits = prefill_num_splits(
+            t, num_heads, head_dim, q.dtype, q.device, meta.max_seq_len, self._sm_count(q.device)
+        )
+        if splits == 1:
+            return 1, None, None
+        key = (q.device, num_heads, head_dim)
+        buf = self._prefill_scratch.get(key)
+        if buf is None:
+            numel = scratch_numel(MAX_PARTIAL_ROWS, num_heads, head_dim)
+            buf = torch.empty(numel, dtype=torch.float32, device=q.device)
+            self._prefill_scratch[key] = buf
+        po, plse = prefill_scratch(buf, splits, t, num_heads, head_dim)
+        return splits, po, plse
 
     def forward(
         self,
@@ -161,6 +199,7 @@ class TritonAttentionBackend:
             )
             if decode:
                 return out
+        splits, po, plse = self.prefill_splits(q, meta)
         return prefill_attention(
             q,
             k_cache,
@@ -172,4 +211,7 @@ class TritonAttentionBackend:
             scale,
             causal=True,
             skip_decode_rows=self.split_mixed_steps,
+            num_splits=splits,
+            partial_out=po,
+            partial_lse=plse,
         )

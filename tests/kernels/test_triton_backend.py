@@ -218,3 +218,47 @@ def test_forward_qk_rope_matches_torch_backend(device, norm):
         assert err <= 1e-5, f"step {ctx_lens}+{q_lens}: rel err {err:.2e} (seed={seed})"
         torch.testing.assert_close(k_cache.cpu(), ref_k, rtol=1e-5, atol=1e-5)
         assert torch.equal(v_cache.cpu(), ref_v)
+
+
+def test_triton_backend_split_prefill_over_long_prefix(device):
+    """A prompt chunk over a long cached prefix with decodes beside it (the step that underfills
+    the GPU) takes the prefill kernel's split-KV mode: the output equals the reference on every
+    real row, and two steps share one scratch buffer; split_prefill=False gives the same rows."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    hq, hkv, d, bs, dtype = 4, 2, 64, 16, torch.float32
+    steps = [([1, 40, 1], [90, 300, 17]), ([1, 25, 1], [91, 340, 18])]
+    seq_lens = [c + n for c, n in zip(*steps[-1][::-1])]
+    k_cache, v_cache, block_tables = make_paged(seq_lens, hkv, d, bs, dtype, g)
+    be, plain = TritonAttentionBackend(), TritonAttentionBackend(split_prefill=False)
+    be._num_sms[torch.device(device)] = 64
+    buffers = set()
+    for q_lens, ctx_lens in steps:
+        t = sum(q_lens)
+        q = torch.randn(t, hq, d, generator=g)
+        k = torch.randn(t, hkv, d, generator=g)
+        v = torch.randn(t, hkv, d, generator=g)
+        meta = _meta(block_tables, ctx_lens, q_lens, bs, "cpu")
+        ref_k, ref_v = k_cache.clone(), v_cache.clone()
+        store_kv_cache_ref(k, v, ref_k, ref_v, meta.slot_mapping)
+        ref = torch.zeros(t, hq, d)
+        prefill_attention_ref(
+            q, ref_k, ref_v, block_tables, meta.cu_seqlens_q, meta.seq_lens, ref, d**-0.5
+        )
+        dev_meta = _meta(block_tables, ctx_lens, q_lens, bs, device)
+        splits, _, _ = be.prefill_splits(q.to(device), dev_meta)
+        assert splits > 1
+        outs = []
+        for backend in (be, plain):
+            kc, vc = k_cache.to(device), v_cache.to(device)
+            outs.append(
+                backend.forward(
+                    q.to(device), k.to(device), v.to(device), kc, vc, dev_meta, d**-0.5
+                ).cpu()
+            )
+        for out in outs:
+            err = rel_err(out, ref)
+            assert err <= 1e-5, f"step {ctx_lens}+{q_lens}: rel err {err:.2e} (seed={seed})"
+        buffers |= {buf.data_ptr() for buf in be._prefill_scratch.values()}
+        k_cache, v_cache = ref_k, ref_v
+    assert len(buffers) == 1 and not plain._prefill_scratch

@@ -1,0 +1,60 @@
+"""Candidate tiles of the paged prefill kernel that ``bench/prefill_long.py --sweep`` times and
+``bench/prefill_compile_check.py`` compiles for sm_90 offline (no torch import here, so the
+compile check can import it before Triton's interpreter switch is read).
+
+Each entry is a :func:`kernels.prefill_attention.prefill_config` override; the first of each list
+is the configuration without a table row (issue 3's choice for bf16, D=128 on the H200).
+"""
+
+from __future__ import annotations
+
+
+def tiles(bm: int, bn: int, warps: int, stages: int, prefetch: bool = True) -> dict:
+    return {
+        "BLOCK_M": bm,
+        "BLOCK_N": bn,
+        "num_warps": warps,
+        "num_stages": stages,
+        "BT_PREFETCH": prefetch,
+    }
+
+
+#: single-pass launches (long causal prompts, chunks that fill the GPU): BLOCK_M 128 with 8 warps
+#: (two Hopper warpgroups of 64 rows), BLOCK_M 64 with 4, 2-4 pipeline stages, block-id prefetch
+UNSPLIT_CONFIGS = [
+    tiles(128, 128, 8, 2),
+    tiles(128, 128, 8, 3),
+    tiles(128, 128, 8, 2, prefetch=False),
+    tiles(128, 64, 8, 2),
+    tiles(128, 64, 8, 3),
+    tiles(128, 64, 8, 4),
+    tiles(128, 64, 4, 3),
+    tiles(64, 128, 4, 2),
+    tiles(64, 128, 4, 3),
+    tiles(64, 64, 4, 3),
+    tiles(64, 64, 4, 4),
+]
+
+#: split-KV launches (few query tiles over long keys): fewer rows per program fill more SMs
+SPLIT_CONFIGS = [
+    tiles(128, 128, 8, 2),
+    tiles(128, 64, 8, 3),
+    tiles(64, 128, 4, 2),
+    tiles(64, 64, 4, 3),
+]
+
+#: split policies (table keys of the split row): programs resident per SM in the wave model, and
+#: the most splits; MAX_SPLITS 1 is the split mode off
+POLICIES = [
+    {"PROGRAMS_PER_SM": 1, "MAX_SPLITS": 16},
+    {"PROGRAMS_PER_SM": 2, "MAX_SPLITS": 16},
+    {"PROGRAMS_PER_SM": 1, "MAX_SPLITS": 1},
+]
+
+#: split counts timed for every chunk shape (plus every count a policy above would pick)
+SPLIT_COUNTS = (2, 4, 8, 16)
+
+#: the interpreter's (CPU, ``--tiny``) lists: small tiles so the smoke test runs in minutes
+TINY_UNSPLIT_CONFIGS = [tiles(32, 32, 4, 1), tiles(16, 32, 4, 1)]
+TINY_SPLIT_CONFIGS = [tiles(32, 32, 4, 1), tiles(16, 16, 4, 1)]
+TINY_SPLIT_COUNTS = (2, 4)
