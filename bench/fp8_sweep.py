@@ -331,12 +331,14 @@ def check_and_time(cfg, x, ref, wqs, wss, device, compiled) -> tuple[float | Non
         if not torch.equal(a, b):
             return None, err, "two launches differ"
         if cfg.split_k > 1 and int(gemv_counters(x.device).abs().sum()) != 0:
+            gemv_counters(x.device).zero_()  # so that the next candidates start from zero
             return None, err, "split-K counters left non-zero"
         fns = [partial(fp8_linear, x, w, s, config=cfg) for w, s in zip(wqs, wss)]
         return time_us(fns, device), err, ""
     except Exception as exc:  # noqa: BLE001 - launch or capture failure: not picked
         if device.type == "cuda":
             torch.cuda.synchronize()
+        gemv_counters(x.device).zero_()  # a failed split launch may have left counts behind
         return None, float("nan"), f"{type(exc).__name__}: {str(exc)[:120]}"
 
 

@@ -27,13 +27,14 @@ fields is an error.
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from functools import cache
 
 import torch
 import triton
 
 from kernels.configs import device_name, kernel_table, table_path
+from kernels.gemv import NUM_COUNTERS
 from kernels.interpreter import interpreting
 
 #: the weight block and activation group the kernels take (``block_n``, ``block_k``)
@@ -189,6 +190,20 @@ def _table_entry(name: str, n: int, k: int, bucket: int) -> Fp8Config | None:
     return None if row is None else parse_table_entry(row, bucket, where)
 
 
+def check_fp8_table(device: torch.device | str, n: int, k: int) -> None:
+    """Parse every M bucket of the ``[N, K]`` entry of ``device``'s table (none: nothing to do),
+    so that a malformed entry fails the engine's start rather than a request's step.
+
+    Raises:
+        ValueError: as :func:`fp8_table_config`, for the first malformed bucket.
+    """
+    if torch.device(device).type != "cuda":
+        return
+    name = device_name(device)
+    for bucket in M_BUCKETS:
+        _table_entry(name, n, k, bucket)
+
+
 def fp8_table_config(
     name: str, m: int, n: int, k: int, kind: str | None = None
 ) -> Fp8Config | None:
@@ -231,5 +246,16 @@ def fp8_config(
     if device is not None and torch.device(device).type == "cuda":
         cfg = fp8_table_config(device_name(device), m, n, k, kind)
         if cfg is not None:
+            if cfg.kind == "gemm" and cfg.split_k > 1 and not _split_fits(cfg, m, n):
+                # the last bucket serves every larger M: past the split-K kernel's counters
+                # or 2^31 partial elements, the same tiles run unsplit
+                cfg = replace(cfg, split_k=1)
             return cfg
     return default_fp8_config(m, n, k, kind)
+
+
+def _split_fits(cfg: Fp8Config, m: int, n: int) -> bool:
+    """Whether a split-K launch of ``cfg`` on an ``m x n`` output has an arrival counter per
+    output tile and fewer than 2^31 fp32 partial elements (``fp8_gemm``'s launch limits)."""
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    return tiles <= NUM_COUNTERS and cfg.split_k * m * n < 2**31

@@ -78,6 +78,19 @@ def test_fp8_config_uses_the_table_else_the_builtin_tiles(table, monkeypatch):
     assert fp8_config(100, 4096, 4096) == default_fp8_config(100, 4096, 4096)  # no device
 
 
+def test_split_k_entry_of_the_last_bucket_runs_unsplit_past_the_launch_limits(table, monkeypatch):
+    """The last bucket serves every larger M: a split-K entry there keeps its tiles but runs
+    unsplit once the output has more tiles than arrival counters (or 2^31 partials)."""
+    split_row = {**ROW_BIG, "block_m": 64, "block_n": 64, "split_k": 2}
+    table({"4096,4096": {"4096": split_row}})
+    monkeypatch.setattr(fc, "interpreting", lambda: False)
+    monkeypatch.setattr(fc, "device_name", lambda device: DEVICE)
+    cuda = torch.device("cuda")
+    assert fp8_config(4096, 4096, 4096, device=cuda).split_k == 2  # 4096 tiles: fits
+    big = fp8_config(70_000, 4096, 4096, device=cuda)  # 70,000 tiles > 65,536 counters
+    assert big == Fp8Config("gemm", 64, 64, 8, 3, split_k=1)
+
+
 def test_builtin_tiles_are_unchanged():
     """The configuration every device without a table runs (as before the tables existed)."""
     assert default_fp8_config(1, 4096, 4096) == Fp8Config("gemv", 16, 64, 4, 4, split_k=6)
@@ -122,3 +135,14 @@ def test_malformed_shape_entry_raises(table):
         fp8_table_config(DEVICE, 100, 4096, 4096)
     table({"6144,4096": {"100": ROW_GEMM}})  # another shape's error does not touch this one
     assert fp8_table_config(DEVICE, 100, 4096, 4096) is None
+
+
+def test_check_fp8_table_reads_every_bucket_of_a_shape(table, monkeypatch):
+    """The engine's start-up check parses all buckets of a layer's shape: a malformed bucket
+    that no warm-up step would reach still fails there, naming it."""
+    table({"4096,4096": {"128": ROW_GEMM, "2048": {**ROW_BIG, "num_warps": 3}}})
+    monkeypatch.setattr(fc, "device_name", lambda device: DEVICE)
+    fc.check_fp8_table("cpu", 4096, 4096)  # no table on the CPU: nothing read
+    fc.check_fp8_table(torch.device("cuda"), 6144, 4096)  # shape without an entry
+    with pytest.raises(ValueError, match="bucket 2048: num_warps 3"):
+        fc.check_fp8_table(torch.device("cuda"), 4096, 4096)

@@ -215,7 +215,9 @@ class Fp8LinearMethod:
         """Check that the layer's shards and rank slices are whole blocks.
 
         Raises:
-            ValueError: naming the module and the size that is not a multiple of 128.
+            ValueError: naming the module and the size that is not a multiple of 128; a
+                malformed entry for the layer's shape in the device's measured FP8 tile table
+                (``kernels/fp8_configs.check_fp8_table``), at start rather than in a step.
         """
         bn, bk = self.block
         rows, cols = _sliced_dims(layer)
@@ -236,6 +238,10 @@ class Fp8LinearMethod:
                 f"{name}: {layer.weight.shape[1]} input features per rank are not a multiple "
                 f"of the FP8 block {bk}"
             )
+        if fp8_backend(layer.weight.device) == "triton":  # the measured tiles of this shape
+            from kernels.fp8_configs import check_fp8_table
+
+            check_fp8_table(layer.weight.device, *layer.weight.shape)
 
 
 def _read(tensor) -> torch.Tensor:
