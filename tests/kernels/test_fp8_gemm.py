@@ -175,7 +175,12 @@ def test_fp8_linear_bf16(m):
     ref = fp8_linear_ref(x, w, ws)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     assert fp8_config(m, n, k).kind == ("gemv" if m <= 32 else "gemm")
-    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=1e-6)
+    # one bf16 ulp of the element, or of the output's scale for elements near zero: on the GPU
+    # the tensor cores sum in another order than the float32 reference, and an element that
+    # nearly cancels differs by more than its own ulp (1.5-3 % of them, up to 1.5e-3 absolute)
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=2**-8 * scale)
+    assert _rel(out, ref) < 2**-7  # bf16 output rounding: ~3e-3 relative (norm)
 
 
 def test_fp8_linear_refuses_bad_inputs():
