@@ -407,11 +407,12 @@ def main(argv: list[str] | None = None) -> None:
     from server.app import create_app
     from server.factory import build_context, engine_config, run_worker_rank_if_any
 
-    code = run_worker_rank_if_any(engine_config(args))
+    config = engine_config(args)
+    code = run_worker_rank_if_any(config)
     if code is not None:  # a torchrun rank other than 0: no HTTP server here
         return code
     sock = listen_socket(args.host, args.port)  # before the model loads: a taken port fails now
-    ctx = build_context(args)
+    ctx = build_context(args, config)
     app = create_app(ctx)
     log.info("serving %s on http://%s:%d", ctx.model_name, args.host, sock.getsockname()[1])
     # What start-up built lives as long as the server: keep it out of the garbage collector's full

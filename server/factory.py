@@ -95,13 +95,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def build_context(args: argparse.Namespace) -> ServerContext:
+def build_context(args: argparse.Namespace, config: EngineConfig | None = None) -> ServerContext:
     """Load the checkpoint (or build the embedded one) and wire engine, tokenizer and metrics.
+
+    ``config``: :func:`engine_config` of ``args`` when the caller has it already (None: made
+    here), so the model is resolved, and its start-up line logged, once.
 
     Raises:
         FileNotFoundError / ValueError: unreadable or unsupported checkpoint, bad settings.
     """
-    config = engine_config(args)
+    config = config if config is not None else engine_config(args)
     model_dir = config.model
     name = args.served_model_name or (
         Path(args.model).resolve().name if args.model is not None else "qwen3-embedded"

@@ -294,4 +294,8 @@ class GrammarValidator:
             while len(self._results) > self.capacity:
                 self._results.popitem(last=False)
         if error:
-            raise APIError(400, f"the engine cannot enforce this constraint: {error}", param)
+            raise APIError(
+                400,
+                f"{param} is invalid or asks for what the grammar engine cannot enforce: {error}",
+                param,
+            )
