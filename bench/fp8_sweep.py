@@ -16,7 +16,8 @@ table bucket (``kernels.fp8_configs.M_BUCKETS``, the largest M a bucket serves).
    fused small-M kernel ("gemv", BLOCK_M 32/64) for M <= 64; then variants (split-K 1..8,
    GROUP_M 1..64, fusion flipped) of the four fastest: at most 40 per (shape, M). Tiles whose
    estimated shared memory exceeds the H200's 227 KB are not tried; the built-in configuration
-   (``default_fp8_config``) always is.
+   (``default_fp8_config``) always is; from M = 64 on sm_90 also cuBLASLt's block-scaled GEMM
+   (``kernels/fp8_cublas.py``, table kind "cublas"), checked like the others.
 2. Compilation first, in parallel: every configuration any stage could try is launched once on
    small inputs with the same specialization (16-divisible sizes and strides) in a pool of
    spawned processes, which fills Triton's on-disk cache; the timing process then only loads
@@ -56,12 +57,14 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from kernels.fp8_configs import (  # noqa: E402
+    CUBLAS_CONFIG,
     FP8_BLOCK,
     M_BUCKETS,
     Fp8Config,
     default_fp8_config,
     parse_table_entry,
 )
+from kernels.fp8_cublas import cublas_block_fp8_supported  # noqa: E402
 
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)]
 TINY_SHAPES = [("tiny", 96, 320)]
@@ -78,6 +81,8 @@ SMS = 132
 #: weight bytes per timed graph, at least (the H200's L2 is 50 MB), for M below LARGE_M
 COPY_BYTES = 128 << 20
 LARGE_M = 1024
+#: from this M the cuBLASLt block-scaled GEMM is timed too (on sm_90; kernels/fp8_cublas.py)
+CUBLAS_MIN_M = 64
 
 #: (block_m, block_n, num_warps, num_stages) tried first, by M regime. Left out: tiles whose
 #: accumulator and dot result overflow 255 registers a thread and spill (sm_90, triton 3.9,
@@ -171,6 +176,8 @@ def variants(m: int, n: int, k: int, cfg: Fp8Config) -> list[Fp8Config]:
     """Neighbours of a good configuration: other split-K (M <= 256; only splits the launch
     would really make differently), GROUP_M (more than one M tile), the fusion flipped (gemm);
     for the fused small-M kernel, other splits."""
+    if cfg.kind == "cublas":
+        return []  # cuBLASLt chooses its own tiles
     splits = (1, 2, 3, 4, 6, 8, 12) if cfg.kind == "gemv" else SPLITS if m <= 256 else ()
     seen = {_splits_used(k, cfg.split_k)}
     out = []
@@ -302,6 +309,8 @@ def time_us(fns, device) -> float:
 
 def cfg_str(cfg: Fp8Config) -> str:
     """``gemm 64x128 w4 s4 g8 split1 fused``: kind, tiles, warps, stages, GROUP_M, split-K."""
+    if cfg.kind == "cublas":
+        return "cublas (cuBLASLt block-scaled)"
     tiles = f"{cfg.kind} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
     if cfg.kind == "gemv":
         return f"{tiles} split{cfg.split_k}"
@@ -313,9 +322,10 @@ def check_and_time(cfg, x, ref, wqs, wss, device, compiled) -> tuple[float | Non
     from kernels.fp8_gemm import fp8_linear
     from kernels.gemv import gemv_counters
 
-    if compiled is not None and compile_key(cfg) not in compiled:
+    triton_kernel = cfg.kind != "cublas"
+    if triton_kernel and compiled is not None and compile_key(cfg) not in compiled:
         return None, float("nan"), "not compiled within the budget"
-    if compiled is not None and compiled[compile_key(cfg)] is not None:
+    if triton_kernel and compiled is not None and compiled[compile_key(cfg)] is not None:
         return None, float("nan"), "compile failed"
     try:
         t = time.perf_counter()
@@ -375,6 +385,8 @@ def sweep_shape(name, n, k, ms, device, compiled, deadline, tiny) -> list[dict]:
         timed: dict[Fp8Config, tuple] = {}
         for cfg in stage_a(m, n, k, tiny):
             timed[cfg] = check_and_time(cfg, x, ref, wqs, wss, device, compiled)
+        if m >= CUBLAS_MIN_M and cublas_block_fp8_supported(device):
+            timed[CUBLAS_CONFIG] = check_and_time(CUBLAS_CONFIG, x, ref, wqs, wss, device, None)
         ranked = sorted((c for c in timed if timed[c][0] is not None), key=lambda c: timed[c][0])
         if time.perf_counter() < share:
             for cfg in stage_b(m, n, k, ranked, set(timed), MAX_CANDIDATES - len(timed)):
@@ -408,7 +420,8 @@ def table_of(rows) -> dict:
     for r in rows:
         if "best" not in r:
             continue
-        entry = {**r["best"], "fp8_us": round(r["fp8_us"], 2), "bf16_us": round(r["bf16_us"], 2)}
+        best = r["best"] if r["best"]["kind"] != "cublas" else {"kind": "cublas"}
+        entry = {**best, "fp8_us": round(r["fp8_us"], 2), "bf16_us": round(r["bf16_us"], 2)}
         if r["default_us"] is not None:
             entry["default_us"] = round(r["default_us"], 2)
         parse_table_entry(entry, r["m"], "sweep output")  # what fp8_config will accept

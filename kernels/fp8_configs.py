@@ -70,7 +70,8 @@ class Fp8Config:
     share a weight column in launch order for L2 reuse, ``split_k`` K splits reduced in the
     kernel by the last-arriving program, ``fuse_quant``: the GEMM quantizes the activation tiles
     itself instead of reading ``fp8_group_quant``'s output). ``num_warps`` and ``num_stages``
-    are Triton's.
+    are Triton's. ``kind`` "cublas": cuBLASLt's block-scaled GEMM (:mod:`kernels.fp8_cublas`,
+    sm_90); its tile fields are unused (:data:`CUBLAS_CONFIG`).
     """
 
     kind: str
@@ -81,6 +82,10 @@ class Fp8Config:
     split_k: int = 1
     group_m: int = 8
     fuse_quant: bool = False
+
+
+#: the configuration of the cuBLASLt kind (no tiles of ours to choose)
+CUBLAS_CONFIG = Fp8Config("cublas", 0, 0, 0, 0)
 
 
 def _gemv_split(n: int, k: int, block_n: int) -> int:
@@ -132,6 +137,11 @@ def parse_table_entry(row: object, bucket: int, where: str = "fp8_gemm table") -
     at = f"{where}, bucket {bucket}"
     if not isinstance(row, dict):
         raise ValueError(f"{at}: expected an object of tile fields, got {type(row).__name__}")
+    if row.get("kind") == "cublas":  # cuBLASLt picks its own tiles: measurements only
+        extra = [key for key in row if key != "kind" and not key.endswith(_MEASUREMENT_SUFFIXES)]
+        if extra:
+            raise ValueError(f"{at}: a cublas entry takes no tile fields, got {sorted(extra)}")
+        return CUBLAS_CONFIG
     names = {f.name: f for f in fields(Fp8Config)}
     unknown = [key for key in row if key not in names and not key.endswith(_MEASUREMENT_SUFFIXES)]
     if unknown:
@@ -151,7 +161,7 @@ def parse_table_entry(row: object, bucket: int, where: str = "fp8_gemm table") -
         values[name] = v
     cfg = Fp8Config(**values)
     if cfg.kind not in ("gemm", "gemv"):
-        raise ValueError(f"{at}: kind must be 'gemm' or 'gemv', got {cfg.kind!r}")
+        raise ValueError(f"{at}: kind must be 'gemm', 'gemv' or 'cublas', got {cfg.kind!r}")
     problems = []
     if not _pow2(cfg.block_m, 16, 256):
         problems.append(f"block_m {cfg.block_m} is not a power of two in 16..256")

@@ -534,8 +534,9 @@ def fp8_linear(
     ``config`` (None: :func:`fp8_config` ``(M, N, K, device=x.device)``, the device's measured
     table or the built-in tiles) picks the kernel: "gemv", the fused small-M kernel; "gemm" with
     ``fuse_quant``, the GEMM quantizing the activation tiles itself; "gemm" otherwise,
-    :func:`fp8_group_quant` then :func:`fp8_gemm`. No host synchronisation; CUDA-graph
-    capturable.
+    :func:`fp8_group_quant` then :func:`fp8_gemm`; "cublas", :func:`fp8_group_quant` then
+    cuBLASLt's block-scaled GEMM (:mod:`kernels.fp8_cublas`, sm_90). No host synchronisation;
+    CUDA-graph capturable.
 
     Raises:
         ValueError: ``w`` not float8_e4m3fn, or K of ``x`` and ``w`` differ; those of
@@ -548,8 +549,12 @@ def fp8_linear(
     if w.shape[1] != k:
         raise ValueError(f"x has {k} features, the weight {w.shape[1]}")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     cfg = config or fp8_config(m, n, k, device=x.device)
+    if cfg.kind == "cublas":
+        from kernels.fp8_cublas import fp8_cublas_linear
+
+        return fp8_cublas_linear(x, w, ws, bias)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if cfg.kind == "gemv":
         return fp8_gemv(x, w, ws, bias, out, cfg)
     if m == 0:

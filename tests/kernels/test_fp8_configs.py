@@ -109,7 +109,7 @@ def test_builtin_tiles_are_unchanged():
         ({**ROW_GEMM, "block_m": "16"}, "block_m must be int, got '16'"),
         ({**ROW_GEMM, "fuse_quant": 1}, "fuse_quant must be bool"),
         ({**ROW_GEMM, "split_k": True}, "split_k must be int"),
-        ({**ROW_GEMM, "kind": "mma"}, "kind must be 'gemm' or 'gemv'"),
+        ({**ROW_GEMM, "kind": "mma"}, "kind must be 'gemm', 'gemv' or 'cublas'"),
         ({**ROW_GEMM, "block_n": 96}, "block_n 96 is not a power of two"),
         ({**ROW_GEMM, "num_warps": 3}, "num_warps 3 is not 2, 4 or 8"),
         ({**ROW_GEMM, "num_stages": 0}, "num_stages 0 is outside"),
@@ -146,3 +146,15 @@ def test_check_fp8_table_reads_every_bucket_of_a_shape(table, monkeypatch):
     fc.check_fp8_table(torch.device("cuda"), 6144, 4096)  # shape without an entry
     with pytest.raises(ValueError, match="bucket 2048: num_warps 3"):
         fc.check_fp8_table(torch.device("cuda"), 4096, 4096)
+
+
+def test_cublas_entries_carry_no_tiles(table, monkeypatch):
+    """A "cublas" entry is the kind plus measurements; tile fields in it are refused."""
+    table({"4096,4096": {"256": {"kind": "cublas", "fp8_us": 20.0, "bf16_us": 25.0}}})
+    monkeypatch.setattr(fc, "interpreting", lambda: False)
+    monkeypatch.setattr(fc, "device_name", lambda device: DEVICE)
+    assert fp8_config(200, 4096, 4096, device=torch.device("cuda")) == fc.CUBLAS_CONFIG
+    assert fp8_table_config(DEVICE, 200, 4096, 4096, kind="gemm") is None
+    table({"4096,4096": {"256": {"kind": "cublas", "block_m": 64}}})
+    with pytest.raises(ValueError, match="a cublas entry takes no tile fields"):
+        fp8_table_config(DEVICE, 200, 4096, 4096)

@@ -191,3 +191,37 @@ def test_fp8_linear_refuses_bad_inputs():
         fp8_linear(_x(2, 256), w, ws)
     with pytest.raises(ValueError, match="at most block_m=16 rows"):
         fp8_gemv(_x(17, 128), w, ws, None, torch.empty(17, 128), Fp8Config("gemv", 16, 32, 4, 1))
+
+
+def test_cublas_path_refuses_what_cublaslt_cannot_take():
+    """The cuBLASLt kind writes bf16/fp16 only and needs K / 128 a multiple of 4 (unpadded
+    weight scales): other inputs are refused by name before any device call."""
+    from kernels.fp8_configs import CUBLAS_CONFIG
+
+    w, ws = _weights(256, 384)
+    with pytest.raises(ValueError, match="K a multiple of 512, got K=384"):
+        fp8_linear(_x(64, 384, dtype=torch.bfloat16), w, ws, config=CUBLAS_CONFIG)
+    w, ws = _weights(256, 512)
+    with pytest.raises(ValueError, match="writes bf16/fp16"):
+        fp8_linear(_x(64, 512), w, ws, config=CUBLAS_CONFIG)
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="cuBLASLt's block-scaled FP8 GEMM runs on sm_90 only (the H200 checks it)",
+)
+@pytest.mark.parametrize("m", [64, 200])
+def test_cublas_path_matches_the_reference(m):
+    """cuBLASLt's 1x128 / 128x128 block-scaled GEMM computes what the Triton kernels compute:
+    the same quantized activations times the dequantized weight, within bf16 rounding."""
+    from kernels.fp8_configs import CUBLAS_CONFIG
+
+    n, k = 384, 1024
+    w, ws = _weights(n, k, seed=11)
+    x = _x(m, k, seed=12, dtype=torch.bfloat16)
+    bias = torch.randn(n, device=DEVICE).to(torch.bfloat16)
+    out = fp8_linear(x, w, ws, bias, config=CUBLAS_CONFIG)
+    ref = fp8_linear_ref(x, w, ws, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=2**-8 * scale)

@@ -1,0 +1,76 @@
+"""Block-FP8 linear layer through cuBLASLt's block-scaled FP8 GEMM (torch's ``scaled_mm``).
+
+The same arithmetic as :func:`kernels.fp8_gemm.fp8_linear`: activations quantized per token in
+groups of 128 (:func:`kernels.fp8_gemm.fp8_group_quant`), weights in float8_e4m3fn with one
+float32 scale per 128 x 128 block (DeepSeek-V3's recipe, the Qwen3-FP8 checkpoints' layout), the
+product accumulated in float32 by the tensor cores. cuBLASLt runs it from version 12.9 on sm_90
+(Hopper) only; torch exposes it as ``torch.nn.functional.scaled_mm`` with
+``ScalingType.BlockWise1x128`` (activations) and ``BlockWise128x128`` (weights), and infers the
+same recipe in ``torch._scaled_mm`` from the scales' shapes. Layouts it requires
+(``aten/src/ATen/native/cuda/ScaledBlas.cpp``): the activation scales ``[M, K / 128]``
+column-major (``fp8_group_quant``'s layout), the weight scales ``[K / 128, N / 128]``
+column-major with ``K / 128`` a multiple of 4 (so this path refuses other K rather than pad).
+
+It is a measured table kind (``"cublas"`` in ``kernels/configs/fp8_gemm_<device>.json``): the
+FP8 sweep (``bench/fp8_sweep.py``) times it beside the Triton GEMM and checks it against the
+float32 reference; nothing uses it on a device whose table does not pick it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.fp8_configs import FP8_BLOCK
+
+
+def cublas_block_fp8_supported(device: torch.device | str) -> bool:
+    """Whether ``device`` may run the block-scaled cuBLASLt GEMM: CUDA compute capability 9.0
+    and a torch with a scaled matmul (whether its cuBLASLt is >= 12.9 shows at the first call,
+    which then raises)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0) and (
+        hasattr(F, "scaled_mm") or hasattr(torch, "_scaled_mm")
+    )
+
+
+def fp8_cublas_linear(
+    x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x [M, K]`` (bf16/fp16) times the block-FP8 weight ``w [N, K]`` (float8_e4m3fn, scales
+    ``ws`` float32 ``[ceil(N / 128), K / 128]``) -> ``[M, N]`` in x's dtype, plus ``bias``.
+
+    Raises:
+        ValueError: x not bf16/fp16 (cuBLASLt writes only those here), or ``K / 128`` not a
+            whole multiple of 4 (the weight scales would need padding).
+        RuntimeError / NotImplementedError: from torch where cuBLASLt < 12.9 or the GPU is not
+            sm_90 (the sweep rejects the kind there).
+    """
+    from kernels.fp8_gemm import fp8_group_quant
+
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the cuBLASLt FP8 path writes bf16/fp16, got {x.dtype}")
+    m, k = x.shape
+    kb = k // FP8_BLOCK[1]
+    if k % FP8_BLOCK[1] or kb % 4:
+        raise ValueError(f"the cuBLASLt FP8 path needs K a multiple of 512, got K={k}")
+    xq, xs = fp8_group_quant(x)  # xs: [M, K / 128], column-major
+    scale_b = ws.float().contiguous().t()  # [K / 128, N / 128], column-major
+    if hasattr(F, "scaled_mm"):
+        st = F.ScalingType
+        out = F.scaled_mm(
+            xq,
+            w.t(),
+            xs,
+            st.BlockWise1x128,
+            scale_b,
+            st.BlockWise128x128,
+            output_dtype=x.dtype,
+        )
+    else:
+        out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale_b, out_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out
