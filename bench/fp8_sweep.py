@@ -307,6 +307,42 @@ def time_us(fns, device) -> float:
     return 1e3 * ms
 
 
+#: whether the cuBLASLt kind is timed in this run (set by :func:`cublas_probe` in ``main``)
+CUBLAS = {"ok": False}
+
+_PROBE = """
+import torch
+from engine.layers.quantization.fp8 import quantize_fp8_blocks
+from kernels.fp8_configs import CUBLAS_CONFIG
+from kernels.fp8_gemm import fp8_linear
+bf16 = dict(device="cuda", dtype=torch.bfloat16)
+w, ws = quantize_fp8_blocks(torch.randn(256, 512, **bf16))
+y = fp8_linear(torch.randn(64, 512, **bf16), w, ws, config=CUBLAS_CONFIG)
+torch.cuda.synchronize()
+print("ok", bool(torch.isfinite(y).all()))
+"""
+
+
+def cublas_probe() -> bool:
+    """One small cuBLASLt block-scaled launch in a child process: a torch or cuBLASLt without
+    the recipe raises, and a launch that broke the CUDA context would end this process's sweep,
+    so the kind is timed only when the child succeeds."""
+    import subprocess
+
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120,
+            cwd=REPO,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        log("cublas probe: timed out; the cublas kind is not timed")
+        return False
+    ok = run.returncode == 0 and run.stdout.strip().endswith("ok True")
+    reason = "" if ok else f": {(run.stderr.strip().splitlines() or ['?'])[-1][:200]}"
+    log(f"cublas probe: {'ok, timed from M = ' + str(CUBLAS_MIN_M) if ok else 'failed'}{reason}")
+    return ok
+
+
 def cfg_str(cfg: Fp8Config) -> str:
     """``gemm 64x128 w4 s4 g8 split1 fused``: kind, tiles, warps, stages, GROUP_M, split-K."""
     if cfg.kind == "cublas":
@@ -385,7 +421,7 @@ def sweep_shape(name, n, k, ms, device, compiled, deadline, tiny) -> list[dict]:
         timed: dict[Fp8Config, tuple] = {}
         for cfg in stage_a(m, n, k, tiny):
             timed[cfg] = check_and_time(cfg, x, ref, wqs, wss, device, compiled)
-        if m >= CUBLAS_MIN_M and cublas_block_fp8_supported(device):
+        if m >= CUBLAS_MIN_M and CUBLAS["ok"]:
             timed[CUBLAS_CONFIG] = check_and_time(CUBLAS_CONFIG, x, ref, wqs, wss, device, None)
         ranked = sorted((c for c in timed if timed[c][0] is not None), key=lambda c: timed[c][0])
         if time.perf_counter() < share:
@@ -510,6 +546,7 @@ def main() -> int:
     compile_s = time.perf_counter() - tc
     n_ok = sum(e is None for e in compiled.values())
     log(f"compiled {n_ok} ok, {len(compiled) - n_ok} failed, in {compile_s:.1f} s")
+    CUBLAS["ok"] = cublas_block_fp8_supported(device) and cublas_probe()
     from kernels.configs import table_path
 
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
