@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The runs docs/benchmarks.md lists as pending (issues 18, 19, 20), against the previous main.
+# Usage (on the GPU): OLD=.basetree bash bench/pending_ab.sh [stages...]
+#   (default "tests check fp8 ab", ~9 minutes; "lc" alone fills a second call)
+#   tests: the GPU kernel tests (real Triton; the cuBLASLt FP8 path's correctness test on sm_90)
+#   check: bench/engine_check.py, engine correctness against torch attention run eagerly
+#   fp8:   bench/fp8_sweep.py --write-table, the FP8 tiles with the cuBLASLt block-scaled kind
+#          timed too (the table comes back in $OUT; commit it if the run is good)
+#   ab:    bench/ab_trees.py, offline, batch-1 TTFT/TPOT (engine only), serving at c=1/64
+#   lc:    bench/long_context.py, this tree, default and the 256-token cap (chunks now split)
+# Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD.
+set -u
+OLD=${OLD:-.basetree}
+source "$(dirname "$0")/gpu_env.sh"
+T0=$SECONDS
+stamp() { echo "== $1 at $((SECONDS - T0)) s"; }
+left() { local l=$(( ${BUDGET_S:-575} - (SECONDS - T0) )); echo $(( l < $1 ? l : $1 )); }
+for stage in ${@:-tests check fp8 ab}; do
+  case $stage in
+    tests) TRITON_INTERPRET=0 timeout "$(left 120)" python3 -m pytest -q -p no:cacheprovider \
+             tests/kernels/test_fp8_gemm.py tests/kernels/test_prefill_split.py \
+             tests/kernels/test_triton_backend.py 2>&1 | tail -6 | tee "$OUT/gpu_tests.txt" ;;
+    check) timeout "$(left 110)" python3 bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning \
+             | tee "$OUT/check.txt" | tail -8 ;;
+    fp8)   timeout "$(left 200)" python3 bench/fp8_sweep.py --out "$OUT" --write-table --budget-s 150 \
+             --compile-budget-s 60 2>&1 | grep -v Warning > "$OUT/fp8_sweep.log"
+           grep "cublas\|M=4096\|wall time" "$OUT/fp8_sweep.log" | tail -12 ;;
+    ab)    timeout "$(left 260)" python3 bench/ab_trees.py --old "$OLD" --repeats 2 --serve-conc 1 64 \
+             --out /tmp/ab 2>&1 | grep -v "Writing\|Warning" > "$OUT/ab_trees.txt"
+           tail -16 "$OUT/ab_trees.txt" ;;
+    lc)    timeout "$(left 560)" python3 bench/long_context.py --tokenizer-from .benchassets/tokenizer \
+             --trees . --skip-hf --out "$OUT/lc" --variants "default=" \
+             "budgets=--prefill-only-token-budget 8192 --max-prefill-tokens-with-decodes 256" 2>&1 \
+             | grep -v "Warn\|Writing" > "$OUT/lc.log"; grep "^|" "$OUT/lc.log" | tail -14 ;;
+    *)     echo "unknown stage $stage (tests check fp8 ab lc)"; exit 2 ;;
+  esac
+  stamp "$stage"
+done
