@@ -36,27 +36,38 @@ def cublas_block_fp8_supported(device: torch.device | str) -> bool:
     )
 
 
-def fp8_cublas_linear(
-    x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``x [M, K]`` (bf16/fp16) times the block-FP8 weight ``w [N, K]`` (float8_e4m3fn, scales
-    ``ws`` float32 ``[ceil(N / 128), K / 128]``) -> ``[M, N]`` in x's dtype, plus ``bias``.
+def check_cublas_operands(k: int, out_dtype: torch.dtype) -> None:
+    """Refuse what this path cannot take, before anything runs.
 
     Raises:
-        ValueError: x not bf16/fp16 (cuBLASLt writes only those here), or ``K / 128`` not a
-            whole multiple of 4 (the weight scales would need padding).
+        ValueError: ``out_dtype`` not bf16/fp16 (cuBLASLt writes only those here), or ``K / 128``
+            not a whole multiple of 4 (the weight scales would need padding).
+    """
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the cuBLASLt FP8 path writes bf16/fp16, got {out_dtype}")
+    if k % FP8_BLOCK[1] or (k // FP8_BLOCK[1]) % 4:
+        raise ValueError(f"the cuBLASLt FP8 path needs K a multiple of 512, got K={k}")
+
+
+def fp8_cublas_gemm(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    w: torch.Tensor,
+    ws: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``xq [M, K]`` float8_e4m3fn with scales ``xs`` float32 ``[M, K / 128]`` column-major
+    (``kernels.fp8_gemm.fp8_group_quant``'s output) times the block-FP8 weight ``w [N, K]``
+    (float8_e4m3fn, scales ``ws`` ``[ceil(N / 128), K / 128]``) -> ``[M, N]`` in ``out_dtype``,
+    plus ``bias``.
+
+    Raises:
+        ValueError: as :func:`check_cublas_operands`.
         RuntimeError / NotImplementedError: from torch where cuBLASLt < 12.9 or the GPU is not
             sm_90 (the sweep rejects the kind there).
     """
-    from kernels.fp8_gemm import fp8_group_quant
-
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"the cuBLASLt FP8 path writes bf16/fp16, got {x.dtype}")
-    m, k = x.shape
-    kb = k // FP8_BLOCK[1]
-    if k % FP8_BLOCK[1] or kb % 4:
-        raise ValueError(f"the cuBLASLt FP8 path needs K a multiple of 512, got K={k}")
-    xq, xs = fp8_group_quant(x)  # xs: [M, K / 128], column-major
+    check_cublas_operands(xq.shape[1], out_dtype)
     scale_b = ws.float().contiguous().t()  # [K / 128, N / 128], column-major
     if hasattr(F, "scaled_mm"):
         st = F.ScalingType
@@ -67,10 +78,10 @@ def fp8_cublas_linear(
             st.BlockWise1x128,
             scale_b,
             st.BlockWise128x128,
-            output_dtype=x.dtype,
+            output_dtype=out_dtype,
         )
     else:
-        out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale_b, out_dtype=x.dtype)
+        out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale_b, out_dtype=out_dtype)
     if bias is not None:
         out = out + bias.to(out.dtype)
     return out

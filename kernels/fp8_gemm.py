@@ -551,9 +551,11 @@ def fp8_linear(
     x = x if x.stride(-1) == 1 else x.contiguous()
     cfg = config or fp8_config(m, n, k, device=x.device)
     if cfg.kind == "cublas":
-        from kernels.fp8_cublas import fp8_cublas_linear
+        from kernels.fp8_cublas import check_cublas_operands, fp8_cublas_gemm
 
-        return fp8_cublas_linear(x, w, ws, bias)
+        check_cublas_operands(k, x.dtype)
+        xq, xs = fp8_group_quant(x)
+        return fp8_cublas_gemm(xq, xs, w, ws, bias, x.dtype)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if cfg.kind == "gemv":
         return fp8_gemv(x, w, ws, bias, out, cfg)
