@@ -256,7 +256,11 @@ def fp8_config(
     if device is not None and torch.device(device).type == "cuda":
         cfg = fp8_table_config(device_name(device), m, n, k, kind)
         if cfg is not None:
-            if cfg.kind == "gemm" and cfg.split_k > 1 and not _split_fits(cfg, m, n):
+            if (
+                cfg.kind == "gemm"
+                and cfg.split_k > 1
+                and not split_k_fits(m, n, cfg.block_m, cfg.block_n, cfg.split_k)
+            ):
                 # the last bucket serves every larger M: past the split-K kernel's counters
                 # or 2^31 partial elements, the same tiles run unsplit
                 cfg = replace(cfg, split_k=1)
@@ -264,8 +268,9 @@ def fp8_config(
     return default_fp8_config(m, n, k, kind)
 
 
-def _split_fits(cfg: Fp8Config, m: int, n: int) -> bool:
-    """Whether a split-K launch of ``cfg`` on an ``m x n`` output has an arrival counter per
-    output tile and fewer than 2^31 fp32 partial elements (``fp8_gemm``'s launch limits)."""
-    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    return tiles <= NUM_COUNTERS and cfg.split_k * m * n < 2**31
+def split_k_fits(m: int, n: int, block_m: int, block_n: int, split: int) -> bool:
+    """Whether a ``split``-way split-K GEMM launch on an ``m x n`` output in ``block_m x
+    block_n`` tiles has an arrival counter per output tile and fewer than 2^31 fp32 partial
+    elements (the limits ``kernels.fp8_gemm`` enforces at launch)."""
+    tiles = -(-m // block_m) * -(-n // block_n)
+    return tiles <= NUM_COUNTERS and split * m * n < 2**31

@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_configs import FP8_BLOCK, Fp8Config, fp8_config
+from kernels.fp8_configs import FP8_BLOCK, Fp8Config, fp8_config, split_k_fits
 from kernels.gemv import NUM_COUNTERS, gemv_counters
 from kernels.interpreter import interpreting as _interpreting
 
@@ -273,7 +273,7 @@ def _launch_gemm(a, a_scale, w, ws, bias, out, cfg: Fp8Config) -> torch.Tensor:
     split, per_split = _k_splits(triton.cdiv(k, FP8_BLOCK[1]), cfg.split_k)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     if split > 1:
-        if tiles > NUM_COUNTERS or split * m * n >= 2**31:
+        if not split_k_fits(m, n, cfg.block_m, cfg.block_n, split):
             raise ValueError(
                 f"split-K {split} of a {m}x{n} output: {tiles} tiles (at most {NUM_COUNTERS} "
                 f"counters) and {split * m * n} partial elements (fewer than 2^31)"
