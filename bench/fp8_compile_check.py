@@ -41,7 +41,7 @@ import kernels.fp8_gemm as fg  # noqa: E402
 from bench.fp8_sweep import SHAPES, SMEM_LIMIT, cfg_str, compile_key, compile_set  # noqa: E402
 from kernels.fp8_configs import M_BUCKETS, Fp8Config, default_fp8_config  # noqa: E402
 
-KERNELS = ("_fp8_gemm_kernel", "_fp8_gemv_kernel", "_group_quant_kernel", "_splitk_reduce_kernel")
+KERNELS = ("_fp8_gemm_kernel", "_fp8_gemv_kernel", "_group_quant_kernel")
 
 
 class _Recorder:

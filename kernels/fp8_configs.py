@@ -18,11 +18,11 @@ The table, as vLLM's per-shape ``w8a8_block_fp8_matmul`` JSON files are organise
                               "fp8_us": 12.3, ...}, ...}, ...}
 
 Buckets are :data:`M_BUCKETS`; bucket ``b`` serves the M above the previous bucket up to ``b``
-(``"64"``: M = 33..64), the last one every larger M too; M <= 16 never reads the table (the
-decode sizes keep the fused kernel's built-in split-K). A shape, a bucket or a device without an
-entry gets :func:`default_fp8_config` unchanged. Keys ending in ``_us``, ``_tflops`` or
-``_err`` are measurements kept for the reader; any other key outside :class:`Fp8Config`'s
-fields is an error.
+(``"64"``: M = 33..64; ``"16"``: every decode size M = 1..16, which the fused kernel runs at one
+``BLOCK_M = 16`` tile whatever M is), the last one every larger M too. A shape, a bucket or a
+device without an entry gets :func:`default_fp8_config` unchanged. Keys ending in ``_us``,
+``_tflops`` or ``_err`` are measurements kept for the reader; any other key outside
+:class:`Fp8Config`'s fields is an error.
 """
 
 from __future__ import annotations
@@ -45,9 +45,7 @@ GEMV_MAX_M = 32
 #: the fused small-M kernel may serve M up to this many rows where the table says so
 GEMV_TABLE_MAX_M = 64
 #: the M buckets of the table (each the largest M it serves; the last also every larger M)
-M_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
-#: M up to this never reads the table
-TABLE_MIN_M = 16
+M_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 #: number of SMs the split heuristic aims at (H200: 132)
 _TARGET_SMS = 132
@@ -65,7 +63,8 @@ class Fp8Config:
     """Tiles of one launch.
 
     ``kind`` "gemv": the fused small-M kernel (``block_m`` >= M rows quantized in registers,
-    ``block_n`` output features per program, ``split_k`` K splits summed by a second launch).
+    ``block_n`` output features per program, ``split_k`` K splits, the last-arriving one of an
+    N tile summing them in the same launch).
     ``kind`` "gemm": the tiled tensor-core GEMM (``block_m x block_n`` tiles, ``group_m`` M tiles
     share a weight column in launch order for L2 reuse, ``split_k`` K splits reduced in the
     kernel by the last-arriving program, ``fuse_quant``: the GEMM quantizes the activation tiles
@@ -111,11 +110,9 @@ def default_fp8_config(m: int, n: int, k: int, kind: str | None = None) -> Fp8Co
     return Fp8Config("gemm", 128, 128, 8, 3, group_m=8)
 
 
-def m_bucket(m: int) -> int | None:
+def m_bucket(m: int) -> int:
     """The table bucket serving ``m`` rows: the smallest of :data:`M_BUCKETS` >= ``m`` (the last
-    one above it); None for ``m <= TABLE_MIN_M``."""
-    if m <= TABLE_MIN_M:
-        return None
+    one above it)."""
     return next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
 
 
@@ -218,8 +215,8 @@ def fp8_table_config(
     name: str, m: int, n: int, k: int, kind: str | None = None
 ) -> Fp8Config | None:
     """The measured tiles for ``[M, K] x [K, N]`` on the device called ``name`` (see the module
-    docstring), or None: no table, shape or bucket entry, ``M <= TABLE_MIN_M``, or an entry of
-    another ``kind`` than the one asked for.
+    docstring), or None: no table, shape or bucket entry, or an entry of another ``kind`` than
+    the one asked for.
 
     Raises:
         ValueError: a malformed entry (:func:`parse_table_entry`), an unknown bucket key, a
@@ -227,8 +224,6 @@ def fp8_table_config(
         json.JSONDecodeError: a table file that is not JSON.
     """
     bucket = m_bucket(m)
-    if bucket is None:
-        return None
     cfg = _table_entry(name, n, k, bucket)
     if cfg is None or (kind is not None and cfg.kind != kind):
         return None

@@ -16,8 +16,9 @@ SGLang's ``w8a8_block_fp8_matmul`` Triton kernels follow the same scheme). Two k
   itself and quantizes them in registers (no separate quantization launch, no FP8 activation
   tensor in memory), and computes ``W_tile x^T`` (the weight tile is the MMA's M operand, so
   ``BLOCK_N >= 64`` tiles can use wgmma while M is tiny: the "swap AB" of small-batch GEMMs).
-  With ``split_k > 1`` the programs write fp32 partials and :func:`_splitk_reduce_kernel` sums
-  them in a fixed order (deterministic, unlike atomics) and adds the bias.
+  With ``split_k > 1`` each split writes an fp32 partial and counts its arrival per N tile; the
+  last one sums the partials in split order (deterministic, unlike atomic adds of the values),
+  adds the bias and resets the counter: one launch, as the GEMM's split-K below.
 * :func:`fp8_gemm` (large M, prefill): :func:`fp8_group_quant` writes ``xq`` and ``xs``
   (column-major, so a tile's row scales are one coalesced load), then a tiled tensor-core GEMM
   (``BLOCK_M x BLOCK_N`` tiles, ``BLOCK_K = 128``, grouped program order for L2 reuse). A tile
@@ -364,6 +365,7 @@ def _fp8_gemv_kernel(
     bias_ptr,
     out_ptr,
     part_ptr,
+    counter_ptr,
     M,
     N,
     K,
@@ -383,7 +385,8 @@ def _fp8_gemv_kernel(
     EMULATE_CAST: tl.constexpr,
 ):
     """Program ``(n tile, k split)``: ``acc [BLOCK_N, BLOCK_M] = sum_kb W_tile x^T`` over its K
-    blocks, each activation group quantized here; with ``SPLIT`` an fp32 partial per split."""
+    blocks, each activation group quantized here; with ``SPLIT`` the last-arriving split of an
+    N tile reduces (the serial split-K of :func:`_fp8_gemm_kernel`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -413,38 +416,29 @@ def _fp8_gemv_kernel(
         w_ptrs += BLOCK_K
 
     mask = m_ok[None, :] & (rn[:, None] < N)
+    o_ptrs = out_ptr + rm[None, :] * stride_om + rn[:, None]
     if not SPLIT:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn_c).to(tl.float32)[:, None]
-        o_ptrs = out_ptr + rm[None, :] * stride_om + rn[:, None]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        p_ptrs = part_ptr + (pid_k * M + rm[None, :]).to(tl.int64) * N + rn[:, None]
-        tl.store(p_ptrs, acc, mask=mask)
-
-
-@triton.jit
-def _splitk_reduce_kernel(
-    part_ptr,
-    bias_ptr,
-    out_ptr,
-    M,
-    N,
-    stride_om,
-    SPLIT_K: tl.constexpr,
-    BLOCK: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-):
-    """Program ``(n block, row)``: ``out = sum_s part[s] (+ bias)``, splits in order."""
-    rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = tl.program_id(1)
-    ok = rn < N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + (s * M + m).to(tl.int64) * N + rn, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        # write the partial, count arrivals per N tile; the last split to arrive sums all
+        # partials in split order (deterministic), adds the bias, writes, resets the counter
+        splits = tl.num_programs(1)
+        tile = (rm[None, :] * N + rn[:, None]).to(tl.int64)  # [BLOCK_N, BLOCK_M] in one partial
+        tl.store(part_ptr + pid_k * M * N + tile, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the arrival below
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in range(0, splits):
+                total += tl.load(
+                    part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg"
+                )
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + rn_c).to(tl.float32)[:, None]
+            tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
 def fp8_gemv(
@@ -477,7 +471,16 @@ def fp8_gemv(
     if m > cfg.block_m:
         raise ValueError(f"fp8_gemv takes at most block_m={cfg.block_m} rows, got {m}")
     split, per_split = _k_splits(triton.cdiv(k, FP8_BLOCK[1]), cfg.split_k)
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    if split > 1:
+        if not split_k_fits(m, n, cfg.block_m, cfg.block_n, split):
+            raise ValueError(
+                f"split-K {split} of a {m}x{n} output: {triton.cdiv(n, cfg.block_n)} tiles (at "
+                f"most {NUM_COUNTERS} counters) and {split * m * n} partial elements (< 2^31)"
+            )
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        counters = gemv_counters(x.device)
+    else:
+        part = counters = out
     _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x,
         w,
@@ -485,6 +488,7 @@ def fp8_gemv(
         bias if bias is not None else ws,
         out,
         part,
+        counters,
         m,
         n,
         k,
@@ -505,20 +509,6 @@ def fp8_gemv(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if split > 1:
-        block = 256
-        _splitk_reduce_kernel[(triton.cdiv(n, block), m)](
-            part,
-            bias if bias is not None else ws,
-            out,
-            m,
-            n,
-            out.stride(0),
-            SPLIT_K=split,
-            BLOCK=block,
-            HAS_BIAS=bias is not None,
-            num_warps=4,
-        )
     return out
 
 

@@ -5,6 +5,7 @@ Tables are written to a temporary ``CONFIG_DIR`` under an invented device name."
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ def table(tmp_path, monkeypatch):
 
 
 def test_m_buckets():
-    assert [fc.m_bucket(m) for m in (1, 16)] == [None, None]
+    assert [fc.m_bucket(m) for m in (0, 1, 16)] == [16, 16, 16]  # every decode size: one bucket
     assert [fc.m_bucket(m) for m in (17, 32, 33, 64, 65, 200, 256, 2049, 4096)] == [
         32, 32, 64, 64, 128, 256, 256, 4096, 4096,
     ]  # fmt: skip
@@ -52,13 +53,17 @@ def test_lookup_picks_the_bucket_and_kind(table):
     for m in (65, 128):
         assert fp8_table_config(DEVICE, m, 4096, 4096) == want_gemm
     assert fp8_table_config(DEVICE, 9000, 4096, 4096) == Fp8Config("gemm", 128, 256, 8, 3)
-    # a forced kind other than the entry's, a missing bucket / shape / device, M <= 16: none
+    # a forced kind other than the entry's, a missing bucket / shape / device: none
     assert fp8_table_config(DEVICE, 64, 4096, 4096, kind="gemm") is None
     assert fp8_table_config(DEVICE, 64, 4096, 4096, kind="gemv") == want_gemv
     assert fp8_table_config(DEVICE, 256, 4096, 4096) is None
     assert fp8_table_config(DEVICE, 128, 4096, 12288) is None
     assert fp8_table_config("Other GPU", 128, 4096, 4096) is None
-    assert fp8_table_config(DEVICE, 16, 4096, 4096) is None
+    assert fp8_table_config(DEVICE, 16, 4096, 4096) is None  # no "16" entry here
+    table({"4096,4096": {"16": {**ROW_GEMV, "block_m": 16}}})
+    for m in (1, 7, 16):  # the decode sizes read the "16" bucket
+        assert fp8_table_config(DEVICE, m, 4096, 4096) == replace(want_gemv, block_m=16)
+    assert fp8_table_config(DEVICE, 17, 4096, 4096) is None
 
 
 def test_fp8_config_uses_the_table_else_the_builtin_tiles(table, monkeypatch):
