@@ -8,6 +8,7 @@
 #          timed too (the table comes back in $OUT; commit it if the run is good)
 #   ab:    bench/ab_trees.py, offline, batch-1 TTFT/TPOT (engine only), serving at c=1/64
 #   lc:    bench/long_context.py, this tree, default and the 256-token cap (chunks now split)
+#   fp8ab: bench/fp8.py --stages kernels engine in $OLD, then here (after "fp8" wrote the table)
 # Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD.
 set -u
 OLD=${OLD:-.basetree}
@@ -18,13 +19,15 @@ left() { local l=$(( ${BUDGET_S:-575} - (SECONDS - T0) )); echo $(( l < $1 ? l :
 for stage in ${@:-tests check fp8 ab}; do
   case $stage in
     tests) TRITON_INTERPRET=0 timeout "$(left 120)" python3 -m pytest -q -p no:cacheprovider \
-             tests/kernels/test_fp8_gemm.py tests/kernels/test_prefill_split.py \
+             tests/kernels/test_fp8_gemm.py tests/kernels/test_fp8_configs.py \
+             tests/kernels/test_prefill_split.py \
              tests/kernels/test_triton_backend.py 2>&1 | tail -6 | tee "$OUT/gpu_tests.txt" ;;
     check) timeout "$(left 110)" python3 bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning \
              | tee "$OUT/check.txt" | tail -8 ;;
-    fp8)   timeout "$(left 200)" python3 bench/fp8_sweep.py --out "$OUT" --write-table --budget-s 150 \
+    fp8)   timeout "$(left 200)" python3 bench/fp8_sweep.py --out "$OUT" --write-table --budget-s 140 \
              --compile-budget-s 60 2>&1 | grep -v Warning > "$OUT/fp8_sweep.log"
-           grep "cublas\|M=4096\|wall time" "$OUT/fp8_sweep.log" | tail -12 ;;
+           cp kernels/configs/fp8_gemm_*.json "$OUT/" 2>/dev/null
+           grep "cublas\|M=4096\|summed\|wall time\| 16 | \| 1 | " "$OUT/fp8_sweep.log" | tail -24 ;;
     ab)    timeout "$(left 260)" python3 bench/ab_trees.py --old "$OLD" --repeats 2 --serve-conc 1 64 \
              --out /tmp/ab 2>&1 | grep -v "Writing\|Warning" > "$OUT/ab_trees.txt"
            tail -16 "$OUT/ab_trees.txt" ;;
@@ -32,7 +35,14 @@ for stage in ${@:-tests check fp8 ab}; do
              --trees . --skip-hf --out "$OUT/lc" --variants "default=" \
              "budgets=--prefill-only-token-budget 8192 --max-prefill-tokens-with-decodes 256" 2>&1 \
              | grep -v "Warn\|Writing" > "$OUT/lc.log"; grep "^|" "$OUT/lc.log" | tail -14 ;;
-    *)     echo "unknown stage $stage (tests check fp8 ab lc)"; exit 2 ;;
+    fp8ab) for tree in "$OLD" .; do
+             name=$([ "$tree" = . ] && echo new || echo old)
+             (cd "$tree" && timeout "$(left 150)" python3 bench/fp8.py --out "$OUT/fp8_$name" \
+               --stages kernels engine --tokenizer-from "$OLDPWD/.benchassets/tokenizer" 2>&1 \
+               | grep -v "Warning\|Writing" > "$OUT/fp8_$name.log")
+             echo "-- fp8.py in $name ($tree)"; grep "^|\|summed" "$OUT/fp8_$name.log" | tail -32
+           done ;;
+    *)     echo "unknown stage $stage (tests check fp8 ab lc fp8ab)"; exit 2 ;;
   esac
   stamp "$stage"
 done
