@@ -86,6 +86,12 @@ class Fp8Config:
 #: the configuration of the cuBLASLt kind (no tiles of ours to choose)
 CUBLAS_CONFIG = Fp8Config("cublas", 0, 0, 0, 0)
 
+#: device name -> whether cuBLASLt's block-scaled GEMM ran there, filled at model load by
+#: ``kernels.fp8_cublas.probe_cublas``; a device whose probe failed runs its table's "cublas"
+#: entries on :func:`default_fp8_config` instead. A device never probed (kernel benchmarks)
+#: uses the entries as they are.
+CUBLAS_USABLE: dict[str, bool] = {}
+
 
 def _gemv_split(n: int, k: int, block_n: int) -> int:
     if (n, k) in GEMV_SPLITS and block_n == 64:
@@ -197,18 +203,22 @@ def _table_entry(name: str, n: int, k: int, bucket: int) -> Fp8Config | None:
     return None if row is None else parse_table_entry(row, bucket, where)
 
 
-def check_fp8_table(device: torch.device | str, n: int, k: int) -> None:
+def check_fp8_table(device: torch.device | str, n: int, k: int) -> bool:
     """Parse every M bucket of the ``[N, K]`` entry of ``device``'s table (none: nothing to do),
     so that a malformed entry fails the engine's start rather than a request's step.
+
+    Returns:
+        Whether a bucket of the entry picks the "cublas" kind (the caller then probes it:
+        ``kernels.fp8_cublas.probe_cublas``).
 
     Raises:
         ValueError: as :func:`fp8_table_config`, for the first malformed bucket.
     """
     if torch.device(device).type != "cuda":
-        return
+        return False
     name = device_name(device)
-    for bucket in M_BUCKETS:
-        _table_entry(name, n, k, bucket)
+    entries = [_table_entry(name, n, k, bucket) for bucket in M_BUCKETS]
+    return any(cfg is not None and cfg.kind == "cublas" for cfg in entries)
 
 
 def fp8_table_config(
@@ -249,7 +259,10 @@ def fp8_config(
             return Fp8Config("gemv", bm, 32, 4, 1, split_k=_gemv_split(n, k, 32))
         return Fp8Config("gemm", 32, 32, 4, 1, group_m=2)
     if device is not None and torch.device(device).type == "cuda":
-        cfg = fp8_table_config(device_name(device), m, n, k, kind)
+        name = device_name(device)
+        cfg = fp8_table_config(name, m, n, k, kind)
+        if cfg is not None and cfg.kind == "cublas" and not CUBLAS_USABLE.get(name, True):
+            cfg = None  # its probe failed at load: the built-in Triton tiles
         if cfg is not None:
             if (
                 cfg.kind == "gemm"

@@ -10,6 +10,10 @@ same recipe in ``torch._scaled_mm`` from the scales' shapes. Layouts it requires
 (``aten/src/ATen/native/cuda/ScaledBlas.cpp``): the activation scales ``[M, K / 128]``
 column-major (``fp8_group_quant``'s layout), the weight scales ``[K / 128, N / 128]``
 column-major with ``K / 128`` a multiple of 4 (so this path refuses other K rather than pad).
+cuBLASLt also refuses (``CUBLAS_STATUS_NOT_SUPPORTED`` from its heuristic) an activation scale
+matrix whose leading dimension, M, is not aligned (the H200 run of 2026-12-01: M = 97 failed,
+multiples of 64 ran), so the caller pads M to :data:`CUBLAS_M_ALIGN` rows
+(``fp8_group_quant(..., pad_rows_to=CUBLAS_M_ALIGN)``) and drops the padding rows' outputs.
 
 It is a measured table kind (``"cublas"`` in ``kernels/configs/fp8_gemm_<device>.json``): the
 FP8 sweep (``bench/fp8_sweep.py``) times it beside the Triton GEMM and checks it against the
@@ -21,7 +25,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8_configs import FP8_BLOCK
+from kernels.configs import device_name
+from kernels.fp8_configs import CUBLAS_USABLE, FP8_BLOCK
+
+#: rows of the quantized activations (and of their column-major scales) a multiple of this
+CUBLAS_M_ALIGN = 16
 
 
 def cublas_block_fp8_supported(device: torch.device | str) -> bool:
@@ -34,6 +42,40 @@ def cublas_block_fp8_supported(device: torch.device | str) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0) and (
         hasattr(F, "scaled_mm") or hasattr(torch, "_scaled_mm")
     )
+
+
+def probe_cublas(device: torch.device | str) -> tuple[bool, str]:
+    """Run one small block-scaled GEMM on ``device`` (once per device name; later calls return
+    the stored answer) and record in ``kernels.fp8_configs.CUBLAS_USABLE`` whether it worked:
+    a torch or cuBLASLt without the recipe raises here, at model load, instead of in a step.
+    Call it outside CUDA-graph capture (it synchronizes).
+
+    Returns:
+        ``(usable, reason)``: reason is "" or the error's first line.
+    """
+    name = device_name(device)
+    if name in CUBLAS_USABLE:
+        return CUBLAS_USABLE[name], ""
+    reason = ""
+    if not cublas_block_fp8_supported(device):
+        reason = "needs CUDA sm_90 and torch's scaled_mm"
+    else:
+        try:
+            g = torch.Generator(device=device).manual_seed(0)
+            xq = torch.randn(CUBLAS_M_ALIGN, 512, generator=g, device=device)
+            xq = xq.to(torch.float8_e4m3fn)
+            xs = torch.ones(512 // FP8_BLOCK[1], CUBLAS_M_ALIGN, device=device).t()
+            w = torch.randn(128, 512, generator=g, device=device).to(torch.float8_e4m3fn)
+            ws = torch.ones(1, 512 // FP8_BLOCK[1], device=device)
+            out = fp8_cublas_gemm(xq, xs, w, ws, None, torch.bfloat16)
+            torch.cuda.synchronize(device)
+            ref = xq.float() @ w.float().t()
+            if not torch.allclose(out.float(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max()):
+                reason = "its result differs from the float32 product"
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    CUBLAS_USABLE[name] = not reason
+    return not reason, reason
 
 
 def check_cublas_operands(k: int, out_dtype: torch.dtype) -> None:
@@ -58,16 +100,22 @@ def fp8_cublas_gemm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``xq [M, K]`` float8_e4m3fn with scales ``xs`` float32 ``[M, K / 128]`` column-major
-    (``kernels.fp8_gemm.fp8_group_quant``'s output) times the block-FP8 weight ``w [N, K]``
-    (float8_e4m3fn, scales ``ws`` ``[ceil(N / 128), K / 128]``) -> ``[M, N]`` in ``out_dtype``,
-    plus ``bias``.
+    (``kernels.fp8_gemm.fp8_group_quant``'s output, M a multiple of :data:`CUBLAS_M_ALIGN`)
+    times the block-FP8 weight ``w [N, K]`` (float8_e4m3fn, scales ``ws``
+    ``[ceil(N / 128), K / 128]``) -> ``[M, N]`` in ``out_dtype``, plus ``bias``.
 
     Raises:
-        ValueError: as :func:`check_cublas_operands`.
+        ValueError: as :func:`check_cublas_operands`; M not a multiple of
+            :data:`CUBLAS_M_ALIGN`.
         RuntimeError / NotImplementedError: from torch where cuBLASLt < 12.9 or the GPU is not
             sm_90 (the sweep rejects the kind there).
     """
     check_cublas_operands(xq.shape[1], out_dtype)
+    if xq.shape[0] % CUBLAS_M_ALIGN:
+        raise ValueError(
+            f"the cuBLASLt FP8 path takes M padded to a multiple of {CUBLAS_M_ALIGN}, got "
+            f"M={xq.shape[0]} (fp8_group_quant(..., pad_rows_to=CUBLAS_M_ALIGN))"
+        )
     scale_b = ws.float().contiguous().t()  # [K / 128, N / 128], column-major
     if hasattr(F, "scaled_mm"):
         st = F.ScalingType

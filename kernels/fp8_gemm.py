@@ -93,6 +93,7 @@ def _group_quant_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
+    M,
     K,
     stride_xm,
     stride_qm,
@@ -102,39 +103,48 @@ def _group_quant_kernel(
     GROUPS_PER_PROG: tl.constexpr,
     EMULATE_CAST: tl.constexpr,
 ):
-    """Program ``(m, j)``: groups ``j * GROUPS_PER_PROG ..`` of row ``m``."""
+    """Program ``(m, j)``: groups ``j * GROUPS_PER_PROG ..`` of row ``m``; a padding row
+    (``m >= M``) quantizes zeros."""
     m = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
     k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = k < K
-    x = tl.load(x_ptr + m * stride_xm + k, mask=mask, other=0.0).to(tl.float32)
+    k_end = tl.where(m < M, K, 0)  # a padding row loads nothing
+    x = tl.load(x_ptr + m * stride_xm + k, mask=k < k_end, other=0.0).to(tl.float32)
     q, s = _quant_tile(x, 1, EMULATE_CAST)
     tl.store(q_ptr + m * stride_qm + k, q, mask=mask)
     tl.store(s_ptr + m * stride_sm + g * stride_sk, s, mask=g * GROUP < K)
 
 
-def fp8_group_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_group_quant(
+    x: torch.Tensor, group: int = 128, pad_rows_to: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize activations per token in groups of ``group`` features.
 
     Args:
         x: ``[M, K]`` bf16/fp16/fp32, unit stride on K.
+        pad_rows_to: the outputs get ``M_pad = ceil(M / pad_rows_to) * pad_rows_to`` rows, the
+            padding rows holding quantized zeros (cuBLASLt's block-scaled GEMM needs the
+            scales' leading dimension aligned; :mod:`kernels.fp8_cublas`).
 
     Returns:
-        ``xq`` float8_e4m3fn ``[M, K]`` and ``xs`` float32 ``[M, ceil(K / group)]``, the latter a
-        transposed view of a ``[ceil(K / group), M]`` buffer (column-major, what
+        ``xq`` float8_e4m3fn ``[M_pad, K]`` and ``xs`` float32 ``[M_pad, ceil(K / group)]``, the
+        latter a transposed view of a ``[ceil(K / group), M_pad]`` buffer (column-major, what
         :func:`fp8_gemm` reads).
     """
     m, k = x.shape
+    m_pad = triton.cdiv(m, pad_rows_to) * pad_rows_to
     kb = triton.cdiv(k, group)
-    xq = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    xs = torch.empty((kb, m), dtype=torch.float32, device=x.device).t()
-    if m == 0:
+    xq = torch.empty((m_pad, k), dtype=torch.float8_e4m3fn, device=x.device)
+    xs = torch.empty((kb, m_pad), dtype=torch.float32, device=x.device).t()
+    if m_pad == 0:
         return xq, xs
     gpp = 4 if kb >= 4 else 1
-    _group_quant_kernel[(m, triton.cdiv(kb, gpp))](
+    _group_quant_kernel[(m_pad, triton.cdiv(kb, gpp))](
         x,
         xq,
         xs,
+        m,
         k,
         x.stride(0),
         xq.stride(0),
@@ -541,11 +551,14 @@ def fp8_linear(
     x = x if x.stride(-1) == 1 else x.contiguous()
     cfg = config or fp8_config(m, n, k, device=x.device)
     if cfg.kind == "cublas":
-        from kernels.fp8_cublas import check_cublas_operands, fp8_cublas_gemm
+        from kernels.fp8_cublas import CUBLAS_M_ALIGN, check_cublas_operands, fp8_cublas_gemm
 
         check_cublas_operands(k, x.dtype)
-        xq, xs = fp8_group_quant(x)
-        return fp8_cublas_gemm(xq, xs, w, ws, bias, x.dtype)
+        if m == 0:
+            return torch.empty((0, n), dtype=x.dtype, device=x.device)
+        xq, xs = fp8_group_quant(x, pad_rows_to=CUBLAS_M_ALIGN)
+        out = fp8_cublas_gemm(xq, xs, w, ws, bias, x.dtype)
+        return out if out.shape[0] == m else out[:m]  # a row prefix: still contiguous
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if cfg.kind == "gemv":
         return fp8_gemv(x, w, ws, bias, out, cfg)

@@ -160,6 +160,14 @@ def test_cublas_entries_carry_no_tiles(table, monkeypatch):
     monkeypatch.setattr(fc, "device_name", lambda device: DEVICE)
     assert fp8_config(200, 4096, 4096, device=torch.device("cuda")) == fc.CUBLAS_CONFIG
     assert fp8_table_config(DEVICE, 200, 4096, 4096, kind="gemm") is None
+    assert fc.check_fp8_table(torch.device("cuda"), 4096, 4096)  # the caller must probe it
+    # a device whose load-time probe failed runs the built-in Triton tiles for those M
+    monkeypatch.setitem(fc.CUBLAS_USABLE, DEVICE, False)
+    assert fp8_config(200, 4096, 4096, device=torch.device("cuda")) == default_fp8_config(
+        200, 4096, 4096
+    )
+    monkeypatch.setitem(fc.CUBLAS_USABLE, DEVICE, True)
+    assert fp8_config(200, 4096, 4096, device=torch.device("cuda")) == fc.CUBLAS_CONFIG
     table({"4096,4096": {"256": {"kind": "cublas", "block_m": 64}}})
     with pytest.raises(ValueError, match="a cublas entry takes no tile fields"):
         fp8_table_config(DEVICE, 200, 4096, 4096)

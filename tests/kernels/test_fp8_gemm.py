@@ -70,6 +70,22 @@ def test_group_quant_is_bit_exact(m, k, dtype):
     assert torch.equal(s, sr)
 
 
+@pytest.mark.parametrize("m, pad", [(5, 16), (16, 16), (17, 4), (1, 16)])
+def test_group_quant_pads_rows_with_quantized_zeros(m, pad):
+    """``pad_rows_to`` (the cuBLASLt path's aligned M): the first M rows are the unpadded
+    result bit for bit, the padding rows quantize zeros (zero codes, the zero-group scale), and
+    the scales stay column-major with the padded leading dimension."""
+    x = _x(m, 300, dtype=torch.bfloat16)
+    q, s = fp8_group_quant(x, pad_rows_to=pad)
+    m_pad = -(-m // pad) * pad
+    assert q.shape == (m_pad, 300) and s.shape == (m_pad, 3)
+    assert s.stride() == (1, m_pad)
+    qr, sr = fp8_group_quant_ref(torch.cat([x, torch.zeros(m_pad - m, 300, dtype=x.dtype)]))
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    assert torch.equal(s, sr)
+    assert not q[m:].view(torch.uint8).any()
+
+
 def test_group_quant_rounds_to_nearest_even_at_ties_and_saturates():
     # scale 1 for the group (amax 448): the codes are the values rounded to FP8
     vals = [448.0, 1.0625, 1.1875, 17.0, 19.0, 7.76, -7.76, 2.0**-10, 3 * 2.0**-10, -0.0]
@@ -204,13 +220,18 @@ def test_cublas_path_refuses_what_cublaslt_cannot_take():
     w, ws = _weights(256, 512)
     with pytest.raises(ValueError, match="writes bf16/fp16"):
         fp8_linear(_x(64, 512), w, ws, config=CUBLAS_CONFIG)
+    from kernels.fp8_cublas import fp8_cublas_gemm
+
+    xq, xs = fp8_group_quant(_x(97, 512))  # unpadded M: refused by name, not by cuBLASLt
+    with pytest.raises(ValueError, match="M padded to a multiple of 16, got M=97"):
+        fp8_cublas_gemm(xq, xs, w, ws, None, torch.bfloat16)
 
 
 @pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
     reason="cuBLASLt's block-scaled FP8 GEMM runs on sm_90 only (the H200 checks it)",
 )
-@pytest.mark.parametrize("m", [64, 200])
+@pytest.mark.parametrize("m", [64, 200, 97, 1, 4097])
 def test_cublas_path_matches_the_reference(m):
     """cuBLASLt's 1x128 / 128x128 block-scaled GEMM computes what the Triton kernels compute:
     the same quantized activations times the dequantized weight, within bf16 rounding."""
@@ -225,3 +246,22 @@ def test_cublas_path_matches_the_reference(m):
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     scale = ref.float().abs().max().item()
     torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=2**-8 * scale)
+
+
+def test_cublas_probe_records_the_answer_per_device(monkeypatch):
+    """The load-time probe (``kernels.fp8_cublas.probe_cublas``) stores its answer once per
+    device name; off sm_90 (this CPU) it says no with a reason, on the H200 yes."""
+    import kernels.fp8_configs as fc
+    from kernels.configs import device_name
+    from kernels.fp8_cublas import probe_cublas
+
+    monkeypatch.setattr(fc, "CUBLAS_USABLE", {})
+    import kernels.fp8_cublas as fcb
+
+    monkeypatch.setattr(fcb, "CUBLAS_USABLE", fc.CUBLAS_USABLE)
+    device = torch.device(DEVICE)
+    usable, reason = probe_cublas(device)
+    sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    assert usable == sm90 and (reason == "") == sm90, reason
+    assert fc.CUBLAS_USABLE == {device_name(device): usable}
+    assert probe_cublas(device) == (usable, "")  # answered from the record

@@ -241,7 +241,29 @@ class Fp8LinearMethod:
         if fp8_backend(layer.weight.device) == "triton":  # the measured tiles of this shape
             from kernels.fp8_configs import check_fp8_table
 
-            check_fp8_table(layer.weight.device, *layer.weight.shape)
+            if check_fp8_table(layer.weight.device, *layer.weight.shape):
+                _probe_cublas_once(layer.weight.device)
+
+
+def _probe_cublas_once(device: torch.device) -> None:
+    """The device's table sends some M to cuBLASLt's block-scaled GEMM: check it runs here,
+    once per device (``kernels.fp8_cublas.probe_cublas``), and say so when it does not (those M
+    then run on the Triton GEMM's built-in tiles)."""
+    from kernels.configs import device_name
+    from kernels.fp8_configs import CUBLAS_USABLE
+    from kernels.fp8_cublas import probe_cublas
+
+    if device_name(device) in CUBLAS_USABLE:
+        return
+    usable, reason = probe_cublas(device)
+    if usable:
+        log.info("FP8: cuBLASLt block-scaled GEMM runs the M the tile table gives it")
+    else:
+        log.warning(
+            "FP8: cuBLASLt block-scaled GEMM unavailable here (%s); the tile table's cuBLASLt "
+            "entries run on the Triton GEMM instead",
+            reason,
+        )
 
 
 def _read(tensor) -> torch.Tensor:
