@@ -134,16 +134,30 @@ def parse_table_entry(row: object, bucket: int, where: str = "fp8_gemm table") -
             mistyped field, an unknown ``kind``, tiles the kernels cannot run (``block_m`` /
             ``block_n`` not a power of two in 16..256, ``num_warps`` not 2/4/8,
             ``num_stages`` outside 1..8, ``split_k`` / ``group_m`` below 1), a "gemv" entry
-            whose ``block_m`` cannot hold the bucket's rows or exceeds ``GEMV_TABLE_MAX_M``, or
-            ``fuse_quant`` on a "gemv" entry.
+            whose ``block_m`` cannot hold the bucket's rows or exceeds ``GEMV_TABLE_MAX_M``,
+            ``fuse_quant`` on a "gemv" entry; a "cublas" entry with tile fields or a malformed
+            ``fallback``.
+
+    A "cublas" entry is the kind, measurements and optionally ``fallback``: the fastest Triton
+    configuration of the bucket (an entry of its own), what the bucket runs where cuBLASLt's
+    block-scaled GEMM failed its load-time probe (:func:`table_fallback`).
     """
     at = f"{where}, bucket {bucket}"
     if not isinstance(row, dict):
         raise ValueError(f"{at}: expected an object of tile fields, got {type(row).__name__}")
     if row.get("kind") == "cublas":  # cuBLASLt picks its own tiles: measurements only
-        extra = [key for key in row if key != "kind" and not key.endswith(_MEASUREMENT_SUFFIXES)]
+        extra = [
+            key
+            for key in row
+            if key not in ("kind", "fallback") and not key.endswith(_MEASUREMENT_SUFFIXES)
+        ]
         if extra:
             raise ValueError(f"{at}: a cublas entry takes no tile fields, got {sorted(extra)}")
+        if "fallback" in row:
+            fallback = row["fallback"]
+            if isinstance(fallback, dict) and fallback.get("kind") == "cublas":
+                raise ValueError(f"{at}: the fallback of a cublas entry must be a Triton kernel")
+            parse_table_entry(fallback, bucket, f"{where} (fallback)")
         return CUBLAS_CONFIG
     names = {f.name: f for f in fields(Fp8Config)}
     unknown = [key for key in row if key not in names and not key.endswith(_MEASUREMENT_SUFFIXES)]
@@ -201,6 +215,16 @@ def _table_entry(name: str, n: int, k: int, bucket: int) -> Fp8Config | None:
         raise ValueError(f"{where}: unknown M buckets {bad} (buckets: {list(M_BUCKETS)})")
     row = shape.get(str(bucket))
     return None if row is None else parse_table_entry(row, bucket, where)
+
+
+@cache
+def table_fallback(name: str, n: int, k: int, bucket: int) -> Fp8Config | None:
+    """The ``fallback`` Triton configuration of a "cublas" entry (None: no such entry or no
+    fallback in it); checked when the entry is (:func:`parse_table_entry`)."""
+    if _table_entry(name, n, k, bucket) != CUBLAS_CONFIG:
+        return None
+    row = kernel_table("fp8_gemm", name)[f"{n},{k}"][str(bucket)]
+    return parse_table_entry(row["fallback"], bucket) if "fallback" in row else None
 
 
 def check_fp8_table(device: torch.device | str, n: int, k: int) -> bool:
@@ -262,7 +286,10 @@ def fp8_config(
         name = device_name(device)
         cfg = fp8_table_config(name, m, n, k, kind)
         if cfg is not None and cfg.kind == "cublas" and not CUBLAS_USABLE.get(name, True):
-            cfg = None  # its probe failed at load: the built-in Triton tiles
+            # its probe failed at load: the bucket's fastest Triton tiles (or the built-in)
+            cfg = table_fallback(name, n, k, m_bucket(m))
+            if cfg is not None and kind is not None and cfg.kind != kind:
+                cfg = None
         if cfg is not None:
             if (
                 cfg.kind == "gemm"

@@ -61,12 +61,14 @@ def probe_cublas(device: torch.device | str) -> tuple[bool, str]:
         reason = "needs CUDA sm_90 and torch's scaled_mm"
     else:
         try:
+            # the shapes of bench/fp8_sweep.py's probe (one weight-scale block along N was
+            # refused with "Invalid scaling configuration" on the H200)
+            m, n, k = 64, 256, 512
             g = torch.Generator(device=device).manual_seed(0)
-            xq = torch.randn(CUBLAS_M_ALIGN, 512, generator=g, device=device)
-            xq = xq.to(torch.float8_e4m3fn)
-            xs = torch.ones(512 // FP8_BLOCK[1], CUBLAS_M_ALIGN, device=device).t()
-            w = torch.randn(128, 512, generator=g, device=device).to(torch.float8_e4m3fn)
-            ws = torch.ones(1, 512 // FP8_BLOCK[1], device=device)
+            xq = torch.randn(m, k, generator=g, device=device).to(torch.float8_e4m3fn)
+            xs = torch.ones(k // FP8_BLOCK[1], m, device=device).t()
+            w = torch.randn(n, k, generator=g, device=device).to(torch.float8_e4m3fn)
+            ws = torch.ones(n // FP8_BLOCK[0], k // FP8_BLOCK[1], device=device)
             out = fp8_cublas_gemm(xq, xs, w, ws, None, torch.bfloat16)
             torch.cuda.synchronize(device)
             ref = xq.float() @ w.float().t()

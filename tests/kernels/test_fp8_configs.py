@@ -29,11 +29,13 @@ def table(tmp_path, monkeypatch):
     def write(content):
         configs.kernel_table.cache_clear()
         fc._table_entry.cache_clear()
+        fc.table_fallback.cache_clear()
         configs.table_path("fp8_gemm", DEVICE).write_text(json.dumps(content))
 
     yield write
     configs.kernel_table.cache_clear()
     fc._table_entry.cache_clear()
+    fc.table_fallback.cache_clear()
 
 
 def test_m_buckets():
@@ -168,6 +170,21 @@ def test_cublas_entries_carry_no_tiles(table, monkeypatch):
     )
     monkeypatch.setitem(fc.CUBLAS_USABLE, DEVICE, True)
     assert fp8_config(200, 4096, 4096, device=torch.device("cuda")) == fc.CUBLAS_CONFIG
+    # with the bucket's fastest Triton tiles recorded, a failed probe runs those
+    table({"4096,4096": {"256": {"kind": "cublas", "fp8_us": 20.0, "fallback": ROW_GEMM}}})
+    monkeypatch.setitem(fc.CUBLAS_USABLE, DEVICE, False)
+    want = Fp8Config("gemm", 16, 64, 4, 5, split_k=4, group_m=1, fuse_quant=True)
+    assert fp8_config(200, 4096, 4096, device=torch.device("cuda")) == want
+    assert fp8_config(200, 4096, 4096, kind="gemv", device=torch.device("cuda")) == (
+        default_fp8_config(200, 4096, 4096, "gemv")
+    )
+    for bad, match in (
+        ({"kind": "cublas"}, "fallback of a cublas entry must be a Triton kernel"),
+        ({**ROW_GEMM, "num_warps": 3}, r"\(fallback\), bucket 256: num_warps 3"),
+    ):
+        table({"4096,4096": {"256": {"kind": "cublas", "fallback": bad}}})
+        with pytest.raises(ValueError, match=match):
+            fp8_table_config(DEVICE, 200, 4096, 4096)
     table({"4096,4096": {"256": {"kind": "cublas", "block_m": 64}}})
     with pytest.raises(ValueError, match="a cublas entry takes no tile fields"):
         fp8_table_config(DEVICE, 200, 4096, 4096)

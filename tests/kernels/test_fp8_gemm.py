@@ -80,7 +80,9 @@ def test_group_quant_pads_rows_with_quantized_zeros(m, pad):
     m_pad = -(-m // pad) * pad
     assert q.shape == (m_pad, 300) and s.shape == (m_pad, 3)
     assert s.stride() == (1, m_pad)
-    qr, sr = fp8_group_quant_ref(torch.cat([x, torch.zeros(m_pad - m, 300, dtype=x.dtype)]))
+    qr, sr = fp8_group_quant_ref(
+        torch.cat([x, torch.zeros(m_pad - m, 300, dtype=x.dtype, device=x.device)])
+    )
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
     assert torch.equal(s, sr)
     assert not q[m:].view(torch.uint8).any()
