@@ -14,7 +14,8 @@ Stages (each prints its table when done; JSON rows go to ``--out``):
   device's table ``kernels/configs/fp8_gemm_<device>.json`` where ``bench/fp8_sweep.py
   --write-table`` wrote one, else the built-in ones), bf16 ``torch.matmul``,
   and ``torch._scaled_mm`` with row-wise scales (the fastest FP8 GEMM torch ships; a different
-  scaling, so only its time is compared), all CUDA-graph timed; TFLOP/s, weight TB/s, and the
+  scaling, so only its time is compared), all CUDA-graph timed, below M = 1024 over weight
+  copies of 128 MB in all (no weight still in L2, as in a model); TFLOP/s, weight TB/s, and the
   kernel's relative error against the float32 product of the dequantized operands
   (``kernels.reference.fp8_group_quant_ref`` for the activations). The summed time of the four
   shapes at M = 1 and 16 against bf16's is the issue's small-M target. ``--sweep`` also times
@@ -71,13 +72,26 @@ SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("do
 TINY_SHAPES = [("qkv", 256, 128)]
 
 
-def _time(fn, device) -> float | None:
-    """ms of one call: CUDA-graph replay on the GPU, one timed call on the CPU."""
+#: weight bytes a timed graph cycles through below M = 1024 (the H200's L2 is 50 MB): each call
+#: reads its weights from HBM, as each layer of a model reads its own
+COPY_BYTES = 128 << 20
+
+
+def _time(fn, device, weights=None) -> float | None:
+    """ms of one call: CUDA-graph replay on the GPU (``fn(w)`` for each of ``weights``, the
+    copies of one weight, when given), one timed call on the CPU."""
+    fns = [fn] if weights is None else [partial(fn, w) for w in weights]
     if device.type == "cuda":
-        return graph_ms([fn])
+        return graph_ms(fns)
     t = time.perf_counter()
-    fn()
+    fns[0]()
     return 1e3 * (time.perf_counter() - t)
+
+
+def _copies(t: torch.Tensor, m: int) -> list[torch.Tensor]:
+    """``t`` and clones, ``COPY_BYTES`` in all (one tensor from M = 1024: compute bound)."""
+    count = 1 if m >= 1024 else -(-COPY_BYTES // (t.numel() * t.element_size()))
+    return [t] + [t.clone() for _ in range(count - 1)]
 
 
 def kernel_rows(args, device) -> list[dict]:
@@ -102,8 +116,9 @@ def kernel_rows(args, device) -> list[dict]:
             ref = x_deq @ w_deq.t()
             got = fp8_linear(x, wq, ws)
             row = {"shape": name, "n": n, "k": k, "m": m, "err": rel(got, ref)}
-            row["fp8_ms"] = _time(partial(fp8_linear, x, wq, ws), device)
-            row["bf16_ms"] = _time(partial(torch.nn.functional.linear, x, wt), device)
+            wqs = [(w8, ws.clone()) for w8 in _copies(wq, m)]
+            row["fp8_ms"] = _time(lambda p, x=x: fp8_linear(x, p[0], p[1]), device, wqs)
+            row["bf16_ms"] = _time(partial(torch.nn.functional.linear, x), device, _copies(wt, m))
             row["scaled_mm_ms"] = None
             if device.type == "cuda":
                 mp = max(16, -(-m // 16) * 16)  # _scaled_mm wants M a multiple of 16
@@ -112,11 +127,14 @@ def kernel_rows(args, device) -> list[dict]:
                 x_row = xp.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 448.0
                 x8 = (xp.float() / x_row).to(torch.float8_e4m3fn)
                 try:
-                    mm = partial(
-                        torch._scaled_mm, x8, w8_row.t(), scale_a=x_row,
-                        scale_b=w_row[None, :].contiguous(), out_dtype=torch.bfloat16,
-                    )  # fmt: skip
-                    row["scaled_mm_ms"] = _time(mm, device)
+
+                    def mm(w8, x8=x8, x_row=x_row, w_row=w_row):
+                        return torch._scaled_mm(
+                            x8, w8.t(), scale_a=x_row, scale_b=w_row[None, :].contiguous(),
+                            out_dtype=torch.bfloat16,
+                        )  # fmt: skip
+
+                    row["scaled_mm_ms"] = _time(mm, device, _copies(w8_row, m))
                 except RuntimeError as exc:
                     log(f"  _scaled_mm {name} M={m}: {str(exc)[:100]}")
             t = row["fp8_ms"]
