@@ -63,12 +63,15 @@ def probe_cublas(device: torch.device | str) -> tuple[bool, str]:
         try:
             # the shapes of bench/fp8_sweep.py's probe (one weight-scale block along N was
             # refused with "Invalid scaling configuration" on the H200)
+            # (dtypes explicit: a model's construction sets a bf16 default dtype, and bf16
+            # scales are an "Invalid scaling configuration")
             m, n, k = 64, 256, 512
+            f32 = dict(device=device, dtype=torch.float32)
             g = torch.Generator(device=device).manual_seed(0)
-            xq = torch.randn(m, k, generator=g, device=device).to(torch.float8_e4m3fn)
-            xs = torch.ones(k // FP8_BLOCK[1], m, device=device).t()
-            w = torch.randn(n, k, generator=g, device=device).to(torch.float8_e4m3fn)
-            ws = torch.ones(n // FP8_BLOCK[0], k // FP8_BLOCK[1], device=device)
+            xq = torch.randn(m, k, generator=g, **f32).to(torch.float8_e4m3fn)
+            xs = torch.ones(k // FP8_BLOCK[1], m, **f32).t()
+            w = torch.randn(n, k, generator=g, **f32).to(torch.float8_e4m3fn)
+            ws = torch.ones(n // FP8_BLOCK[0], k // FP8_BLOCK[1], **f32)
             out = fp8_cublas_gemm(xq, xs, w, ws, None, torch.bfloat16)
             torch.cuda.synchronize(device)
             ref = xq.float() @ w.float().t()

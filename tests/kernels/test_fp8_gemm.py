@@ -262,7 +262,12 @@ def test_cublas_probe_records_the_answer_per_device(monkeypatch):
 
     monkeypatch.setattr(fcb, "CUBLAS_USABLE", fc.CUBLAS_USABLE)
     device = torch.device(DEVICE)
-    usable, reason = probe_cublas(device)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # as while a model is built and its layers checked
+    try:
+        usable, reason = probe_cublas(device)
+    finally:
+        torch.set_default_dtype(default)
     sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
     assert usable == sm90 and (reason == "") == sm90, reason
     assert fc.CUBLAS_USABLE == {device_name(device): usable}
