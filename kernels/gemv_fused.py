@@ -233,7 +233,7 @@ def fused_gemv_config(kind: str, m: int, n: int, k: int, device: torch.device) -
     Looks up ``kernels/configs/gemv_fused_<device name>.json`` (``{"<kind>:<N>,<K>": {"m1":
     {...}, "m16": {...}}}``, each a :class:`~kernels.gemv.GemvConfig`'s fields plus
     ``"fused_faster"``); ``m1`` serves M = 1, ``m16`` M = 2..16. Under the Triton interpreter:
-    the small tiles of :func:`kernels.gemv.gemv_config`.
+    small tiles (K tiles of 32, up to 2 splits).
 
     Raises:
         ValueError: an unknown ``kind``.
@@ -242,8 +242,8 @@ def fused_gemv_config(kind: str, m: int, n: int, k: int, device: torch.device) -
         raise ValueError(f"unknown fused GEMV kind {kind!r}; one of {FUSED_KINDS}")
     if m > GEMV_MAX_M:
         return None
-    if _interpreting():
-        return GemvConfig(block_n=16, block_k=32, split_k=max(1, min(3, k // 64)), num_stages=1)
+    if _interpreting():  # K tiles and splits crossed; wide N tiles (fewer interpreted programs)
+        return GemvConfig(block_n=64, block_k=32, split_k=max(1, min(2, k // 64)), num_stages=1)
     entry = kernel_table("gemv_fused", device_name(device)).get(f"{kind}:{n},{k}")
     row = entry.get("m1" if m == 1 else "m16") if entry is not None else None
     if row is None or not row.get("fused_faster"):

@@ -24,7 +24,6 @@ would have to run the unfused norm eagerly inside the op for large T.
 from __future__ import annotations
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from engine.layers import kernel_switches
 from engine.layers.dense_linear import GEMV_DTYPES
@@ -41,11 +40,14 @@ def _tiles(kind: str, mode: bool | None, x: torch.Tensor, layer, switch: bool):
     on a symbolic row count (``statically_known_true``: False unless the count is static)."""
     if mode is False or getattr(layer, "quant_method", None) is not None or x.dim() != 2:
         return None
+    if mode is None and (x.device.type != "cuda" or x.dtype not in GEMV_DTYPES):
+        return None
+    # imported here: the module imports torch._dynamo, and with it Triton (a CPU server has none)
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
     if not statically_known_true(x.shape[0] <= _MAX_M):
         return None
     w, b = layer.weight, layer.bias
-    if mode is None and (x.device.type != "cuda" or x.dtype not in GEMV_DTYPES):
-        return None
     if (
         w.dim() != 2
         or w.stride(1) != 1
@@ -55,32 +57,10 @@ def _tiles(kind: str, mode: bool | None, x: torch.Tensor, layer, switch: bool):
     ):
         return None
     bucket = 1 if statically_known_true(x.shape[0] == 1) else _MAX_M
-    tiles = _table_tiles(kind, mode, switch, bucket, w.shape[0], w.shape[1], str(x.device))
+    from engine.layers.fused_tiles import table_tiles  # imports torch._dynamo (and Triton)
+
+    tiles = table_tiles(kind, mode, switch, bucket, w.shape[0], w.shape[1], str(x.device))
     return None if tiles is None else list(tiles)
-
-
-@torch.compiler.assume_constant_result
-def _table_tiles(
-    kind: str, mode: bool | None, switch: bool, m: int, n: int, k: int, device: str
-) -> tuple[int, ...] | None:
-    """The tiles of the fused ``kind`` GEMV for ``m`` rows (1 or 16: the table's bucket) times
-    the ``[n, k]`` weight on ``device``, or None (auto mode: the switches off or no winning
-    table entry; any mode: a device the kernel does not run on). Reads the environment and the
-    table, so Dynamo calls it while tracing and keeps its result as a constant."""
-    if mode is None and not (kernel_switches.SMALL_M_GEMV and switch):
-        return None
-    from kernels.gemv import GemvConfig, triton_runs_on
-    from kernels.gemv_fused import fused_gemv_config
-
-    dev = torch.device(device)
-    if not triton_runs_on(dev):
-        return None
-    cfg = fused_gemv_config(kind, m, n, k, dev)
-    if cfg is None:
-        if mode is None:
-            return None
-        cfg = GemvConfig()
-    return (cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.num_stages)
 
 
 def _config(tiles: list[int]):
