@@ -29,7 +29,6 @@ seconds (about 45 s on an H200, most of it compiling).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -45,36 +44,22 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.gemv_configs import (  # noqa: E402
+    FUSED_SHAPES,
+    SHAPES,
+    TINY_FUSED_SHAPES,
+    TINY_SHAPES,
+    candidates,
+    fused_candidates,
+)
 from bench.kernels import graph_ms  # noqa: E402
 from engine.layers.activation import silu_and_mul  # noqa: E402
 from engine.layers.dense_linear import _small_m_product  # noqa: E402
 from engine.layers.norm import add_rms_norm  # noqa: E402
 from kernels.configs import device_name, table_path  # noqa: E402
-from kernels.gemv import GemvConfig, gemv  # noqa: E402
+from kernels.gemv import gemv  # noqa: E402
 from kernels.gemv_fused import gemv_rms_norm, gemv_swiglu  # noqa: E402
 
-SHAPES = {
-    "0.6B qkv": (4096, 1024),
-    "0.6B o": (1024, 2048),
-    "0.6B gate_up": (6144, 1024),
-    "0.6B down": (1024, 3072),
-    "8B qkv": (6144, 4096),
-    "8B o": (4096, 4096),
-    "8B gate_up": (24576, 4096),
-    "8B down": (4096, 12288),
-}
-#: the fused sweep's shapes: (kind, N, K); K is the product's inputs (I for SwiGLU)
-FUSED_SHAPES = {
-    "0.6B qkv+norm": ("rms_norm", 4096, 1024),
-    "0.6B gate_up+norm": ("rms_norm", 6144, 1024),
-    "0.6B down+swiglu": ("swiglu", 1024, 3072),
-    "8B qkv+norm": ("rms_norm", 6144, 4096),
-    "8B gate_up+norm": ("rms_norm", 24576, 4096),
-    "8B down+swiglu": ("swiglu", 4096, 12288),
-}
-TINY_SHAPES = {"tiny qkv": (96, 64), "tiny down": (64, 160)}
-TINY_FUSED_SHAPES = {"tiny qkv+norm": ("rms_norm", 96, 64), "tiny down+swiglu": ("swiglu", 64, 160)}
-TINY_CONFIGS = [GemvConfig(16, 32, 1, 4, 1), GemvConfig(32, 32, 2, 4, 1)]
 EPS = 1e-6
 
 
@@ -85,34 +70,6 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 def accurate(err: float, baseline_err: float) -> bool:
     """The sweep's correctness bound: at most twice the baseline's error plus 1e-3."""
     return err <= 2 * baseline_err + 1e-3
-
-
-def candidates(n: int, k: int, sweep: bool, tiny: bool) -> list[GemvConfig]:
-    if tiny:
-        return TINY_CONFIGS
-    if not sweep:
-        return [GemvConfig()]
-    out = []
-    for bn, bk, split, stages, warps in itertools.product(
-        (16, 32, 64), (128, 256), (1, 2, 4), (3,), (4,)
-    ):
-        if k // split < bk:
-            continue
-        out.append(GemvConfig(bn, bk, split, warps, stages))
-    return out
-
-
-def fused_candidates(kind: str, k: int, tiny: bool) -> list[GemvConfig]:
-    """8 per kind: 32/64 wide N tiles, K tiles of 128/256, and the two split counts that suit
-    its K (the norm's prologue re-reads the rows in every program: fewer splits)."""
-    if tiny:
-        return TINY_CONFIGS
-    splits = (1, 2) if kind == "rms_norm" else (2, 4)
-    return [
-        GemvConfig(bn, bk, split, 4, 3)
-        for bn, bk, split in itertools.product((32, 64), (128, 256), splits)
-        if k // split >= bk
-    ]
 
 
 def weight_copies(n: int, k: int, dev, g, tiny: bool) -> list[torch.Tensor]:
