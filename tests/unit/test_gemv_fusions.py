@@ -8,8 +8,9 @@ kernels there; auto mode fuses on CUDA only):
 * the whole-model compiled forward: the batch-1 graph calls the fused custom ops, the graphs of
   a symbolic token count keep the unfused ops, results equal the eager unfused model's;
 * auto mode on the CPU fuses nothing (today's CPU path exactly);
-* the engine: greedy tokens and decode logits of the tiny bf16 checkpoint the same with the
-  fusions on and off.
+* the engine: greedy tokens and prompt logits of the tiny bf16 checkpoint the same with the
+  fusions on and off;
+* tensor parallelism: two ranks' fused shards against the full unfused layers.
 """
 
 from __future__ import annotations
@@ -167,3 +168,46 @@ def test_engine_greedy_tokens_and_logits_same_with_fusions_on_and_off(tiny_check
     rel = ((logits[True] - logits[False]).norm() / logits[False].norm()).item()
     assert rel < 2e-2, f"prompt logits differ by {rel:.2e}"
     assert tokens[True] == tokens[False]
+
+
+def test_tensor_parallel_shards_fused_equal_the_full_layers(counted):
+    """Two tensor-parallel ranks' shards (column-parallel gate/up after the norm, row-parallel
+    down after SwiGLU), fused and forced, float32: each rank's gate/up equals its unfused
+    shard's, the new residual the same on both, and the sum of the down partials (the
+    all-reduce) equals the full unfused MLP."""
+    from engine.layers.fused_linear import norm_linear, swiglu_linear
+    from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+    from engine.layers.norm import RMSNorm
+    from engine.layers.pointwise import PointwiseOps
+
+    g = torch.Generator().manual_seed(13)
+    h, inter, tp = 64, 96, 2
+    ops = PointwiseOps(False)
+    norm = RMSNorm(h, 1e-6)
+    norm.weight.data = 1 + 0.1 * torch.randn(h, generator=g)
+    gate, up = torch.randn(inter, h, generator=g) / 8, torch.randn(inter, h, generator=g) / 8
+    down_w = torch.randn(h, inter, generator=g) / 10
+
+    def mlp(rank, size):
+        gu = MergedColumnParallelLinear(h, [inter, inter], tp_rank=rank, tp_size=size)
+        gu.weight_loader(gu.weight, gate, 0)
+        gu.weight_loader(gu.weight, up, 1)
+        dn = RowParallelLinear(inter, h, tp_rank=rank, tp_size=size)
+        dn.weight_loader(dn.weight, down_w)
+        return gu, dn
+
+    x, res = torch.randn(3, h, generator=g), torch.randn(3, h, generator=g)
+    with torch.inference_mode():
+        gu, dn = mlp(0, 1)
+        full_gu, full_res = norm_linear(x, res, norm, gu, ops, False)
+        want = swiglu_linear(full_gu, dn, ops, False)
+        partials = []
+        for rank in range(tp):
+            gu, dn = mlp(rank, tp)
+            shard, new_res = norm_linear(x, res, norm, gu, ops, True)
+            ref_shard, _ = norm_linear(x, res, norm, gu, ops, False)
+            torch.testing.assert_close(shard, ref_shard, rtol=1e-5, atol=1e-5)
+            assert torch.equal(new_res, full_res)
+            partials.append(swiglu_linear(shard, dn, ops, True))
+    assert counted == {"rms_norm": tp, "swiglu": tp}
+    torch.testing.assert_close(sum(partials), want, rtol=1e-5, atol=1e-5)
