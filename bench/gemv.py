@@ -22,14 +22,15 @@ stores ``gemv_fused_<device>.json``: per ``"<kind>:<N>,<K>"`` and M bucket the b
 configuration and ``fused_faster``, true only where the fused kernel beat the unfused pair --
 the elementwise op compiled by Inductor (as the compiled model runs it) followed by today's
 product (the plain table's choice, kernel or cuBLAS). Both tables also land in ``--out``.
-``--fused`` sweeps 8 configurations per kind and stops timing new ones after ``--budget-s``
-seconds (about 45 s on an H200, most of it compiling).
+``--fused`` sweeps 8 configurations per kind, compiled first in ``--compile-workers`` spawned
+processes (filling Triton's disk cache), and stops timing new ones after ``--budget-s`` seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -57,7 +58,7 @@ from engine.layers.activation import silu_and_mul  # noqa: E402
 from engine.layers.dense_linear import _small_m_product  # noqa: E402
 from engine.layers.norm import add_rms_norm  # noqa: E402
 from kernels.configs import device_name, table_path  # noqa: E402
-from kernels.gemv import gemv  # noqa: E402
+from kernels.gemv import GemvConfig, gemv  # noqa: E402
 from kernels.gemv_fused import gemv_rms_norm, gemv_swiglu  # noqa: E402
 
 EPS = 1e-6
@@ -176,13 +177,71 @@ def fused_case(kind: str, m: int, k: int, dev, g, tiny: bool):
     return act32, unfused_act, fused, None
 
 
+def _warm_one(job: tuple) -> tuple[tuple, str | None]:
+    """Compile one fused configuration by launching it on the timed shape (so the JIT
+    specializes as in the timing process; Triton's on-disk cache is shared)."""
+    kind, m, n, k, fields, tiny = job
+    if tiny:
+        os.environ["TRITON_INTERPRET"] = "1"
+    dev = torch.device("cpu" if tiny else "cuda")
+    cfg = GemvConfig(*fields)
+    w = torch.zeros(n, k, device=dev, dtype=torch.bfloat16)
+    try:
+        if kind == "rms_norm":
+            x = torch.zeros(m, k, device=dev, dtype=torch.bfloat16)
+            gemv_rms_norm(x, x[0], EPS, w, None, x.clone(), cfg)
+        else:
+            gemv_swiglu(torch.zeros(m, 2 * k, device=dev, dtype=torch.bfloat16), w, None, cfg)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return job, None
+    except Exception as e:  # a tile the compiler refuses: reported again when timed
+        return job, f"{type(e).__name__}: {str(e)[:120]}"
+
+
+def warm_compile(jobs: list[tuple], workers: int, budget_s: float) -> None:
+    """Compile ``jobs`` in ``workers`` spawned processes for at most ``budget_s`` seconds, so the
+    timing process loads the kernels from Triton's cache instead of compiling them one by one;
+    whatever is not reached compiles when first timed."""
+    if workers < 1 or not jobs:
+        return
+    t0 = time.perf_counter()
+    ctx = multiprocessing.get_context("spawn")
+    pool = ctx.Pool(min(workers, len(jobs)))
+    done = 0
+    try:
+        it = pool.imap_unordered(_warm_one, jobs)
+        for _ in jobs:
+            left = budget_s - (time.perf_counter() - t0)
+            try:
+                job, err = it.next(timeout=max(0.0, left))
+            except multiprocessing.TimeoutError:
+                print(f"compile budget spent: {len(jobs) - done} of {len(jobs)} not compiled")
+                break
+            done += 1
+            if err:
+                print(f"compile of {job[:4]} {GemvConfig(*job[4])} failed: {err}", flush=True)
+    finally:
+        pool.terminate()
+        pool.join()
+    print(f"compiled {done} fused configurations in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
 def sweep_fused(args, dev, g) -> tuple[dict, list[dict]]:
     """Each fused kernel's best configuration per shape and M against the unfused pair."""
     t0 = time.perf_counter()
     table: dict = {}
     rows = []
     shapes = TINY_FUSED_SHAPES if args.tiny else FUSED_SHAPES
-    for name in args.fused_shapes or [s for s in shapes if s.startswith(("0.6B", "tiny"))]:
+    names = args.fused_shapes or [s for s in shapes if s.startswith(("0.6B", "tiny"))]
+    jobs = {
+        (kind, m, n, k, tuple(c.__dict__.values()), args.tiny)
+        for kind, n, k in (shapes[name] for name in names)
+        for m in (1, 16)
+        for c in fused_candidates(kind, k, args.tiny)
+    }
+    warm_compile(sorted(jobs), args.compile_workers, args.compile_budget_s)
+    for name in names:
         kind, n, k = shapes[name]
         ws = weight_copies(n, k, dev, g, args.tiny)
         for m in (1, 16):
@@ -271,6 +330,8 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="*", help=f"plain shapes, of {list(SHAPES)}")
     ap.add_argument("--fused-shapes", nargs="*", help=f"of {list(FUSED_SHAPES)}")
     ap.add_argument("--budget-s", type=float, default=50.0, help="fused sweep: stop timing")
+    ap.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1))
+    ap.add_argument("--compile-budget-s", type=float, default=30.0)
     args = ap.parse_args()
     if args.tiny and args.write_table:
         ap.error("--tiny measures the interpreter: its table is written to --out only")

@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _args(**kw) -> argparse.Namespace:
     base = dict(tiny=True, sweep=False, shapes=None, fused_shapes=None, budget_s=1e9)
+    base.update(compile_workers=0, compile_budget_s=0.0)
     return argparse.Namespace(**{**base, **kw})
 
 
