@@ -1,24 +1,43 @@
 """The small-M bf16 linear kernel (``kernels/gemv.py``) against cuBLAS (``F.linear``) at decode
-shapes, with a tile sweep that writes the per-device table the kernel reads.
+shapes, with a tile sweep that writes the per-device table the kernel reads; ``--fused``: the
+fused variants (``kernels/gemv_fused.py``) against the unfused pairs they replace.
 
-Usage (on the GPU): ``python bench/gemv.py [--sweep] [--write-table] [--out DIR]``.
+Usage (on the GPU): ``python bench/gemv.py [--sweep] [--fused] [--write-table] [--out DIR]``;
+on the CPU, to check the script's logic under the Triton interpreter: ``python bench/gemv.py
+--tiny [--fused]`` (tiny shapes, two tile configurations, host-clock timings; writes to
+``--out`` only).
 
 Shapes: Qwen3-0.6B's projections (qkv 1024->4096, o 2048->1024, gate_up 1024->6144, down
-3072->1024) and Qwen3-8B's, at M = 1 and 16. Each timing is the median of CUDA-graph replays
-over enough weight copies (>= 256 MB) that no weight is still in the 50 MB L2 from the last call,
-as in a real step where every layer reads its own weights. Prints time, weight TB/s and the
-relative error against a float32 product for the kernel's best configuration and cuBLAS;
-``--write-table`` stores ``kernels/configs/gemv_<device>.json`` (the best configuration per
-shape and M bucket, and ``cublas_faster`` where cuBLAS won).
+3072->1024) and Qwen3-8B's, at M = 1 and 16; ``--fused``: qkv and gate_up with the residual add
++ RMSNorm before them, down with SwiGLU. Each timing is the median of CUDA-graph replays over
+enough weight copies (>= 256 MB) that no weight is still in the 50 MB L2 from the last call, as
+in a real step where every layer reads its own weights. Every configuration's result is checked
+against a float32 reference before it is timed (relative error at most twice the cuBLAS /
+unfused path's plus 1e-3, and for the norm the new residual bit for bit); one that fails to
+compile or is wrong is never chosen.
+
+Tables: the plain sweep (``--write-table``) stores ``kernels/configs/gemv_<device>.json``: the
+best configuration per shape and M bucket, ``cublas_faster`` where cuBLAS won. ``--fused``
+stores ``gemv_fused_<device>.json``: per ``"<kind>:<N>,<K>"`` and M bucket the best fused
+configuration and ``fused_faster``, true only where the fused kernel beat the unfused pair --
+the elementwise op compiled by Inductor (as the compiled model runs it) followed by today's
+product (the plain table's choice, kernel or cuBLAS). Both tables also land in ``--out``.
+``--fused`` sweeps 8 configurations per kind, compiled first in ``--compile-workers`` spawned
+processes (filling Triton's disk cache), and stops timing new ones after ``--budget-s`` seconds.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
+import multiprocessing
+import os
 import sys
+import time
 from pathlib import Path
+
+if "--tiny" in sys.argv:  # before Triton is imported: the kernels run in the CPU interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -26,71 +45,74 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.gemv_configs import (  # noqa: E402
+    FUSED_SHAPES,
+    SHAPES,
+    TINY_FUSED_SHAPES,
+    TINY_SHAPES,
+    candidates,
+    fused_candidates,
+)
 from bench.kernels import graph_ms  # noqa: E402
-from kernels.configs import table_path  # noqa: E402
+from engine.layers.activation import silu_and_mul  # noqa: E402
+from engine.layers.dense_linear import _small_m_product  # noqa: E402
+from engine.layers.norm import add_rms_norm  # noqa: E402
+from kernels.configs import device_name, table_path  # noqa: E402
 from kernels.gemv import GemvConfig, gemv  # noqa: E402
+from kernels.gemv_fused import gemv_rms_norm, gemv_swiglu  # noqa: E402
 
-SHAPES = {
-    "0.6B qkv": (4096, 1024),
-    "0.6B o": (1024, 2048),
-    "0.6B gate_up": (6144, 1024),
-    "0.6B down": (1024, 3072),
-    "8B qkv": (6144, 4096),
-    "8B o": (4096, 4096),
-    "8B gate_up": (24576, 4096),
-    "8B down": (4096, 12288),
-}
+EPS = 1e-6
 
 
-def candidates(n: int, k: int, sweep: bool) -> list[GemvConfig]:
-    if not sweep:
-        return [GemvConfig()]
-    out = []
-    for bn, bk, split, stages, warps in itertools.product(
-        (16, 32, 64), (128, 256), (1, 2, 4), (3,), (4,)
-    ):
-        if k // split < bk:
-            continue
-        out.append(GemvConfig(bn, bk, split, warps, stages))
-    return out
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--write-table", action="store_true")
-    ap.add_argument("--out", default="/tmp")
-    ap.add_argument("--shapes", nargs="*", default=[s for s in SHAPES if s.startswith("0.6B")])
-    args = ap.parse_args()
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
+def accurate(err: float, baseline_err: float) -> bool:
+    """The sweep's correctness bound: at most twice the baseline's error plus 1e-3."""
+    return err <= 2 * baseline_err + 1e-3
+
+
+def weight_copies(n: int, k: int, dev, g, tiny: bool) -> list[torch.Tensor]:
+    """``[N, K]`` bf16 weights, enough identical copies (>= 256 MB) that none is in L2."""
+    copies = 2 if tiny else max(2, (256 << 20) // (n * k * 2))
+    ws = [torch.randn(n, k, device=dev, generator=g, dtype=torch.bfloat16) * 0.02]
+    return ws + [torch.empty_like(ws[0]).copy_(ws[0]) for _ in range(copies - 1)]
+
+
+def sweep_plain(args, dev, g) -> tuple[dict, list[dict]]:
+    """The kernel's best configuration per shape and M against cuBLAS."""
     table: dict = {}
     rows = []
-    for name in args.shapes:
-        n, k = SHAPES[name]
-        copies = max(2, (256 << 20) // (n * k * 2))
-        ws = [torch.randn(n, k, device=dev, generator=g, dtype=torch.bfloat16) * 0.02]
-        ws += [torch.empty_like(ws[0]).copy_(ws[0]) for _ in range(copies - 1)]
+    shapes = TINY_SHAPES if args.tiny else SHAPES
+    for name in args.shapes or [s for s in shapes if s.startswith(("0.6B", "tiny"))]:
+        n, k = shapes[name]
+        ws = weight_copies(n, k, dev, g, args.tiny)
         for m in (1, 16):
             x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
             ref = x.float() @ ws[0].float().T
             cublas_ms = graph_ms([lambda w=w, x=x: F.linear(x, w) for w in ws])
-            cublas_err = ((F.linear(x, ws[0]).float() - ref).norm() / ref.norm()).item()
+            cublas_err = rel(F.linear(x, ws[0]), ref)
             best = None
-            for cfg in candidates(n, k, args.sweep):
+            for cfg in candidates(n, k, args.sweep, args.tiny):
                 try:
+                    err = rel(gemv(x, ws[0], None, cfg), ref)
+                    if not accurate(err, cublas_err):
+                        print(f"{name} M={m} {cfg}: wrong (rel err {err:.1e}), skipped", flush=True)
+                        continue
                     ms = graph_ms([lambda w=w, c=cfg, x=x: gemv(x, w, None, c) for w in ws])
                 except Exception as e:  # a tile the compiler refuses (shared memory, ...)
                     print(f"{name} M={m} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
                 if best is None or ms < best[0]:
-                    best = (ms, cfg)
+                    best = (ms, cfg, err)
             if best is None:
-                print(f"{name} M={m}: no configuration compiled; cuBLAS kept", flush=True)
+                print(
+                    f"{name} M={m}: no configuration compiled and passed; cuBLAS kept", flush=True
+                )
                 table.setdefault(f"{n},{k}", {})[f"m{m}"] = {"cublas_faster": True}
                 continue
-            ms, cfg = best
-            err = ((gemv(x, ws[0], None, cfg).float() - ref).norm() / ref.norm()).item()
+            ms, cfg, err = best
             gb = n * k * 2 / 1e9
             row = {
                 "shape": name,
@@ -109,13 +131,13 @@ def main() -> int:
             print(json.dumps(row), flush=True)
             table.setdefault(f"{n},{k}", {})[f"m{m}"] = {
                 **cfg.__dict__,
-                # the kernel only where it is faster and as accurate as cuBLAS
-                "cublas_faster": cublas_ms < ms or err > 2 * cublas_err + 1e-3,
+                "cublas_faster": cublas_ms < ms,  # every timed configuration was accurate
                 "gemv_us": round(1e3 * ms, 2),
                 "cublas_us": round(1e3 * cublas_ms, 2),
             }
         del ws
-        torch.cuda.empty_cache()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     print(
         "\n| shape | M | gemv us | cuBLAS us | gemv / cuBLAS time | gemv TB/s | cuBLAS TB/s "
         "| rel err gemv / cuBLAS | config (block_n, block_k, split, warps, stages) |"
@@ -131,10 +153,199 @@ def main() -> int:
             f"| {c['block_n']}, {c['block_k']}, {c['split_k']}, {c['num_warps']}, "
             f"{c['num_stages']} |"
         )
-    path = table_path("gemv", torch.cuda.get_device_name(dev))
+    return table, rows
+
+
+def fused_case(kind: str, m: int, k: int, dev, g, tiny: bool):
+    """(inputs, float32 reference of the product's input ``[M, K]``, the unfused elementwise op
+    (Inductor-compiled on the GPU, as the compiled model runs it; eager under ``--tiny``),
+    fused call ``(w, cfg) -> (y, new residual or None)``, expected new residual or None)."""
+    if kind == "rms_norm":
+        x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
+        res = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
+        nw = (1 + 0.1 * torch.randn(k, device=dev, generator=g)).to(torch.bfloat16)
+        act32 = F.rms_norm(x.float() + res.float(), (k,), nw.float(), EPS)
+        norm = add_rms_norm if tiny else torch.compile(add_rms_norm, dynamic=False)
+        unfused_act = lambda: norm(x, res, nw, EPS)[0]  # noqa: E731
+        fused = lambda w, c: gemv_rms_norm(x, nw, EPS, w, None, res, c)  # noqa: E731
+        return act32, unfused_act, fused, res + x
+    gate_up = torch.randn(m, 2 * k, device=dev, generator=g, dtype=torch.bfloat16) * 2
+    act32 = F.silu(gate_up[:, :k].float()) * gate_up[:, k:].float()
+    swiglu = silu_and_mul if tiny else torch.compile(silu_and_mul, dynamic=False)
+    unfused_act = lambda: swiglu(gate_up)  # noqa: E731
+    fused = lambda w, c: (gemv_swiglu(gate_up, w, None, c), None)  # noqa: E731
+    return act32, unfused_act, fused, None
+
+
+def _warm_one(job: tuple) -> tuple[tuple, str | None]:
+    """Compile one fused configuration by launching it on the timed shape (so the JIT
+    specializes as in the timing process; Triton's on-disk cache is shared)."""
+    kind, m, n, k, fields, tiny = job
+    if tiny:
+        os.environ["TRITON_INTERPRET"] = "1"
+    dev = torch.device("cpu" if tiny else "cuda")
+    cfg = GemvConfig(*fields)
+    w = torch.zeros(n, k, device=dev, dtype=torch.bfloat16)
+    try:
+        if kind == "rms_norm":
+            x = torch.zeros(m, k, device=dev, dtype=torch.bfloat16)
+            gemv_rms_norm(x, x[0], EPS, w, None, x.clone(), cfg)
+        else:
+            gemv_swiglu(torch.zeros(m, 2 * k, device=dev, dtype=torch.bfloat16), w, None, cfg)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return job, None
+    except Exception as e:  # a tile the compiler refuses: reported again when timed
+        return job, f"{type(e).__name__}: {str(e)[:120]}"
+
+
+def warm_compile(jobs: list[tuple], workers: int, budget_s: float) -> None:
+    """Compile ``jobs`` in ``workers`` spawned processes for at most ``budget_s`` seconds, so the
+    timing process loads the kernels from Triton's cache instead of compiling them one by one;
+    whatever is not reached compiles when first timed."""
+    if workers < 1 or not jobs:
+        return
+    t0 = time.perf_counter()
+    ctx = multiprocessing.get_context("spawn")
+    pool = ctx.Pool(min(workers, len(jobs)))
+    done = 0
+    try:
+        it = pool.imap_unordered(_warm_one, jobs)
+        for _ in jobs:
+            left = budget_s - (time.perf_counter() - t0)
+            try:
+                job, err = it.next(timeout=max(0.0, left))
+            except multiprocessing.TimeoutError:
+                print(f"compile budget spent: {len(jobs) - done} of {len(jobs)} not compiled")
+                break
+            done += 1
+            if err:
+                print(f"compile of {job[:4]} {GemvConfig(*job[4])} failed: {err}", flush=True)
+    finally:
+        pool.terminate()
+        pool.join()
+    print(f"compiled {done} fused configurations in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def sweep_fused(args, dev, g) -> tuple[dict, list[dict]]:
+    """Each fused kernel's best configuration per shape and M against the unfused pair."""
+    t0 = time.perf_counter()
+    table: dict = {}
+    rows = []
+    shapes = TINY_FUSED_SHAPES if args.tiny else FUSED_SHAPES
+    names = args.fused_shapes or [s for s in shapes if s.startswith(("0.6B", "tiny"))]
+    jobs = {
+        (kind, m, n, k, tuple(c.__dict__.values()), args.tiny)
+        for kind, n, k in (shapes[name] for name in names)
+        for m in (1, 16)
+        for c in fused_candidates(kind, k, args.tiny)
+    }
+    warm_compile(sorted(jobs), args.compile_workers, args.compile_budget_s)
+    for name in names:
+        kind, n, k = shapes[name]
+        ws = weight_copies(n, k, dev, g, args.tiny)
+        for m in (1, 16):
+            act32, unfused_act, fused, want_res = fused_case(kind, m, k, dev, g, args.tiny)
+            ref = act32 @ ws[0].float().T
+            unfused_err = rel(_small_m_product(unfused_act(), ws[0], None), ref)
+            unfused_ms = graph_ms(
+                [lambda w=w, a=unfused_act: _small_m_product(a(), w, None) for w in ws]
+            )
+            best = None
+            for i, cfg in enumerate(fused_candidates(kind, k, args.tiny)):
+                if i and time.perf_counter() - t0 > args.budget_s:
+                    print(f"{name} M={m}: time budget reached, {cfg} and later not timed")
+                    break
+                try:
+                    y, new_res = fused(ws[0], cfg)
+                    err = rel(y, ref)
+                    res_ok = want_res is None or torch.equal(new_res, want_res)
+                    if not (accurate(err, unfused_err) and res_ok):
+                        print(
+                            f"{name} M={m} {cfg}: wrong (rel err {err:.1e}, residual "
+                            f"{'ok' if res_ok else 'WRONG'}), skipped",
+                            flush=True,
+                        )
+                        continue
+                    ms = graph_ms([lambda w=w, c=cfg, f=fused: f(w, c) for w in ws])
+                except Exception as e:  # a tile the compiler refuses
+                    print(f"{name} M={m} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                if best is None or ms < best[0]:
+                    best = (ms, cfg, err)
+            key = f"{kind}:{n},{k}"
+            if best is None:
+                print(f"{name} M={m}: no configuration compiled and passed; unfused kept")
+                table.setdefault(key, {})[f"m{m}"] = {"fused_faster": False}
+                continue
+            ms, cfg, err = best
+            row = {
+                "shape": name,
+                "kind": kind,
+                "n": n,
+                "k": k,
+                "m": m,
+                "fused_us": 1e3 * ms,
+                "unfused_us": 1e3 * unfused_ms,
+                "fused_rel_err": err,
+                "unfused_rel_err": unfused_err,
+                "config": cfg.__dict__,
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            table.setdefault(key, {})[f"m{m}"] = {
+                **cfg.__dict__,
+                "fused_faster": ms < unfused_ms,
+                "fused_us": round(1e3 * ms, 2),
+                "unfused_us": round(1e3 * unfused_ms, 2),
+            }
+        del ws
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    print(
+        "\n| shape | M | fused us | unfused us (op + product) | fused / unfused | "
+        "rel err fused / unfused | config (block_n, block_k, split, warps, stages) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        c = r["config"]
+        print(
+            f"| {r['shape']} {r['k']}->{r['n']} | {r['m']} | {r['fused_us']:.2f} "
+            f"| {r['unfused_us']:.2f} | {r['fused_us'] / r['unfused_us']:.2f} "
+            f"| {r['fused_rel_err']:.1e} / {r['unfused_rel_err']:.1e} "
+            f"| {c['block_n']}, {c['block_k']}, {c['split_k']}, {c['num_warps']}, "
+            f"{c['num_stages']} |"
+        )
+    print(f"fused sweep: {time.perf_counter() - t0:.0f} s")
+    return table, rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true", help="all plain tile configurations")
+    ap.add_argument("--fused", action="store_true", help="the fused kernels (their own table)")
+    ap.add_argument("--write-table", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="CPU, Triton interpreter, tiny shapes")
+    ap.add_argument("--out", default="/tmp")
+    ap.add_argument("--shapes", nargs="*", help=f"plain shapes, of {list(SHAPES)}")
+    ap.add_argument("--fused-shapes", nargs="*", help=f"of {list(FUSED_SHAPES)}")
+    ap.add_argument("--budget-s", type=float, default=50.0, help="fused sweep: stop timing")
+    ap.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1))
+    ap.add_argument("--compile-budget-s", type=float, default=30.0)
+    args = ap.parse_args()
+    if args.tiny and args.write_table:
+        ap.error("--tiny measures the interpreter: its table is written to --out only")
+    if not args.tiny and not torch.cuda.is_available():
+        ap.error("no CUDA device: run on the GPU, or with --tiny on the CPU")
+    dev = torch.device("cpu" if args.tiny else "cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    kernel = "gemv_fused" if args.fused else "gemv"
+    table, _ = (sweep_fused if args.fused else sweep_plain)(args, dev, g)
+    path = table_path(kernel, device_name(dev))
     blob = json.dumps(table, indent=1, sort_keys=True) + "\n"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / path.name).write_text(blob)
+    print(f"wrote {Path(args.out) / path.name}")
     if args.write_table:
         path.write_text(blob)
         print(f"wrote {path}")

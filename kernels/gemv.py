@@ -105,6 +105,38 @@ def _gemv_kernel(
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
+    _gemv_epilogue(
+        acc, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, stride_om, pid_n, pid_k,
+        rn, rn_c, rm, m_ok, BLOCK_N, BLOCK_M, SPLIT_K, HAS_BIAS,
+    )  # fmt: skip
+
+
+@triton.jit
+def _gemv_epilogue(
+    acc,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    counter_ptr,
+    M,
+    N,
+    stride_om,
+    pid_n,
+    pid_k,
+    rn,
+    rn_c,
+    rm,
+    m_ok,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """Store program ``(pid_n, pid_k)``'s fp32 ``acc [BLOCK_N, BLOCK_M]`` (``out[m, n]``, rows
+    ``rn`` clamped to ``rn_c``, columns ``rm`` valid where ``m_ok``): directly with one split,
+    else as a partial, the last-arriving split reducing in split order, adding the bias and
+    resetting its N tile's counter (the module docstring). Shared by the fused variants of
+    :mod:`kernels.gemv_fused`."""
     mask = m_ok[None, :] & (rn[:, None] < N)
     o_ptrs = out_ptr + rm[None, :] * stride_om + rn[:, None]
     if SPLIT_K == 1:
@@ -232,36 +264,75 @@ def gemv(
     if x.stride(-1) != 1:
         x = x.contiguous()
     cfg = config or gemv_config(m, n, k, x.device) or GemvConfig()
-    tiles = triton.cdiv(n, cfg.block_n)
-    per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, per_split)  # no empty split
-    if split > 1 and tiles > NUM_COUNTERS:
-        raise ValueError(f"{tiles} N tiles exceed the {NUM_COUNTERS} split-K counters")
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    counters = gemv_counters(x.device) if split > 1 else out
-    _gemv_kernel[(tiles, split)](
+    plan = split_plan(m, n, k, cfg, out)
+    _gemv_kernel[plan.grid](
         x,
         w,
         bias if bias is not None else w,
         out,
-        part,
-        counters,
+        plan.partials,
+        plan.counters,
         m,
         n,
         k,
-        per_split,
+        plan.k_per_split,
         x.stride(0),
         w.stride(0),
         out.stride(0),
         BLOCK_M=16,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
-        SPLIT_K=split,
+        SPLIT_K=plan.split_k,
         HAS_BIAS=bias is not None,
-        EVEN_K=k % per_split == 0 and per_split % cfg.block_k == 0,
-        UPCAST=x.device.type != "cuda" and w.dtype != torch.float32,
-        DOT_PREC="ieee" if w.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
+        EVEN_K=plan.even_k,
+        UPCAST=upcast_dot(x.device, w.dtype),
+        DOT_PREC=dot_precision(w.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     return out
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How one launch splits ``[M, K] x [K, N]``: the grid ``(N tiles, K splits)``, the inputs
+    per split (a multiple of ``block_k``), whether every K tile is full (``even_k``), and the
+    fp32 partials ``[split_k, M, N]`` and arrival counters of a split launch (with one split
+    both are the output itself, never read)."""
+
+    grid: tuple[int, int]
+    k_per_split: int
+    split_k: int
+    even_k: bool
+    partials: torch.Tensor
+    counters: torch.Tensor
+
+
+def split_plan(m: int, n: int, k: int, cfg: GemvConfig, out: torch.Tensor) -> SplitPlan:
+    """The :class:`SplitPlan` of ``cfg`` for ``[M, K] x [K, N]`` writing ``out`` (no split left
+    empty: ``split_k`` may come out below ``cfg.split_k``).
+
+    Raises:
+        ValueError: more N tiles than split-K counters (a split launch only).
+    """
+    tiles = triton.cdiv(n, cfg.block_n)
+    per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, per_split)  # no empty split
+    if split > 1 and tiles > NUM_COUNTERS:
+        raise ValueError(f"{tiles} N tiles exceed the {NUM_COUNTERS} split-K counters")
+    part = torch.empty((split, m, n), dtype=torch.float32, device=out.device) if split > 1 else out
+    counters = gemv_counters(out.device) if split > 1 else out
+    even_k = k % per_split == 0 and per_split % cfg.block_k == 0
+    return SplitPlan((tiles, split), per_split, split, even_k, part, counters)
+
+
+def upcast_dot(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernels multiply in float32 (the CPU interpreter's dot multiplies bfloat16
+    as raw integers)."""
+    return torch.device(device).type != "cuda" and dtype != torch.float32
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision``: IEEE for float32 (no TF32 rounding), else "tf32" (a
+    no-op for 16-bit operands)."""
+    return "ieee" if dtype == torch.float32 else "tf32"

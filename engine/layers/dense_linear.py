@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from engine.layers.kernel_switches import SMALL_M_GEMV
 
-_GEMV_DTYPES = (torch.bfloat16, torch.float16)
+#: the dtypes whose decode-sized products go to the small-M kernel on CUDA
+GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _small_m_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -51,7 +52,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if (
         not SMALL_M_GEMV
         or x.device.type != "cuda"
-        or x.dtype not in _GEMV_DTYPES
+        or x.dtype not in GEMV_DTYPES
         or weight.dtype != x.dtype
     ):
         return F.linear(x, weight, bias)

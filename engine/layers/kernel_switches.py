@@ -4,11 +4,16 @@ one tree (``bench/latency_ab.sh``) and as an escape hatch should a kernel misbeh
 * ``QWEN_SERVE_FUSED_QK_ROPE=0``: the model applies q/k RMSNorm and rotary itself and the
   attention op stores k/v (``kernels/qk_norm_rope.py`` not used);
 * ``QWEN_SERVE_SMALL_M_GEMV=0``: every unquantized projection runs on cuBLAS
-  (``kernels/gemv.py`` not used).
+  (``kernels/gemv.py`` not used; the two fusions below need it and are off too);
+* ``QWEN_SERVE_FUSED_NORM_GEMV=0``: the residual add + RMSNorm before q/k/v and before gate/up
+  runs as its own kernel (``kernels/gemv_fused.py``'s ``gemv_rms_norm`` not used);
+* ``QWEN_SERVE_FUSED_SWIGLU_GEMV=0``: SwiGLU runs as its own kernel before the down projection
+  (``gemv_swiglu`` not used).
 
-Both default to on; values 1/true/yes/on or 0/false/no/off, anything else is refused at
-import with a ValueError naming the variable. Outputs are the same model's either way (within
-bf16 rounding).
+All default to on (the fusions only where their table, ``kernels/configs/gemv_fused_<device>
+.json``, says they win; see ``engine/layers/fused_linear.py``); values 1/true/yes/on or
+0/false/no/off, anything else is refused at import with a ValueError naming the variable.
+Outputs are the same model's either way (within bf16 rounding).
 """
 
 from __future__ import annotations
@@ -27,3 +32,5 @@ def _enabled(name: str) -> bool:
 
 FUSED_QK_ROPE = _enabled("QWEN_SERVE_FUSED_QK_ROPE")
 SMALL_M_GEMV = _enabled("QWEN_SERVE_SMALL_M_GEMV")
+FUSED_NORM_GEMV = _enabled("QWEN_SERVE_FUSED_NORM_GEMV")
+FUSED_SWIGLU_GEMV = _enabled("QWEN_SERVE_FUSED_SWIGLU_GEMV")

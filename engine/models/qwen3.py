@@ -29,6 +29,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.core.config import ModelConfig
 from engine.layers import kernel_switches
 from engine.layers.embedding import VocabParallelEmbedding
+from engine.layers.fused_linear import norm_linear, swiglu_linear
 from engine.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -101,8 +102,13 @@ class Qwen3Attention(nn.Module):
         )
 
     def forward(self, x, rope, kv_cache, meta: AttentionMetadata):
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.attend(self.qkv_proj(x), rope, kv_cache, meta)
+
+    def attend(self, qkv, rope, kv_cache, meta: AttentionMetadata):
+        """Attention from the q/k/v projection's output ``qkv [T, (Hq + 2 Hkv) D]`` (the
+        decoder layer computes it, fused with the norm before it where that applies)."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -125,12 +131,23 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
-    """SwiGLU MLP: this rank's features of gate/up, ``down_proj``'s partial sums all-reduced."""
+    """SwiGLU MLP: this rank's features of gate/up, ``down_proj``'s partial sums all-reduced.
 
-    def __init__(self, cfg: ModelConfig, ops: PointwiseOps, tp: TensorParallel | None = None):
+    ``fuse_swiglu_gemv``: SwiGLU inside the down projection's small-M kernel
+    (:func:`engine.layers.fused_linear.swiglu_linear`'s mode: None auto, True, False).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ops: PointwiseOps,
+        tp: TensorParallel | None = None,
+        fuse_swiglu_gemv: bool | None = None,
+    ):
         super().__init__()
         self.ops = ops
         self.tp = tp
+        self.fuse_swiglu_gemv = fuse_swiglu_gemv
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size,
             [cfg.intermediate_size] * 2,
@@ -147,7 +164,13 @@ class Qwen3MLP(nn.Module):
         )
 
     def forward(self, x):
-        out = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up):
+        """SwiGLU, the down projection and its all-reduce, from the gate/up projection's output
+        ``[T, 2I]`` (the decoder layer computes it, fused with the norm before it where that
+        applies)."""
+        out = swiglu_linear(gate_up, self.down_proj, self.ops, self.fuse_swiglu_gemv)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -156,7 +179,10 @@ class Qwen3DecoderLayer(nn.Module):
 
     ``mlp``: the MLP module, any ``[T, H] -> [T, H]`` (default: the dense :class:`Qwen3MLP`;
     Qwen3-MoE passes a sparse MoE block). ``tp``: the tensor-parallel group or None.
-    ``fuse_qk_rope``: see :class:`Qwen3Attention`.
+    ``fuse_qk_rope``: see :class:`Qwen3Attention`. ``fuse_norm_gemv``: each RMSNorm (with
+    its residual add) inside the small-M kernel of the projection after it, q/k/v and (dense
+    MLP) gate/up (:func:`engine.layers.fused_linear.norm_linear`'s mode: None auto, True,
+    False); ``fuse_swiglu_gemv``: see :class:`Qwen3MLP`.
     """
 
     def __init__(
@@ -168,24 +194,29 @@ class Qwen3DecoderLayer(nn.Module):
         mlp: nn.Module | None = None,
         tp: TensorParallel | None = None,
         fuse_qk_rope: bool = False,
+        fuse_norm_gemv: bool | None = None,
+        fuse_swiglu_gemv: bool | None = None,
     ):
         super().__init__()
         self.ops = ops
+        self.fuse_norm_gemv = fuse_norm_gemv
         self.self_attn = Qwen3Attention(cfg, ops, attention_backend, custom_op, tp, fuse_qk_rope)
-        self.mlp = mlp if mlp is not None else Qwen3MLP(cfg, ops, tp)
+        self.mlp = mlp if mlp is not None else Qwen3MLP(cfg, ops, tp, fuse_swiglu_gemv)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, residual, rope, kv_cache, meta):
         """``x``: the previous layer's output (not yet added to ``residual``; None residual for
         the first layer). Returns (this layer's MLP output, residual stream)."""
-        ln = self.input_layernorm
-        if residual is None:
-            h, residual = self.ops.rms_norm(x, ln.weight, ln.eps), x
-        else:
-            h, residual = self.ops.add_rms_norm(x, residual, ln.weight, ln.eps)
-        h = self.self_attn(h, rope, kv_cache, meta)
+        attn, mode = self.self_attn, self.fuse_norm_gemv
+        qkv, residual = norm_linear(
+            x, residual, self.input_layernorm, attn.qkv_proj, self.ops, mode
+        )
+        h = attn.attend(qkv, rope, kv_cache, meta)
         ln = self.post_attention_layernorm
+        if isinstance(self.mlp, Qwen3MLP):
+            gate_up, residual = norm_linear(h, residual, ln, self.mlp.gate_up_proj, self.ops, mode)
+            return self.mlp.down(gate_up), residual
         h, residual = self.ops.add_rms_norm(h, residual, ln.weight, ln.eps)
         return self.mlp(h), residual
 
@@ -201,6 +232,8 @@ class Qwen3Model(nn.Module):
         make_mlp: Callable[[int], nn.Module | None] = lambda layer: None,
         tp: TensorParallel | None = None,
         fuse_qk_rope: bool = False,
+        fuse_norm_gemv: bool | None = None,
+        fuse_swiglu_gemv: bool | None = None,
     ):
         super().__init__()
         if tp is None:
@@ -208,7 +241,17 @@ class Qwen3Model(nn.Module):
         else:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(cfg, ops, attention_backend, custom_op, make_mlp(i), tp, fuse_qk_rope)
+            Qwen3DecoderLayer(
+                cfg,
+                ops,
+                attention_backend,
+                custom_op,
+                make_mlp(i),
+                tp,
+                fuse_qk_rope,
+                fuse_norm_gemv,
+                fuse_swiglu_gemv,
+            )
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -239,6 +282,13 @@ class Qwen3ForCausalLM(nn.Module):
             on with the ``"triton"`` backend only (the torch backend would run them eagerly
             inside the opaque attention op, where the unfused path compiles them) unless
             ``QWEN_SERVE_FUSED_QK_ROPE=0`` (:mod:`engine.layers.kernel_switches`).
+        fuse_norm_gemv, fuse_swiglu_gemv: residual add + RMSNorm inside the q/k/v and gate/up
+            small-M kernels, SwiGLU inside the down projection's
+            (:mod:`engine.layers.fused_linear`); None (auto): on CUDA for bf16/fp16 batches of
+            at most 16 tokens where the device's fused table says the kernel wins, unless
+            ``QWEN_SERVE_FUSED_NORM_GEMV=0`` / ``QWEN_SERVE_FUSED_SWIGLU_GEMV=0`` /
+            ``QWEN_SERVE_SMALL_M_GEMV=0``; True: wherever the kernels run (the Triton
+            interpreter on the CPU included: tests); False: never.
 
     ``cfg.quantization`` (block FP8 or None) quantizes the decoder's linear layers (q/k/v, o,
     gate/up, down); the embeddings, norms and LM head stay in the model dtype.
@@ -266,6 +316,8 @@ class Qwen3ForCausalLM(nn.Module):
         compile_mode: str = "none",
         tp: TensorParallel | None = None,
         fuse_qk_rope: bool | None = None,
+        fuse_norm_gemv: bool | None = None,
+        fuse_swiglu_gemv: bool | None = None,
     ):
         super().__init__()
         if compile_mode not in COMPILE_MODES:
@@ -287,6 +339,8 @@ class Qwen3ForCausalLM(nn.Module):
             make_mlp=self.make_mlp,
             tp=tp,
             fuse_qk_rope=fuse_qk_rope,
+            fuse_norm_gemv=fuse_norm_gemv,
+            fuse_swiglu_gemv=fuse_swiglu_gemv,
         )
         if cfg.tie_word_embeddings:
             self.lm_head = None

@@ -258,13 +258,26 @@ def test_a_cpu_server_does_not_import_triton():
 
 
 def test_kernel_switch_values_are_checked():
-    """QWEN_SERVE_SMALL_M_GEMV / QWEN_SERVE_FUSED_QK_ROPE take 0/1-style values; a typo is
-    refused by name instead of silently leaving the kernel on."""
-    code = "from engine.layers import kernel_switches as k; print(k.SMALL_M_GEMV, k.FUSED_QK_ROPE)"
+    """QWEN_SERVE_SMALL_M_GEMV / QWEN_SERVE_FUSED_QK_ROPE / QWEN_SERVE_FUSED_NORM_GEMV /
+    QWEN_SERVE_FUSED_SWIGLU_GEMV take 0/1-style values; a typo is refused by name instead of
+    silently leaving the kernel on."""
+    code = (
+        "from engine.layers import kernel_switches as k; "
+        "print(k.SMALL_M_GEMV, k.FUSED_QK_ROPE, k.FUSED_NORM_GEMV, k.FUSED_SWIGLU_GEMV)"
+    )
     run = lambda **env: subprocess.run(  # noqa: E731
         [sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env}, capture_output=True
     )
-    r = run(QWEN_SERVE_SMALL_M_GEMV="off", QWEN_SERVE_FUSED_QK_ROPE="1")
-    assert r.returncode == 0 and r.stdout.split() == [b"False", b"True"], r.stderr
+    r = run(
+        QWEN_SERVE_SMALL_M_GEMV="off",
+        QWEN_SERVE_FUSED_QK_ROPE="1",
+        QWEN_SERVE_FUSED_NORM_GEMV="no",
+        QWEN_SERVE_FUSED_SWIGLU_GEMV="on",
+    )
+    assert r.returncode == 0 and r.stdout.split() == [b"False", b"True", b"False", b"True"], (
+        r.stderr
+    )
     r = run(QWEN_SERVE_SMALL_M_GEMV="of")
     assert r.returncode != 0 and b"QWEN_SERVE_SMALL_M_GEMV='of'" in r.stderr
+    r = run(QWEN_SERVE_FUSED_SWIGLU_GEMV="2")
+    assert r.returncode != 0 and b"QWEN_SERVE_FUSED_SWIGLU_GEMV='2'" in r.stderr

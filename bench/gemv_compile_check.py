@@ -1,0 +1,169 @@
+"""Offline compile check of the small-M GEMV kernels for the H200 (sm_90), without a GPU.
+
+Compiles, with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``:
+
+* ``_gemv_kernel`` (``kernels/gemv.py``) with the default tiles and every configuration of the
+  committed H200 table;
+* ``_gemv_swiglu_kernel`` and ``_gemv_rms_norm_kernel`` (``kernels/gemv_fused.py``) with every
+  configuration ``bench/gemv.py --fused`` may time (Qwen3-0.6B's and 8B's K) and the default
+  tiles (what a forced fusion without a table uses), the norm with and without the residual
+  (the first layer), one bias variant each and one ragged-K (``EVEN_K`` false) variant;
+
+each as the JIT specializes a launch of M = 1 (the row count folded to a constant) and of M = 16
+(aligned pointers, multiples of 16 marked divisible). Reports shared memory, registers and
+spills (``ptxas -v``); fails (exit 1) on a compile error or more shared memory than an sm_90
+block may use. The Triton CPU interpreter misses such errors, which is why this exists.
+
+Usage: ``python3 bench/gemv_compile_check.py [--threads N] [--quick]`` (``--quick``: the default
+tiles only). Must run without ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("gemv_compile_check: unset TRITON_INTERPRET (the interpreter compiles nothing)")
+
+import triton  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from bench.gemv_configs import FUSED_SHAPES, fused_candidates  # noqa: E402
+from bench.prefill_compile_check import SMEM_LIMIT, TARGET, ptxas_usage  # noqa: E402
+from kernels.configs import table_path  # noqa: E402
+from kernels.gemv import GemvConfig, _gemv_kernel  # noqa: E402
+from kernels.gemv_fused import _gemv_rms_norm_kernel, _gemv_swiglu_kernel  # noqa: E402
+
+PTR_TYPES = {"part_ptr": "*fp32", "counter_ptr": "*i32"}  # every other pointer: bf16
+
+
+def specialize(fn, constexprs: dict, m: int, n: int, k: int) -> tuple[dict, dict, dict]:
+    """``(signature, constexprs, attrs)`` of a bf16 launch of ``fn`` with ``m`` rows, ``n``
+    outputs and ``k`` inputs: pointers 16-byte aligned, integers equal to 1 folded to constants,
+    multiples of 16 marked divisible by 16, ``eps`` a float32."""
+    ints = {
+        "M": m,
+        "N": n,
+        "K": k,
+        "K_PER_SPLIT": k,
+        "stride_xm": 2 * k if fn is _gemv_swiglu_kernel else k,
+        "stride_rm": k,
+        "stride_rom": k,
+        "stride_wn": k,
+        "stride_om": n,
+    }
+    sig, consts, attrs = {}, dict(constexprs), {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = PTR_TYPES.get(name, "*bf16")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "eps":
+            sig[name] = "fp32"
+        elif ints[name] == 1:
+            sig[name] = "constexpr"
+            consts[name] = 1
+        else:
+            sig[name] = "i32"
+            if ints[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, consts, attrs
+
+
+def compile_one(job) -> tuple[str, str | None, int, str]:
+    name, fn, consts, opts, (m, n, k) = job
+    sig, all_consts, attrs = specialize(fn, consts, m, n, k)
+    try:
+        kern = triton.compile(
+            ASTSource(fn=fn, signature=sig, constexprs=all_consts, attrs=attrs),
+            target=TARGET,
+            options=opts,
+        )
+    except Exception as e:  # reported, and the check fails
+        return name, f"{type(e).__name__}: {str(e)[:300]}", 0, ""
+    return name, None, int(kern.metadata.shared), ptxas_usage(kern.asm["ptx"])
+
+
+def _consts(cfg: GemvConfig, **flags) -> dict:
+    base = {
+        "BLOCK_M": 16,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+        "SPLIT_K": cfg.split_k,
+        "HAS_BIAS": False,
+        "EVEN_K": True,
+        "UPCAST": False,
+        "DOT_PREC": "tf32",
+    }
+    return {**base, **flags}
+
+
+def jobs(quick: bool) -> list:
+    out = []
+
+    def add(label, fn, cfg, shape, **flags):
+        opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        for m in (1, 16):
+            out.append(
+                (f"{label} {cfg} {flags} M={m}", fn, _consts(cfg, **flags), opts, (m, *shape))
+            )
+
+    plain = {GemvConfig()}
+    if not quick:
+        table = json.loads(table_path("gemv", "NVIDIA H200").read_text())
+        for rows in table.values():
+            for row in rows.values():
+                plain.add(GemvConfig(**{f: row[f] for f in GemvConfig.__dataclass_fields__}))
+    for cfg in sorted(plain, key=str):
+        add("gemv", _gemv_kernel, cfg, (1024, 3072))
+    rne = {"EMULATE_RNE": False}
+    for kind, fn in (("swiglu", _gemv_swiglu_kernel), ("rms_norm", _gemv_rms_norm_kernel)):
+        cfgs = {GemvConfig()}
+        if not quick:
+            for knd, _, k in FUSED_SHAPES.values():
+                if knd == kind:
+                    cfgs.update(fused_candidates(kind, k, tiny=False))
+        n, k = next((n, k) for knd, n, k in FUSED_SHAPES.values() if knd == kind)
+        for cfg in sorted(cfgs, key=str):
+            if kind == "rms_norm":
+                add(kind, fn, cfg, (n, k), HAS_RESIDUAL=True, **rne)
+                add(kind, fn, cfg, (n, k), HAS_RESIDUAL=False, **rne)
+            else:
+                add(kind, fn, cfg, (n, k), **rne)
+        extra = {"HAS_RESIDUAL": True} if kind == "rms_norm" else {}
+        add(kind, fn, GemvConfig(), (n, k), HAS_BIAS=True, **extra, **rne)
+        add(kind, fn, GemvConfig(), (n, k - 40), EVEN_K=False, **extra, **rne)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    t0 = time.time()
+    todo = jobs(args.quick)
+    bad = 0
+    with ThreadPoolExecutor(max(1, args.threads)) as ex:
+        for name, err, shared, usage in ex.map(compile_one, todo):
+            if err is None and shared > SMEM_LIMIT:
+                err = f"shared memory {shared} B > {SMEM_LIMIT} B"
+            bad += err is not None
+            status = f"FAIL {err}" if err else f"ok   smem {shared // 1024} KiB, {usage}"
+            print(f"{status}: {name}", flush=True)
+    print(f"{len(todo) - bad}/{len(todo)} compiled for sm_90 in {time.time() - t0:.0f}s")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

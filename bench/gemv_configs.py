@@ -1,0 +1,62 @@
+"""Shapes and candidate tiles of the small-M GEMV sweeps (``bench/gemv.py``, plain and
+``--fused``) that ``bench/gemv_compile_check.py`` also compiles for sm_90 offline (nothing here
+switches the Triton interpreter on, unlike ``bench/kernels.py``, so the compile check can import
+it).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from kernels.gemv import GemvConfig
+
+SHAPES = {
+    "0.6B qkv": (4096, 1024),
+    "0.6B o": (1024, 2048),
+    "0.6B gate_up": (6144, 1024),
+    "0.6B down": (1024, 3072),
+    "8B qkv": (6144, 4096),
+    "8B o": (4096, 4096),
+    "8B gate_up": (24576, 4096),
+    "8B down": (4096, 12288),
+}
+#: the fused sweep's shapes: (kind, N, K); K is the product's inputs (I for SwiGLU)
+FUSED_SHAPES = {
+    "0.6B qkv+norm": ("rms_norm", 4096, 1024),
+    "0.6B gate_up+norm": ("rms_norm", 6144, 1024),
+    "0.6B down+swiglu": ("swiglu", 1024, 3072),
+    "8B qkv+norm": ("rms_norm", 6144, 4096),
+    "8B gate_up+norm": ("rms_norm", 24576, 4096),
+    "8B down+swiglu": ("swiglu", 4096, 12288),
+}
+TINY_SHAPES = {"tiny qkv": (96, 64), "tiny down": (64, 160)}
+TINY_FUSED_SHAPES = {"tiny qkv+norm": ("rms_norm", 96, 64), "tiny down+swiglu": ("swiglu", 64, 160)}
+TINY_CONFIGS = [GemvConfig(16, 32, 1, 4, 1), GemvConfig(32, 32, 2, 4, 1)]
+
+
+def candidates(n: int, k: int, sweep: bool, tiny: bool) -> list[GemvConfig]:
+    if tiny:
+        return TINY_CONFIGS
+    if not sweep:
+        return [GemvConfig()]
+    out = []
+    for bn, bk, split, stages, warps in itertools.product(
+        (16, 32, 64), (128, 256), (1, 2, 4), (3,), (4,)
+    ):
+        if k // split < bk:
+            continue
+        out.append(GemvConfig(bn, bk, split, warps, stages))
+    return out
+
+
+def fused_candidates(kind: str, k: int, tiny: bool) -> list[GemvConfig]:
+    """8 per kind: 32/64 wide N tiles, K tiles of 128/256, and the two split counts that suit
+    its K (the norm's prologue re-reads the rows in every program: fewer splits)."""
+    if tiny:
+        return TINY_CONFIGS
+    splits = (1, 2) if kind == "rms_norm" else (2, 4)
+    return [
+        GemvConfig(bn, bk, split, 4, 3)
+        for bn, bk, split in itertools.product((32, 64), (128, 256), splits)
+        if k // split >= bk
+    ]

@@ -1,0 +1,162 @@
+"""A decoder's elementwise op and the linear layer after it, as one small-M kernel where that is
+measured to win (:mod:`kernels.gemv_fused`), else the two as before.
+
+* :func:`norm_linear`: residual add + RMSNorm, then a column-parallel projection (q/k/v after
+  ``input_layernorm``, gate/up after ``post_attention_layernorm``);
+* :func:`swiglu_linear`: SwiGLU, then the down projection.
+
+Each takes a ``mode``: None ("auto", the model's default) fuses exactly where today's dispatch
+(:mod:`engine.layers.dense_linear`) would run the small-M GEMV -- bf16/fp16 on CUDA, at most
+``GEMV_MAX_M`` rows, the switches of :mod:`engine.layers.kernel_switches` on -- and the
+device's fused table has an entry that won (``kernels.gemv_fused.fused_gemv_config``); True
+fuses wherever the kernel takes the operands, the Triton interpreter on the CPU included, with
+the table's tiles or the default ones (tests, A/B runs); False never fuses. Unquantized layers
+only (an FP8 layer keeps its own product).
+
+Inside a compiled (``torch.compile``) forward the choice is made while tracing, from the static
+row count: the batch-1 graph (T == 1 is specialised, see ``engine.models.compile``) gets the
+fused custom op (``qwen_serve::gemv_rms_norm`` / ``qwen_serve::gemv_swiglu``, opaque to
+Inductor, CUDA-graph capturable), and a graph whose row count is symbolic (every T >= 2, prefill
+included) keeps the unfused ops, which Inductor compiles as before -- a runtime choice there
+would have to run the unfused norm eagerly inside the op for large T.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.layers import kernel_switches
+from engine.layers.dense_linear import GEMV_DTYPES
+
+#: at most this many rows are fused (``kernels.gemv.GEMV_MAX_M``; not imported from there: a CPU
+#: server imports no Triton)
+_MAX_M = 16
+
+
+def _tiles(kind: str, mode: bool | None, x: torch.Tensor, layer, switch: bool):
+    """The fused kernel's tiles ``[block_n, block_k, split_k, num_warps, num_stages]``, or None
+    to keep the unfused ops (see the module docstring). ``x``: the product's ``[M, K]`` input as
+    the kernel sees it (gate_up's gate half for SwiGLU). Traceable by Dynamo without a guard
+    on a symbolic row count (``statically_known_true``: False unless the count is static)."""
+    if mode is False or getattr(layer, "quant_method", None) is not None or x.dim() != 2:
+        return None
+    if mode is None and (x.device.type != "cuda" or x.dtype not in GEMV_DTYPES):
+        return None
+    # imported here: the module imports torch._dynamo, and with it Triton (a CPU server has none)
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if not statically_known_true(x.shape[0] <= _MAX_M):
+        return None
+    w, b = layer.weight, layer.bias
+    if (
+        w.dim() != 2
+        or w.stride(1) != 1
+        or w.dtype != x.dtype
+        or w.device != x.device
+        or (b is not None and (b.dim() != 1 or b.stride(0) != 1 or b.dtype != x.dtype))
+    ):
+        return None
+    bucket = 1 if statically_known_true(x.shape[0] == 1) else _MAX_M
+    from engine.layers.fused_tiles import table_tiles  # imports torch._dynamo (and Triton)
+
+    tiles = table_tiles(kind, mode, switch, bucket, w.shape[0], w.shape[1], str(x.device))
+    return None if tiles is None else list(tiles)
+
+
+def _config(tiles: list[int]):
+    from kernels.gemv import GemvConfig
+
+    return GemvConfig(*tiles)
+
+
+@torch.library.custom_op("qwen_serve::gemv_rms_norm", mutates_args=())
+def gemv_rms_norm_op(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tiles: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kernels.gemv_fused.gemv_rms_norm` with ``tiles`` (a GemvConfig's fields):
+    ``(y [M, N], new residual [M, K])`` (an empty ``[0, K]`` when ``residual`` is None; the
+    caller keeps ``x``)."""
+    from kernels.gemv_fused import gemv_rms_norm
+
+    y, res = gemv_rms_norm(x, norm_weight, eps, weight, bias, residual, _config(tiles))
+    return y, res if res is not None else x.new_empty((0, x.shape[1]))
+
+
+@gemv_rms_norm_op.register_fake
+def _gemv_rms_norm_fake(x, residual, norm_weight, eps, weight, bias, tiles):
+    rows = x.shape[0] if residual is not None else 0
+    return x.new_empty((x.shape[0], weight.shape[0])), x.new_empty((rows, x.shape[1]))
+
+
+@torch.library.custom_op("qwen_serve::gemv_swiglu", mutates_args=())
+def gemv_swiglu_op(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: list[int]
+) -> torch.Tensor:
+    """:func:`kernels.gemv_fused.gemv_swiglu` with ``tiles``: ``[M, N]``."""
+    from kernels.gemv_fused import gemv_swiglu
+
+    return gemv_swiglu(gate_up, weight, bias, _config(tiles))
+
+
+@gemv_swiglu_op.register_fake
+def _gemv_swiglu_fake(gate_up, weight, bias, tiles):
+    return gate_up.new_empty((gate_up.shape[0], weight.shape[0]))
+
+
+def norm_linear(x, residual, norm, linear, ops, mode: bool | None = None):
+    """``linear(rms_norm(x + residual))`` and the new residual ``x + residual``.
+
+    Args:
+        x: ``[T, H]`` the previous sublayer's output in the model dtype.
+        residual: ``[T, H]`` residual stream, or None (the first layer: the norm of ``x``, and
+            ``x`` becomes the residual).
+        norm: an ``engine.layers.norm.RMSNorm`` (``weight [H]``, ``eps``).
+        linear: the unsplit-input linear layer after it (``LinearBase``: weight ``[N, H]``).
+        ops: the model's ``PointwiseOps`` (the unfused path's norm, compiled or not).
+        mode: None (auto), True (fuse wherever the kernel runs) or False (see the module
+            docstring).
+
+    Returns:
+        ``(y [T, N], residual [T, H])`` in the model dtype.
+    """
+    tiles = None
+    if norm.weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype):
+        tiles = _tiles("rms_norm", mode, x, linear, kernel_switches.FUSED_NORM_GEMV)
+    if tiles is None:
+        if residual is None:
+            h, residual = ops.rms_norm(x, norm.weight, norm.eps), x
+        else:
+            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        return linear(h), residual
+    args = (x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
+    if torch.compiler.is_compiling():
+        y, new_res = gemv_rms_norm_op(*args, tiles)
+    else:
+        from kernels.gemv_fused import gemv_rms_norm
+
+        w, b = linear.weight, linear.bias
+        y, new_res = gemv_rms_norm(x, norm.weight, norm.eps, w, b, residual, _config(tiles))
+    return y, (x if residual is None else new_res)
+
+
+def swiglu_linear(gate_up, linear, ops, mode: bool | None = None):
+    """``linear(silu_and_mul(gate_up))``: ``gate_up`` ``[T, 2I]`` (a rank's gate then up
+    features) -> ``[T, N]``; ``linear`` the down projection (weight ``[N, I]``), ``ops`` the
+    model's ``PointwiseOps``, ``mode`` as in :func:`norm_linear`."""
+    k = gate_up.shape[-1] // 2
+    tiles = None
+    if gate_up.dim() == 2:
+        tiles = _tiles("swiglu", mode, gate_up[:, :k], linear, kernel_switches.FUSED_SWIGLU_GEMV)
+    if tiles is None:
+        return linear(ops.silu_and_mul(gate_up))
+    if torch.compiler.is_compiling():
+        return gemv_swiglu_op(gate_up, linear.weight, linear.bias, tiles)
+    from kernels.gemv_fused import gemv_swiglu
+
+    return gemv_swiglu(gate_up, linear.weight, linear.bias, _config(tiles))

@@ -1,0 +1,86 @@
+"""``bench/gemv.py``'s sweeps on the CPU (``--tiny``, the Triton interpreter): the fused sweep
+writes a table ``kernels.gemv_fused.fused_gemv_config`` reads, a configuration whose result is
+wrong is never chosen; and ``bench/gemv_compile_check.py --quick`` compiles the plain and fused
+GEMVs for sm_90 without a GPU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(tiny=True, sweep=False, shapes=None, fused_shapes=None, budget_s=1e9)
+    base.update(compile_workers=0, compile_budget_s=0.0)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_tiny_fused_sweep_writes_a_table_the_kernels_read(tmp_path, monkeypatch):
+    r = subprocess.run(
+        [sys.executable, str(REPO / "bench/gemv.py"), "--tiny", "--fused", "--out", str(tmp_path)],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "| tiny qkv+norm 64->96 | 1 |" in r.stdout and "| tiny down+swiglu" in r.stdout
+    table = json.loads((tmp_path / "gemv_fused_cpu.json").read_text())
+    assert set(table) == {"rms_norm:96,64", "swiglu:64,160"}
+    import kernels.gemv_fused as gf
+    from kernels.gemv import GemvConfig
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # read the table, not the interpreter's tiles
+    monkeypatch.setattr(gf, "kernel_table", lambda kernel, name: table)
+    for key, rows in table.items():
+        kind, shape = key.split(":")
+        n, k = map(int, shape.split(","))
+        for bucket, row in rows.items():
+            assert isinstance(row["fused_faster"], bool)
+            assert row["fused_us"] > 0 and row["unfused_us"] > 0
+            m = 1 if bucket == "m1" else 16
+            want = GemvConfig(*(row[f] for f in GemvConfig.__dataclass_fields__))
+            got = gf.fused_gemv_config(kind, m, n, k, torch.device("cpu"))
+            assert got == (want if row["fused_faster"] else None)
+
+
+def test_a_wrong_fused_configuration_is_never_chosen(monkeypatch):
+    """A fused result off by 5% for one of the two tiny configurations: the sweep skips it and
+    keeps the other; when both are wrong, no configuration and no fusion."""
+    from bench import gemv as bg
+    from bench.gemv_configs import TINY_CONFIGS
+
+    real = bg.gemv_swiglu
+    bad = {TINY_CONFIGS[0]}
+
+    def skewed(gate_up, w, bias, cfg):
+        out = real(gate_up, w, bias, cfg)
+        return out * 1.05 if cfg in bad else out
+
+    monkeypatch.setattr(bg, "gemv_swiglu", skewed)
+    g = torch.Generator().manual_seed(0)
+    args = _args(fused_shapes=["tiny down+swiglu"])
+    table, rows = bg.sweep_fused(args, torch.device("cpu"), g)
+    assert [r["config"] for r in rows] == [TINY_CONFIGS[1].__dict__] * 2
+    bad.add(TINY_CONFIGS[1])
+    table, rows = bg.sweep_fused(args, torch.device("cpu"), g)
+    assert rows == [] and table == {
+        "swiglu:64,160": {"m1": {"fused_faster": False}, "m16": {"fused_faster": False}}
+    }
+
+
+def test_gemv_compile_check_quick_compiles_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "bench/gemv_compile_check.py"), "--quick"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "FAIL" not in r.stdout and "16/16 compiled for sm_90" in r.stdout
+    assert "swiglu" in r.stdout and "rms_norm" in r.stdout

@@ -1,0 +1,213 @@
+"""The norm/SwiGLU-fused small-M GEMVs in the model (``engine/layers/fused_linear.py``) against
+the unfused ops, on the CPU under the Triton interpreter (``fuse_*_gemv=True`` forces the fused
+kernels there; auto mode fuses on CUDA only):
+
+* eager model, float32 and bfloat16, decode batches of 1-4 and prefill chunks (a chunk of more
+  than 16 tokens keeps the unfused ops): same hidden states within rounding, and the fused
+  kernels really ran (counted) for every step of at most 16 tokens;
+* the whole-model compiled forward: the batch-1 graph calls the fused custom ops, the graphs of
+  a symbolic token count keep the unfused ops, results equal the eager unfused model's;
+* auto mode on the CPU fuses nothing (today's CPU path exactly);
+* the engine: greedy tokens and prompt logits of the tiny bf16 checkpoint the same with the
+  fusions on and off;
+* tensor parallelism: two ranks' fused shards against the full unfused layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import kernels.gemv_fused as gf
+from engine.core.config import EngineConfig
+from engine.core.request import SamplingParams
+from engine.loader.dummy import init_random_weights
+from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.worker.build import build_engine
+from tests.engine_helpers import logits_for
+from tests.unit.test_model_compile import _caches, _config, _step
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts of the fused kernels' launches: ``{"rms_norm": n, "swiglu": n}``."""
+    counts = {"rms_norm": 0, "swiglu": 0}
+    for kind, name in (("rms_norm", "gemv_rms_norm"), ("swiglu", "gemv_swiglu")):
+        real = getattr(gf, name)
+
+        def wrapper(*args, _real=real, _kind=kind, **kwargs):
+            counts[_kind] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(gf, name, wrapper)
+    return counts
+
+
+def _pair(dtype: str, compile_mode: str = "none", backend: str = "torch", **cfg_changes):
+    """(unfused, fused) models with the same random weights."""
+    cfg = dataclasses.replace(_config(), dtype=dtype, **cfg_changes)
+    torch_dtype = getattr(torch, dtype)
+    unfused = Qwen3ForCausalLM(cfg, 512, backend, fuse_norm_gemv=False, fuse_swiglu_gemv=False)
+    init_random_weights(unfused, 0, std=0.08)
+    fused = Qwen3ForCausalLM(
+        cfg, 512, backend, compile_mode, fuse_norm_gemv=True, fuse_swiglu_gemv=True
+    )
+    fused.load_state_dict(unfused.state_dict())
+    return unfused.to(torch_dtype).eval(), fused.to(torch_dtype).eval()
+
+
+#: (q_lens, cached) per step: a 5-token prefill, decodes of 1, 3 and 4 rows, a 20-token chunk
+STEPS = [
+    ([5], [0]),
+    ([1], [5]),
+    ([1, 1, 1], [6, 10, 30]),
+    ([1, 1, 1, 1], [7, 11, 31, 2]),
+    ([20], [0]),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["qwen3", "qwen2_bias"])
+def test_fused_model_matches_unfused(counted, dtype, bias):
+    unfused, fused = _pair(dtype, attention_bias=bias, qk_norm=not bias)
+    caches_u, caches_f = _caches(), _caches()
+    caches_u = [(k.to(getattr(torch, dtype)), v.to(getattr(torch, dtype))) for k, v in caches_u]
+    caches_f = [(k.to(getattr(torch, dtype)), v.to(getattr(torch, dtype))) for k, v in caches_f]
+    gen = torch.Generator().manual_seed(5)
+    layers = unfused.config.num_hidden_layers
+    with torch.inference_mode():
+        for q_lens, cached in STEPS:
+            ids, pos, meta = _step(gen, q_lens, cached)
+            before = dict(counted)
+            want = unfused(ids, pos, caches_u, meta)
+            assert counted == before, "the unfused model ran a fused kernel"
+            got = fused(ids, pos, caches_f, meta)
+            t = sum(q_lens)
+            runs = 2 * layers if t <= 16 else 0  # q/k/v and gate/up per layer
+            assert counted["rms_norm"] - before["rms_norm"] == runs, q_lens
+            assert counted["swiglu"] - before["swiglu"] == runs // 2, q_lens
+            if dtype == "float32":
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            else:
+                rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                assert rel < 2e-2, f"{q_lens}: relative difference {rel:.2e}"
+
+
+def test_auto_mode_fuses_nothing_on_the_cpu(counted):
+    cfg = dataclasses.replace(_config(), dtype="bfloat16")
+    model = Qwen3ForCausalLM(cfg, 512, "torch").to(torch.bfloat16).eval()
+    init_random_weights(model, 0, std=0.08)
+    ids, pos, meta = _step(torch.Generator().manual_seed(1), [1], [3])
+    caches = [(k.bfloat16(), v.bfloat16()) for k, v in _caches()]
+    with torch.inference_mode():
+        model(ids, pos, caches, meta)
+    assert counted == {"rms_norm": 0, "swiglu": 0}
+
+
+def test_compiled_model_uses_the_fused_ops_for_one_token(counted, one_torch_thread):
+    """compile_mode="model" with the fusions forced, float32: the T == 1 graph runs the fused
+    custom ops (counted at run time), the T >= 2 graph (symbolic T) the unfused ops; both
+    match the eager unfused model."""
+    torch._dynamo.reset()
+    try:
+        unfused, fused = _pair("float32", compile_mode="model")
+        caches_u, caches_f = _caches(), _caches()
+        gen = torch.Generator().manual_seed(9)
+        layers = unfused.config.num_hidden_layers
+        with torch.inference_mode():
+            for q_lens, cached in [([6], [0]), ([1], [6]), ([1, 1], [7, 3]), ([1], [7])]:
+                ids, pos, meta = _step(gen, q_lens, cached)
+                want = unfused(ids, pos, caches_u, meta)
+                before = dict(counted)
+                got = fused(ids, pos, caches_f, meta)
+                runs = 2 * layers if sum(q_lens) == 1 else 0
+                assert counted["rms_norm"] - before["rms_norm"] == runs, q_lens
+                assert counted["swiglu"] - before["swiglu"] == runs // 2, q_lens
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert fused._compiled._compiled is not None, "compilation failed and fell back to eager"
+    finally:
+        torch._dynamo.reset()
+
+
+def _set_fusions(engine, on: bool) -> None:
+    for layer in engine.executor.model.model.layers:
+        layer.fuse_norm_gemv = on
+        layer.mlp.fuse_swiglu_gemv = on
+
+
+@pytest.mark.parametrize("tiny_checkpoint", [("qwen3", True)], indirect=True)
+def test_engine_greedy_tokens_and_logits_same_with_fusions_on_and_off(tiny_checkpoint, counted):
+    """The tiny checkpoint served in bf16 by two engines, one with the fused kernels forced
+    (under the interpreter): the logits of an 11-token prompt (one fused step) agree within
+    bf16 rounding and 8 greedy tokens of 3 prompts (prefill of 22 tokens unfused, decodes of
+    1-3 rows fused) are the same."""
+    path, _ = tiny_checkpoint
+    gen = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(0, 384, (n,), generator=gen).tolist() for n in (4, 11, 7)]
+    cfg = EngineConfig(
+        model=path,
+        dtype="bfloat16",
+        num_kv_blocks=64,
+        block_size=16,
+        max_num_batched_tokens=256,
+        compile_mode="none",
+        async_scheduling=False,
+    )
+    tokens, logits = {}, {}
+    for on in (False, True):
+        eng = build_engine(cfg, eos_token_ids=frozenset())
+        _set_fusions(eng, on)
+        eng.add_request("probe", prompts[1], SamplingParams(max_tokens=1))
+        logits[on] = logits_for(eng, eng.scheduler.schedule())
+        eng = build_engine(cfg, eos_token_ids=frozenset())
+        _set_fusions(eng, on)
+        tokens[on] = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))
+    assert counted["rms_norm"] > 0 and counted["swiglu"] > 0
+    rel = ((logits[True] - logits[False]).norm() / logits[False].norm()).item()
+    assert rel < 2e-2, f"prompt logits differ by {rel:.2e}"
+    assert tokens[True] == tokens[False]
+
+
+def test_tensor_parallel_shards_fused_equal_the_full_layers(counted):
+    """Two tensor-parallel ranks' shards (column-parallel gate/up after the norm, row-parallel
+    down after SwiGLU), fused and forced, float32: each rank's gate/up equals its unfused
+    shard's, the new residual the same on both, and the sum of the down partials (the
+    all-reduce) equals the full unfused MLP."""
+    from engine.layers.fused_linear import norm_linear, swiglu_linear
+    from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+    from engine.layers.norm import RMSNorm
+    from engine.layers.pointwise import PointwiseOps
+
+    g = torch.Generator().manual_seed(13)
+    h, inter, tp = 64, 96, 2
+    ops = PointwiseOps(False)
+    norm = RMSNorm(h, 1e-6)
+    norm.weight.data = 1 + 0.1 * torch.randn(h, generator=g)
+    gate, up = torch.randn(inter, h, generator=g) / 8, torch.randn(inter, h, generator=g) / 8
+    down_w = torch.randn(h, inter, generator=g) / 10
+
+    def mlp(rank, size):
+        gu = MergedColumnParallelLinear(h, [inter, inter], tp_rank=rank, tp_size=size)
+        gu.weight_loader(gu.weight, gate, 0)
+        gu.weight_loader(gu.weight, up, 1)
+        dn = RowParallelLinear(inter, h, tp_rank=rank, tp_size=size)
+        dn.weight_loader(dn.weight, down_w)
+        return gu, dn
+
+    x, res = torch.randn(3, h, generator=g), torch.randn(3, h, generator=g)
+    with torch.inference_mode():
+        gu, dn = mlp(0, 1)
+        full_gu, full_res = norm_linear(x, res, norm, gu, ops, False)
+        want = swiglu_linear(full_gu, dn, ops, False)
+        partials = []
+        for rank in range(tp):
+            gu, dn = mlp(rank, tp)
+            shard, new_res = norm_linear(x, res, norm, gu, ops, True)
+            ref_shard, _ = norm_linear(x, res, norm, gu, ops, False)
+            torch.testing.assert_close(shard, ref_shard, rtol=1e-5, atol=1e-5)
+            assert torch.equal(new_res, full_res)
+            partials.append(swiglu_linear(shard, dn, ops, True))
+    assert counted == {"rms_norm": tp, "swiglu": tp}
+    torch.testing.assert_close(sum(partials), want, rtol=1e-5, atol=1e-5)
