@@ -54,6 +54,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=None, help="workload repeats (fresh requests)")
     ap.add_argument("--sampler", choices=("triton", "torch"), default="triton")
     ap.add_argument("--profile", type=int, default=0, metavar="K", help="cProfile top K")
+    ap.add_argument(
+        "--compare",
+        default=None,
+        metavar="OLD",
+        help="A/B: run OLD and --tree alternately in subprocesses (--repeats each), print a table",
+    )
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
     if args.prompt_len is None:
         args.prompt_len = "1024" if args.batch == 1 else "100:1000"
@@ -172,8 +179,48 @@ def profile_round(eng, SamplingParams, args, top: int) -> str:
     return "\n".join(lines)
 
 
+def compare(args, argv: list[str]) -> None:
+    """Alternate subprocess runs of the two trees (a loaded machine drifts: interleaving keeps
+    the drift out of the difference); print each run and a table of medians over runs."""
+    import re
+    import subprocess
+
+    rest, skip = [], False
+    for a in argv:  # the same arguments without --tree / --compare / --repeats / --profile
+        if skip:
+            skip = False
+        elif a in ("--tree", "--compare", "--repeats", "--profile"):
+            skip = True
+        elif not a.startswith(("--tree=", "--compare=", "--repeats=", "--profile=")):
+            rest.append(a)
+    trees = {"old": args.compare, "new": args.tree}
+    found: dict[str, list[tuple[float, float]]] = {k: [] for k in trees}
+    for _ in range(args.repeats):
+        for name, tree in trees.items():
+            out = subprocess.run(
+                [sys.executable, __file__, "--tree", tree, *rest],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            print(name, out.strip())
+            m = re.search(r"median ([0-9.]+) ms, p90 ([0-9.]+) ms", out)
+            found[name].append((float(m.group(1)), float(m.group(2))))
+    print("\n| tree | runs | median of medians ms | min median ms | median p90 ms |")
+    print("|---|---:|---:|---:|---:|")
+    for name, runs in found.items():
+        med = statistics.median(r[0] for r in runs)
+        p90 = statistics.median(r[1] for r in runs)
+        low = min(r[0] for r in runs)
+        print(f"| {name} ({trees[name]}) | {len(runs)} | {med:.3f} | {low:.3f} | {p90:.3f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.compare:
+        compare(args, argv)
+        return
     build, EngineConfig, SamplingParams, ensure_ckpt, new, mr = load_tree(args.tree)
     import torch
 
