@@ -107,22 +107,27 @@ class GraphInputs:
         attends with them), padding sequences have no tokens, padding sample rows read row 0.
         """
         t, b, n = step.num_tokens, step.num_seqs, step.logits_indices.shape[0]
+        # padding is written only where there is some: an empty slice still costs a torch call
         self.input_ids[:t].copy_(step.input_ids, non_blocking=True)
         self.positions[:t].copy_(step.positions, non_blocking=True)
         self.slot_mapping[:t].copy_(step.slot_mapping, non_blocking=True)
-        self.slot_mapping[t:num_tokens].fill_(-1)
+        if num_tokens > t:
+            self.slot_mapping[t:num_tokens].fill_(-1)
         self.block_tables[:b, : step.block_tables.shape[1]].copy_(
             step.block_tables, non_blocking=True
         )
         self.seq_lens[:b].copy_(step.seq_lens, non_blocking=True)
         if decode:
-            self.block_tables[b:num_seqs].zero_()
-            self.seq_lens[b:num_seqs].fill_(1)
+            if num_seqs > b:
+                self.block_tables[b:num_seqs].zero_()
+                self.seq_lens[b:num_seqs].fill_(1)
             return
         self.cu_seqlens_q[: b + 1].copy_(step.cu_seqlens_q, non_blocking=True)
-        self.cu_seqlens_q[b + 1 : num_seqs + 1].fill_(t)
+        if num_seqs > b:
+            self.cu_seqlens_q[b + 1 : num_seqs + 1].fill_(t)
         self.logits_indices[:n].copy_(step.logits_indices, non_blocking=True)
-        self.logits_indices[n:num_seqs].zero_()
+        if num_seqs > n:
+            self.logits_indices[n:num_seqs].zero_()
 
 
 class DecodeGraphs:

@@ -53,9 +53,11 @@ class HostStaging:
 
     def _copy(self, key: tuple, staged: torch.Tensor) -> torch.Tensor:
         out = staged.to(self.device, non_blocking=True)
-        event = torch.cuda.Event()
+        # one event per buffer, re-recorded: _buffer waited for its previous record already
+        event = self._events.get(key)
+        if event is None:
+            event = self._events[key] = torch.cuda.Event()
         event.record()
-        self._events[key] = event
         return out
 
     def stage(self, name: str, array: np.ndarray) -> torch.Tensor:
@@ -75,20 +77,37 @@ class HostStaging:
         Raises:
             ValueError: arrays of different dtypes.
         """
-        if len({a.dtype for a in arrays}) > 1:
+        dtype = arrays[0].dtype
+        if any(a.dtype != dtype for a in arrays):
             raise ValueError(f"stage_many needs one dtype, got {[a.dtype for a in arrays]}")
-        offsets, total = pack_offsets([a.size for a in arrays], arrays[0].itemsize)
-        dtype = torch.from_numpy(arrays[0][:0]).dtype
+        sizes = [a.size for a in arrays]
+        offsets, total = pack_offsets(sizes, dtype.itemsize)
+        torch_dtype = _TORCH_DTYPES.get(dtype) or torch.from_numpy(arrays[0][:0]).dtype
         if self._cuda:
-            key, buf = self._buffer(name, total, dtype)
+            key, buf = self._buffer(name, total, torch_dtype)
             host = buf[:total]
         else:
-            host = torch.empty(total, dtype=dtype)
+            host = torch.empty(total, dtype=torch_dtype)
         flat = host.numpy()
         for a, off in zip(arrays, offsets):
             flat[off : off + a.size] = a.reshape(-1)
         dev = self._copy(key, host) if self._cuda else host.to(self.device)
-        return [dev[off : off + a.size].view(a.shape) for a, off in zip(arrays, offsets)]
+        # one split into the arrays and the alignment gaps after them (not a slice and a view
+        # per array: each torch call costs microseconds of host time)
+        ends = offsets[1:] + [total]
+        pieces = []
+        for n, off, end in zip(sizes, offsets, ends):
+            pieces += (n, end - off - n)
+        parts = dev.split_with_sizes(pieces)
+        return [t if a.ndim == 1 else t.view(a.shape) for t, a in zip(parts[::2], arrays)]
+
+
+#: numpy dtype -> torch dtype of the arrays the worker stages (others: via torch.from_numpy)
+_TORCH_DTYPES = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.float32): torch.float32,
+}
 
 
 #: alignment of each array packed by :meth:`HostStaging.stage_many`, bytes (Triton specialises
