@@ -1,10 +1,14 @@
 """Vectorised per-request sampling over a batch of logits, launched without host synchronisation.
 
-Every step's sampling parameters become a few ``[N]`` tensors built on the host (in pinned
+A step's sampling parameters become a few ``[N]`` tensors built on the host (in pinned
 memory on CUDA) and copied with ``non_blocking=True``, so :meth:`Sampler.__call__` only enqueues
 device work and returns device tensors (:class:`DeviceSamples`); :meth:`DeviceSamples.to_host`
 starts the device->host copies and :meth:`PendingSamples.wait` blocks for them. This lets the
-engine prepare step N+1 while the GPU runs step N.
+engine prepare step N+1 while the GPU runs step N. What depends only on the rows' requests (the
+temperature tensor, which rows need which processor) is kept in a
+:class:`~engine.worker.sampling_metadata.SamplingMetadata` while a step's rows are the same
+requests in the same order; per step only the seeds and offsets are staged (not even those when
+every row is greedy: the kernel reads neither).
 
 Draws use the Gumbel-max trick with counter-based noise: row ``i`` draws
 ``argmax(logits_i / T_i + g)``, where the Gumbel noise ``g`` is a function of
@@ -268,8 +272,7 @@ class Sampler:
                 )
                 logits.index_copy_(0, rows, sub)
 
-        seeds = meta.seeds(self._seeds.take(n))
-        offsets = meta.offsets()
+        fresh = self._seeds.take(n)  # drawn in every step: the stream stays the same
         if self.backend == "triton":
             from kernels.sampling import sample_tokens
 
@@ -279,15 +282,27 @@ class Sampler:
                 meta.device_temperature = self._stage(
                     "temperature", meta.temperatures, torch.float32
                 )
+            if meta.all_greedy:  # greedy rows read no seed or offset: nothing to stage
+                if meta.device_unread is None:
+                    meta.device_unread = torch.zeros(n, dtype=torch.int64, device=dev)
+                seeds_offsets = (meta.device_unread, meta.device_unread)
+            else:
+                seeds_offsets = self.staging.stage_many(
+                    "seeds_offsets", [meta.seeds(fresh), meta.offsets()]
+                )
             token_ids = sample_tokens(
                 logits,
                 meta.device_temperature,
-                *self.staging.stage_many("seeds_offsets", [seeds, offsets]),
+                *seeds_offsets,
                 torch.empty(n, dtype=torch.int64, device=dev),
             )
         else:
             token_ids = draw_torch(
-                logits, meta.temperatures, seeds.tolist(), offsets.tolist(), self.staging
+                logits,
+                meta.temperatures,
+                meta.seeds(fresh).tolist(),
+                meta.offsets().tolist(),
+                self.staging,
             )
 
         out = DeviceSamples(token_ids, lp_k)

@@ -92,8 +92,11 @@ class SamplingMetadata:
         temperatures: per row ``0.0`` (greedy) or the temperature, host floats.
         seeded_rows, seed_values: int64 rows with their own seed, and those seeds as signed
             64-bit values.
+        all_greedy: every row is greedy (the Triton kernel then reads no seed or offset).
         device_temperature: float32 ``[N]`` copy of ``temperatures`` on the sampler's device,
             staged at the first step that needs it and reused after (None until then).
+        device_unread: int64 ``[N]`` zeros on the device, passed as the seeds and offsets of an
+            all-greedy batch (never read; None until first needed).
     """
 
     def __init__(self, requests: list[Request], vocab: int):
@@ -114,10 +117,12 @@ class SamplingMetadata:
             i for i, p in enumerate(params) if not p.greedy and wants_filter(p, vocab)
         ]
         self.temperatures = [0.0 if p.greedy else float(p.temperature) for p in params]
+        self.all_greedy = all(p.greedy for p in params)
         seeded = [i for i, p in enumerate(params) if p.seed is not None]
         self.seeded_rows = np.asarray(seeded, dtype=np.int64)
         self.seed_values = np.asarray([_as_int64(params[i].seed) for i in seeded], dtype=np.int64)
         self.device_temperature: torch.Tensor | None = None
+        self.device_unread: torch.Tensor | None = None
 
     def matches(self, requests: list[Request], vocab: int) -> bool:
         """Whether ``requests`` are this composition's request objects, in the same order."""

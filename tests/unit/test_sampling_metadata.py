@@ -53,6 +53,7 @@ def _requests(rng: random.Random) -> list[Request]:
         SamplingParams(temperature=1.1, top_p=0.8, seed=2**70 + 3, logprobs=0),
         SamplingParams(temperature=0.5, presence_penalty=0.6, repetition_penalty=1.2),
         SamplingParams(temperature=1.0, min_p=0.1, logit_bias={7: 3.0}),
+        SamplingParams(temperature=0.0, seed=9),
     ]
     reqs = []
     for i, p in enumerate(params):
@@ -62,8 +63,11 @@ def _requests(rng: random.Random) -> list[Request]:
 
 
 def _compositions(reqs: list[Request]) -> list[list[Request]]:
-    a, b, c, d, e, f, g = reqs
+    a, b, c, d, e, f, g, h = reqs
     return [
+        [c, h],  # all greedy
+        [c, h],
+        [h],
         [a, b, c],
         [a, b, c],  # unchanged: the cache is reused
         [a, b, c, d],  # d joins
@@ -102,6 +106,8 @@ def test_cached_metadata_samples_as_rebuilt(backend):
         got = cached(logits.clone(), rows, frozenset({EOS})).to_host().wait()
         assert got.token_ids == want.token_ids, step
         assert got.logprobs == want.logprobs, step
+        if all(r.sampling_params.greedy for r in rows):  # and no processors: plain argmax
+            assert got.token_ids == logits.argmax(dim=-1).tolist(), step
         meta = cached._metadata
         assert [r.request_id for r in meta.requests] == [r.request_id for r in rows]
         if previous is not None:  # reused exactly while the rows are the same objects
@@ -127,17 +133,18 @@ def test_matches_compares_identity_and_vocab():
 def test_metadata_facts():
     reqs = _requests(random.Random(2))
     meta = SamplingMetadata(reqs, VOCAB)
-    assert meta.temperatures == [0.9, 1.4, 0.0, 0.7, 1.1, 0.5, 1.0]
-    assert meta.logprob_k == [None, None, 2, None, 0, None, None] and meta.any_logprobs
+    assert meta.temperatures == [0.9, 1.4, 0.0, 0.7, 1.1, 0.5, 1.0, 0.0]
+    assert meta.logprob_k == [None, None, 2, None, 0, None, None, None] and meta.any_logprobs
+    assert not meta.all_greedy and SamplingMetadata([reqs[2], reqs[7]], VOCAB).all_greedy
     assert meta.filter_rows == [3, 4, 6]
     assert meta.min_tokens_rows == [3]
     assert meta.any_penalties and meta.any_logit_bias
-    assert meta.seeded_rows.tolist() == [0, 4]
-    assert meta.seed_values.tolist() == [5, 3]  # 2**70 + 3: its low 64 bits
-    fresh = np.arange(7, dtype=np.int64) + 100
-    assert meta.seeds(fresh).tolist() == [5, 101, 102, 103, 3, 105, 106]
+    assert meta.seeded_rows.tolist() == [0, 4, 7]
+    assert meta.seed_values.tolist() == [5, 3, 9]  # 2**70 + 3: its low 64 bits
+    fresh = np.arange(8, dtype=np.int64) + 100
+    assert meta.seeds(fresh).tolist() == [5, 101, 102, 103, 3, 105, 106, 9]
     assert meta.eos_masked()  # r3 has no output yet, min_tokens 3
     reqs[3].output_token_ids += [1, 2, 4]
     assert not meta.eos_masked()
     reqs[1].num_output_placeholders = 1
-    assert meta.offsets().tolist() == [0, 1, 0, 3, 0, 0, 0]
+    assert meta.offsets().tolist() == [0, 1, 0, 3, 0, 0, 0, 0]
