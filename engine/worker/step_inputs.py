@@ -174,7 +174,7 @@ def prepare_inputs(
     starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int32, count=b)
     seq_lens = starts + q_lens
     cu = np.zeros(b + 1, dtype=np.int32)
-    np.cumsum(q_lens, out=cu[1:])
+    q_lens.cumsum(out=cu[1:])
     prev_rows = prev_rows or {}
     gather_dst, gather_src = [], []
     ids: list[int] = []
@@ -215,7 +215,8 @@ def prepare_inputs(
     max_seq_len = int(seq_lens.max()) if b else 0
     tables = block_tables.gather(rows, max(1, -(-max_seq_len // block_size)))
     total = len(ids)
-    if total == b:  # one token per sequence (decodes): token i is sequence i's, at its start
+    decode = total == b
+    if decode:  # one token per sequence (decodes): token i is sequence i's, at its start
         seq_of_token = np.arange(b)
         positions = starts.astype(np.int64)
     else:
@@ -236,7 +237,7 @@ def prepare_inputs(
         cu_seqlens_q=cu,
         logits_indices=np.asarray(logits_indices, dtype=np.int64),
         sample_requests=sample_requests,
-        max_query_len=int(q_lens.max()) if b else 0,
+        max_query_len=(1 if decode else int(q_lens.max())) if b else 0,
         max_seq_len=max_seq_len,
         gather_dst=np.asarray(gather_dst, dtype=np.int64) if gather_dst else None,
         gather_src=np.asarray(gather_src, dtype=np.int64) if gather_src else None,
