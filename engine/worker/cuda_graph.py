@@ -24,7 +24,8 @@ import logging
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.worker.step_inputs import StepTensors
+from engine.worker.staging import HostStaging
+from engine.worker.step_inputs import StepInputs, StepTensors
 
 log = logging.getLogger(__name__)
 
@@ -62,25 +63,89 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class GraphInputs:
-    """The static input buffers a set of graphs reads, filled from a step by :meth:`copy_from`.
+    """The static input buffers a set of graphs reads, filled from a step by :meth:`copy_from`
+    or, for a decode step, by :meth:`stage_decode`.
 
     Sized for the largest captured step: ``max_tokens`` tokens and ``max_seqs`` sequences of at
     most ``max_blocks_per_seq`` blocks. Between replays the buffers may hold stale values;
-    :meth:`copy_from` rewrites every entry a padded step of the given size reads.
+    :meth:`copy_from` and :meth:`stage_decode` rewrite every entry a padded step of the given
+    size reads. The int64 token buffers are the rows of one tensor (``input_ids``,
+    ``positions``, ``slot_mapping``, then two rows for a decode step's tokens in flight) and
+    ``seq_lens`` and ``block_tables`` two parts of one int32 tensor, so a decode step reaches
+    them in one copy per dtype; each part starts on a 16-byte boundary.
     """
 
     def __init__(
         self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device
     ):
-        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(
-            max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device
+        width = -(-max_tokens // 2) * 2  # rows of 16-byte multiples
+        self.longs = torch.zeros(5, width, dtype=torch.int64, device=device)
+        self.input_ids = self.longs[0, :max_tokens]
+        self.positions = self.longs[1, :max_tokens]
+        self.slot_mapping = self.longs[2, :max_tokens]
+        self.slot_mapping.fill_(-1)
+        self.gather = self.longs[3:]  # a staged decode step's (dst, src) of tokens in flight
+        self.seq_lens_room = -(-max_seqs // 4) * 4  # block_tables start 16-byte aligned
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.ints = torch.zeros(
+            self.seq_lens_room + max_seqs * max_blocks_per_seq, dtype=torch.int32, device=device
         )
-        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        self.seq_lens = self.ints[:max_seqs]
+        self.block_tables = self.ints[self.seq_lens_room :].view(max_seqs, max_blocks_per_seq)
         self.cu_seqlens_q = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+
+    def stage_decode(
+        self,
+        inp: StepInputs,
+        num_seqs: int,
+        staging: HostStaging,
+        prev_token_ids: torch.Tensor | None = None,
+    ) -> None:
+        """Write a decode step's host inputs (``inp``: one token per sequence, B sequences)
+        straight into the buffers, padded to ``num_seqs`` sequences as :meth:`copy_from`
+        pads a decode step (padding rows store nothing and attend one token of block 0; their
+        ids and positions are 0).
+
+        Host buffers laid out like :attr:`longs` and :attr:`ints` are filled with numpy and
+        copied in one host-to-device copy each (the int32 one up to row ``num_seqs`` of the
+        block tables); the tokens in flight (``inp.gather_dst``/``gather_src``) are then
+        read from ``prev_token_ids`` on the device. That replaces staging the step's seven
+        arrays as tensors of their own and copying each into the buffers.
+
+        Raises:
+            ValueError: tokens in flight without ``prev_token_ids``.
+        """
+        b, m = inp.block_tables.shape
+        if inp.gather_dst is not None and prev_token_ids is None:
+            raise ValueError("the step has tokens in flight but no previous sampled ids")
+        key_l, host_l = staging.host_buffer("graph.longs", self.longs.numel(), torch.int64)
+        longs = host_l[: self.longs.numel()].view(self.longs.shape)
+        rows = longs.numpy()
+        rows[0, :b] = inp.input_ids
+        rows[1, :b] = inp.positions
+        rows[2, :b] = inp.slot_mapping
+        rows[:2, b:num_seqs] = 0
+        rows[2, b:num_seqs] = -1
+        g = 0
+        if inp.gather_dst is not None:
+            g = len(inp.gather_dst)
+            rows[3, :g] = inp.gather_dst
+            rows[4, :g] = inp.gather_src
+        used = self.seq_lens_room + num_seqs * self.max_blocks_per_seq
+        key_i, host_i = staging.host_buffer("graph.ints", self.ints.numel(), torch.int32)
+        ints = host_i[:used]
+        flat = ints.numpy()
+        flat[:b] = inp.seq_lens
+        flat[b:num_seqs] = 1
+        tables = flat[self.seq_lens_room :].reshape(num_seqs, self.max_blocks_per_seq)
+        tables[:b, :m] = inp.block_tables
+        tables[b:] = 0
+        staging.copy_into(key_l, longs, self.longs)
+        staging.copy_into(key_i, ints, self.ints[:used])
+        if g:
+            dst, src = self.gather[:, :g]
+            self.input_ids.index_copy_(0, dst, prev_token_ids.index_select(0, src))
 
     def metadata(
         self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int
@@ -143,6 +208,9 @@ class DecodeGraphs:
         max_batch: largest decode batch; max_blocks_per_seq: block-table width;
         max_seq_len: the engine's max_model_len (sizes the decode split count at capture).
         pool: a CUDA graph memory pool to share (``PrefillGraphs.pool``), or None for a new one.
+
+    Before :meth:`capture` (and without CUDA) a run executes the same padded forward eagerly
+    (the tests' CPU check of the padding and of the staged inputs).
     """
 
     def __init__(
@@ -181,10 +249,35 @@ class DecodeGraphs:
         (model dtype), or None on a tensor-parallel rank other than 0 (its graph ends with the
         logits' gather, whose result only rank 0 keeps)."""
         b = step.num_seqs
-        bs = next(s for s in self.sizes if s >= b)
+        bs = self.padded_size(b)
         self.inputs.copy_from(step, bs, bs, decode=True)
-        self.graphs[bs].replay()
-        logits = self.logits[bs]
+        return self._replay(bs, b)
+
+    def run_inputs(
+        self,
+        inp: StepInputs,
+        staging: HostStaging,
+        prev_token_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """:meth:`run` from the step's host inputs: they are staged straight into the graphs'
+        buffers (:meth:`GraphInputs.stage_decode`), with the tokens in flight read from
+        ``prev_token_ids``. Same result as ``run(inp.to_device(staging, prev_token_ids))``."""
+        b = len(inp.seq_lens)
+        bs = self.padded_size(b)
+        self.inputs.stage_decode(inp, bs, staging, prev_token_ids)
+        return self._replay(bs, b)
+
+    def padded_size(self, batch: int) -> int:
+        """The captured batch size a decode step of ``batch`` sequences replays."""
+        return next(s for s in self.sizes if s >= batch)
+
+    def _replay(self, bs: int, b: int) -> torch.Tensor | None:
+        graph = self.graphs.get(bs)
+        if graph is None:  # not captured (no CUDA): the same padded forward, eagerly
+            logits = self._run(bs)
+        else:
+            graph.replay()
+            logits = self.logits[bs]
         return None if logits is None else logits[:b]
 
 

@@ -38,7 +38,9 @@ class HostStaging:
         self._parity ^= 1
         self._uses.clear()
 
-    def _buffer(self, name: str, numel: int, dtype: torch.dtype) -> tuple[tuple, torch.Tensor]:
+    def _buffer(
+        self, name: str, numel: int, dtype: torch.dtype, zero: bool = False
+    ) -> tuple[tuple, torch.Tensor]:
         use = self._uses.get(name, 0)
         self._uses[name] = use + 1
         key = (name, self._parity, use)
@@ -48,17 +50,42 @@ class HostStaging:
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
             size = max(numel, 2 * (buf.numel() if buf is not None else 512))
-            buf = self._buffers[key] = torch.empty(size, dtype=dtype, pin_memory=True)
+            make = torch.zeros if zero else torch.empty
+            buf = self._buffers[key] = make(size, dtype=dtype, pin_memory=self._cuda)
         return key, buf
+
+    def host_buffer(self, name: str, numel: int, dtype: torch.dtype) -> tuple[tuple, torch.Tensor]:
+        """A host buffer of at least ``numel`` elements for this step, to fill and then copy
+        into a device tensor with :meth:`copy_into` (pinned on CUDA; zeros when first
+        allocated, afterwards what this step's parity last wrote). It is safe to write: the
+        copy that last read it has finished.
+
+        Returns:
+            ``(key, buffer)``: the key to pass to :meth:`copy_into`, a 1-D tensor.
+        """
+        return self._buffer(name, numel, dtype, zero=True)
+
+    def copy_into(self, key: tuple, host: torch.Tensor, dst: torch.Tensor) -> None:
+        """Queue ``dst.copy_(host)`` (a view of :meth:`host_buffer`'s buffer ``key`` into a
+        device tensor of its shape and dtype; no host sync on CUDA)."""
+        if not self._cuda:
+            dst.copy_(host)
+            return
+        dst.copy_(host, non_blocking=True)
+        self._record(key)
 
     def _copy(self, key: tuple, staged: torch.Tensor) -> torch.Tensor:
         out = staged.to(self.device, non_blocking=True)
-        # one event per buffer, re-recorded: _buffer waited for its previous record already
+        self._record(key)
+        return out
+
+    def _record(self, key: tuple) -> None:
+        """Mark the end of the copy just queued from buffer ``key`` (one event per buffer,
+        re-recorded: :meth:`_buffer` waited for its previous record already)."""
         event = self._events.get(key)
         if event is None:
             event = self._events[key] = torch.cuda.Event()
         event.record()
-        return out
 
     def stage(self, name: str, array: np.ndarray) -> torch.Tensor:
         """``array`` as a tensor on the device (same dtype and shape); the copy is queued."""
