@@ -3,20 +3,25 @@
 Usage::
 
     python bench/host_step.py [--tree DIR] [--batch N] [--prompt-len A[:B]] [--max-tokens M]
-                              [--rounds R] [--sampler triton|torch] [--profile K] [--ckpt CKPT]
+                              [--rounds R] [--sampler triton|torch] [--no-graphs]
+                              [--profile K] [--compare OLD [--repeats K]] [--ckpt CKPT]
 
 ``DIR``: a source tree of this project (default: this one; the flat pre-restructure layout is
-accepted too), e.g. ``git archive main engine kernels server bench | tar -x -C /tmp/old`` for
-an A/B of the working tree against ``main``. Default checkpoint: the embedded model.
+accepted too), e.g. ``git archive main engine kernels server bench | tar -x -C /tmp/old``.
+``--compare OLD`` runs OLD and ``DIR`` alternately, ``--repeats`` times each, in fresh processes
+(a loaded machine drifts; interleaving keeps the drift out of the difference) and prints a
+table of the runs' medians. Default checkpoint: the embedded model.
 
 The real scheduler, KV cache manager, ``ModelRunner.launch`` (``prepare_inputs``, host-to-device
-staging, the sampler, the step handle) and output processing run; only the model is faked: the
-forward returns a ``[T, 1]`` zero tensor and the LM head ``[N, 512]`` zero logits, so what is
-timed is the Python work the engine core does per step, which async scheduling must hide behind
-the GPU. ``--sampler triton`` (the default) runs the sampler's CUDA branch (the Triton backend's
-host work: parameter staging) with the kernel replaced by a torch argmax; ``--sampler torch``
-runs the CPU backend. The CUDA-only parts (pinned buffers and events of the staging, CUDA-graph
-``copy_from`` and replay, the kernel launches) are not on the CPU and not timed.
+staging, the decode graphs' input copies, the sampler, the step handle) and output processing
+run; only the model is faked: the forward returns a ``[T, 1]`` zero tensor, the LM head and
+the decode graphs ``[N, 512]`` zero logits (the graphs, built as on CUDA, replay nothing;
+``--no-graphs``: decode steps run the eager path), so what is timed is the Python work the
+engine core does per step, which async scheduling must hide behind the GPU. ``--sampler
+triton`` (the default) runs the sampler's CUDA branch (the Triton backend's host work:
+parameter staging) with the kernel replaced by a torch argmax; ``--sampler torch`` runs the CPU
+backend. What only CUDA does (pinned buffers and events of the staging, kernel launches, graph
+replays) is not timed: on the CPU a staged copy is a plain tensor copy.
 
 Workload: ``--batch`` greedy requests (random prompt lengths in ``--prompt-len``, default
 ``1024`` at batch 1, else ``100:1000``) decode ``--max-tokens`` tokens each (400), all added at
@@ -53,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=None, help="workload repeats (fresh requests)")
     ap.add_argument("--sampler", choices=("triton", "torch"), default="triton")
+    ap.add_argument(
+        "--no-graphs", action="store_true", help="decode steps eagerly (default: decode graphs)"
+    )
     ap.add_argument("--profile", type=int, default=0, metavar="K", help="cProfile top K")
     ap.add_argument(
         "--compare",
@@ -95,8 +103,17 @@ def load_tree(tree: str):
         return build, EngineConfig, SamplingParams, ensure_embedded_checkpoint, False, mr
 
 
-def fake_device(eng, new: bool, mr, sampler: str) -> None:
-    """Replace the model (current layout) or the whole launch (old layout) by zero outputs."""
+class _NoGraph:
+    """A captured graph stand-in: replaying it does nothing."""
+
+    def replay(self) -> None:
+        pass
+
+
+def fake_device(eng, new: bool, mr, sampler: str, graphs: bool = True) -> None:
+    """Replace the model (current layout) or the whole launch (old layout) by zero outputs;
+    ``graphs``: decode steps go through the runner's ``DecodeGraphs`` (input copies into its
+    buffers, as on CUDA) with graphs that replay nothing and zero logits."""
     import torch
 
     runner = eng.executor if new else eng.runner
@@ -111,6 +128,19 @@ def fake_device(eng, new: bool, mr, sampler: str) -> None:
     if new:
         runner.forward = lambda step: torch.zeros(step.num_tokens, 1)
         runner.model.compute_logits = lambda hidden: torch.zeros(hidden.shape[0], FAKE_VOCAB)
+        if graphs:
+            from engine.worker.cuda_graph import DecodeGraphs
+
+            g = DecodeGraphs(
+                runner.model,
+                runner.kv_caches,
+                runner.config.max_num_seqs,
+                runner.block_tables.width,
+                runner.cache_info.max_model_len,
+            )
+            g.graphs = {s: _NoGraph() for s in g.sizes}
+            g.logits = {s: torch.zeros(s, FAKE_VOCAB) for s in g.sizes}
+            runner.graphs = g
         return
     names = (
         "input_ids",
@@ -235,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         async_scheduling=True,
     )
     eng = build(cfg, eos_token_ids=frozenset())
-    fake_device(eng, new, mr, args.sampler)
+    fake_device(eng, new, mr, args.sampler, graphs=not args.no_graphs)
     collections = [s["collections"] for s in gc.get_stats()]
     steady, total = [], 0
     for r in range(args.rounds):
@@ -248,7 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     median, p90 = statistics.median(steady), steady[int(0.9 * len(steady))]
     print(
         f"{'new' if new else 'old'} layout ({args.tree}): batch {args.batch}, prompts "
-        f"{args.prompt_len}, {args.max_tokens} tokens, sampler {args.sampler}: {total} steps "
+        f"{args.prompt_len}, {args.max_tokens} tokens, sampler {args.sampler}, "
+        f"{'eager' if args.no_graphs else 'decode graphs'}: {total} steps "
         f"({len(steady)} timed), CPU per step median {1e3 * median:.3f} ms, "
         f"p90 {1e3 * p90:.3f} ms; gc runs per generation {gcs}"
     )
