@@ -84,7 +84,8 @@ class GraphInputs:
         self.positions = self.longs[1, :max_tokens]
         self.slot_mapping = self.longs[2, :max_tokens]
         self.slot_mapping.fill_(-1)
-        self.gather = self.longs[3:]  # a staged decode step's (dst, src) of tokens in flight
+        # a staged decode step's tokens in flight: input_ids[dst[i]] = prev_token_ids[src[i]]
+        self.gather_dst, self.gather_src = self.longs[3], self.longs[4]
         self.seq_lens_room = -(-max_seqs // 4) * 4  # block_tables start 16-byte aligned
         self.max_blocks_per_seq = max_blocks_per_seq
         self.ints = torch.zeros(
@@ -119,33 +120,31 @@ class GraphInputs:
         b, m = inp.block_tables.shape
         if inp.gather_dst is not None and prev_token_ids is None:
             raise ValueError("the step has tokens in flight but no previous sampled ids")
-        key_l, host_l = staging.host_buffer("graph.longs", self.longs.numel(), torch.int64)
-        longs = host_l[: self.longs.numel()].view(self.longs.shape)
-        rows = longs.numpy()
+        key_l, longs, rows = staging.host_buffer("graph.longs", self.longs.shape, torch.int64)
         rows[0, :b] = inp.input_ids
         rows[1, :b] = inp.positions
         rows[2, :b] = inp.slot_mapping
-        rows[:2, b:num_seqs] = 0
-        rows[2, b:num_seqs] = -1
         g = 0
         if inp.gather_dst is not None:
             g = len(inp.gather_dst)
             rows[3, :g] = inp.gather_dst
             rows[4, :g] = inp.gather_src
         used = self.seq_lens_room + num_seqs * self.max_blocks_per_seq
-        key_i, host_i = staging.host_buffer("graph.ints", self.ints.numel(), torch.int32)
-        ints = host_i[:used]
-        flat = ints.numpy()
+        key_i, ints, flat = staging.host_buffer("graph.ints", self.ints.shape, torch.int32)
         flat[:b] = inp.seq_lens
-        flat[b:num_seqs] = 1
-        tables = flat[self.seq_lens_room :].reshape(num_seqs, self.max_blocks_per_seq)
+        tables = flat[self.seq_lens_room : used].reshape(num_seqs, self.max_blocks_per_seq)
         tables[:b, :m] = inp.block_tables
-        tables[b:] = 0
+        if num_seqs > b:  # padding rows
+            rows[:2, b:num_seqs] = 0
+            rows[2, b:num_seqs] = -1
+            flat[b:num_seqs] = 1
+            tables[b:] = 0
         staging.copy_into(key_l, longs, self.longs)
-        staging.copy_into(key_i, ints, self.ints[:used])
+        staging.copy_into(key_i, ints[:used], self.ints[:used])
         if g:
-            dst, src = self.gather[:, :g]
-            self.input_ids.index_copy_(0, dst, prev_token_ids.index_select(0, src))
+            self.input_ids.index_copy_(
+                0, self.gather_dst[:g], prev_token_ids.index_select(0, self.gather_src[:g])
+            )
 
     def metadata(
         self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int

@@ -218,7 +218,6 @@ class Sampler:
         # the rows' parameter facts, reused while a step's rows are the same requests
         self._metadata: SamplingMetadata | None = None
 
-    @torch.no_grad()
     def __call__(
         self,
         logits: torch.Tensor,
@@ -243,6 +242,12 @@ class Sampler:
         Returns:
             :class:`DeviceSamples` on the logits' device.
         """
+        if torch.is_grad_enabled():  # the model runner calls it under inference mode already
+            with torch.no_grad():
+                return self._sample(logits, requests, eos_ids, grammar_rows, grammar_bitmask)
+        return self._sample(logits, requests, eos_ids, grammar_rows, grammar_bitmask)
+
+    def _sample(self, logits, requests, eos_ids, grammar_rows, grammar_bitmask) -> DeviceSamples:
         if self._own_staging:
             self.staging.next_step()
         n, vocab = logits.shape

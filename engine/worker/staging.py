@@ -31,6 +31,7 @@ class HostStaging:
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._events: dict[tuple, torch.cuda.Event] = {}
         self._uses: dict[str, int] = {}
+        self._views: dict[tuple, tuple[torch.Tensor, np.ndarray]] = {}  # host_buffer's shapes
         self._parity = 0
 
     def next_step(self) -> None:
@@ -54,16 +55,28 @@ class HostStaging:
             buf = self._buffers[key] = make(size, dtype=dtype, pin_memory=self._cuda)
         return key, buf
 
-    def host_buffer(self, name: str, numel: int, dtype: torch.dtype) -> tuple[tuple, torch.Tensor]:
-        """A host buffer of at least ``numel`` elements for this step, to fill and then copy
-        into a device tensor with :meth:`copy_into` (pinned on CUDA; zeros when first
-        allocated, afterwards what this step's parity last wrote). It is safe to write: the
-        copy that last read it has finished.
+    def host_buffer(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> tuple[tuple, torch.Tensor, np.ndarray]:
+        """A host buffer of ``shape`` for this step, to fill and then copy into a device tensor
+        with :meth:`copy_into` (pinned on CUDA; zeros when first allocated, afterwards what
+        this step's parity last wrote). It is safe to write: the copy that last read it has
+        finished.
 
         Returns:
-            ``(key, buffer)``: the key to pass to :meth:`copy_into`, a 1-D tensor.
+            ``(key, tensor, array)``: the key to pass to :meth:`copy_into`, the buffer, and a
+            numpy view of it (made once, not per step).
         """
-        return self._buffer(name, numel, dtype, zero=True)
+        shape = tuple(shape)
+        numel = 1
+        for n in shape:
+            numel *= n
+        key, buf = self._buffer(name, numel, dtype, zero=True)
+        views = self._views.get(key)
+        if views is None or views[0].data_ptr() != buf.data_ptr() or views[0].shape != shape:
+            tensor = buf[:numel].view(shape)
+            views = self._views[key] = (tensor, tensor.numpy())
+        return key, views[0], views[1]
 
     def copy_into(self, key: tuple, host: torch.Tensor, dst: torch.Tensor) -> None:
         """Queue ``dst.copy_(host)`` (a view of :meth:`host_buffer`'s buffer ``key`` into a
