@@ -5,9 +5,9 @@ Usage (on the GPU): ``python bench/outputs_ab.py --old DIR [--new DIR] [--ckpt C
 [--device cuda]``; ``--device cpu`` (with a small ``--ckpt``) is a smoke run of the script.
 
 Each tree's engine (the server's defaults -- CUDA graphs, async scheduling, bf16 -- with at most
-32 sequences, so fewer graphs to capture) runs in a fresh
-process, in the order old, new, old: requests join while others decode (decode graphs of several
-batch sizes, compositions changing every few steps) and leave at different lengths, with greedy,
+32 sequences, so fewer graphs to capture) runs in a fresh process, in the order old, new, old:
+requests join while others decode (decode graphs of several batch sizes, compositions changing
+every few steps) and leave at different lengths, with greedy,
 seeded random (temperature, top-k, top-p), logprobs, and host-state sampling (min_tokens,
 penalties: deferred sampling) rows; unseeded random rows are left out (their seeds differ per
 process). The two old runs show whether the engine is deterministic on this device; the new
