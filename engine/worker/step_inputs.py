@@ -184,10 +184,12 @@ def prepare_inputs(
     prompt_segments: list[tuple[str, int, int, int]] = []
     for req, n in zip(reqs, batch.num_new_tokens):
         start = req.num_computed_tokens
-        if req.num_output_placeholders:
+        num_tokens = req.num_tokens
+        in_flight = req.num_output_placeholders
+        if in_flight:
             # decode of a token sampled by the step in flight: filled in on the device
             row = prev_rows.get(req.request_id)
-            if row is None or n != 1 or start != req.num_tokens:
+            if row is None or n != 1 or start != num_tokens:
                 raise RuntimeError(
                     f"request {req.request_id} has a token in flight but no sample row"
                 )
@@ -209,7 +211,7 @@ def prepare_inputs(
                 prompt_segments.append(
                     (req.request_id, start, end - start, req.sampling_params.prompt_logprobs)
                 )
-        if start + n == req.num_tokens_with_placeholders:  # all its tokens computed: sample
+        if start + n == num_tokens + in_flight:  # all its tokens computed: sample
             logits_indices.append(len(ids) - 1)
             sample_requests.append(req)
     max_seq_len = int(seq_lens.max()) if b else 0
