@@ -243,24 +243,20 @@ class DecodeGraphs:
     def can_run(self, batch: int, max_seq_len: int) -> bool:
         return batch <= self.sizes[-1] and max_seq_len <= self.max_seq_len
 
-    def run(self, step: StepTensors) -> torch.Tensor | None:
-        """Replay the graph for a decode step of B sequences; returns logits ``[B, vocab]``
-        (model dtype), or None on a tensor-parallel rank other than 0 (its graph ends with the
-        logits' gather, whose result only rank 0 keeps)."""
-        b = step.num_seqs
-        bs = self.padded_size(b)
-        self.inputs.copy_from(step, bs, bs, decode=True)
-        return self._replay(bs, b)
-
     def run_inputs(
         self,
         inp: StepInputs,
         staging: HostStaging,
         prev_token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """:meth:`run` from the step's host inputs: they are staged straight into the graphs'
-        buffers (:meth:`GraphInputs.stage_decode`), with the tokens in flight read from
-        ``prev_token_ids``. Same result as ``run(inp.to_device(staging, prev_token_ids))``."""
+        """Replay the graph for a decode step of B sequences from its host inputs; returns
+        logits ``[B, vocab]`` (model dtype), or None on a tensor-parallel rank other than 0 (its
+        graph ends with the logits' gather, whose result only rank 0 keeps).
+
+        The inputs are staged straight into the graphs' buffers
+        (:meth:`GraphInputs.stage_decode`), the tokens in flight read from ``prev_token_ids``;
+        the buffers then hold what ``copy_from(inp.to_device(staging, prev_token_ids))`` would
+        have written."""
         b = len(inp.seq_lens)
         bs = self.padded_size(b)
         self.inputs.stage_decode(inp, bs, staging, prev_token_ids)
