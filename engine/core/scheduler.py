@@ -332,7 +332,8 @@ class Scheduler:
         num_prompt = 0
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
-            num_prompt += max(0, min(start + n, req.num_prompt_tokens) - start)
+            if start < req.num_prompt_tokens:  # the step computes prompt tokens
+                num_prompt += min(start + n, req.num_prompt_tokens) - start
             req.num_computed_tokens = start + n
         for req in sample_requests:
             req.num_output_placeholders += 1

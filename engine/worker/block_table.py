@@ -105,7 +105,7 @@ class PersistentBlockTables:
     def gather(self, rows: np.ndarray, num_blocks: int) -> np.ndarray:
         """The step's block table: int32 ``[B, num_blocks]`` (entries past a request's blocks are
         stale ids from earlier owners of the row, never read: kernels stop at ``seq_lens``)."""
-        return np.take(self.table[:, :num_blocks], rows, axis=0)
+        return self.table[rows, :num_blocks]  # a copy (about 3x faster than np.take of a view)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's row (idempotent)."""
@@ -143,4 +143,4 @@ class RowBlockTables:
     def gather(self, rows: np.ndarray, num_blocks: int) -> np.ndarray:
         """int32 ``[B, num_blocks]``: the step's block table (as
         :meth:`PersistentBlockTables.gather`)."""
-        return np.take(self.table[:, :num_blocks], rows, axis=0)
+        return self.table[rows, :num_blocks]  # a copy (about 3x faster than np.take of a view)

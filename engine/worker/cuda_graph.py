@@ -24,7 +24,8 @@ import logging
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.worker.step_inputs import StepTensors
+from engine.worker.staging import HostStaging
+from engine.worker.step_inputs import StepInputs, StepTensors
 
 log = logging.getLogger(__name__)
 
@@ -62,25 +63,88 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class GraphInputs:
-    """The static input buffers a set of graphs reads, filled from a step by :meth:`copy_from`.
+    """The static input buffers a set of graphs reads, filled from a step by :meth:`copy_from`
+    or, for a decode step, by :meth:`stage_decode`.
 
     Sized for the largest captured step: ``max_tokens`` tokens and ``max_seqs`` sequences of at
     most ``max_blocks_per_seq`` blocks. Between replays the buffers may hold stale values;
-    :meth:`copy_from` rewrites every entry a padded step of the given size reads.
+    :meth:`copy_from` and :meth:`stage_decode` rewrite every entry a padded step of the given
+    size reads. The int64 token buffers are the rows of one tensor (``input_ids``,
+    ``positions``, ``slot_mapping``, then two rows for a decode step's tokens in flight) and
+    ``seq_lens`` and ``block_tables`` two parts of one int32 tensor, so a decode step reaches
+    them in one copy per dtype; each part starts on a 16-byte boundary.
     """
 
     def __init__(
         self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device
     ):
-        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(
-            max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device
+        width = -(-max_tokens // 2) * 2  # rows of 16-byte multiples
+        self.longs = torch.zeros(5, width, dtype=torch.int64, device=device)
+        self.input_ids = self.longs[0, :max_tokens]
+        self.positions = self.longs[1, :max_tokens]
+        self.slot_mapping = self.longs[2, :max_tokens]
+        self.slot_mapping.fill_(-1)
+        # a staged decode step's tokens in flight: input_ids[dst[i]] = prev_token_ids[src[i]]
+        self.gather_dst, self.gather_src = self.longs[3], self.longs[4]
+        self.seq_lens_room = -(-max_seqs // 4) * 4  # block_tables start 16-byte aligned
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.ints = torch.zeros(
+            self.seq_lens_room + max_seqs * max_blocks_per_seq, dtype=torch.int32, device=device
         )
-        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        self.seq_lens = self.ints[:max_seqs]
+        self.block_tables = self.ints[self.seq_lens_room :].view(max_seqs, max_blocks_per_seq)
         self.cu_seqlens_q = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+
+    def stage_decode(
+        self,
+        inp: StepInputs,
+        num_seqs: int,
+        staging: HostStaging,
+        prev_token_ids: torch.Tensor | None = None,
+    ) -> None:
+        """Write a decode step's host inputs (``inp``: one token per sequence, B sequences)
+        straight into the buffers, padded to ``num_seqs`` sequences as :meth:`copy_from`
+        pads a decode step (padding rows store nothing and attend one token of block 0; their
+        ids and positions are 0).
+
+        Host buffers laid out like :attr:`longs` and :attr:`ints` are filled with numpy and
+        copied in one host-to-device copy each (the int32 one up to row ``num_seqs`` of the
+        block tables); the tokens in flight (``inp.gather_dst``/``gather_src``) are then
+        read from ``prev_token_ids`` on the device. That replaces staging the step's seven
+        arrays as tensors of their own and copying each into the buffers.
+
+        Raises:
+            ValueError: tokens in flight without ``prev_token_ids``.
+        """
+        b, m = inp.block_tables.shape
+        if inp.gather_dst is not None and prev_token_ids is None:
+            raise ValueError("the step has tokens in flight but no previous sampled ids")
+        key_l, longs, rows = staging.host_buffer("graph.longs", self.longs.shape, torch.int64)
+        rows[0, :b] = inp.input_ids
+        rows[1, :b] = inp.positions
+        rows[2, :b] = inp.slot_mapping
+        g = 0
+        if inp.gather_dst is not None:
+            g = len(inp.gather_dst)
+            rows[3, :g] = inp.gather_dst
+            rows[4, :g] = inp.gather_src
+        used = self.seq_lens_room + num_seqs * self.max_blocks_per_seq
+        key_i, ints, flat = staging.host_buffer("graph.ints", self.ints.shape, torch.int32)
+        flat[:b] = inp.seq_lens
+        tables = flat[self.seq_lens_room : used].reshape(num_seqs, self.max_blocks_per_seq)
+        tables[:b, :m] = inp.block_tables
+        if num_seqs > b:  # padding rows
+            rows[:2, b:num_seqs] = 0
+            rows[2, b:num_seqs] = -1
+            flat[b:num_seqs] = 1
+            tables[b:] = 0
+        staging.copy_into(key_l, longs, self.longs)
+        staging.copy_into(key_i, ints[:used], self.ints[:used])
+        if g:
+            self.input_ids.index_copy_(
+                0, self.gather_dst[:g], prev_token_ids.index_select(0, self.gather_src[:g])
+            )
 
     def metadata(
         self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int
@@ -107,22 +171,27 @@ class GraphInputs:
         attends with them), padding sequences have no tokens, padding sample rows read row 0.
         """
         t, b, n = step.num_tokens, step.num_seqs, step.logits_indices.shape[0]
+        # padding is written only where there is some: an empty slice still costs a torch call
         self.input_ids[:t].copy_(step.input_ids, non_blocking=True)
         self.positions[:t].copy_(step.positions, non_blocking=True)
         self.slot_mapping[:t].copy_(step.slot_mapping, non_blocking=True)
-        self.slot_mapping[t:num_tokens].fill_(-1)
+        if num_tokens > t:
+            self.slot_mapping[t:num_tokens].fill_(-1)
         self.block_tables[:b, : step.block_tables.shape[1]].copy_(
             step.block_tables, non_blocking=True
         )
         self.seq_lens[:b].copy_(step.seq_lens, non_blocking=True)
         if decode:
-            self.block_tables[b:num_seqs].zero_()
-            self.seq_lens[b:num_seqs].fill_(1)
+            if num_seqs > b:
+                self.block_tables[b:num_seqs].zero_()
+                self.seq_lens[b:num_seqs].fill_(1)
             return
         self.cu_seqlens_q[: b + 1].copy_(step.cu_seqlens_q, non_blocking=True)
-        self.cu_seqlens_q[b + 1 : num_seqs + 1].fill_(t)
+        if num_seqs > b:
+            self.cu_seqlens_q[b + 1 : num_seqs + 1].fill_(t)
         self.logits_indices[:n].copy_(step.logits_indices, non_blocking=True)
-        self.logits_indices[n:num_seqs].zero_()
+        if num_seqs > n:
+            self.logits_indices[n:num_seqs].zero_()
 
 
 class DecodeGraphs:
@@ -138,6 +207,9 @@ class DecodeGraphs:
         max_batch: largest decode batch; max_blocks_per_seq: block-table width;
         max_seq_len: the engine's max_model_len (sizes the decode split count at capture).
         pool: a CUDA graph memory pool to share (``PrefillGraphs.pool``), or None for a new one.
+
+    Before :meth:`capture` (and without CUDA) a run executes the same padded forward eagerly
+    (the tests' CPU check of the padding and of the staged inputs).
     """
 
     def __init__(
@@ -171,15 +243,36 @@ class DecodeGraphs:
     def can_run(self, batch: int, max_seq_len: int) -> bool:
         return batch <= self.sizes[-1] and max_seq_len <= self.max_seq_len
 
-    def run(self, step: StepTensors) -> torch.Tensor | None:
-        """Replay the graph for a decode step of B sequences; returns logits ``[B, vocab]``
-        (model dtype), or None on a tensor-parallel rank other than 0 (its graph ends with the
-        logits' gather, whose result only rank 0 keeps)."""
-        b = step.num_seqs
-        bs = next(s for s in self.sizes if s >= b)
-        self.inputs.copy_from(step, bs, bs, decode=True)
-        self.graphs[bs].replay()
-        logits = self.logits[bs]
+    def run_inputs(
+        self,
+        inp: StepInputs,
+        staging: HostStaging,
+        prev_token_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """Replay the graph for a decode step of B sequences from its host inputs; returns
+        logits ``[B, vocab]`` (model dtype), or None on a tensor-parallel rank other than 0 (its
+        graph ends with the logits' gather, whose result only rank 0 keeps).
+
+        The inputs are staged straight into the graphs' buffers
+        (:meth:`GraphInputs.stage_decode`), the tokens in flight read from ``prev_token_ids``;
+        the buffers then hold what ``copy_from(inp.to_device(staging, prev_token_ids))`` would
+        have written."""
+        b = len(inp.seq_lens)
+        bs = self.padded_size(b)
+        self.inputs.stage_decode(inp, bs, staging, prev_token_ids)
+        return self._replay(bs, b)
+
+    def padded_size(self, batch: int) -> int:
+        """The captured batch size a decode step of ``batch`` sequences replays."""
+        return next(s for s in self.sizes if s >= batch)
+
+    def _replay(self, bs: int, b: int) -> torch.Tensor | None:
+        graph = self.graphs.get(bs)
+        if graph is None:  # not captured (no CUDA): the same padded forward, eagerly
+            logits = self._run(bs)
+        else:
+            graph.replay()
+            logits = self.logits[bs]
         return None if logits is None else logits[:b]
 
 

@@ -378,14 +378,14 @@ class ModelRunner:
             (they take part in the logits' gathers, rank 0 keeps the result).
         """
         self.staging.next_step()
-        step = inp.to_device(self.staging, prev_token_ids)
-        prompt = None
         if (
             self.graphs is not None
             and inp.is_decode
-            and self.graphs.can_run(step.num_seqs, inp.max_seq_len)
-        ):
-            return self.graphs.run(step), None
+            and self.graphs.can_run(len(inp.seq_lens), inp.max_seq_len)
+        ):  # staged straight into the graphs' input buffers
+            return self.graphs.run_inputs(inp, self.staging, prev_token_ids), None
+        step = inp.to_device(self.staging, prev_token_ids)
+        prompt = None
         if (
             step.prompt_rows is None
             and self.prefill_graphs is not None

@@ -1,10 +1,14 @@
 """Vectorised per-request sampling over a batch of logits, launched without host synchronisation.
 
-Every step's sampling parameters become a few ``[N]`` tensors built on the host (in pinned
+A step's sampling parameters become a few ``[N]`` tensors built on the host (in pinned
 memory on CUDA) and copied with ``non_blocking=True``, so :meth:`Sampler.__call__` only enqueues
 device work and returns device tensors (:class:`DeviceSamples`); :meth:`DeviceSamples.to_host`
 starts the device->host copies and :meth:`PendingSamples.wait` blocks for them. This lets the
-engine prepare step N+1 while the GPU runs step N.
+engine prepare step N+1 while the GPU runs step N. What depends only on the rows' requests (the
+temperature tensor, which rows need which processor) is kept in a
+:class:`~engine.worker.sampling_metadata.SamplingMetadata` while a step's rows are the same
+requests in the same order; per step only the seeds and offsets are staged (not even those when
+every row is greedy: the kernel reads neither).
 
 Draws use the Gumbel-max trick with counter-based noise: row ``i`` draws
 ``argmax(logits_i / T_i + g)``, where the Gumbel noise ``g`` is a function of
@@ -34,6 +38,7 @@ import torch
 
 from engine.core.outputs import SampleOutput
 from engine.core.request import Request
+from engine.worker.sampling_metadata import SamplingMetadata, SeedStream
 from engine.worker.staging import HostStaging
 
 _MASK64 = (1 << 64) - 1
@@ -136,12 +141,6 @@ def stage_values(staging: HostStaging, name: str, values, dtype: torch.dtype) ->
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _as_int64(seed: int) -> int:
-    """Any python int as a signed 64-bit value (its low 64 bits)."""
-    s = seed & _MASK64
-    return s - (1 << 64) if s >= 1 << 63 else s
-
-
 def _splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -213,9 +212,12 @@ class Sampler:
             raise ValueError("the triton sampler needs a CUDA device or TRITON_INTERPRET=1")
         self.backend = backend
         # host RNG for unseeded rows; from torch's global RNG so torch.manual_seed reproduces runs
-        self._rng = np.random.Generator(np.random.PCG64(int(torch.randint(0, 2**62, ()).item())))
+        self._seeds = SeedStream(
+            np.random.Generator(np.random.PCG64(int(torch.randint(0, 2**62, ()).item())))
+        )
+        # the rows' parameter facts, reused while a step's rows are the same requests
+        self._metadata: SamplingMetadata | None = None
 
-    @torch.no_grad()
     def __call__(
         self,
         logits: torch.Tensor,
@@ -240,35 +242,33 @@ class Sampler:
         Returns:
             :class:`DeviceSamples` on the logits' device.
         """
+        if torch.is_grad_enabled():  # the model runner calls it under inference mode already
+            with torch.no_grad():
+                return self._sample(logits, requests, eos_ids, grammar_rows, grammar_bitmask)
+        return self._sample(logits, requests, eos_ids, grammar_rows, grammar_bitmask)
+
+    def _sample(self, logits, requests, eos_ids, grammar_rows, grammar_bitmask) -> DeviceSamples:
         if self._own_staging:
             self.staging.next_step()
         n, vocab = logits.shape
-        params = [r.sampling_params for r in requests]
+        meta = self._metadata
+        if meta is None or not meta.matches(requests, vocab):
+            meta = self._metadata = SamplingMetadata(requests, vocab)
+        params = meta.params
         dev = logits.device
         if grammar_rows:  # in place, in the logits' dtype (a graph's output is rewritten anyway)
             self._apply_bitmasks(logits, requests, grammar_rows, grammar_bitmask)
 
-        lp_k = [p.logprobs for p in params]
-        raw_logprobs = (
-            torch.log_softmax(logits.float(), dim=-1) if any(k is not None for k in lp_k) else None
-        )
+        lp_k = meta.logprob_k
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if meta.any_logprobs else None
 
-        # a grammar decides when a request may end: min_tokens holds no EOS back there
-        eos_masked = [
-            len(r.output_token_ids) < r.sampling_params.min_tokens and r.grammar is None
-            for r in requests
-        ]
-        filter_rows = [i for i, p in enumerate(params) if not p.greedy and self._filters(p, vocab)]
-        if (
-            any(p.logit_bias for p in params)
-            or any(eos_masked)
-            or any(p.needs_penalties for p in params)
-            or filter_rows
-        ):
+        # EOS held back below min_tokens (not on grammar rows: the grammar decides the end)
+        filter_rows = meta.filter_rows
+        if meta.any_logit_bias or meta.eos_masked() or meta.any_penalties or filter_rows:
             logits = logits.float()  # processed in place: float32 (a copy of bf16 logits)
             self._apply_logit_bias(logits, params, vocab)
             self._apply_min_tokens(logits, requests, eos_ids, vocab)
-            if any(p.needs_penalties for p in params):
+            if meta.any_penalties:
                 self._apply_penalties(logits, requests, vocab)
             if filter_rows:
                 rows = self._stage("filter.rows", filter_rows, torch.int64)
@@ -277,28 +277,38 @@ class Sampler:
                 )
                 logits.index_copy_(0, rows, sub)
 
-        temps = [0.0 if p.greedy else float(p.temperature) for p in params]
-        fresh = self._rng.integers(0, 2**63 - 1, size=n, dtype=np.int64, endpoint=True)
-        seeds = [
-            _as_int64(p.seed) if p.seed is not None else int(fresh[i]) for i, p in enumerate(params)
-        ]
-        offsets = [r.sample_index for r in requests]
+        fresh = self._seeds.take(n)  # drawn in every step: the stream stays the same
         if self.backend == "triton":
             from kernels.sampling import sample_tokens
 
             if logits.stride(1) != 1:
                 logits = logits.contiguous()
+            if meta.device_temperature is None:
+                meta.device_temperature = self._stage(
+                    "temperature", meta.temperatures, torch.float32
+                )
+            if meta.all_greedy:  # greedy rows read no seed or offset: nothing to stage
+                if meta.device_unread is None:
+                    meta.device_unread = torch.zeros(n, dtype=torch.int64, device=dev)
+                seeds_offsets = (meta.device_unread, meta.device_unread)
+            else:
+                seeds_offsets = self.staging.stage_many(
+                    "seeds_offsets", [meta.seeds(fresh), meta.offsets()]
+                )
             token_ids = sample_tokens(
                 logits,
-                self._stage("temperature", temps, torch.float32),
-                *self.staging.stage_many(
-                    "seeds_offsets",
-                    [np.asarray(seeds, dtype=np.int64), np.asarray(offsets, dtype=np.int64)],
-                ),
+                meta.device_temperature,
+                *seeds_offsets,
                 torch.empty(n, dtype=torch.int64, device=dev),
             )
         else:
-            token_ids = draw_torch(logits, temps, seeds, offsets, self.staging)
+            token_ids = draw_torch(
+                logits,
+                meta.temperatures,
+                meta.seeds(fresh).tolist(),
+                meta.offsets().tolist(),
+                self.staging,
+            )
 
         out = DeviceSamples(token_ids, lp_k)
         if raw_logprobs is not None:
@@ -402,11 +412,6 @@ class Sampler:
         logits -= frequency * counts + presence * (counts > 0).to(logits.dtype)
 
     # ------------------------------------------------------------ filters
-    @staticmethod
-    def _filters(p, vocab: int) -> bool:
-        """Whether a (random) row asks for top-k, top-p or min-p filtering."""
-        return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0
-
     def _filtered_logits(self, logits: torch.Tensor, params: list) -> torch.Tensor:
         """Top-k, top-p and min-p: a float32 copy of ``logits`` ``[R, vocab]`` with the dropped
         tokens set to ``-inf`` (the kept ones unchanged, not divided by the temperature).

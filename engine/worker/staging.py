@@ -31,6 +31,7 @@ class HostStaging:
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._events: dict[tuple, torch.cuda.Event] = {}
         self._uses: dict[str, int] = {}
+        self._views: dict[tuple, tuple[torch.Tensor, np.ndarray]] = {}  # host_buffer's shapes
         self._parity = 0
 
     def next_step(self) -> None:
@@ -38,7 +39,9 @@ class HostStaging:
         self._parity ^= 1
         self._uses.clear()
 
-    def _buffer(self, name: str, numel: int, dtype: torch.dtype) -> tuple[tuple, torch.Tensor]:
+    def _buffer(
+        self, name: str, numel: int, dtype: torch.dtype, zero: bool = False
+    ) -> tuple[tuple, torch.Tensor]:
         use = self._uses.get(name, 0)
         self._uses[name] = use + 1
         key = (name, self._parity, use)
@@ -48,15 +51,54 @@ class HostStaging:
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
             size = max(numel, 2 * (buf.numel() if buf is not None else 512))
-            buf = self._buffers[key] = torch.empty(size, dtype=dtype, pin_memory=True)
+            make = torch.zeros if zero else torch.empty
+            buf = self._buffers[key] = make(size, dtype=dtype, pin_memory=self._cuda)
         return key, buf
+
+    def host_buffer(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> tuple[tuple, torch.Tensor, np.ndarray]:
+        """A host buffer of ``shape`` for this step, to fill and then copy into a device tensor
+        with :meth:`copy_into` (pinned on CUDA; zeros when first allocated, afterwards what
+        this step's parity last wrote). It is safe to write: the copy that last read it has
+        finished.
+
+        Returns:
+            ``(key, tensor, array)``: the key to pass to :meth:`copy_into`, the buffer, and a
+            numpy view of it (made once, not per step).
+        """
+        shape = tuple(shape)
+        numel = 1
+        for n in shape:
+            numel *= n
+        key, buf = self._buffer(name, numel, dtype, zero=True)
+        views = self._views.get(key)
+        if views is None or views[0].data_ptr() != buf.data_ptr() or views[0].shape != shape:
+            tensor = buf[:numel].view(shape)
+            views = self._views[key] = (tensor, tensor.numpy())
+        return key, views[0], views[1]
+
+    def copy_into(self, key: tuple, host: torch.Tensor, dst: torch.Tensor) -> None:
+        """Queue ``dst.copy_(host)`` (a view of :meth:`host_buffer`'s buffer ``key`` into a
+        device tensor of its shape and dtype; no host sync on CUDA)."""
+        if not self._cuda:
+            dst.copy_(host)
+            return
+        dst.copy_(host, non_blocking=True)
+        self._record(key)
 
     def _copy(self, key: tuple, staged: torch.Tensor) -> torch.Tensor:
         out = staged.to(self.device, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._events[key] = event
+        self._record(key)
         return out
+
+    def _record(self, key: tuple) -> None:
+        """Mark the end of the copy just queued from buffer ``key`` (one event per buffer,
+        re-recorded: :meth:`_buffer` waited for its previous record already)."""
+        event = self._events.get(key)
+        if event is None:
+            event = self._events[key] = torch.cuda.Event()
+        event.record()
 
     def stage(self, name: str, array: np.ndarray) -> torch.Tensor:
         """``array`` as a tensor on the device (same dtype and shape); the copy is queued."""
@@ -75,20 +117,37 @@ class HostStaging:
         Raises:
             ValueError: arrays of different dtypes.
         """
-        if len({a.dtype for a in arrays}) > 1:
+        dtype = arrays[0].dtype
+        if any(a.dtype != dtype for a in arrays):
             raise ValueError(f"stage_many needs one dtype, got {[a.dtype for a in arrays]}")
-        offsets, total = pack_offsets([a.size for a in arrays], arrays[0].itemsize)
-        dtype = torch.from_numpy(arrays[0][:0]).dtype
+        sizes = [a.size for a in arrays]
+        offsets, total = pack_offsets(sizes, dtype.itemsize)
+        torch_dtype = _TORCH_DTYPES.get(dtype) or torch.from_numpy(arrays[0][:0]).dtype
         if self._cuda:
-            key, buf = self._buffer(name, total, dtype)
+            key, buf = self._buffer(name, total, torch_dtype)
             host = buf[:total]
         else:
-            host = torch.empty(total, dtype=dtype)
+            host = torch.empty(total, dtype=torch_dtype)
         flat = host.numpy()
         for a, off in zip(arrays, offsets):
             flat[off : off + a.size] = a.reshape(-1)
         dev = self._copy(key, host) if self._cuda else host.to(self.device)
-        return [dev[off : off + a.size].view(a.shape) for a, off in zip(arrays, offsets)]
+        # one split into the arrays and the alignment gaps after them (not a slice and a view
+        # per array: each torch call costs microseconds of host time)
+        ends = offsets[1:] + [total]
+        pieces = []
+        for n, off, end in zip(sizes, offsets, ends):
+            pieces += (n, end - off - n)
+        parts = dev.split_with_sizes(pieces)
+        return [t if a.ndim == 1 else t.view(a.shape) for t, a in zip(parts[::2], arrays)]
+
+
+#: numpy dtype -> torch dtype of the arrays the worker stages (others: via torch.from_numpy)
+_TORCH_DTYPES = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.float32): torch.float32,
+}
 
 
 #: alignment of each array packed by :meth:`HostStaging.stage_many`, bytes (Triton specialises

@@ -174,20 +174,22 @@ def prepare_inputs(
     starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int32, count=b)
     seq_lens = starts + q_lens
     cu = np.zeros(b + 1, dtype=np.int32)
-    np.cumsum(q_lens, out=cu[1:])
+    q_lens.cumsum(out=cu[1:])
+    prev_rows = prev_rows or {}
     gather_dst, gather_src = [], []
     ids: list[int] = []
     logits_indices, sample_requests = [], []
     prompt_rows: list[np.ndarray] = []
     prompt_targets: list[int] = []
     prompt_segments: list[tuple[str, int, int, int]] = []
-    for i, req in enumerate(reqs):
-        n = int(q_lens[i])
+    for req, n in zip(reqs, batch.num_new_tokens):
         start = req.num_computed_tokens
-        if req.num_output_placeholders:
+        num_tokens = req.num_tokens
+        in_flight = req.num_output_placeholders
+        if in_flight:
             # decode of a token sampled by the step in flight: filled in on the device
-            row = (prev_rows or {}).get(req.request_id)
-            if row is None or n != 1 or start != req.num_tokens:
+            row = prev_rows.get(req.request_id)
+            if row is None or n != 1 or start != num_tokens:
                 raise RuntimeError(
                     f"request {req.request_id} has a token in flight but no sample row"
                 )
@@ -209,20 +211,25 @@ def prepare_inputs(
                 prompt_segments.append(
                     (req.request_id, start, end - start, req.sampling_params.prompt_logprobs)
                 )
-        if start + n == req.num_tokens_with_placeholders:  # all its tokens computed: sample
+        if start + n == num_tokens + in_flight:  # all its tokens computed: sample
             logits_indices.append(len(ids) - 1)
             sample_requests.append(req)
-    max_blocks = max(1, -(-int(seq_lens.max()) // block_size)) if b else 1
-    tables = block_tables.gather(rows, max_blocks)
-    total = int(cu[-1])
-    seq_of_token = np.repeat(np.arange(b), q_lens)
-    positions = (
-        np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], q_lens) + np.repeat(starts, q_lens)
-    ).astype(np.int64)
-    slot_mapping = (
-        tables[seq_of_token, positions // block_size].astype(np.int64) * block_size
-        + positions % block_size
-    )
+    max_seq_len = int(seq_lens.max()) if b else 0
+    tables = block_tables.gather(rows, max(1, -(-max_seq_len // block_size)))
+    total = len(ids)
+    decode = total == b
+    if decode:  # one token per sequence (decodes): token i is sequence i's, at its start
+        seq_of_token = np.arange(b)
+        positions = starts.astype(np.int64)
+    else:
+        seq_of_token = np.repeat(np.arange(b), q_lens)
+        positions = (
+            np.arange(total, dtype=np.int64)
+            - np.repeat(cu[:-1], q_lens)
+            + np.repeat(starts, q_lens)
+        ).astype(np.int64)
+    block_index, offset = np.divmod(positions, block_size)
+    slot_mapping = tables[seq_of_token, block_index].astype(np.int64) * block_size + offset
     return StepInputs(
         input_ids=np.asarray(ids, dtype=np.int64),
         positions=positions,
@@ -232,8 +239,8 @@ def prepare_inputs(
         cu_seqlens_q=cu,
         logits_indices=np.asarray(logits_indices, dtype=np.int64),
         sample_requests=sample_requests,
-        max_query_len=int(q_lens.max()) if b else 0,
-        max_seq_len=int(seq_lens.max()) if b else 0,
+        max_query_len=(1 if decode else int(q_lens.max())) if b else 0,
+        max_seq_len=max_seq_len,
         gather_dst=np.asarray(gather_dst, dtype=np.int64) if gather_dst else None,
         gather_src=np.asarray(gather_src, dtype=np.int64) if gather_src else None,
         table_rows=rows,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -173,3 +174,112 @@ def test_graph_inputs_copy_from_pads_decode_and_prefill_steps():
     assert gi.cu_seqlens_q[4:9].tolist() == [10] * 5  # padding sequences: no tokens
     assert gi.logits_indices[:8].tolist() == [0, 1] + [0] * 6
     assert not gi.metadata(16, 8, 16, 64).is_decode
+
+
+@pytest.mark.parametrize("max_seqs", [8, 37])
+def test_graph_inputs_stage_decode_as_copy_from(max_seqs):
+    """``GraphInputs.stage_decode`` (a decode step's host arrays straight into the buffers)
+    leaves every entry a padded decode graph reads as ``copy_from`` of the staged step does,
+    over stale buffers, with tokens in flight read from the previous step's samples; padding
+    rows get ids and positions 0. The buffers keep their addresses (the graphs read them) and
+    each starts on a 16-byte boundary."""
+    from engine.worker.cuda_graph import GraphInputs, capture_sizes
+    from engine.worker.staging import HostStaging
+    from engine.worker.step_inputs import StepInputs
+
+    cpu = torch.device("cpu")
+    width = 6
+    staged, copied = (GraphInputs(max_seqs, max_seqs, width, cpu) for _ in range(2))
+    g = torch.Generator().manual_seed(3)
+    for gi in (staged, copied):
+        gi.longs.random_(0, 999, generator=g)
+        gi.ints.random_(0, 99, generator=g)
+    ptrs = [t.data_ptr() for t in (staged.input_ids, staged.slot_mapping, staged.block_tables)]
+    for t in (staged.input_ids, staged.positions, staged.slot_mapping, staged.seq_lens):
+        assert t.data_ptr() % 16 == 0
+    assert staged.block_tables.data_ptr() % 16 == 0
+    staging = HostStaging(cpu)
+    rng = np.random.default_rng(4)
+    sizes = capture_sizes(max_seqs)
+    for _ in range(30):
+        staging.next_step()
+        b = int(rng.integers(1, max_seqs + 1))
+        bs = next(s for s in sizes if s >= b)
+        m = int(rng.integers(1, width + 1))
+        prev = torch.from_numpy(rng.integers(0, 1000, size=int(rng.integers(1, 9))))
+        flight = rng.random(b) < 0.5
+        inp = StepInputs(
+            input_ids=np.where(flight, 0, rng.integers(0, 1000, size=b)).astype(np.int64),
+            positions=rng.integers(0, 64, size=b).astype(np.int64),
+            slot_mapping=rng.integers(0, 500, size=b).astype(np.int64),
+            block_tables=rng.integers(0, 99, size=(b, m)).astype(np.int32),
+            seq_lens=rng.integers(1, 64, size=b).astype(np.int32),
+            cu_seqlens_q=np.arange(b + 1, dtype=np.int32),
+            logits_indices=np.arange(b, dtype=np.int64),
+            sample_requests=[],
+            max_query_len=1,
+            max_seq_len=64,
+        )
+        if flight.any():
+            inp.gather_dst = np.flatnonzero(flight).astype(np.int64)
+            inp.gather_src = rng.integers(0, len(prev), size=len(inp.gather_dst))
+        staged.stage_decode(inp, bs, staging, prev)
+        copied.copy_from(inp.to_device(staging, prev), bs, bs, decode=True)
+        assert staged.input_ids[:b].tolist() == copied.input_ids[:b].tolist()
+        assert staged.positions[:b].tolist() == copied.positions[:b].tolist()
+        assert staged.input_ids[b:bs].tolist() == staged.positions[b:bs].tolist() == [0] * (bs - b)
+        assert staged.slot_mapping[:bs].tolist() == copied.slot_mapping[:bs].tolist()
+        assert staged.seq_lens[:bs].tolist() == copied.seq_lens[:bs].tolist()
+        assert staged.block_tables[:b, :m].tolist() == copied.block_tables[:b, :m].tolist()
+        assert staged.block_tables[b:bs].tolist() == copied.block_tables[b:bs].tolist()
+    assert ptrs == [
+        t.data_ptr() for t in (staged.input_ids, staged.slot_mapping, staged.block_tables)
+    ]
+    inp.gather_dst, inp.gather_src = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    with pytest.raises(ValueError, match="in flight"):
+        staged.stage_decode(inp, bs, staging, None)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_graph_steps_from_staged_inputs_equal_eager_steps(
+    tiny_checkpoint, one_torch_thread, async_scheduling
+):
+    """Decode steps through ``DecodeGraphs.run_inputs`` (inputs staged straight into stale graph
+    buffers, padded to a captured size, tokens in flight gathered on the device; the padded
+    forward run eagerly on the CPU) give the eager engine's tokens and logprobs while requests
+    join and leave (batch sizes 1..6 padded to 1, 2, 4, 8)."""
+    from engine.worker.cuda_graph import DecodeGraphs
+
+    path, _ = tiny_checkpoint
+    rng = random.Random(12)
+    requests = []
+    for i in range(9):
+        prompt = [rng.randrange(384) for _ in range(rng.randint(1, 30))]
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 0.8]), seed=i, max_tokens=rng.randint(2, 14), logprobs=1
+        )
+        requests.append((f"d{i}", prompt, params))
+    eager = _run(_engine(path, async_scheduling, graphs=False, budget=64), requests)
+    eng = _engine(path, async_scheduling, graphs=False, budget=64)
+    r = eng.executor
+    graphs = DecodeGraphs(
+        r.model,
+        r.kv_caches,
+        eng.config.max_num_seqs,
+        r.block_tables.width,
+        r.cache_info.max_model_len,
+    )
+    gen = torch.Generator().manual_seed(1)  # stale values from "earlier steps"
+    graphs.inputs.block_tables.random_(0, eng.config.num_kv_blocks, generator=gen)
+    graphs.inputs.input_ids.random_(0, 384, generator=gen)
+    r.graphs = graphs
+    calls = []
+    run_inputs = graphs.run_inputs
+    graphs.run_inputs = lambda inp, *a: calls.append(len(inp.seq_lens)) or run_inputs(inp, *a)
+    got = _run(eng, requests)
+    assert got[0] == eager[0]
+    for rid in got[1]:
+        for a, b in zip(got[1][rid], eager[1][rid], strict=True):
+            assert a[0] == pytest.approx(b[0], abs=1e-4)
+            assert [i for i, _ in a[1]] == [i for i, _ in b[1]]
+    assert len(set(calls)) >= 3 and 1 in calls  # several batch sizes, padded and not

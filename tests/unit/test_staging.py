@@ -34,6 +34,8 @@ def test_stage_many_round_trips_shapes_and_values():
         for a, t in zip(arrays, out):
             assert t.dtype == torch.int64 and tuple(t.shape) == a.shape
             assert np.array_equal(t.numpy(), a)
+            assert (t.storage_offset() * t.element_size()) % PACK_ALIGN_BYTES == 0
+        assert len({t.untyped_storage().data_ptr() for t in out}) == 1  # one buffer, one copy
         tables = rng.integers(0, 1000, size=(4, 3)).astype(np.int32)
         bt, lens = staging.stage_many("y", [tables, np.arange(4, dtype=np.int32)])
         assert bt.stride(1) == 1 and np.array_equal(bt.numpy(), tables)
