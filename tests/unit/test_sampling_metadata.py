@@ -86,28 +86,30 @@ def _compositions(reqs: list[Request]) -> list[list[Request]]:
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_cached_metadata_samples_as_rebuilt(backend):
-    if backend == "triton" and not torch.cuda.is_available():
-        import os
+    import os
 
-        if os.environ.get("TRITON_INTERPRET") != "1":
+    device = CPU  # the triton sampler on CPU tensors under the interpreter, else on the GPU
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        if not torch.cuda.is_available():
             pytest.skip("the triton sampler needs CUDA or TRITON_INTERPRET=1")
+        device = torch.device("cuda")
     torch.manual_seed(7)
-    cached = Sampler(CPU, backend)
+    cached = Sampler(device, backend)
     torch.manual_seed(7)
-    rebuilt = Sampler(CPU, backend)
+    rebuilt = Sampler(device, backend)
     rng = random.Random(0)
     reqs = _requests(rng)
     gen = torch.Generator().manual_seed(1)
     previous = None
     for step, rows in enumerate(_compositions(reqs)):
-        logits = torch.randn(len(rows), VOCAB, generator=gen) * 3
+        logits = (torch.randn(len(rows), VOCAB, generator=gen) * 3).to(device)
         rebuilt._metadata = None  # the uncached path: built from the requests every step
         want = rebuilt(logits.clone(), rows, frozenset({EOS})).to_host().wait()
         got = cached(logits.clone(), rows, frozenset({EOS})).to_host().wait()
         assert got.token_ids == want.token_ids, step
         assert got.logprobs == want.logprobs, step
         if all(r.sampling_params.greedy for r in rows):  # and no processors: plain argmax
-            assert got.token_ids == logits.argmax(dim=-1).tolist(), step
+            assert got.token_ids == logits.argmax(dim=-1).cpu().tolist(), step
         meta = cached._metadata
         assert [r.request_id for r in meta.requests] == [r.request_id for r in rows]
         if previous is not None:  # reused exactly while the rows are the same objects
