@@ -86,11 +86,13 @@ class Fp8Config:
 #: the configuration of the cuBLASLt kind (no tiles of ours to choose)
 CUBLAS_CONFIG = Fp8Config("cublas", 0, 0, 0, 0)
 
-#: device name -> whether cuBLASLt's block-scaled GEMM ran there, filled at model load by
-#: ``kernels.fp8_cublas.probe_cublas``; a device whose probe failed runs its table's "cublas"
-#: entries on :func:`default_fp8_config` instead. A device never probed (kernel benchmarks)
-#: uses the entries as they are.
-CUBLAS_USABLE: dict[str, bool] = {}
+#: (device name, N, K) -> whether cuBLASLt's block-scaled GEMM ran that shape there, filled at
+#: model load by ``kernels.fp8_cublas.probe_cublas``; a shape whose probe failed runs its table's
+#: "cublas" entries on their recorded Triton fallback (or :func:`default_fp8_config`). A shape
+#: never probed (kernel benchmarks) uses the entries as they are.
+CUBLAS_USABLE: dict[tuple[str, int, int], bool] = {}
+#: output dtypes cuBLASLt's block-scaled FP8 GEMM writes (other activations take the fallback)
+CUBLAS_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _gemv_split(n: int, k: int, block_n: int) -> int:
@@ -265,13 +267,20 @@ def fp8_table_config(
 
 
 def fp8_config(
-    m: int, n: int, k: int, kind: str | None = None, device: torch.device | str | None = None
+    m: int,
+    n: int,
+    k: int,
+    kind: str | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Fp8Config:
     """The static tile configuration for an ``[M, K] x [K, N]`` FP8 product on ``device``.
 
     ``kind`` None lets the table or :func:`default_fp8_config` pick the kernel; "gemv" or "gemm"
     forces one (a table entry of the other kind is then not used). ``device`` None (or a CPU
-    device) reads no table.
+    device) reads no table. ``dtype``: the activations' (and output's) dtype; a "cublas" entry
+    serves only :data:`CUBLAS_DTYPES` and shapes whose load-time probe did not fail, the others
+    get the entry's Triton fallback.
 
     Raises:
         ValueError: a malformed table entry for this shape and bucket.
@@ -285,8 +294,16 @@ def fp8_config(
     if device is not None and torch.device(device).type == "cuda":
         name = device_name(device)
         cfg = fp8_table_config(name, m, n, k, kind)
-        if cfg is not None and cfg.kind == "cublas" and not CUBLAS_USABLE.get(name, True):
-            # its probe failed at load: the bucket's fastest Triton tiles (or the built-in)
+        if (
+            cfg is not None
+            and cfg.kind == "cublas"
+            and (
+                not CUBLAS_USABLE.get((name, n, k), True)
+                or (dtype is not None and dtype not in CUBLAS_DTYPES)
+            )
+        ):
+            # probe failed at load, or float32 activations: the bucket's fastest Triton tiles
+            # (or the built-in ones)
             cfg = table_fallback(name, n, k, m_bucket(m))
             if cfg is not None and kind is not None and cfg.kind != kind:
                 cfg = None

@@ -44,42 +44,47 @@ def cublas_block_fp8_supported(device: torch.device | str) -> bool:
     )
 
 
-def probe_cublas(device: torch.device | str) -> tuple[bool, str]:
-    """Run one small block-scaled GEMM on ``device`` (once per device name; later calls return
-    the stored answer) and record in ``kernels.fp8_configs.CUBLAS_USABLE`` whether it worked:
-    a torch or cuBLASLt without the recipe raises here, at model load, instead of in a step.
-    Call it outside CUDA-graph capture (it synchronizes).
+def probe_cublas(device: torch.device | str, n: int, k: int) -> tuple[bool, str]:
+    """Run the block-scaled GEMM of one ``[N, K]`` layer shape on ``device`` at the smallest
+    padded M (:data:`CUBLAS_M_ALIGN` rows), writing bf16 and fp16, against the float32 product
+    (once per device name and shape; later calls return the stored answer), and record in
+    ``kernels.fp8_configs.CUBLAS_USABLE`` whether it worked: a torch or cuBLASLt without the
+    recipe, or one refusing this shape, fails here at model load instead of in a step. Call it
+    outside CUDA-graph capture (it synchronizes).
 
     Returns:
         ``(usable, reason)``: reason is "" or the error's first line.
     """
-    name = device_name(device)
-    if name in CUBLAS_USABLE:
-        return CUBLAS_USABLE[name], ""
+    key = (device_name(device), n, k)
+    if key in CUBLAS_USABLE:
+        return CUBLAS_USABLE[key], ""
     reason = ""
     if not cublas_block_fp8_supported(device):
         reason = "needs CUDA sm_90 and torch's scaled_mm"
     else:
         try:
-            # the shapes of bench/fp8_sweep.py's probe (one weight-scale block along N was
-            # refused with "Invalid scaling configuration" on the H200)
-            # (dtypes explicit: a model's construction sets a bf16 default dtype, and bf16
-            # scales are an "Invalid scaling configuration")
-            m, n, k = 64, 256, 512
+            check_cublas_operands(k, torch.bfloat16)
+            # dtypes explicit: a model is built under a bf16 default dtype, and bf16 scales are
+            # an "Invalid scaling configuration" to cuBLASLt
+            m = CUBLAS_M_ALIGN
             f32 = dict(device=device, dtype=torch.float32)
             g = torch.Generator(device=device).manual_seed(0)
             xq = torch.randn(m, k, generator=g, **f32).to(torch.float8_e4m3fn)
-            xs = torch.ones(k // FP8_BLOCK[1], m, **f32).t()
+            xs = torch.ones(-(-k // FP8_BLOCK[1]), m, **f32).t()
             w = torch.randn(n, k, generator=g, **f32).to(torch.float8_e4m3fn)
-            ws = torch.ones(n // FP8_BLOCK[0], k // FP8_BLOCK[1], **f32)
-            out = fp8_cublas_gemm(xq, xs, w, ws, None, torch.bfloat16)
-            torch.cuda.synchronize(device)
+            ws = torch.ones(-(-n // FP8_BLOCK[0]), -(-k // FP8_BLOCK[1]), **f32)
             ref = xq.float() @ w.float().t()
-            if not torch.allclose(out.float(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max()):
-                reason = "its result differs from the float32 product"
-        except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+            for dtype in (torch.bfloat16, torch.float16):
+                out = fp8_cublas_gemm(xq, xs, w, ws, None, dtype)
+                torch.cuda.synchronize(device)
+                tol = 2**-7 * ref.abs().max()
+                if not torch.allclose(out.float(), ref, rtol=2**-7, atol=tol):
+                    reason = f"its {dtype} result differs from the float32 product"
+                    break
+            del xq, w, ref
+        except Exception as exc:  # noqa: BLE001 - any refusal means: not here, use Triton
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-    CUBLAS_USABLE[name] = not reason
+    CUBLAS_USABLE[key] = not reason
     return not reason, reason
 
 

@@ -549,7 +549,7 @@ def fp8_linear(
     if w.shape[1] != k:
         raise ValueError(f"x has {k} features, the weight {w.shape[1]}")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    cfg = config or fp8_config(m, n, k, device=x.device)
+    cfg = config or fp8_config(m, n, k, device=x.device, dtype=x.dtype)
     if cfg.kind == "cublas":
         from kernels.fp8_cublas import CUBLAS_M_ALIGN, check_cublas_operands, fp8_cublas_gemm
 

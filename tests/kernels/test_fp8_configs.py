@@ -164,17 +164,26 @@ def test_cublas_entries_carry_no_tiles(table, monkeypatch):
     assert fp8_table_config(DEVICE, 200, 4096, 4096, kind="gemm") is None
     assert fc.check_fp8_table(torch.device("cuda"), 4096, 4096)  # the caller must probe it
     # a device whose load-time probe failed runs the built-in Triton tiles for those M
-    monkeypatch.setitem(fc.CUBLAS_USABLE, DEVICE, False)
+    monkeypatch.setitem(fc.CUBLAS_USABLE, (DEVICE, 4096, 4096), False)
     assert fp8_config(200, 4096, 4096, device=torch.device("cuda")) == default_fp8_config(
         200, 4096, 4096
     )
-    monkeypatch.setitem(fc.CUBLAS_USABLE, DEVICE, True)
+    monkeypatch.setitem(fc.CUBLAS_USABLE, (DEVICE, 4096, 4096), True)
     assert fp8_config(200, 4096, 4096, device=torch.device("cuda")) == fc.CUBLAS_CONFIG
+    # float32 activations never go to cuBLASLt (it writes bf16/fp16 only)
+    cuda = torch.device("cuda")
+    assert fp8_config(200, 4096, 4096, device=cuda, dtype=torch.bfloat16) == fc.CUBLAS_CONFIG
+    assert fp8_config(200, 4096, 4096, device=cuda, dtype=torch.float32) == default_fp8_config(
+        200, 4096, 4096
+    )
     # with the bucket's fastest Triton tiles recorded, a failed probe runs those
     table({"4096,4096": {"256": {"kind": "cublas", "fp8_us": 20.0, "fallback": ROW_GEMM}}})
-    monkeypatch.setitem(fc.CUBLAS_USABLE, DEVICE, False)
+    monkeypatch.setitem(fc.CUBLAS_USABLE, (DEVICE, 4096, 4096), False)
     want = Fp8Config("gemm", 16, 64, 4, 5, split_k=4, group_m=1, fuse_quant=True)
     assert fp8_config(200, 4096, 4096, device=torch.device("cuda")) == want
+    monkeypatch.setitem(fc.CUBLAS_USABLE, (DEVICE, 4096, 4096), True)
+    assert fp8_config(200, 4096, 4096, device=cuda, dtype=torch.float32) == want
+    monkeypatch.setitem(fc.CUBLAS_USABLE, (DEVICE, 4096, 4096), False)
     assert fp8_config(200, 4096, 4096, kind="gemv", device=torch.device("cuda")) == (
         default_fp8_config(200, 4096, 4096, "gemv")
     )

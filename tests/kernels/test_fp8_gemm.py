@@ -265,10 +265,13 @@ def test_cublas_probe_records_the_answer_per_device(monkeypatch):
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # as while a model is built and its layers checked
     try:
-        usable, reason = probe_cublas(device)
+        usable, reason = probe_cublas(device, 384, 1024)
+        refused, why = probe_cublas(device, 384, 384)  # K / 128 not a multiple of 4
     finally:
         torch.set_default_dtype(default)
     sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
     assert usable == sm90 and (reason == "") == sm90, reason
-    assert fc.CUBLAS_USABLE == {device_name(device): usable}
-    assert probe_cublas(device) == (usable, "")  # answered from the record
+    assert not refused and why
+    name = device_name(device)
+    assert fc.CUBLAS_USABLE == {(name, 384, 1024): usable, (name, 384, 384): False}
+    assert probe_cublas(device, 384, 1024) == (usable, "")  # answered from the record

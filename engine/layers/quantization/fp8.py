@@ -242,26 +242,28 @@ class Fp8LinearMethod:
             from kernels.fp8_configs import check_fp8_table
 
             if check_fp8_table(layer.weight.device, *layer.weight.shape):
-                _probe_cublas_once(layer.weight.device)
+                _probe_cublas_once(layer.weight.device, *layer.weight.shape)
 
 
-def _probe_cublas_once(device: torch.device) -> None:
-    """The device's table sends some M to cuBLASLt's block-scaled GEMM: check it runs here,
-    once per device (``kernels.fp8_cublas.probe_cublas``), and say so when it does not (those M
-    then run on the Triton GEMM's built-in tiles)."""
+def _probe_cublas_once(device: torch.device, n: int, k: int) -> None:
+    """The device's table sends some M of this ``[N, K]`` shape to cuBLASLt's block-scaled
+    GEMM: check it runs here, once per device and shape (``kernels.fp8_cublas.probe_cublas``),
+    and say so when it does not (those M then run on the bucket's Triton tiles)."""
     from kernels.configs import device_name
     from kernels.fp8_configs import CUBLAS_USABLE
     from kernels.fp8_cublas import probe_cublas
 
-    if device_name(device) in CUBLAS_USABLE:
+    if (device_name(device), n, k) in CUBLAS_USABLE:
         return
-    usable, reason = probe_cublas(device)
+    usable, reason = probe_cublas(device, n, k)
     if usable:
-        log.info("FP8: cuBLASLt block-scaled GEMM runs the M the tile table gives it")
+        log.info("FP8 %dx%d: cuBLASLt block-scaled GEMM runs the M its tile table gives it", n, k)
     else:
         log.warning(
-            "FP8: cuBLASLt block-scaled GEMM unavailable here (%s); the tile table's cuBLASLt "
-            "entries run on the Triton GEMM instead",
+            "FP8 %dx%d: cuBLASLt block-scaled GEMM unavailable here (%s); the tile table's "
+            "cuBLASLt entries run on the Triton GEMM instead",
+            n,
+            k,
             reason,
         )
 
