@@ -79,18 +79,26 @@ def install_error_handlers(app: FastAPI) -> None:
     """Map validation errors to 400 (never FastAPI's 422) and every error to an OpenAI body."""
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
+    async def _validation(request: Request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         param = _param_of(tuple(first.get("loc", ())))
         msg = first.get("msg", "invalid request")
+        code = first.get("type")
         if first.get("type") == "json_invalid":
             msg, param = "the request body is not valid JSON", None
         elif first.get("type") == "model_attributes_type" and param is None:
-            msg = (
-                "the request body must be a JSON object "
-                "(send it with Content-Type: application/json)"
-            )
+            code = "invalid_type"
+            content_type = request.headers.get("content-type", "")
+            if "json" in content_type.split(";")[0].lower():
+                got = type(first.get("input")).__name__
+                got = {"list": "an array", "str": "a string", "NoneType": "null"}.get(got, got)
+                msg = f"the request body must be a JSON object, got {got}"
+            else:
+                msg = (
+                    "the request body must be a JSON object "
+                    "(send it with Content-Type: application/json)"
+                )
         elif first.get("type") == "missing" and param is None:
             msg = "the request body is empty; send a JSON object"
         elif first.get("type") == "missing":
@@ -98,7 +106,7 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             msg = msg.removeprefix("Value error, ")
             msg = f"invalid value for '{param}': {msg}" if param else msg
-        return error_response(400, msg, param, first.get("type"))
+        return error_response(400, msg, param, code)
 
     @app.exception_handler(EngineUnavailable)
     async def _unavailable(_: Request, exc: EngineUnavailable):

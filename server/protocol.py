@@ -53,6 +53,21 @@ class ChatMessage(_Lenient):
     reasoning_content: str | None = None
     content: str | list[TextPart] | None = Field(None, validate_default=True)
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v):
+        """A content part other than text (``image_url``, ``input_audio``, ``file``...) gets a
+        message that says so, not the union's "valid string" error."""
+        if isinstance(v, list):
+            for part in v:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(
+                        f"content parts of type '{kind}' are not supported: this server takes "
+                        "text only (a string or a list of text parts)"
+                    )
+        return v
+
     @field_validator("content")
     @classmethod
     def _content_required(cls, v, info):

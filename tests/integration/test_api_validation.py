@@ -199,6 +199,19 @@ def test_bad_request_is_400_naming_the_parameter(client, baseline, endpoint, bod
     assert err["type"] == "invalid_request_error" and err["message"]
 
 
+def test_non_text_content_parts_are_named_as_unsupported(client):
+    for part in (
+        {"type": "image_url", "image_url": {"url": "http://x"}},
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+    ):
+        content = [{"type": "text", "text": "look"}, part]
+        with pytest.raises(openai.BadRequestError) as e:
+            send(client, "chat", {"messages": [{"role": "user", "content": content}]})
+        err = e.value.body
+        assert err["param"] == "messages.0.content"
+        assert f"content parts of type '{part['type']}' are not supported" in err["message"]
+
+
 def test_context_length_message_gives_both_numbers(client):
     with pytest.raises(openai.BadRequestError) as e:
         send(client, "chat", {"max_tokens": 2040})
@@ -274,6 +287,23 @@ def test_empty_body_gets_a_clear_message(server):
             server.base_url + endpoint, headers={"content-type": "application/json"}, timeout=60
         )
         assert r.status_code == 400 and "body is empty" in r.json()["error"]["message"]
+
+
+def test_body_that_is_not_a_json_object_says_what_it_got(server):
+    """A JSON array / string / null body names what it is; a JSON object sent as text/plain
+    points at the content type. Both 400 with code invalid_type."""
+    url = server.base_url + "/v1/completions"
+    for body, got in ((b"[1, 2]", "an array"), (b'"hi"', "a string"), (b"null", "null")):
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "invalid_type", err
+        assert err["message"] == f"the request body must be a JSON object, got {got}"
+    r = httpx.post(
+        url, content=b'{"prompt": "hi"}', headers={"content-type": "text/plain"}, timeout=60
+    )
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "invalid_type"
+    assert "Content-Type: application/json" in err["message"]
 
 
 def test_unknown_model_is_404(client):
