@@ -165,11 +165,15 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 def gemv_counters(device: torch.device) -> torch.Tensor:
     """The device's ``[NUM_COUNTERS]`` int32 arrival counters (zeroed at first use; every
-    launch leaves them zero). Kernels on one stream share them: launches are ordered."""
+    launch leaves them zero). Kernels on one stream share them: launches are ordered. Made
+    outside inference mode even when first asked for inside it (an engine forward), so that a
+    caller outside it may still reset them in place (``zero_()`` after a failed launch)."""
     device = torch.device(device)
     buf = _COUNTERS.get(device)
     if buf is None:
-        buf = _COUNTERS[device] = torch.zeros(NUM_COUNTERS, dtype=torch.int32, device=device)
+        with torch.inference_mode(False):
+            buf = torch.zeros(NUM_COUNTERS, dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
     return buf
 
 

@@ -42,8 +42,6 @@ def _tiles(kind: str, mode: bool | None, x: torch.Tensor, layer, switch: bool):
         return None
     if mode is None and (x.device.type != "cuda" or x.dtype not in GEMV_DTYPES):
         return None
-    if isinstance(x.shape[0], int) and x.shape[0] > _MAX_M:
-        return None  # an eager (or static-shape) prefill: no lookups per layer
     # imported here: the module imports torch._dynamo, and with it Triton (a CPU server has none)
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 

@@ -110,3 +110,18 @@ def test_gemv_refuses_operands_it_would_misread():
         if name in ("weight K stride", "strided bias"):
             ref = torch.nn.functional.linear(xx, ww, bb)
             assert _rel(linear_op(xx, ww, bb), ref) < 1e-5, name
+
+
+def test_counters_made_inside_inference_mode_reset_outside(monkeypatch):
+    """The shared arrival counters are first made wherever a launch first needs them -- often
+    inside an engine forward's inference mode; a reset outside it (the FP8 sweep's, after a
+    failed launch) must still work."""
+    import kernels.gemv as gv
+
+    monkeypatch.setattr(gv, "_COUNTERS", {})
+    with torch.inference_mode():
+        buf = gv.gemv_counters(torch.device("cpu"))
+    assert not buf.is_inference()
+    gv.gemv_counters(torch.device("cpu")).zero_()
+    with torch.inference_mode():
+        gv.gemv_counters(torch.device("cpu")).zero_()  # and inside it
