@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_configs import FP8_BLOCK, Fp8Config, fp8_config, split_k_fits
-from kernels.gemv import NUM_COUNTERS, gemv_counters
+from kernels.gemv import NUM_COUNTERS, _gemv_epilogue, gemv_counters
 from kernels.interpreter import interpreting as _interpreting
 
 FP8_MAX = 448.0
@@ -425,30 +425,12 @@ def _fp8_gemv_kernel(
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
-    mask = m_ok[None, :] & (rn[:, None] < N)
-    o_ptrs = out_ptr + rm[None, :] * stride_om + rn[:, None]
-    if not SPLIT:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn_c).to(tl.float32)[:, None]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        # write the partial, count arrivals per N tile; the last split to arrive sums all
-        # partials in split order (deterministic), adds the bias, writes, resets the counter
-        splits = tl.num_programs(1)
-        tile = (rm[None, :] * N + rn[:, None]).to(tl.int64)  # [BLOCK_N, BLOCK_M] in one partial
-        tl.store(part_ptr + pid_k * M * N + tile, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the arrival below
-        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == splits - 1:
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in range(0, splits):
-                total += tl.load(
-                    part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg"
-                )
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + rn_c).to(tl.float32)[:, None]
-            tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    # kernels/gemv.py's epilogue: stored directly, or with splits the last-arriving split of
+    # the N tile sums the partials in split order (deterministic) and resets its counter
+    _gemv_epilogue(
+        acc, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, stride_om, pid_n, pid_k,
+        rn, rn_c, rm, m_ok, tl.num_programs(1), BLOCK_N, BLOCK_M, SPLIT, HAS_BIAS,
+    )  # fmt: skip
 
 
 def fp8_gemv(

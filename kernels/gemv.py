@@ -107,7 +107,7 @@ def _gemv_kernel(
 
     _gemv_epilogue(
         acc, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, stride_om, pid_n, pid_k,
-        rn, rn_c, rm, m_ok, BLOCK_N, BLOCK_M, SPLIT_K, HAS_BIAS,
+        rn, rn_c, rm, m_ok, SPLIT_K, BLOCK_N, BLOCK_M, SPLIT_K > 1, HAS_BIAS,
     )  # fmt: skip
 
 
@@ -127,19 +127,21 @@ def _gemv_epilogue(
     rn_c,
     rm,
     m_ok,
+    splits,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
     """Store program ``(pid_n, pid_k)``'s fp32 ``acc [BLOCK_N, BLOCK_M]`` (``out[m, n]``, rows
-    ``rn`` clamped to ``rn_c``, columns ``rm`` valid where ``m_ok``): directly with one split,
-    else as a partial, the last-arriving split reducing in split order, adding the bias and
-    resetting its N tile's counter (the module docstring). Shared by the fused variants of
-    :mod:`kernels.gemv_fused`."""
+    ``rn`` clamped to ``rn_c``, columns ``rm`` valid where ``m_ok``): directly without splits
+    (``SPLIT`` False), else as a partial of ``splits``, the last-arriving split reducing in split
+    order, adding the bias and resetting its N tile's counter (the module docstring). Shared by
+    the fused variants of :mod:`kernels.gemv_fused` and by ``kernels.fp8_gemm``'s small-M
+    kernel (whose split count is a launch argument: ``tl.num_programs(1)``)."""
     mask = m_ok[None, :] & (rn[:, None] < N)
     o_ptrs = out_ptr + rm[None, :] * stride_om + rn[:, None]
-    if SPLIT_K == 1:
+    if not SPLIT:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn_c).to(tl.float32)[:, None]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -148,9 +150,9 @@ def _gemv_epilogue(
         tl.store(part_ptr + pid_k * M * N + tile, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the arrival below
         arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
+        if arrived == splits - 1:
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
+            for s in range(0, splits):
                 total += tl.load(
                     part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg"
                 )

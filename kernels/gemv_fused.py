@@ -124,7 +124,7 @@ def _gemv_swiglu_kernel(
         w_ptrs += BLOCK_K
     _gemv_epilogue(
         acc, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, stride_om, pid_n, pid_k,
-        rn, rn_c, rm, m_ok, BLOCK_N, BLOCK_M, SPLIT_K, HAS_BIAS,
+        rn, rn_c, rm, m_ok, SPLIT_K, BLOCK_N, BLOCK_M, SPLIT_K > 1, HAS_BIAS,
     )  # fmt: skip
 
 
@@ -220,7 +220,7 @@ def _gemv_rms_norm_kernel(
         w_ptrs += BLOCK_K
     _gemv_epilogue(
         acc, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, stride_om, pid_n, pid_k,
-        rn, rn_c, rm, m_ok, BLOCK_N, BLOCK_M, SPLIT_K, HAS_BIAS,
+        rn, rn_c, rm, m_ok, SPLIT_K, BLOCK_N, BLOCK_M, SPLIT_K > 1, HAS_BIAS,
     )  # fmt: skip
 
 
