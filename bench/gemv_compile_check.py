@@ -24,8 +24,6 @@ import argparse
 import json
 import os
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,7 +36,7 @@ import triton  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from bench.gemv_configs import FUSED_SHAPES, fused_candidates  # noqa: E402
-from bench.prefill_compile_check import SMEM_LIMIT, TARGET, ptxas_usage  # noqa: E402
+from bench.prefill_compile_check import TARGET, compile_all, ptxas_usage  # noqa: E402
 from kernels.configs import table_path  # noqa: E402
 from kernels.gemv import GemvConfig, _gemv_kernel  # noqa: E402
 from kernels.gemv_fused import _gemv_rms_norm_kernel, _gemv_swiglu_kernel  # noqa: E402
@@ -151,18 +149,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
-    t0 = time.time()
-    todo = jobs(args.quick)
-    bad = 0
-    with ThreadPoolExecutor(max(1, args.threads)) as ex:
-        for name, err, shared, usage in ex.map(compile_one, todo):
-            if err is None and shared > SMEM_LIMIT:
-                err = f"shared memory {shared} B > {SMEM_LIMIT} B"
-            bad += err is not None
-            status = f"FAIL {err}" if err else f"ok   smem {shared // 1024} KiB, {usage}"
-            print(f"{status}: {name}", flush=True)
-    print(f"{len(todo) - bad}/{len(todo)} compiled for sm_90 in {time.time() - t0:.0f}s")
-    return 1 if bad else 0
+    return compile_all(jobs(args.quick), compile_one, args.threads)
 
 
 if __name__ == "__main__":

@@ -178,15 +178,14 @@ def jobs(quick: bool) -> list[tuple[str, object, dict, dict]]:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
+def compile_all(todo: list, compile_one, threads: int) -> int:
+    """Compile the jobs ``todo`` with ``compile_one`` (-> name, error or None, shared bytes,
+    usage) in ``threads`` threads; prints a line per job (a failure, or more shared memory than
+    the H200's, is FAIL) and the count; returns the exit code, 1 if any failed. Shared with
+    ``bench/gemv_compile_check.py``."""
     t0 = time.time()
-    todo = jobs(args.quick)
     bad = 0
-    with ThreadPoolExecutor(max(1, args.threads)) as ex:
+    with ThreadPoolExecutor(max(1, threads)) as ex:
         for name, err, shared, usage in ex.map(compile_one, todo):
             if err is None and shared > SMEM_LIMIT:
                 err = f"shared memory {shared} B > {SMEM_LIMIT} B"
@@ -195,6 +194,14 @@ def main() -> int:
             print(f"{status}: {name}", flush=True)
     print(f"{len(todo) - bad}/{len(todo)} compiled for sm_90 in {time.time() - t0:.0f}s")
     return 1 if bad else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    return compile_all(jobs(args.quick), compile_one, args.threads)
 
 
 if __name__ == "__main__":
