@@ -275,6 +275,25 @@ def _k_splits(kb: int, split_k: int) -> tuple[int, int]:
     return triton.cdiv(kb, per_split), per_split
 
 
+def _split_k_scratch(m: int, n: int, cfg: Fp8Config, split: int, tiles: int, out: torch.Tensor):
+    """``(partials, counters)`` of a launch with ``split`` K splits over ``tiles`` output tiles
+    (one arrival counter each): a float32 ``[split, m, n]`` buffer and the shared counters, or
+    ``out`` twice (unused) without splits.
+
+    Raises:
+        ValueError: more tiles than counters, or 2^31 partial elements or more.
+    """
+    if split == 1:
+        return out, out
+    if not split_k_fits(m, n, cfg.block_m, cfg.block_n, split):
+        raise ValueError(
+            f"split-K {split} of a {m}x{n} output: {tiles} tiles (at most {NUM_COUNTERS} "
+            f"counters) and {split * m * n} partial elements (fewer than 2^31)"
+        )
+    part = torch.empty((split, m, n), dtype=torch.float32, device=out.device)
+    return part, gemv_counters(out.device)
+
+
 def _launch_gemm(a, a_scale, w, ws, bias, out, cfg: Fp8Config) -> torch.Tensor:
     """The tiled GEMM on FP8 ``a`` with scales ``a_scale``, or (``a_scale`` None) on ``a`` in
     bf16/fp16/fp32, quantized in the kernel."""
@@ -283,16 +302,7 @@ def _launch_gemm(a, a_scale, w, ws, bias, out, cfg: Fp8Config) -> torch.Tensor:
     fuse = a_scale is None
     split, per_split = _k_splits(triton.cdiv(k, FP8_BLOCK[1]), cfg.split_k)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    if split > 1:
-        if not split_k_fits(m, n, cfg.block_m, cfg.block_n, split):
-            raise ValueError(
-                f"split-K {split} of a {m}x{n} output: {tiles} tiles (at most {NUM_COUNTERS} "
-                f"counters) and {split * m * n} partial elements (fewer than 2^31)"
-            )
-        part = torch.empty((split, m, n), dtype=torch.float32, device=a.device)
-        counters = gemv_counters(a.device)
-    else:
-        part = counters = out
+    part, counters = _split_k_scratch(m, n, cfg, split, tiles, out)
     _fp8_gemm_kernel[(tiles, split)](
         a,
         ws if fuse else a_scale,
@@ -463,16 +473,7 @@ def fp8_gemv(
     if m > cfg.block_m:
         raise ValueError(f"fp8_gemv takes at most block_m={cfg.block_m} rows, got {m}")
     split, per_split = _k_splits(triton.cdiv(k, FP8_BLOCK[1]), cfg.split_k)
-    if split > 1:
-        if not split_k_fits(m, n, cfg.block_m, cfg.block_n, split):
-            raise ValueError(
-                f"split-K {split} of a {m}x{n} output: {triton.cdiv(n, cfg.block_n)} tiles (at "
-                f"most {NUM_COUNTERS} counters) and {split * m * n} partial elements (< 2^31)"
-            )
-        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = gemv_counters(x.device)
-    else:
-        part = counters = out
+    part, counters = _split_k_scratch(m, n, cfg, split, triton.cdiv(n, cfg.block_n), out)
     _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x,
         w,
