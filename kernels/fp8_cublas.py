@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.configs import device_name
-from kernels.fp8_configs import CUBLAS_USABLE, FP8_BLOCK
+from kernels.fp8_configs import CUBLAS_DTYPES, CUBLAS_USABLE, FP8_BLOCK
 
 #: rows of the quantized activations (and of their column-major scales) a multiple of this
 CUBLAS_M_ALIGN = 16
@@ -74,7 +74,7 @@ def probe_cublas(device: torch.device | str, n: int, k: int) -> tuple[bool, str]
             w = torch.randn(n, k, generator=g, **f32).to(torch.float8_e4m3fn)
             ws = torch.ones(-(-n // FP8_BLOCK[0]), -(-k // FP8_BLOCK[1]), **f32)
             ref = xq.float() @ w.float().t()
-            for dtype in (torch.bfloat16, torch.float16):
+            for dtype in CUBLAS_DTYPES:
                 out = fp8_cublas_gemm(xq, xs, w, ws, None, dtype)
                 torch.cuda.synchronize(device)
                 tol = 2**-7 * ref.abs().max()
@@ -95,7 +95,7 @@ def check_cublas_operands(k: int, out_dtype: torch.dtype) -> None:
         ValueError: ``out_dtype`` not bf16/fp16 (cuBLASLt writes only those here), or ``K / 128``
             not a whole multiple of 4 (the weight scales would need padding).
     """
-    if out_dtype not in (torch.bfloat16, torch.float16):
+    if out_dtype not in CUBLAS_DTYPES:
         raise ValueError(f"the cuBLASLt FP8 path writes bf16/fp16, got {out_dtype}")
     if k % FP8_BLOCK[1] or (k // FP8_BLOCK[1]) % 4:
         raise ValueError(f"the cuBLASLt FP8 path needs K a multiple of 512, got K={k}")
