@@ -324,27 +324,28 @@ def time_us(fns, device) -> float:
 CUBLAS = {"ok": False}
 
 _PROBE = """
+import sys
 import torch
-from engine.layers.quantization.fp8 import quantize_fp8_blocks
-from kernels.fp8_configs import CUBLAS_CONFIG
-from kernels.fp8_gemm import fp8_linear
-bf16 = dict(device="cuda", dtype=torch.bfloat16)
-w, ws = quantize_fp8_blocks(torch.randn(256, 512, **bf16))
-y = fp8_linear(torch.randn(64, 512, **bf16), w, ws, config=CUBLAS_CONFIG)
-torch.cuda.synchronize()
-print("ok", bool(torch.isfinite(y).all()))
+from kernels.fp8_cublas import probe_cublas
+for shape in sys.argv[1:]:
+    ok, why = probe_cublas(torch.device("cuda"), *map(int, shape.split(",")))
+    if not ok:
+        sys.exit(f"{shape}: {why}")
+print("ok True")
 """
 
 
-def cublas_probe() -> bool:
-    """One small cuBLASLt block-scaled launch in a child process: a torch or cuBLASLt without
-    the recipe raises, and a launch that broke the CUDA context would end this process's sweep,
-    so the kind is timed only when the child succeeds."""
+def cublas_probe(shapes) -> bool:
+    """The engine's load-time probe (``kernels.fp8_cublas.probe_cublas``) of each ``(name, N,
+    K)`` of ``shapes``, in a child process: a torch or cuBLASLt without the recipe refuses, and
+    a launch that broke the CUDA context would end this process's sweep, so the kind is timed
+    only when the child succeeds."""
     import subprocess
 
+    args = [f"{n},{k}" for _, n, k in shapes]
     try:
         run = subprocess.run(
-            [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120,
+            [sys.executable, "-c", _PROBE, *args], capture_output=True, text=True, timeout=120,
             cwd=REPO,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
@@ -591,7 +592,7 @@ def main() -> int:
     compile_s = time.perf_counter() - tc
     n_ok = sum(e is None for e in compiled.values())
     log(f"compiled {n_ok} ok, {len(compiled) - n_ok} failed, in {compile_s:.1f} s")
-    CUBLAS["ok"] = cublas_block_fp8_supported(device) and cublas_probe()
+    CUBLAS["ok"] = cublas_block_fp8_supported(device) and cublas_probe(shapes)
     from kernels.configs import table_path
 
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
