@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_enabled, pdl_wait
 from kernels.prefill_attention import _paged_attn_tile
 
 __all__ = ["decode_attention", "decode_scratch", "choose_num_splits", "decode_config"]
@@ -85,7 +86,9 @@ def _decode_split_kernel(
     UPCAST: tl.constexpr,
     BT_PREFETCH: tl.constexpr,
     VARLEN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)  # programmatic dependent launch (kernels.pdl): q and this step's k/v are new
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -215,7 +218,9 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     VARLEN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     row = seq
@@ -452,6 +457,7 @@ def decode_attention(
     group = hq // hkv
     split = num_splits > 1
     cu_q = cu_seqlens_q if varlen else seq_lens  # unused placeholder without VARLEN
+    pdl = pdl_enabled(q.device)
     _decode_split_kernel[(hkv, b, num_splits)](
         q,
         k_cache,
@@ -494,8 +500,10 @@ def decode_attention(
         UPCAST=upcast,
         BT_PREFETCH=bool(cfg.get("BT_PREFETCH", False)),
         VARLEN=varlen,
+        PDL=pdl,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        **launch_options(pdl),
     )
     if split:
         _decode_reduce_kernel[(hq, b)](
@@ -515,6 +523,8 @@ def decode_attention(
             HEAD_DIM=d,
             BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
             VARLEN=varlen,
+            PDL=pdl,
             num_warps=4,
+            **launch_options(pdl),
         )
     return out

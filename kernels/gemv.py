@@ -33,6 +33,7 @@ import triton.language as tl
 
 from kernels.configs import device_name, kernel_table
 from kernels.interpreter import interpreting as _interpreting
+from kernels.pdl import launch_options, pdl_enabled, pdl_wait, prefetch_l2
 
 #: at most this many rows go through the small-M kernel (one 16-row MMA operand)
 GEMV_MAX_M = 16
@@ -75,9 +76,16 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     """Program ``(n tile, k split)``: ``acc [BLOCK_N, BLOCK_M] = sum_k W_tile x_tile^T`` over
-    its K range; the last split of an N tile to finish reduces (see the module docstring)."""
+    its K range; the last split of an N tile to finish reduces (see the module docstring).
+
+    ``PDL``: launched as a programmatic dependent launch (Hopper): nothing the previous kernel
+    writes is read, and nothing is written, before ``griddepcontrol.wait``; ``PREFETCH``
+    first asks L2 for this program's weight slice (weights are never written by a step), so its
+    fetch overlaps the previous kernel's tail (CUTLASS example 63's weight prefetch)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -89,6 +97,9 @@ def _gemv_kernel(
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     x_ptrs = x_ptr + rm[None, :] * stride_xm + (k_lo + rk)[:, None]
     w_ptrs = w_ptr + rn_c[:, None] * stride_wn + (k_lo + rk)[None, :]
+    if PREFETCH:
+        prefetch_l2(w_ptr, rn_c, stride_wn, k_lo, k_hi, 64, BLOCK_K // 64)  # 64 x 16 bits: a line
+    pdl_wait(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
@@ -233,6 +244,7 @@ def gemv(
     w: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    pdl: int | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ w[N, K]^T (+ bias [N])`` -> ``[M, N]`` in x's dtype, for ``M <= 16``.
 
@@ -242,6 +254,9 @@ def gemv(
         w: ``[N, K]`` with unit stride on K (Hugging Face's linear layout), x's dtype.
         bias: ``[N]`` with unit stride, x's dtype, or None.
         config: tiles; None: :func:`gemv_config`, or the default tiles where that says cuBLAS.
+        pdl: 0 a plain launch; 1 a programmatic dependent launch (:mod:`kernels.pdl`; CUDA,
+            sm_90+); 2 that and an L2 prefetch of the weights before the wait; None: 2 where
+            :func:`kernels.pdl.pdl_enabled`, else 0.
 
     Returns:
         a new ``[M, N]`` tensor. Accumulation in float32; deterministic (splits are summed in
@@ -295,6 +310,7 @@ def gemv(
         DOT_PREC=dot_precision(w.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_launch_args(x.device, prefetchable(w, cfg.block_k), pdl),
     )
     return out
 
@@ -330,6 +346,23 @@ def split_plan(m: int, n: int, k: int, cfg: GemvConfig, out: torch.Tensor) -> Sp
     counters = gemv_counters(out.device) if split > 1 else out
     even_k = k % per_split == 0 and per_split % cfg.block_k == 0
     return SplitPlan((tiles, split), per_split, split, even_k, part, counters)
+
+
+def prefetchable(w: torch.Tensor, block_k: int) -> bool:
+    """Whether a small-M kernel's weight prefetch applies: the kernels prefetch 16-bit weights
+    in 128-byte lines of 64 elements, so ``w`` must be 16-bit and a K tile at least one line
+    (``block_k`` is a power of two)."""
+    return w.element_size() == 2 and block_k >= 64
+
+
+def pdl_launch_args(device: torch.device, can_prefetch: bool, pdl: int | None = None) -> dict:
+    """The ``PDL`` / ``PREFETCH`` constexprs and launch options of a small-M GEMV launch
+    (:mod:`kernels.pdl`): ``pdl`` 0 plain, 1 PDL, 2 PDL and the weights' L2 prefetch (where
+    ``can_prefetch``, see :func:`prefetchable`), None: 2 where
+    :func:`kernels.pdl.pdl_enabled`, else 0."""
+    if pdl is None:
+        pdl = 2 if pdl_enabled(device) else 0
+    return {"PDL": pdl > 0, "PREFETCH": pdl > 1 and can_prefetch, **launch_options(pdl > 0)}
 
 
 def upcast_dot(device: torch.device, dtype: torch.dtype) -> bool:

@@ -41,10 +41,13 @@ from kernels.gemv import (
     _gemv_epilogue,
     dot_precision,
     gemv_supports,
+    pdl_launch_args,
+    prefetchable,
     split_plan,
     upcast_dot,
 )
 from kernels.interpreter import interpreting as _interpreting
+from kernels.pdl import pdl_wait, prefetch_l2
 
 #: the fused prologues, as :func:`fused_gemv_config` names them in the table's keys
 FUSED_KINDS = ("swiglu", "rms_norm")
@@ -87,9 +90,12 @@ def _gemv_swiglu_kernel(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
+    PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     """Program ``(n tile, k split)`` of ``silu(x[:, :K]) * x[:, K:2K]`` times ``W^T``: the
-    activation tile ``[BLOCK_K, BLOCK_M]`` is made from its gate and up tiles as it loads."""
+    activation tile ``[BLOCK_K, BLOCK_M]`` is made from its gate and up tiles as it loads.
+    ``PDL`` / ``PREFETCH`` as in :func:`kernels.gemv._gemv_kernel`."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
@@ -102,6 +108,9 @@ def _gemv_swiglu_kernel(
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     g_ptrs = x_ptr + rm[None, :] * stride_xm + (k_lo + rk)[:, None]
     w_ptrs = w_ptr + rn_c[:, None] * stride_wn + (k_lo + rk)[None, :]
+    if PREFETCH:
+        prefetch_l2(w_ptr, rn_c, stride_wn, k_lo, k_hi, 64, BLOCK_K // 64)
+    pdl_wait(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
@@ -159,10 +168,13 @@ def _gemv_rms_norm_kernel(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
+    PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     """Program ``(n tile, k split)`` of ``rms_norm(x (+ res)) W^T``: a first pass over the
     full rows for each row's ``rsqrt(mean(h^2) + eps)``, then the K slice normalized as it
-    loads; programs of N tile 0 store ``h = x + res`` (their K slices cover the rows)."""
+    loads; programs of N tile 0 store ``h = x + res`` (their K slices cover the rows).
+    ``PDL`` / ``PREFETCH`` as in :func:`kernels.gemv._gemv_kernel`."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
@@ -171,6 +183,12 @@ def _gemv_rms_norm_kernel(
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
     rk = tl.arange(0, BLOCK_K)
+    if PREFETCH:
+        k_first = pid_k * K_PER_SPLIT
+        prefetch_l2(
+            w_ptr, rn_c, stride_wn, k_first, tl.minimum(k_first + K_PER_SPLIT, K), 64, BLOCK_K // 64
+        )
+    pdl_wait(PDL)
 
     # pass 1: sum of squares of the whole row h = x + res (rounded as the eager add rounds)
     sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -308,6 +326,7 @@ def gemv_swiglu(
         gate_up = gate_up.contiguous()
     cfg = config or fused_gemv_config("swiglu", m, n, k, gate_up.device) or GemvConfig()
     plan = split_plan(m, n, k, cfg, out)
+    x_dev = gate_up.device
     _gemv_swiglu_kernel[plan.grid](
         gate_up,
         w,
@@ -333,6 +352,7 @@ def gemv_swiglu(
         EMULATE_RNE=_interpreting() and w.dtype == torch.bfloat16,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_launch_args(x_dev, prefetchable(w, cfg.block_k)),
     )
     return out
 
@@ -392,6 +412,7 @@ def gemv_rms_norm(
     cfg = config or fused_gemv_config("rms_norm", m, n, k, x.device) or GemvConfig()
     plan = split_plan(m, n, k, cfg, out)
     res = residual if residual is not None else x
+    x_dev = x.device
     _gemv_rms_norm_kernel[plan.grid](
         x,
         res,
@@ -424,5 +445,6 @@ def gemv_rms_norm(
         EMULATE_RNE=_interpreting() and w.dtype == torch.bfloat16,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_launch_args(x_dev, prefetchable(w, cfg.block_k)),
     )
     return out, res_out

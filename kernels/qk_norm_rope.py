@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_enabled, pdl_wait
+
 __all__ = ["qk_norm_rope_store"]
 
 
@@ -104,7 +106,9 @@ def _qk_norm_rope_store_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)  # programmatic dependent launch (kernels.pdl): q/k/v come from the last kernel
     # One program per (token, tile of BLOCK_H heads): tiles 0 .. num_q_tiles - 1 are query heads
     # (written to q_out), the following ones KV heads (k normalized and rotated, v copied, both
     # into the cache slot of the token).
@@ -293,6 +297,7 @@ def qk_norm_rope_store(
     block_half = max(16, triton.next_power_of_2(d // 2))
     num_q_tiles = triton.cdiv(h_q, block_h)
     grid = (t, num_q_tiles + triton.cdiv(h_kv, block_h))
+    pdl = pdl_enabled(q.device)
     _qk_norm_rope_store_kernel[grid](
         q,
         k,
@@ -321,5 +326,7 @@ def qk_norm_rope_store(
         BLOCK_H=block_h,
         BLOCK_HALF=block_half,
         HAS_NORM=has_norm,
+        PDL=pdl,
+        **launch_options(pdl),
     )
     return q_out

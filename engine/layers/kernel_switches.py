@@ -13,7 +13,9 @@ one tree (``bench/latency_ab.sh``) and as an escape hatch should a kernel misbeh
 All default to on (the fusions only where their table, ``kernels/configs/gemv_fused_<device>
 .json``, says they win; see ``engine/layers/fused_linear.py``); values 1/true/yes/on or
 0/false/no/off, anything else is refused at import with a ValueError naming the variable.
-Outputs are the same model's either way (within bf16 rounding).
+Outputs are the same model's either way (within bf16 rounding). The kernels' programmatic
+dependent launch has its own switch, ``QWEN_SERVE_PDL=0``, in ``kernels/pdl.py`` (the kernel
+layer reads it; it changes no result bit).
 """
 
 from __future__ import annotations
