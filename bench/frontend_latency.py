@@ -43,6 +43,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from engine.core.commands import AddRequest  # noqa: E402 - after the path insert
+
 clock = time.perf_counter
 
 #: API request id -> {stage label: perf_counter seconds} (first occurrence of each label)
@@ -76,8 +78,8 @@ def _traced_engine_loop(run_engine_loop, trace_file: str | None = None):
             commands = next_commands(timeout)
             t = clock()
             for c in commands:
-                if c[0] == "add":
-                    _mark(_api_id(c[1]), "engine_got", t)
+                if isinstance(c, AddRequest):
+                    _mark(_api_id(c.request_id), "engine_got", t)
             return commands
 
         def traced_step():
@@ -119,12 +121,13 @@ def _traced_child_main(*args) -> None:
 
 # ------------------------------------------------------------------ server probes
 def install_engine_probes() -> None:
-    """Probe the engine loop: of the thread core in this process, or of the engine process
-    (its entry point, looked up when the process core starts: install before building it)."""
-    import engine.frontend.async_engine as ae
+    """Probe the engine loop: of the thread core in this process (``core_client``), or of the
+    engine process (its entry point, looked up when the process core starts: install before
+    building it)."""
+    import engine.frontend.core_client as cc
     import engine.frontend.process_core as ep
 
-    ae.run_engine_loop = _traced_engine_loop(ae.run_engine_loop)
+    cc.run_engine_loop = _traced_engine_loop(cc.run_engine_loop)
     ep._child_main = _traced_child_main
 
 
@@ -144,8 +147,8 @@ def install_probes(ctx) -> None:
     chat.render_prompt = render_prompt
     encode = ctx.encode_prompt
 
-    def traced_encode(text):
-        ids = encode(text)
+    def traced_encode(text, *args, **kwargs):
+        ids = encode(text, *args, **kwargs)
         rec = _CURRENT.get()
         if rec is not None:
             rec.setdefault("tokenized", clock())
@@ -158,9 +161,9 @@ def install_probes(ctx) -> None:
     def traced_send(command):
         send(command)
         rec = _CURRENT.get()
-        if command[0] == "add" and rec is not None:
+        if isinstance(command, AddRequest) and rec is not None:
             rec.setdefault("sent", clock())
-            rec["rid"] = _api_id(command[1])
+            rec["rid"] = _api_id(command.request_id)
 
     core.send = traced_send
     engine = ctx.engine
