@@ -147,3 +147,32 @@ def test_fused_gemvs_and_attention_same_bits_with_pdl(monkeypatch):
         outs[on] = [o.clone() for o in _graph_run(lambda kc=kc, vc=vc: layer(kc, vc))]
     for a, b in zip(outs[False], outs[True]):
         assert torch.equal(a, b)
+
+
+@needs_hopper
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_fp8_gemv_chain_same_bits_with_pdl(monkeypatch, split_k):
+    """Six block-scaled FP8 GEMVs (quantization fused), each reading the last one's output, in
+    one graph: with the switch on (PDL, the FP8 weights' prefetch), the bits of plain launches."""
+    from kernels.fp8_configs import Fp8Config
+    from kernels.fp8_gemm import fp8_gemv
+
+    gen = torch.Generator().manual_seed(2)
+    n = k = 384
+    ws_ = [(torch.randn(n, k, generator=gen) * 2).to(torch.float8_e4m3fn).cuda() for _ in range(6)]
+    scales = [(torch.rand(3, 3, generator=gen) * 0.01 + 0.001).cuda() for _ in range(6)]
+    x = torch.randn(1, k, generator=gen).cuda()
+    cfg = Fp8Config("gemv", 16, 32, 4, 1, split_k=split_k)
+
+    def chain():
+        h = x
+        for w, s in zip(ws_, scales):
+            h = fp8_gemv(h, w, s, None, torch.empty(1, n, device="cuda"), cfg)
+        return h
+
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "PDL_SWITCH", on)
+        outs[on] = _graph_run(chain).clone()
+    assert torch.isfinite(outs[False]).all()
+    assert torch.equal(outs[False], outs[True])
