@@ -44,10 +44,11 @@ def load_engine_api(tree: Path):
         return (lambda cfg: LLMEngine(cfg, eos_token_ids=frozenset())), EngineConfig, SamplingParams
 
 
-def server_default_engine(build, EngineConfig, ckpt: str, device: str):
+def server_default_engine(build, EngineConfig, ckpt: str, device: str, **overrides):
     """The tree's engine with the server's defaults (CUDA graphs, async scheduling, token budget
     1024), bf16 on CUDA (float32 elsewhere), 4096-token window, 256 sequences, prefix caching
-    off so that every prompt is cold; ``build``/``EngineConfig`` from :func:`load_engine_api`."""
+    off so that every prompt is cold; ``build``/``EngineConfig`` from :func:`load_engine_api`;
+    ``overrides``: further ``EngineConfig`` fields (``quantization``, ``load_format``)."""
     import torch
 
     cuda = device.startswith("cuda")
@@ -59,6 +60,7 @@ def server_default_engine(build, EngineConfig, ckpt: str, device: str):
             max_model_len=4096,
             max_num_seqs=256,
             enable_prefix_caching=False,
+            **overrides,
         )
     )
 

@@ -99,6 +99,13 @@ def main() -> None:
     ap.add_argument("--label", default=None)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
     ap.add_argument("--host-profile", action="store_true", help="also cProfile the host work")
+    ap.add_argument("--quantization", default=None, help="e.g. fp8 (the engine's option)")
+    ap.add_argument(
+        "--dummy",
+        action="store_true",
+        help="--ckpt is a directory with config.json only (bench/fp8.py's Qwen3-8B shape): dummy "
+        "weights, no random checkpoint written",
+    )
     args = ap.parse_args()
     tree = Path(args.tree).resolve()
     # the tree's engine and kernels first: the checkpoint writer imports transformers, which
@@ -107,7 +114,8 @@ def main() -> None:
     build, EngineConfig, SamplingParams = load_engine_api(tree)
     from bench.common import random_qwen3_checkpoint
 
-    random_qwen3_checkpoint(args.ckpt)
+    if not args.dummy:
+        random_qwen3_checkpoint(args.ckpt)
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -115,7 +123,10 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 
-    eng = server_default_engine(build, EngineConfig, args.ckpt, args.device)
+    overrides = {"quantization": args.quantization} if args.quantization else {}
+    if args.dummy:
+        overrides["load_format"] = "dummy"
+    eng = server_default_engine(build, EngineConfig, args.ckpt, args.device, **overrides)
     weights_gb = (
         sum(p.numel() * p.element_size() for p in eng.executor.model.parameters()) / 1e9
         if hasattr(eng, "executor") and hasattr(eng.executor, "model")
