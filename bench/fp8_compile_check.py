@@ -38,6 +38,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import kernels.fp8_gemm as fg  # noqa: E402
+import kernels.gemv as gemv_module  # noqa: E402
 from bench.fp8_sweep import SHAPES, SMEM_LIMIT, cfg_str, compile_key, compile_set  # noqa: E402
 from kernels.fp8_configs import M_BUCKETS, Fp8Config, default_fp8_config  # noqa: E402
 
@@ -70,12 +71,19 @@ def recorded_launches():
 
 
 def launches_of(cfg: Fp8Config, m: int = 16, n: int = 4096, k: int = 4096) -> list:
-    """The launches ``fp8_linear`` makes for ``cfg`` at ``[M, K] x [K, N]`` (bf16 in and out)."""
+    """The launches ``fp8_linear`` makes for ``cfg`` at ``[M, K] x [K, N]`` (bf16 in and out),
+    with PDL and the weight prefetch on as on Hopper (``kernels/pdl.py``; the meta device
+    would turn them off)."""
     x = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
     w = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
     ws = torch.empty(-(-n // 128), -(-k // 128), dtype=torch.float32, device="meta")
-    with recorded_launches() as launches:
-        fg.fp8_linear(x, w, ws, config=cfg)
+    saved = gemv_module.pdl_enabled
+    gemv_module.pdl_enabled = lambda device: True
+    try:
+        with recorded_launches() as launches:
+            fg.fp8_linear(x, w, ws, config=cfg)
+    finally:
+        gemv_module.pdl_enabled = saved
     return launches
 
 
@@ -88,6 +96,7 @@ def specialization(fn, args, kwargs) -> tuple[dict, dict, dict, dict]:
 
     kwargs = dict(kwargs)
     opts = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+    kwargs.pop("launch_pdl", None)  # a launch option, not a compile option
     bound = dict(zip(fn.arg_names, args)) | kwargs
     signature, constexprs, attrs = {}, {}, {}
     for i, p in enumerate(fn.params):

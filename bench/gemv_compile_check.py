@@ -9,7 +9,8 @@ Compiles, with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``:
   tiles (what a forced fusion without a table uses), the norm with and without the residual
   (the first layer), one bias variant each and one ragged-K (``EVEN_K`` false) variant;
 
-each as the JIT specializes a launch of M = 1 (the row count folded to a constant) and of M = 16
+each with PDL and the weight prefetch on (as launched on Hopper, ``kernels/pdl.py``) and as
+the JIT specializes a launch of M = 1 (the row count folded to a constant) and of M = 16
 (aligned pointers, multiples of 16 marked divisible). Reports shared memory, registers and
 spills (``ptxas -v``); fails (exit 1) on a compile error or more shared memory than an sm_90
 block may use. The Triton CPU interpreter misses such errors, which is why this exists.
@@ -102,6 +103,9 @@ def _consts(cfg: GemvConfig, **flags) -> dict:
         "EVEN_K": True,
         "UPCAST": False,
         "DOT_PREC": "tf32",
+        # as launched on Hopper (kernels/pdl.py): PDL, and the weight prefetch of whole lines
+        "PDL": True,
+        "PREFETCH": cfg.block_k >= 64,
     }
     return {**base, **flags}
 

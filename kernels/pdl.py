@@ -6,7 +6,7 @@ PDL (CUDA programming guide, "Programmatic Dependent Launch and Synchronization"
 ``launch_pdl`` launch option and ``tl.extra.cuda.gdc_wait`` / ``gdc_launch_dependents``) a kernel
 is launched while the previous one still runs; it must execute ``griddepcontrol.wait`` before it
 reads anything the previous kernels wrote or writes anything at all, and may do independent
-work first: the GEMVs ask L2 for their weight slice there (the weights are never written by a
+work first: the GEMVs ask L2 for the first K tiles of their weight slice there (the weights are never written by a
 step; CUTLASS example 63 prefetches weights the same way). After its wait a kernel calls
 ``griddepcontrol.launch_dependents`` so that the next kernel may start. A wait returns once
 the previous grid has completed and its writes are visible, so ordering stays transitive along
@@ -83,12 +83,17 @@ def pdl_wait(PDL: tl.constexpr):
 
 @triton.jit
 def prefetch_l2(base_ptr, rows, stride_row, col_lo, col_hi, LINE: tl.constexpr, COLS: tl.constexpr):
-    """Ask L2 for ``base[rows, col_lo:col_hi]`` (``rows`` an int64 ``[R]`` tensor of row
-    indices, ``stride_row`` elements apart): one ``prefetch.global.L2`` per ``LINE`` elements
-    (a 128-byte line: 64 for 16-bit, 128 for 8-bit elements), ``COLS`` lines per row and
-    iteration. A hint: reads nothing into registers and writes nothing, so it may run before
-    :func:`pdl_wait` on data no earlier kernel of the step writes (weights, their scales)."""
-    for c0 in range(col_lo, col_hi, COLS * LINE):
+    """Ask L2 for the first ``4 * COLS`` lines of ``base[rows, col_lo:col_hi]`` (``rows`` an
+    int64 ``[R]`` tensor of row indices, ``stride_row`` elements apart): one
+    ``prefetch.global.L2`` per ``LINE`` elements (a 128-byte line: 64 for 16-bit, 128 for 8-bit
+    elements), ``COLS`` lines (one K tile) per row and step, four steps (columns past
+    ``col_hi`` clamp to its last one). Four K tiles cover the loads of the pipeline's first
+    stages, which is what overlapping the previous kernel's tail needs; the whole slice would
+    not fit: Qwen3-8B's FP8 gate/up weight alone is twice the H200's 50 MB L2. A hint: reads
+    nothing into registers and writes nothing, so it may run before :func:`pdl_wait` on data no
+    earlier kernel of the step writes (weights, their scales)."""
+    for i in tl.static_range(4):
+        c0 = col_lo + i * COLS * LINE
         cols = tl.minimum(c0 + tl.arange(0, COLS) * LINE, col_hi - 1)
         ptrs = base_ptr + rows[:, None] * stride_row + cols[None, :]
         tl.inline_asm_elementwise(
