@@ -7,9 +7,9 @@ PDL (CUDA programming guide, "Programmatic Dependent Launch and Synchronization"
 is launched while the previous one still runs; it must execute ``griddepcontrol.wait`` before it
 reads anything the previous kernels wrote or writes anything at all, and may do independent
 work first: the GEMVs ask L2 for the first K tiles of their weight slice there (the weights
-are never written by a step; CUTLASS example 63 prefetches weights the same way). After its wait a kernel calls
-``griddepcontrol.launch_dependents`` so that the next kernel may start. A wait returns once
-the previous grid has completed and its writes are visible, so ordering stays transitive along
+are never written by a step; CUTLASS example 63 prefetches weights the same way). After its
+wait a kernel calls ``griddepcontrol.launch_dependents`` so that the next kernel may start. A
+wait returns once the previous grid has completed and its writes are visible, so ordering stays transitive along
 the stream; a kernel launched without PDL (cuBLAS, Inductor's) simply waits as before.
 
 Measured on the H200 (``bench/pdl_probe.py``, 112 chained Qwen3-0.6B projections in a graph):
