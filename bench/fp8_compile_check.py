@@ -38,7 +38,6 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import kernels.fp8_gemm as fg  # noqa: E402
-import kernels.gemv as gemv_module  # noqa: E402
 from bench.fp8_sweep import SHAPES, SMEM_LIMIT, cfg_str, compile_key, compile_set  # noqa: E402
 from kernels.fp8_configs import M_BUCKETS, Fp8Config, default_fp8_config  # noqa: E402
 
@@ -72,18 +71,17 @@ def recorded_launches():
 
 def launches_of(cfg: Fp8Config, m: int = 16, n: int = 4096, k: int = 4096) -> list:
     """The launches ``fp8_linear`` makes for ``cfg`` at ``[M, K] x [K, N]`` (bf16 in and out),
-    with PDL and the weight prefetch on as on Hopper (``kernels/pdl.py``; the meta device
-    would turn them off)."""
+    with PDL on as on Hopper (``kernels/pdl.py``; the meta device would turn it off)."""
     x = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
     w = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
     ws = torch.empty(-(-n // 128), -(-k // 128), dtype=torch.float32, device="meta")
-    saved = gemv_module.pdl_enabled
-    gemv_module.pdl_enabled = lambda device: True
+    saved = fg.pdl_enabled
+    fg.pdl_enabled = lambda device: True
     try:
         with recorded_launches() as launches:
             fg.fp8_linear(x, w, ws, config=cfg)
     finally:
-        gemv_module.pdl_enabled = saved
+        fg.pdl_enabled = saved
     return launches
 
 

@@ -51,9 +51,9 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_configs import FP8_BLOCK, Fp8Config, fp8_config, split_k_fits
-from kernels.gemv import NUM_COUNTERS, _gemv_epilogue, gemv_counters, pdl_launch_args
+from kernels.gemv import NUM_COUNTERS, _gemv_epilogue, gemv_counters
 from kernels.interpreter import interpreting as _interpreting
-from kernels.pdl import pdl_wait, prefetch_l2
+from kernels.pdl import launch_options, pdl_enabled, pdl_wait
 
 FP8_MAX = 448.0
 FP8_AMAX_EPS = 1e-10
@@ -405,13 +405,13 @@ def _fp8_gemv_kernel(
     EVEN_K: tl.constexpr,
     EMULATE_CAST: tl.constexpr,
     PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):
     """Program ``(n tile, k split)``: ``acc [BLOCK_N, BLOCK_M] = sum_kb W_tile x^T`` over its K
     blocks, each activation group quantized here; with ``SPLIT`` the last-arriving split of an
-    N tile reduces (the serial split-K of :func:`_fp8_gemm_kernel`). ``PDL`` / ``PREFETCH``: a
-    programmatic dependent launch that first asks L2 for its FP8 weight slice
-    (:mod:`kernels.pdl`, as :func:`kernels.gemv._gemv_kernel`)."""
+    N tile reduces (the serial split-K of :func:`_fp8_gemm_kernel`). ``PDL``: a programmatic
+    dependent launch (:mod:`kernels.pdl`), without the bf16 GEMV's weight prefetch: on the
+    H200's Qwen3-8B-shape FP8 decode step a prefetch of the first four K tiles cost 3,565 ->
+    3,688 us per step, of whole slices 4,613 (docs/benchmarks.md, 2026-12-02)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -424,8 +424,6 @@ def _fp8_gemv_kernel(
     x_ptrs = x_ptr + rm[None, :] * stride_xm + (kb_lo * BLOCK_K + rk)[:, None]
     w_ptrs = w_ptr + rn_c[:, None] * stride_wn + (kb_lo * BLOCK_K + rk)[None, :]
     ws_ptrs = ws_ptr + (rn_c // SCALE_N) * stride_wsn
-    if PREFETCH:  # 128 FP8 weights: one 128-byte line
-        prefetch_l2(w_ptr, rn_c, stride_wn, kb_lo * BLOCK_K, tl.minimum(kb_hi * BLOCK_K, K), 128, 1)
     pdl_wait(PDL)
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -482,6 +480,7 @@ def fp8_gemv(
         raise ValueError(f"fp8_gemv takes at most block_m={cfg.block_m} rows, got {m}")
     split, per_split = _k_splits(triton.cdiv(k, FP8_BLOCK[1]), cfg.split_k)
     part, counters = _split_k_scratch(m, n, cfg, split, triton.cdiv(n, cfg.block_n), out)
+    pdl = pdl_enabled(x.device)
     _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x,
         w,
@@ -509,7 +508,8 @@ def fp8_gemv(
         EMULATE_CAST=_interpreting(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl_launch_args(x.device, True),  # a K tile of 128 FP8 weights: one line
+        PDL=pdl,
+        **launch_options(pdl),
     )
     return out
 

@@ -85,7 +85,8 @@ def _gemv_kernel(
     ``PDL``: launched as a programmatic dependent launch (Hopper): nothing the previous kernel
     writes is read, and nothing is written, before ``griddepcontrol.wait``; ``PREFETCH``
     first asks L2 for the first four K tiles of this program's weight slice (weights are never
-    written by a step), so their fetch overlaps the previous kernel's tail (CUTLASS example 63's weight prefetch)."""
+    written by a step), so their fetch overlaps the previous kernel's tail (CUTLASS example
+    63's weight prefetch)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -153,7 +153,7 @@ def test_fused_gemvs_and_attention_same_bits_with_pdl(monkeypatch):
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_fp8_gemv_chain_same_bits_with_pdl(monkeypatch, split_k):
     """Six block-scaled FP8 GEMVs (quantization fused), each reading the last one's output, in
-    one graph: with the switch on (PDL, the FP8 weights' prefetch), the bits of plain launches."""
+    one graph: with the switch on (PDL), the bits of plain launches."""
     from kernels.fp8_configs import Fp8Config
     from kernels.fp8_gemm import fp8_gemv
 
