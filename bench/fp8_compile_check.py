@@ -38,7 +38,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import kernels.fp8_gemm as fg  # noqa: E402
+import kernels.pdl as pdl_module  # noqa: E402
 from bench.fp8_sweep import SHAPES, SMEM_LIMIT, cfg_str, compile_key, compile_set  # noqa: E402
+from bench.pdl_ptx import pdl_order_error  # noqa: E402
 from kernels.fp8_configs import M_BUCKETS, Fp8Config, default_fp8_config  # noqa: E402
 
 KERNELS = ("_fp8_gemm_kernel", "_fp8_gemv_kernel", "_group_quant_kernel")
@@ -75,13 +77,13 @@ def launches_of(cfg: Fp8Config, m: int = 16, n: int = 4096, k: int = 4096) -> li
     x = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
     w = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
     ws = torch.empty(-(-n // 128), -(-k // 128), dtype=torch.float32, device="meta")
-    saved = fg.pdl_enabled
-    fg.pdl_enabled = lambda device: True
+    saved = pdl_module.pdl_enabled
+    pdl_module.pdl_enabled = lambda device: True
     try:
         with recorded_launches() as launches:
             fg.fp8_linear(x, w, ws, config=cfg)
     finally:
-        fg.pdl_enabled = saved
+        pdl_module.pdl_enabled = saved
     return launches
 
 
@@ -94,7 +96,7 @@ def specialization(fn, args, kwargs) -> tuple[dict, dict, dict, dict]:
 
     kwargs = dict(kwargs)
     opts = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
-    kwargs.pop("launch_pdl", None)  # a launch option, not a compile option
+    kwargs.pop("launch_pdl", None)  # read by the launcher only (no PTX changes with it)
     bound = dict(zip(fn.arg_names, args)) | kwargs
     signature, constexprs, attrs = {}, {}, {}
     for i, p in enumerate(fn.params):
@@ -216,6 +218,10 @@ def main() -> int:
             )
             if shared > SMEM_LIMIT:  # the launch would fail on the H200 (the sweep skips it)
                 failed.append((cfg, f"{fn.__name__}: {shared} B shared > {SMEM_LIMIT}"))
+            race = pdl_order_error(kernel.asm["ptx"])
+            if race or (kw.get("PDL") and "griddepcontrol.wait" not in kernel.asm["ptx"]):
+                bad.append(race or "PDL without griddepcontrol.wait")  # never acceptable
+                failed.append((cfg, f"{fn.__name__}: {race or 'PDL without griddepcontrol.wait'}"))
     print(f"{len(seen)} kernels in {time.perf_counter() - t_all:.1f} s")
     for cfg, what in failed:
         print(f"failed: {cfg_str(cfg)} {what}{' (built-in)' if cfg in builtin else ''}")

@@ -12,8 +12,9 @@ Compiles, with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``:
 each with PDL and the weight prefetch on (as launched on Hopper, ``kernels/pdl.py``) and as
 the JIT specializes a launch of M = 1 (the row count folded to a constant) and of M = 16
 (aligned pointers, multiples of 16 marked divisible). Reports shared memory, registers and
-spills (``ptxas -v``); fails (exit 1) on a compile error or more shared memory than an sm_90
-block may use. The Triton CPU interpreter misses such errors, which is why this exists.
+spills (``ptxas -v``); fails (exit 1) on a compile error, more shared memory than an sm_90
+block may use, or a memory access before ``griddepcontrol.wait`` (:func:`pdl_order_error`).
+The Triton CPU interpreter misses such errors, which is why this exists.
 
 Usage: ``python3 bench/gemv_compile_check.py [--threads N] [--quick]`` (``--quick``: the default
 tiles only). Must run without ``TRITON_INTERPRET=1``.
@@ -37,6 +38,7 @@ import triton  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from bench.gemv_configs import FUSED_SHAPES, fused_candidates  # noqa: E402
+from bench.pdl_ptx import pdl_order_error  # noqa: E402
 from bench.prefill_compile_check import TARGET, compile_all, ptxas_usage  # noqa: E402
 from kernels.configs import table_path  # noqa: E402
 from kernels.gemv import GemvConfig, _gemv_kernel  # noqa: E402
@@ -90,7 +92,10 @@ def compile_one(job) -> tuple[str, str | None, int, str]:
         )
     except Exception as e:  # reported, and the check fails
         return name, f"{type(e).__name__}: {str(e)[:300]}", 0, ""
-    return name, None, int(kern.metadata.shared), ptxas_usage(kern.asm["ptx"])
+    ptx = kern.asm["ptx"]
+    if consts.get("PDL") and "griddepcontrol.wait" not in ptx:
+        return name, "PDL on but no griddepcontrol.wait in the PTX", 0, ""
+    return name, pdl_order_error(ptx), int(kern.metadata.shared), ptxas_usage(ptx)
 
 
 def _consts(cfg: GemvConfig, **flags) -> dict:

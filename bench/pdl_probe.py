@@ -10,9 +10,9 @@ prefetch of the next GEMV's weights before its wait (CUTLASS example 63), its we
 overlaps the previous kernel too. This probe times the 0.6B projections of ``--layers`` layers
 chained (each GEMV reads the previous one's output; distinct weights per layer, ~870 MB, more
 than L2), with the tiles of ``kernels/configs/gemv_<device>.json``, as: plain launches, PDL,
-PDL + prefetch, and each with a plain elementwise kernel after o and down (the residual add
-of a real step, which breaks the PDL chain), and cuBLAS (``F.linear``) for reference. Checks
-that every variant's output equals the plain launches' bit for bit.
+PDL + prefetch, and each with plain elementwise kernels (a multiply and an add: the residual
+add of a real step, which breaks the PDL chain) after o and down, and cuBLAS (``F.linear``)
+for reference. Checks that every variant's output equals the plain launches' bit for bit.
 """
 
 from __future__ import annotations
@@ -50,13 +50,13 @@ def chain(x, weights, cfgs, pdl: int, breaks: bool, cublas: bool):
             inp = h[:, :k]
             h = F.linear(inp, w) if cublas else gemv(inp, w, config=cfg, pdl=pdl)
             if breaks and name in ("o", "down"):
-                # a plain (non-PDL) elementwise kernel, as the residual add
+                # plain (non-PDL) elementwise kernels, in place of the residual add
                 h = h * 0.5 + x[:, : h.shape[1]]
     return h
 
 
-def time_graph(fn, reps: int) -> float:
-    """Median microseconds of one ``fn()`` replayed from a CUDA graph."""
+def time_graph(fn, reps: int) -> tuple[float, torch.Tensor]:
+    """(median microseconds of one ``fn()`` replayed from a CUDA graph, its output)."""
     fn()
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
@@ -118,7 +118,9 @@ def main() -> int:
             if not cublas:
                 if label == "plain":
                     ref[breaks] = out.clone()
-                same = "yes" if torch.equal(out, ref[breaks]) else "NO"
+                same = (
+                    "NO" if breaks not in ref else "yes" if torch.equal(out, ref[breaks]) else "NO"
+                )
             rows.append((label, breaks, us, us / kernels, same))
     print(f"\n{args.layers} layers x 4 projections ({kernels} GEMVs), batch 1, CUDA graph")
     print("| launches | residual kernels between | us per chain | us per GEMV | equals plain |")

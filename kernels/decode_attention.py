@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_options, pdl_enabled, pdl_wait
+from kernels.pdl import pdl_kwargs, pdl_wait
 from kernels.prefill_attention import _paged_attn_tile
 
 __all__ = ["decode_attention", "decode_scratch", "choose_num_splits", "decode_config"]
@@ -457,7 +457,7 @@ def decode_attention(
     group = hq // hkv
     split = num_splits > 1
     cu_q = cu_seqlens_q if varlen else seq_lens  # unused placeholder without VARLEN
-    pdl = pdl_enabled(q.device)
+    pdl = pdl_kwargs(q.device)
     _decode_split_kernel[(hkv, b, num_splits)](
         q,
         k_cache,
@@ -500,10 +500,9 @@ def decode_attention(
         UPCAST=upcast,
         BT_PREFETCH=bool(cfg.get("BT_PREFETCH", False)),
         VARLEN=varlen,
-        PDL=pdl,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        **launch_options(pdl),
+        **pdl,
     )
     if split:
         _decode_reduce_kernel[(hq, b)](
@@ -523,8 +522,7 @@ def decode_attention(
             HEAD_DIM=d,
             BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
             VARLEN=varlen,
-            PDL=pdl,
             num_warps=4,
-            **launch_options(pdl),
+            **pdl,
         )
     return out

@@ -53,7 +53,7 @@ import triton.language as tl
 from kernels.fp8_configs import FP8_BLOCK, Fp8Config, fp8_config, split_k_fits
 from kernels.gemv import NUM_COUNTERS, _gemv_epilogue, gemv_counters
 from kernels.interpreter import interpreting as _interpreting
-from kernels.pdl import launch_options, pdl_enabled, pdl_wait
+from kernels.pdl import pdl_kwargs, pdl_wait
 
 FP8_MAX = 448.0
 FP8_AMAX_EPS = 1e-10
@@ -480,7 +480,7 @@ def fp8_gemv(
         raise ValueError(f"fp8_gemv takes at most block_m={cfg.block_m} rows, got {m}")
     split, per_split = _k_splits(triton.cdiv(k, FP8_BLOCK[1]), cfg.split_k)
     part, counters = _split_k_scratch(m, n, cfg, split, triton.cdiv(n, cfg.block_n), out)
-    pdl = pdl_enabled(x.device)
+    pdl = pdl_kwargs(x.device)
     _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x,
         w,
@@ -508,8 +508,7 @@ def fp8_gemv(
         EMULATE_CAST=_interpreting(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        PDL=pdl,
-        **launch_options(pdl),
+        **pdl,
     )
     return out
 

@@ -256,8 +256,8 @@ def gemv(
         bias: ``[N]`` with unit stride, x's dtype, or None.
         config: tiles; None: :func:`gemv_config`, or the default tiles where that says cuBLAS.
         pdl: 0 a plain launch; 1 a programmatic dependent launch (:mod:`kernels.pdl`; CUDA,
-            sm_90+); 2 that and an L2 prefetch of the weights before the wait; None: 2 where
-            :func:`kernels.pdl.pdl_enabled`, else 0.
+            sm_90+); 2 that and an L2 prefetch of the weights before the wait; None: 2. Always
+            0 where :func:`kernels.pdl.pdl_enabled` is False.
 
     Returns:
         a new ``[M, N]`` tensor. Accumulation in float32; deterministic (splits are summed in
@@ -359,10 +359,10 @@ def prefetchable(w: torch.Tensor, block_k: int) -> bool:
 def pdl_launch_args(device: torch.device, can_prefetch: bool, pdl: int | None = None) -> dict:
     """The ``PDL`` / ``PREFETCH`` constexprs and launch options of a small-M GEMV launch
     (:mod:`kernels.pdl`): ``pdl`` 0 plain, 1 PDL, 2 PDL and the weights' L2 prefetch (where
-    ``can_prefetch``, see :func:`prefetchable`), None: 2 where
-    :func:`kernels.pdl.pdl_enabled`, else 0."""
-    if pdl is None:
-        pdl = 2 if pdl_enabled(device) else 0
+    ``can_prefetch``, see :func:`prefetchable`), None: 2; all of them 0 where
+    :func:`kernels.pdl.pdl_enabled` says no (CPU, interpreter, pre-Hopper, the switch off)."""
+    enabled = pdl_enabled(device)
+    pdl = (2 if pdl is None else pdl) if enabled else 0  # never where PDL cannot run
     return {"PDL": pdl > 0, "PREFETCH": pdl > 1 and can_prefetch, **launch_options(pdl > 0)}
 
 

@@ -7,6 +7,6 @@ import os
 
 
 def interpreting() -> bool:
-    """True when ``TRITON_INTERPRET=1`` (read at each call: the test conftest sets it before
-    the kernels run)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when ``TRITON_INTERPRET`` is on as Triton reads it (1/true/on/yes, any case; read at
+    each call: the test conftest sets it before the kernels run)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")

@@ -72,6 +72,13 @@ def launch_options(enabled: bool) -> dict:
     return {"launch_pdl": True} if enabled else {}
 
 
+def pdl_kwargs(device: torch.device) -> dict:
+    """The ``PDL`` constexpr and the launch options of a kernel taking PDL (no prefetch) on
+    ``device``: ``{"PDL": pdl_enabled(device), **launch_options(...)}``."""
+    enabled = pdl_enabled(device)
+    return {"PDL": enabled, **launch_options(enabled)}
+
+
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """With ``PDL``: wait for the previous kernels' completion and writes
@@ -86,13 +93,13 @@ def pdl_wait(PDL: tl.constexpr):
 def prefetch_l2(base_ptr, rows, stride_row, col_lo, col_hi, LINE: tl.constexpr, COLS: tl.constexpr):
     """Ask L2 for the first ``4 * COLS`` lines of ``base[rows, col_lo:col_hi]`` (``rows`` an
     int64 ``[R]`` tensor of row indices, ``stride_row`` elements apart): one
-    ``prefetch.global.L2`` per ``LINE`` elements (a 128-byte line: 64 for 16-bit, 128 for 8-bit
-    elements), ``COLS`` lines (one K tile) per row and step, four steps (columns past
-    ``col_hi`` clamp to its last one). Four K tiles cover the loads of the pipeline's first
-    stages, which is what overlapping the previous kernel's tail needs; the whole slice would
-    not fit: Qwen3-8B's FP8 gate/up weight alone is twice the H200's 50 MB L2. A hint: reads
-    nothing into registers and writes nothing, so it may run before :func:`pdl_wait` on data no
-    earlier kernel of the step writes (weights, their scales)."""
+    ``prefetch.global.L2`` per ``LINE`` elements (a 128-byte line: 64 16-bit elements),
+    ``COLS >= 1`` lines (one K tile) per row and step, four steps (columns past ``col_hi``
+    clamp to its last one; callers check :func:`kernels.gemv.prefetchable`). Four K tiles
+    cover the loads of the pipeline's first stages, which is what overlapping the previous
+    kernel's tail needs; whole slices need not fit in L2 (Qwen3-8B's FP8 gate/up weight is
+    twice the H200's 50 MB). A hint: reads nothing into registers and writes nothing, so it may
+    run before :func:`pdl_wait` on data no earlier kernel of the step writes (its weights)."""
     for i in tl.static_range(4):
         c0 = col_lo + i * COLS * LINE
         cols = tl.minimum(c0 + tl.arange(0, COLS) * LINE, col_hi - 1)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_options, pdl_enabled, pdl_wait
+from kernels.pdl import pdl_kwargs, pdl_wait
 
 __all__ = ["qk_norm_rope_store"]
 
@@ -297,7 +297,7 @@ def qk_norm_rope_store(
     block_half = max(16, triton.next_power_of_2(d // 2))
     num_q_tiles = triton.cdiv(h_q, block_h)
     grid = (t, num_q_tiles + triton.cdiv(h_kv, block_h))
-    pdl = pdl_enabled(q.device)
+    pdl = pdl_kwargs(q.device)
     _qk_norm_rope_store_kernel[grid](
         q,
         k,
@@ -326,7 +326,6 @@ def qk_norm_rope_store(
         BLOCK_H=block_h,
         BLOCK_HALF=block_half,
         HAS_NORM=has_norm,
-        PDL=pdl,
-        **launch_options(pdl),
+        **pdl,
     )
     return q_out

@@ -9,16 +9,60 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels.gemv as gemv_module
 import kernels.pdl as pdl
 from kernels.decode_attention import choose_num_splits, decode_attention, decode_scratch
 from kernels.gemv import GemvConfig, gemv, pdl_launch_args, prefetchable
 from kernels.gemv_fused import gemv_rms_norm, gemv_swiglu
+from kernels.interpreter import interpreting
 from kernels.qk_norm_rope import qk_norm_rope_store
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 needs_hopper = pytest.mark.skipif(
     not HOPPER, reason="PDL needs a CUDA device of compute capability 9.0+ (none here)"
 )
+
+
+@pytest.fixture
+def compiled():
+    """The Hopper tests need compiled kernels: the interpreter has no ``griddepcontrol`` (the
+    root conftest turns it on unless ``TRITON_INTERPRET=0``). Asserts that PDL is really on,
+    so that a comparison of switch on against off cannot pass with both plain."""
+    if interpreting():
+        pytest.skip("PDL runs only in compiled kernels: set TRITON_INTERPRET=0")
+    assert pdl.pdl_enabled(torch.device("cuda")), "PDL is off on this Hopper GPU"
+
+
+def test_gating_by_capability_switch_and_triton(monkeypatch):
+    """``pdl_enabled``: True only for compute capability 9.0+ with the switch on and Triton's
+    ``gdc`` intrinsics present; the answer is cached per device index, the switch is not."""
+    monkeypatch.setattr(pdl, "interpreting", lambda: False)
+    monkeypatch.setattr(pdl, "_SUPPORTED", {})
+    caps = {0: (9, 0), 1: (8, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: caps[index])
+    monkeypatch.setattr(pdl, "PDL_SWITCH", True)
+    assert pdl.pdl_enabled(torch.device("cuda", 0))
+    assert not pdl.pdl_enabled(torch.device("cuda", 1))
+    assert pdl._SUPPORTED == {0: True, 1: False}
+    caps[1] = (10, 0)  # cached: not asked again
+    assert not pdl.pdl_enabled(torch.device("cuda", 1))
+    monkeypatch.setattr(pdl, "PDL_SWITCH", False)
+    assert not pdl.pdl_enabled(torch.device("cuda", 0))
+    assert pdl.pdl_kwargs(torch.device("cuda", 0)) == {"PDL": False}
+    monkeypatch.setattr(pdl, "PDL_SWITCH", True)
+    assert pdl.pdl_kwargs(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(pdl, "_SUPPORTED", {})
+    real_import = pdl.importlib.import_module
+    monkeypatch.setattr(
+        pdl.importlib,
+        "import_module",
+        lambda name: (
+            (_ for _ in ()).throw(ImportError(name))
+            if name == "triton.language.extra.cuda"
+            else real_import(name)
+        ),
+    )
+    assert not pdl.pdl_enabled(torch.device("cuda", 0))  # a Triton without the intrinsics
 
 
 def test_off_on_cpu_and_under_the_interpreter(monkeypatch):
@@ -53,10 +97,22 @@ def test_prefetch_only_for_16_bit_weights_and_whole_lines():
     assert not prefetchable(torch.empty(4, 4, dtype=torch.float32), 32)
     assert not prefetchable(torch.empty(4, 4, dtype=torch.float32), 128)
     cpu = torch.device("cpu")
-    assert pdl_launch_args(cpu, True) == {"PDL": False, "PREFETCH": False}
-    assert pdl_launch_args(cpu, True, pdl=2) == {"PDL": True, "PREFETCH": True, "launch_pdl": True}
-    assert pdl_launch_args(cpu, False, pdl=2)["PREFETCH"] is False
-    assert pdl_launch_args(cpu, True, pdl=1)["PREFETCH"] is False
+    off = {"PDL": False, "PREFETCH": False}
+    assert pdl_launch_args(cpu, True) == off
+    assert pdl_launch_args(cpu, True, pdl=2) == off  # never where PDL cannot run
+
+
+def test_gemv_launch_levels(monkeypatch):
+    """Where PDL runs: None means PDL with the prefetch (where the weight allows it), 1 PDL
+    alone, 0 a plain launch."""
+    monkeypatch.setattr(gemv_module, "pdl_enabled", lambda device: True)
+    dev = torch.device("cuda", 0)
+    on = {"PDL": True, "PREFETCH": True, "launch_pdl": True}
+    assert pdl_launch_args(dev, True) == on
+    assert pdl_launch_args(dev, True, pdl=2) == on
+    assert pdl_launch_args(dev, False)["PREFETCH"] is False
+    assert pdl_launch_args(dev, True, pdl=1) == {**on, "PREFETCH": False}
+    assert pdl_launch_args(dev, True, pdl=0) == {"PDL": False, "PREFETCH": False}
 
 
 def _graph_run(fn):
@@ -76,7 +132,7 @@ def _graph_run(fn):
 
 @needs_hopper
 @pytest.mark.parametrize("split_k", [1, 4])
-def test_gemv_chain_same_bits_with_pdl(split_k):
+def test_gemv_chain_same_bits_with_pdl(compiled, split_k):
     """Eight GEMVs, each reading the last one's output, in one graph: PDL with and without the
     weight prefetch equal plain launches bit for bit."""
     torch.manual_seed(0)
@@ -96,7 +152,7 @@ def test_gemv_chain_same_bits_with_pdl(split_k):
 
 
 @needs_hopper
-def test_fused_gemvs_and_attention_same_bits_with_pdl(monkeypatch):
+def test_fused_gemvs_and_attention_same_bits_with_pdl(compiled, monkeypatch):
     """A decode layer's kernels chained in a graph (norm+qkv GEMV, q/k norm + rotary + cache
     store, split-KV decode and its reduce, o GEMV, norm+gate_up, SwiGLU+down): with the switch
     on, the same bits as with it off."""
@@ -151,7 +207,7 @@ def test_fused_gemvs_and_attention_same_bits_with_pdl(monkeypatch):
 
 @needs_hopper
 @pytest.mark.parametrize("split_k", [1, 3])
-def test_fp8_gemv_chain_same_bits_with_pdl(monkeypatch, split_k):
+def test_fp8_gemv_chain_same_bits_with_pdl(compiled, monkeypatch, split_k):
     """Six block-scaled FP8 GEMVs (quantization fused), each reading the last one's output, in
     one graph: with the switch on (PDL), the bits of plain launches."""
     from kernels.fp8_configs import Fp8Config
