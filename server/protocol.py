@@ -24,7 +24,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # NaN/inf: "a finite number"
 
 
 class TextPart(_Lenient):
