@@ -55,10 +55,9 @@ def chain(x, weights, cfgs, pdl: int, breaks: bool, cublas: bool):
     return h
 
 
-def time_graph(fn, reps: int) -> tuple[float, torch.Tensor]:
-    """(median microseconds of one ``fn()`` replayed from a CUDA graph, its output)."""
-    fn()
-    torch.cuda.synchronize()
+def capture_graph(fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """``fn()`` warmed up on a side stream, captured in a CUDA graph and replayed once:
+    ``(graph, output of the replay)`` (synchronised). Also used by ``tests/kernels/test_pdl.py``."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -69,6 +68,14 @@ def time_graph(fn, reps: int) -> tuple[float, torch.Tensor]:
         out = fn()
     g.replay()
     torch.cuda.synchronize()
+    return g, out
+
+
+def time_graph(fn, reps: int) -> tuple[float, torch.Tensor]:
+    """(median microseconds of one ``fn()`` replayed from a CUDA graph, its output)."""
+    fn()
+    torch.cuda.synchronize()
+    g, out = capture_graph(fn)
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -11,6 +11,7 @@ import torch
 
 import kernels.gemv as gemv_module
 import kernels.pdl as pdl
+from bench.pdl_probe import capture_graph
 from kernels.decode_attention import choose_num_splits, decode_attention, decode_scratch
 from kernels.gemv import GemvConfig, gemv, pdl_launch_args, prefetchable
 from kernels.gemv_fused import gemv_rms_norm, gemv_swiglu
@@ -117,17 +118,7 @@ def test_gemv_launch_levels(monkeypatch):
 
 def _graph_run(fn):
     """``fn()``'s result replayed from a CUDA graph (warmed up on a side stream first)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return out
+    return capture_graph(fn)[1]
 
 
 @needs_hopper
