@@ -183,11 +183,10 @@ def _gemv_rms_norm_kernel(
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
     rk = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * K_PER_SPLIT  # this program's K slice (pass 2)
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     if PREFETCH:
-        k_first = pid_k * K_PER_SPLIT
-        prefetch_l2(
-            w_ptr, rn_c, stride_wn, k_first, tl.minimum(k_first + K_PER_SPLIT, K), 64, BLOCK_K // 64
-        )
+        prefetch_l2(w_ptr, rn_c, stride_wn, k_lo, k_hi, 64, BLOCK_K // 64)
     pdl_wait(PDL)
 
     # pass 1: sum of squares of the whole row h = x + res (rounded as the eager add rounds)
@@ -203,8 +202,6 @@ def _gemv_rms_norm_kernel(
     rstd = tl.rsqrt(sq / K + eps)  # [BLOCK_M], as torch.rsqrt
 
     # pass 2: this program's K slice, normalized, times its weight tile
-    k_lo = pid_k * K_PER_SPLIT
-    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     x_ptrs = x_ptr + rm[None, :] * stride_xm + (k_lo + rk)[:, None]
     r_ptrs = res_ptr + rm[None, :] * stride_rm + (k_lo + rk)[:, None]
     ro_ptrs = res_out_ptr + rm[None, :] * stride_rom + (k_lo + rk)[:, None]
@@ -326,7 +323,6 @@ def gemv_swiglu(
         gate_up = gate_up.contiguous()
     cfg = config or fused_gemv_config("swiglu", m, n, k, gate_up.device) or GemvConfig()
     plan = split_plan(m, n, k, cfg, out)
-    x_dev = gate_up.device
     _gemv_swiglu_kernel[plan.grid](
         gate_up,
         w,
@@ -352,7 +348,7 @@ def gemv_swiglu(
         EMULATE_RNE=_interpreting() and w.dtype == torch.bfloat16,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl_launch_args(x_dev, prefetchable(w, cfg.block_k)),
+        **pdl_launch_args(gate_up.device, prefetchable(w, cfg.block_k)),
     )
     return out
 
@@ -412,7 +408,6 @@ def gemv_rms_norm(
     cfg = config or fused_gemv_config("rms_norm", m, n, k, x.device) or GemvConfig()
     plan = split_plan(m, n, k, cfg, out)
     res = residual if residual is not None else x
-    x_dev = x.device
     _gemv_rms_norm_kernel[plan.grid](
         x,
         res,
@@ -445,6 +440,6 @@ def gemv_rms_norm(
         EMULATE_RNE=_interpreting() and w.dtype == torch.bfloat16,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl_launch_args(x_dev, prefetchable(w, cfg.block_k)),
+        **pdl_launch_args(x.device, prefetchable(w, cfg.block_k)),
     )
     return out, res_out

@@ -23,22 +23,17 @@ it); read once at import, values 1/true/yes/on or 0/false/no/off.
 from __future__ import annotations
 
 import importlib
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.interpreter import interpreting
+from kernels.switches import env_switch
 
 
 def _switch() -> bool:
-    value = os.environ.get("QWEN_SERVE_PDL", "1").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"QWEN_SERVE_PDL={value!r}: use 1/true/yes/on or 0/false/no/off")
+    return env_switch("QWEN_SERVE_PDL")
 
 
 #: the process-wide switch (``QWEN_SERVE_PDL``), read once

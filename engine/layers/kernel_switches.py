@@ -20,19 +20,9 @@ layer reads it; it changes no result bit).
 
 from __future__ import annotations
 
-import os
+from kernels.switches import env_switch
 
-
-def _enabled(name: str) -> bool:
-    value = os.environ.get(name, "1").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name}={value!r}: use 1/true/yes/on or 0/false/no/off")
-
-
-FUSED_QK_ROPE = _enabled("QWEN_SERVE_FUSED_QK_ROPE")
-SMALL_M_GEMV = _enabled("QWEN_SERVE_SMALL_M_GEMV")
-FUSED_NORM_GEMV = _enabled("QWEN_SERVE_FUSED_NORM_GEMV")
-FUSED_SWIGLU_GEMV = _enabled("QWEN_SERVE_FUSED_SWIGLU_GEMV")
+FUSED_QK_ROPE = env_switch("QWEN_SERVE_FUSED_QK_ROPE")
+SMALL_M_GEMV = env_switch("QWEN_SERVE_SMALL_M_GEMV")
+FUSED_NORM_GEMV = env_switch("QWEN_SERVE_FUSED_NORM_GEMV")
+FUSED_SWIGLU_GEMV = env_switch("QWEN_SERVE_FUSED_SWIGLU_GEMV")
