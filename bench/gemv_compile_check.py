@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("gemv_compile_check: unset TRITON_INTERPRET (the interpreter compiles nothing)")
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -41,7 +42,7 @@ from bench.gemv_configs import FUSED_SHAPES, fused_candidates  # noqa: E402
 from bench.pdl_ptx import pdl_order_error  # noqa: E402
 from bench.prefill_compile_check import TARGET, compile_all, ptxas_usage  # noqa: E402
 from kernels.configs import table_path  # noqa: E402
-from kernels.gemv import GemvConfig, _gemv_kernel  # noqa: E402
+from kernels.gemv import GemvConfig, _gemv_kernel, prefetchable  # noqa: E402
 from kernels.gemv_fused import _gemv_rms_norm_kernel, _gemv_swiglu_kernel  # noqa: E402
 
 PTR_TYPES = {"part_ptr": "*fp32", "counter_ptr": "*i32"}  # every other pointer: bf16
@@ -93,9 +94,8 @@ def compile_one(job) -> tuple[str, str | None, int, str]:
     except Exception as e:  # reported, and the check fails
         return name, f"{type(e).__name__}: {str(e)[:300]}", 0, ""
     ptx = kern.asm["ptx"]
-    if consts.get("PDL") and "griddepcontrol.wait" not in ptx:
-        return name, "PDL on but no griddepcontrol.wait in the PTX", 0, ""
-    return name, pdl_order_error(ptx), int(kern.metadata.shared), ptxas_usage(ptx)
+    err = pdl_order_error(ptx, bool(consts.get("PDL")))
+    return name, err, int(kern.metadata.shared), ptxas_usage(ptx)
 
 
 def _consts(cfg: GemvConfig, **flags) -> dict:
@@ -108,9 +108,9 @@ def _consts(cfg: GemvConfig, **flags) -> dict:
         "EVEN_K": True,
         "UPCAST": False,
         "DOT_PREC": "tf32",
-        # as launched on Hopper (kernels/pdl.py): PDL, and the weight prefetch of whole lines
+        # as launched on Hopper (kernels/pdl.py): PDL, and the weight prefetch where it applies
         "PDL": True,
-        "PREFETCH": cfg.block_k >= 64,
+        "PREFETCH": prefetchable(torch.empty(0, dtype=torch.bfloat16), cfg.block_k),
     }
     return {**base, **flags}
 

@@ -11,14 +11,15 @@ import re
 _MEMORY_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?(ld\.(?!param)|st\.|atom\.|red\.|cp\.|bar\.)")
 
 
-def pdl_order_error(ptx: str) -> str | None:
-    """Where a PDL kernel's PTX reads, writes or synchronises before ``griddepcontrol.wait``
-    (the race ``kernels/pdl.py`` rules out: the previous kernel may still be writing), the
-    offending instruction; None when the wait comes first (``prefetch.global.L2`` may precede
-    it) or when there is no wait."""
+def pdl_order_error(ptx: str, pdl: bool) -> str | None:
+    """What is wrong with a kernel's PTX for PDL, or None: compiled with ``pdl`` (its ``PDL``
+    constexpr) but without ``griddepcontrol.wait``; or a read, write or barrier before the wait
+    (the race ``kernels/pdl.py`` rules out: the previous kernel may still be writing), named.
+    ``prefetch.global.L2`` may precede the wait; a kernel without a wait and without ``pdl``
+    passes."""
     wait = ptx.find("griddepcontrol.wait")
     if wait < 0:
-        return None
+        return "PDL on but no griddepcontrol.wait in the PTX" if pdl else None
     for line in ptx[:wait].splitlines():
         if _MEMORY_OP.match(line):
             return f"before griddepcontrol.wait: {line.strip()}"

@@ -20,11 +20,12 @@ BODY = (
 
 
 def test_wait_before_every_access_passes():
-    assert pdl_order_error(HEAD + WAIT + BODY) is None
+    assert pdl_order_error(HEAD + WAIT + BODY, True) is None
 
 
-def test_no_wait_is_not_this_checks_business():
-    assert pdl_order_error(HEAD + BODY) is None
+def test_no_wait_fails_only_a_pdl_kernel():
+    assert pdl_order_error(HEAD + BODY, False) is None
+    assert "no griddepcontrol.wait" in pdl_order_error(HEAD + BODY, True)
 
 
 def test_accesses_before_the_wait_are_named():
@@ -36,5 +37,5 @@ def test_accesses_before_the_wait_are_named():
         "\tcp.async.cg.shared.global [ %r10 + 0 ], [ %rd6 + 0 ], 0x10, %r11;\n",
         "\t@!%p2 ld.shared.b32 %r12, [%r13];\n",
     ):
-        err = pdl_order_error(HEAD + early + WAIT + BODY)
+        err = pdl_order_error(HEAD + early + WAIT + BODY, True)
         assert err is not None and early.strip() in err, early
