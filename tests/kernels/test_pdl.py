@@ -54,15 +54,13 @@ def test_gating_by_capability_switch_and_triton(monkeypatch):
     assert pdl.pdl_kwargs(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
     monkeypatch.setattr(pdl, "_SUPPORTED", {})
     real_import = pdl.importlib.import_module
-    monkeypatch.setattr(
-        pdl.importlib,
-        "import_module",
-        lambda name: (
-            (_ for _ in ()).throw(ImportError(name))
-            if name == "triton.language.extra.cuda"
-            else real_import(name)
-        ),
-    )
+
+    def import_without_gdc(name):  # a Triton without triton.language.extra.cuda
+        if name == "triton.language.extra.cuda":
+            raise ImportError(name)
+        return real_import(name)
+
+    monkeypatch.setattr(pdl.importlib, "import_module", import_without_gdc)
     assert not pdl.pdl_enabled(torch.device("cuda", 0))  # a Triton without the intrinsics
 
 
