@@ -50,6 +50,7 @@ _RANGES = [
     ("max_num_batched_tokens", 1, None),
     ("prefill_only_token_budget", 1, None),
     ("max_prefill_tokens_with_decodes", 1, None),
+    ("max_prefill_attention_with_decodes", 0, None),
     ("max_body_bytes", 1, None),
     ("max_prompt_tokens", 1, None),
     ("graceful_timeout", 0, None),
@@ -218,6 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("max_prefill_tokens_with_decodes"),
         help="most prompt tokens one step carries while requests decode (bounds the inter-token "
         "time long prefills add to running streams); unset: what the budget leaves",
+    )
+    a(
+        "--max-prefill-attention-with-decodes",
+        type=int,
+        default=_env("max_prefill_attention_with_decodes"),
+        help="most query-key pairs of prompt attention one step carries while requests decode "
+        "(a chunk over a long cached prefix gets fewer rows; the first chunk of a step gets at "
+        "least one); 0 or unset: no bound",
     )
     a(
         "--served-model-name",

@@ -437,6 +437,11 @@ class EngineConfig:
         max_prefill_tokens_with_decodes: most prompt tokens one step may carry while requests
             decode (long prefills then cannot stall the running streams); None = whatever the
             budget leaves. Chunked prefill only.
+        max_prefill_attention_with_decodes: most query-key pairs of prompt attention one step
+            may carry while requests decode (``engine.core.attention_budget``): a chunk over a
+            long cached prefix gets fewer rows, so a long prompt's prefill adds a bounded time to
+            each running stream's step at any context length. None = no bound. Chunked prefill
+            only.
         attention_backend: "triton", "torch" or None (triton on CUDA, torch on CPU).
         enable_prefix_caching: share full KV blocks between requests with the same prefix.
         enable_chunked_prefill: split long prompts over several steps within the token budget.
@@ -479,6 +484,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     prefill_only_token_budget: int | None = None
     max_prefill_tokens_with_decodes: int | None = None
+    max_prefill_attention_with_decodes: int | None = None
     attention_backend: str | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True

@@ -53,6 +53,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             prefill_only_token_budget=config.prefill_only_token_budget,
             max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes,
+            max_prefill_attention_with_decodes=config.max_prefill_attention_with_decodes,
         )
         self.async_scheduling = (
             config.async_scheduling

@@ -25,6 +25,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.core.attention_budget import causal_pairs, max_rows_within
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import RequestOutput, SampleOutput
 from engine.core.request import FinishReason, Request, RequestStatus
@@ -96,6 +97,13 @@ class Scheduler:
         max_prefill_tokens_with_decodes: most prompt tokens a step may carry while requests
             decode, so a long prefill cannot stretch every running stream's inter-token time
             (Sarathi-Serve's chunk bound, Agrawal et al. 2024); None: the budget's remainder.
+        max_prefill_attention_with_decodes: most query-key pairs of prompt attention
+            (:func:`~engine.core.attention_budget.causal_pairs`, summed over the step's prompt
+            chunks) a step may carry while requests decode: a chunk over a long cached prefix
+            gets fewer rows, so the attention work a long prompt adds to each running stream's
+            step stays bounded at any context length. The first prompt chunk of a step always
+            gets at least one row (a prompt is never starved by running streams). None: no
+            bound (so is 0).
 
     Attributes:
         requests: live requests (waiting or running) by id.
@@ -116,6 +124,7 @@ class Scheduler:
         eos_token_ids: frozenset[int] = frozenset(),
         prefill_only_token_budget: int | None = None,
         max_prefill_tokens_with_decodes: int | None = None,
+        max_prefill_attention_with_decodes: int | None = None,
     ):
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
@@ -128,6 +137,9 @@ class Scheduler:
             else max_num_batched_tokens
         )
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes if chunked else None
+        self.max_prefill_attention_with_decodes = (
+            (max_prefill_attention_with_decodes or None) if chunked else None
+        )
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -237,6 +249,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens if decoding else self.prefill_only_token_budget
         cap = self.max_prefill_tokens_with_decodes
         prefill_left = min(budget, cap) if decoding and cap else budget
+        # query-key pairs of prompt attention left to the step (None: unbounded)
+        pairs_left = self.max_prefill_attention_with_decodes if decoding else None
+        any_prefill = False  # whether a prompt chunk is in the step yet
 
         # 1. running requests, oldest first; preempt the newest when blocks run out.
         queue = deque(self.running)
@@ -253,7 +268,13 @@ class Scheduler:
             if left <= 0 or (req.num_output_placeholders and _last_token_in_flight(req)):
                 kept.append(req)  # its last token is in flight: it finishes when that arrives
                 continue
-            n = min(left, budget) if left == 1 else min(left, budget, prefill_left)
+            if left == 1:
+                n = min(left, budget)
+            else:
+                n = min(left, budget, prefill_left)
+                if pairs_left is not None:
+                    rows = max_rows_within(req.num_computed_tokens, pairs_left)
+                    n = min(n, rows if rows or any_prefill else 1)
             if n <= 0:
                 kept.append(req)  # the step's prefill tokens are spent; it continues next step
                 continue
@@ -282,6 +303,9 @@ class Scheduler:
             budget -= n
             if left > 1:
                 prefill_left -= n
+                any_prefill = True
+                if pairs_left is not None:
+                    pairs_left -= causal_pairs(req.num_computed_tokens, n)
         kept.extend(queue)  # not scheduled this step (budget exhausted) but still running
         self.running = kept
 
@@ -298,6 +322,9 @@ class Scheduler:
             hit_blocks, num_hit = kv.get_computed_blocks(req)
             remaining = req.num_tokens - num_hit
             n = min(remaining, budget, prefill_left)
+            if pairs_left is not None:
+                rows = max_rows_within(num_hit, pairs_left)
+                n = min(n, rows if rows or any_prefill else 1)
             if n <= 0:
                 break
             if not self.enable_chunked_prefill and n < remaining <= self.max_num_batched_tokens:
@@ -314,6 +341,9 @@ class Scheduler:
             batch._add(req, n, kv.get_block_ids(req.request_id), True)
             budget -= n
             prefill_left -= n
+            any_prefill = True
+            if pairs_left is not None:
+                pairs_left -= causal_pairs(num_hit, n)
         if not batch.requests:  # nothing runs: the finished ids go with the next batch that does
             self._finished_ids[:0] = batch.finished_request_ids
             batch.finished_request_ids = []

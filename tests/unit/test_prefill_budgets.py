@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from engine.core.attention_budget import causal_pairs, max_rows_within
 from engine.core.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import SampleOutput
@@ -123,6 +124,7 @@ def test_greedy_outputs_equal_the_default_policy_with_long_and_short_prompts(
         path,
         prefill_only_token_budget=200,
         max_prefill_tokens_with_decodes=8,
+        max_prefill_attention_with_decodes=300,
         async_scheduling=async_scheduling,
     )
     got = eng.generate(prompts, params)
@@ -131,3 +133,55 @@ def test_greedy_outputs_equal_the_default_policy_with_long_and_short_prompts(
     kv = eng.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
     kv.check_integrity()
+
+
+@pytest.mark.parametrize("pairs", [1, 3000, 40_000])
+def test_prompt_attention_is_bounded_while_decoding_and_a_long_prompt_still_progresses(pairs):
+    """While requests decode, a step's prompt chunks stay within ``pairs`` query-key pairs (the
+    first chunk of a step takes at least one row), so a chunk shrinks as its cached prefix
+    grows; without decodes the bound does not apply; every prompt finishes, no block leaks."""
+    rng = random.Random(pairs)
+    kv = KVCacheManager(4096, 16, enable_prefix_caching=False)
+    s = Scheduler(
+        kv,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        max_prefill_attention_with_decodes=pairs,
+    )
+    for i in range(4):
+        s.add_request(_req(f"d{i}", 30, 200, rng))
+    for _ in range(3):
+        _step(s, rng)
+    longs = [_req(f"long{i}", 700 + 100 * i, 2, rng) for i in range(3)]
+    for r in longs:
+        s.add_request(r)
+    shrunk = 0
+    for _ in range(5000):
+        if not s.has_work():
+            break
+        before = {r.request_id: r.num_computed_tokens for r in s.requests.values()}
+        total = {r.request_id: r.num_tokens for r in s.requests.values()}
+        batch, decodes, _ = _step(s, rng)
+        # a request with one token left to compute is a decode row to the scheduler (also the
+        # last token of a prompt): its attention is a decode's
+        chunks = [
+            (before[r.request_id], n)
+            for r, n in zip(batch.requests, batch.num_new_tokens)
+            if total[r.request_id] - before[r.request_id] > 1
+        ]
+        if decodes and chunks:
+            used = sum(causal_pairs(c, n) for c, n in chunks)
+            assert used <= pairs or (len(chunks) == 1 and chunks[0][1] == 1), (used, chunks)
+            c, n = chunks[0]
+            shrunk += c > 0 and n < max_rows_within(0, pairs)
+        kv.check_integrity(list(s.requests.values()))
+    assert not s.has_work() and kv.num_free_blocks == kv.num_blocks
+    assert all(r.num_computed_tokens >= r.num_prompt_tokens for r in longs)
+    if pairs > 1:
+        assert shrunk > 0, "chunks over a cached prefix are meant to get fewer rows"
+
+
+def test_attention_bound_of_zero_is_no_bound():
+    kv = KVCacheManager(64, 16, enable_prefix_caching=False)
+    s = Scheduler(kv, 4, 128, max_prefill_attention_with_decodes=0)
+    assert s.max_prefill_attention_with_decodes is None
