@@ -142,9 +142,12 @@ def main() -> None:
                 and any(r.num_computed_tokens > args.prompt // 2 for r in pending)
             ):
                 kind = "mixed"
-            elif "decode" not in profiled and len(decoding) >= min(
-                args.concurrency, args.requests
-            ) and not pending and not sched.waiting:
+            elif (
+                "decode" not in profiled
+                and len(decoding) >= min(args.concurrency, args.requests)
+                and not pending
+                and not sched.waiting
+            ):
                 kind = "decode"
             if kind:
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
@@ -183,7 +186,10 @@ def main() -> None:
                 arrival[f"r{started - 1}"] = t1
     wall = time.perf_counter() - t_start
     label = args.label or " ".join(args.overrides) or "default"
-    print(f"\n[{label}] prompt {args.prompt}, concurrency {args.concurrency}, {args.requests} requests")
+    print(
+        f"\n[{label}] prompt {args.prompt}, concurrency {args.concurrency}, "
+        f"{args.requests} requests"
+    )
     print("| step | decodes | prompt rows | chunk prefix | steps | mean ms | median ms |")
     print("|---|---|---|---|---|---|---|")
     for key in sorted(classes, key=lambda k: (k[0], k[1], k[2], k[3])):

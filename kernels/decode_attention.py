@@ -30,7 +30,14 @@ import triton.language as tl
 from kernels.pdl import pdl_kwargs, pdl_wait
 from kernels.prefill_attention import _paged_attn_tile
 
-__all__ = ["decode_attention", "decode_scratch", "choose_num_splits", "decode_config"]
+__all__ = [
+    "decode_attention",
+    "decode_scratch",
+    "choose_num_splits",
+    "choose_mixed_num_splits",
+    "decode_config",
+    "MIXED_MIN_SPLIT_KEYS",
+]
 
 _LOG2E = 1.4426950408889634
 
@@ -43,7 +50,8 @@ def _packed_row(cu_q_ptr, seq):
     return start.to(tl.int64), tl.load(cu_q_ptr + seq + 1) - start
 
 
-@triton.jit
+# min_split_keys is not specialized: a new value never compiles another variant
+@triton.jit(do_not_specialize=["min_split_keys"])
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -56,6 +64,7 @@ def _decode_split_kernel(
     cu_q_ptr,
     qk_scale,
     num_splits,
+    min_split_keys,
     stride_qb,
     stride_qh,
     stride_qd,
@@ -99,8 +108,11 @@ def _decode_split_kernel(
         if q_len != 1:
             return
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Split s covers keys [s * split_len, (s + 1) * split_len), split_len a multiple of BLOCK_N.
+    # Split s covers keys [s * split_len, (s + 1) * split_len), split_len a multiple of BLOCK_N
+    # and at least min_split_keys (a multiple of BLOCK_N): a short sequence fills fewer splits,
+    # and the rest are empty (lse -inf, weight 0 in the reduction).
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    split_len = tl.maximum(split_len, min_split_keys)
     start = split * split_len
     end = tl.maximum(tl.minimum(start + split_len, seq_len), start)  # empty split: end == start
 
@@ -308,6 +320,46 @@ def choose_num_splits(
     return int(max(1, min(want, cap, max_splits)))
 
 
+#: most stage-1 programs (sequence slots x KV heads x splits) of a mixed step's decode launch
+MIXED_MAX_PROGRAMS = 2048
+#: fewest keys of one split in a mixed step's decode launch (``decode_attention``'s
+#: ``min_split_keys``): a short context fills one or two splits of a grid sized for a long one
+MIXED_MIN_SPLIT_KEYS = 512
+
+
+def choose_mixed_num_splits(
+    num_seq_slots: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    num_sms: int,
+    *,
+    max_programs: int = MIXED_MAX_PROGRAMS,
+) -> int:
+    """KV splits for the decode rows of a mixed step (``decode_attention(...,
+    cu_seqlens_q=...)``), from host ints.
+
+    How many of a mixed step's ``num_seq_slots`` sequences decode is a device-side fact (the
+    step may replay a CUDA graph captured for any such step), and the common long-context case
+    is one or two streams decoding next to a prompt chunk: so the splits are those of a single
+    decoding sequence (:func:`choose_num_splits` with ``batch=1``), capped so the grid
+    ``num_seq_slots * num_kv_heads * splits`` stays within ``max_programs`` (a wide grid of
+    mostly empty programs costs launch time; 256 slots of 8 KV heads get 1 split, 16 slots get
+    16). Launch with ``min_split_keys=MIXED_MIN_SPLIT_KEYS`` so short contexts fill only the
+    splits they need.
+
+    Returns:
+        An int >= 1.
+
+    Raises:
+        ValueError: as :func:`choose_num_splits`, or ``max_programs < 1``.
+    """
+    if max_programs < 1:
+        raise ValueError("choose_mixed_num_splits: max_programs must be >= 1")
+    one = choose_num_splits(1, num_kv_heads, max_seq_len, num_sms)
+    per_split = max(1, num_seq_slots) * num_kv_heads
+    return max(1, min(one, max_programs // per_split))
+
+
 def decode_scratch(
     batch: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -342,6 +394,7 @@ def decode_attention(
     *,
     config: dict | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
+    min_split_keys: int = 0,
 ) -> torch.Tensor:
     """Paged decode attention, one query token per sequence, split-KV (Triton).
 
@@ -369,6 +422,11 @@ def decode_attention(
         config: optional stage-1 tile override ``{BLOCK_N, num_warps, num_stages}`` (benchmarks).
         cu_seqlens_q: optional int32 ``[B + 1]`` on q's device, non-decreasing, with
             ``cu_seqlens_q[B] <= T`` (not checked: it lives on the device).
+        min_split_keys: host int >= 0, fewest keys of one split (rounded up to the tile,
+            ``BLOCK_N``): a sequence of ``L`` keys fills only ``cdiv(L, split_len)`` of the
+            ``num_splits`` splits and the others are empty, so a grid sized for a long context
+            does not cut short sequences into one-tile splits. 0: every sequence is cut into
+            ``num_splits`` parts (at least one tile each).
 
     Returns:
         ``out``.
@@ -418,6 +476,8 @@ def decode_attention(
         raise ValueError(f"seq_lens must be int32 [B={b}]")
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    if not isinstance(min_split_keys, int) or min_split_keys < 0:
+        raise ValueError(f"min_split_keys must be an int >= 0, got {min_split_keys!r}")
     if (
         partial_out.dtype != torch.float32
         or partial_lse.dtype != torch.float32
@@ -456,6 +516,8 @@ def decode_attention(
         cfg.update(config)
     group = hq // hkv
     split = num_splits > 1
+    block_n = cfg["BLOCK_N"]
+    min_keys = -(-min_split_keys // block_n) * block_n
     cu_q = cu_seqlens_q if varlen else seq_lens  # unused placeholder without VARLEN
     pdl = pdl_kwargs(q.device)
     _decode_split_kernel[(hkv, b, num_splits)](
@@ -470,6 +532,7 @@ def decode_attention(
         cu_q,
         float(scale) * _LOG2E,
         num_splits,
+        min_keys,
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -493,7 +556,7 @@ def decode_attention(
         NUM_GROUPS=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d,
-        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_N=block_n,
         PAGE_SIZE=page_size,
         SPLIT=split,
         DOT_PREC="ieee" if q.dtype == torch.float32 or upcast else "tf32",

@@ -11,10 +11,11 @@ captured size, replays, and reads the rows of its real tokens.
   prompt chunks, decodes mixed with chunks) -- vLLM's "full" CUDA-graph mode for mixed batches.
   This works because the attention kernels' grids depend only on tensor shapes (the padded token
   count and sequence count) and host ints fixed per graph (the decode kernel's split count, from
-  the padded sequence count and max_model_len), never on the step's lengths; padding tokens
-  belong to no sequence and store nothing, padding sequences have no tokens. The Triton backend
-  runs the decode rows of such a step through the decode kernel (``cu_seqlens_q`` mode) and the
-  rest through the prefill kernel, both in the graph.
+  the padded sequence count and max_model_len; the narrow twin graphs of few sequence slots
+  give a mixed step's decode rows splits for long contexts), never on the step's lengths;
+  padding tokens belong to no sequence and store nothing, padding sequences have no tokens.
+  The Triton backend runs the decode rows of such a step through the decode kernel
+  (``cu_seqlens_q`` mode) and the rest through the prefill kernel, both in the graph.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from engine.worker.step_inputs import StepInputs, StepTensors
 log = logging.getLogger(__name__)
 
 
-def capture_graphs(sizes: list[int], run, graphs: dict, outputs: dict, pool=None):
-    """Capture ``run(size)`` once per size, largest first so smaller graphs reuse its memory.
+def capture_graphs(sizes: list, run, graphs: dict, outputs: dict, pool=None):
+    """Capture ``run(size)`` once per size, the last first (sizes ascending: the largest first,
+    so smaller graphs reuse its memory). A size is any key ``run`` takes (a batch size, or a
+    ``(token count, narrow)`` pair).
 
     Each size is run once eagerly first (Triton and torch.compile compilation, allocator
     warm-up), then captured; ``graphs[size]`` gets the graph and ``outputs[size]`` the tensor
@@ -295,16 +298,26 @@ def prefill_capture_sizes(max_tokens: int) -> list[int]:
     return [s for s in sizes if s < top] + [top]
 
 
+#: sequence slots of the narrow prefill/mixed-step graphs (see :class:`PrefillGraphs`)
+NARROW_SEQS = 16
+
+
 class PrefillGraphs:
     """Captured graphs of prefill and mixed steps, one per padded token count.
 
     A step of ``T`` tokens from ``B`` sequences replays the graph of the smallest captured size
     ``T_pad >= T``; that graph has ``S = min(max_seqs, T_pad)`` sequence slots (``B <= T``, as
-    every scheduled sequence brings at least one token). Padding tokens ``T .. T_pad`` have slot
-    -1 (nothing stored) and lie past ``cu_seqlens_q[B]`` (no sequence attends with them);
-    padding sequences ``B .. S`` have no tokens. The graph ends with the final hidden states of
-    the rows to sample (``logits_indices``, padded with row 0); the LM head and the sampler run
-    after the replay on the real rows only, so the graphs hold no ``[S, vocab]`` logits.
+    every scheduled sequence brings at least one token). Each size above :data:`NARROW_SEQS`
+    slots is also captured with ``S = NARROW_SEQS``, and a step of at most that many sequences
+    replays the narrow graph: its kernels' grids have fewer empty sequence slots, and the decode
+    rows of a mixed step get a split count sized for few sequences
+    (``kernels.decode_attention.choose_mixed_num_splits``), so a stream decoding over a long
+    context next to a prompt chunk reads its keys with the whole GPU. Padding tokens
+    ``T .. T_pad`` have slot -1 (nothing stored) and lie past ``cu_seqlens_q[B]`` (no sequence
+    attends with them); padding sequences ``B .. S`` have no tokens. The graph ends with the
+    final hidden states of the rows to sample (``logits_indices``, padded with row 0); the LM
+    head and the sampler run after the replay on the real rows only, so the graphs hold no
+    ``[S, vocab]`` logits.
 
     Args:
         model: the engine's model (graph-safe attention: Triton, grid from shapes only);
@@ -334,15 +347,28 @@ class PrefillGraphs:
         self.inputs = GraphInputs(
             self.sizes[-1], min(max_seqs, self.sizes[-1]), max_blocks_per_seq, device
         )
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.hidden: dict[int, torch.Tensor] = {}
+        # graph keys: (padded token count, narrow); the narrow twin of a size exists where it
+        # has fewer slots than the wide graph
+        self.keys = [(t, True) for t in self.sizes if min(max_seqs, t) > NARROW_SEQS]
+        self.keys += [(t, False) for t in self.sizes]
+        self._narrow_sizes = {t for t, narrow in self.keys if narrow}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[tuple[int, bool], torch.Tensor] = {}
         self.pool = None
 
-    def _num_seqs(self, size: int) -> int:
-        return min(self.max_seqs, size)
+    def _num_seqs(self, key: tuple[int, bool]) -> int:
+        size, narrow = key
+        return min(NARROW_SEQS if narrow else self.max_seqs, self.max_seqs, size)
 
-    def _run(self, size: int) -> torch.Tensor:
-        s = self._num_seqs(size)
+    def key(self, num_tokens: int, num_seqs: int) -> tuple[int, bool]:
+        """The graph of a step of ``num_tokens`` tokens from ``num_seqs`` sequences: the
+        smallest captured size that fits, narrow when the sequences fit its slots."""
+        size = next(s for s in self.sizes if s >= num_tokens)
+        return size, size in self._narrow_sizes and num_seqs <= NARROW_SEQS
+
+    def _run(self, key: tuple[int, bool]) -> torch.Tensor:
+        size = key[0]
+        s = self._num_seqs(key)
         meta = self.inputs.metadata(size, s, size, self.max_seq_len)
         hidden = self.model(
             self.inputs.input_ids[:size], self.inputs.positions[:size], self.kv_caches, meta
@@ -359,8 +385,15 @@ class PrefillGraphs:
         self.inputs.slot_mapping.fill_(-1)
         self.inputs.cu_seqlens_q.zero_()
         self.inputs.logits_indices.zero_()
-        self.pool = capture_graphs(self.sizes, self._run, self.graphs, self.hidden, self.pool)
-        log.info("captured prefill/mixed-step CUDA graphs for token counts %s", self.sizes)
+        # reversed order: the wide graphs, largest first, then the narrow ones
+        self.pool = capture_graphs(self.keys, self._run, self.graphs, self.hidden, self.pool)
+        log.info(
+            "captured prefill/mixed-step CUDA graphs for token counts %s (also with %d sequence "
+            "slots from %s tokens)",
+            self.sizes,
+            NARROW_SEQS,
+            min(self._narrow_sizes, default="no"),
+        )
 
     def can_run(self, num_tokens: int, max_seq_len: int) -> bool:
         return num_tokens <= self.sizes[-1] and max_seq_len <= self.max_seq_len
@@ -373,10 +406,10 @@ class PrefillGraphs:
             (``step.logits_indices``); a view of a static buffer, valid until the next replay.
         """
         n = step.logits_indices.shape[0]
-        size = next(s for s in self.sizes if s >= step.num_tokens)
-        self.inputs.copy_from(step, size, self._num_seqs(size), decode=False)
-        graph = self.graphs.get(size)
+        key = self.key(step.num_tokens, step.num_seqs)
+        self.inputs.copy_from(step, key[0], self._num_seqs(key), decode=False)
+        graph = self.graphs.get(key)
         if graph is None:  # not captured (no CUDA): the same padded forward, eagerly
-            return self._run(size)[:n]
+            return self._run(key)[:n]
         graph.replay()
-        return self.hidden[size][:n]
+        return self.hidden[key][:n]

@@ -5,7 +5,13 @@ import os
 import pytest
 import torch
 
-from kernels.decode_attention import choose_num_splits, decode_attention, decode_scratch
+from kernels.decode_attention import (
+    choose_mixed_num_splits,
+    choose_num_splits,
+    decode_attention,
+    decode_config,
+    decode_scratch,
+)
 from kernels.reference import decode_attention_ref
 
 from .test_prefill_attention import TOL, make_paged, rel_err
@@ -23,7 +29,12 @@ CASES = [
 
 
 @pytest.mark.parametrize("seq_lens,hq,hkv,d,block_size,dtype,num_splits", CASES)
-def test_decode_matches_reference(device, seq_lens, hq, hkv, d, block_size, dtype, num_splits):
+@pytest.mark.parametrize("min_split_keys", [0, 70], ids=["cut", "min70"])
+def test_decode_matches_reference(
+    device, seq_lens, hq, hkv, d, block_size, dtype, num_splits, min_split_keys
+):
+    """min70: splits of at least 70 keys (rounded up to the tile), so short sequences fill only
+    some splits and the others stay empty."""
     seed = int.from_bytes(os.urandom(4), "little")
     g = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_tables = make_paged(seq_lens, hkv, d, block_size, dtype, g)
@@ -50,9 +61,18 @@ def test_decode_matches_reference(device, seq_lens, hq, hkv, d, block_size, dtyp
         po,
         plse,
         num_splits,
+        min_split_keys=min_split_keys,
     )
     assert res is out
     assert torch.isfinite(out).all(), f"unwritten or NaN output (seed={seed})"
+    if num_splits > 1 and min_split_keys:  # the splits a sequence fills: >= min keys each
+        block_n = decode_config(d, dtype, torch.device(device))["BLOCK_N"]
+        min_keys = -(-min_split_keys // block_n) * block_n
+        filled = torch.isfinite(plse.cpu()).all(1).sum(1)  # [B] splits with keys
+        for i, n in enumerate(seq_lens):
+            per_split = -(-n // num_splits)
+            split_len = max(-(-per_split // block_n) * block_n, min_keys)
+            assert filled[i] == -(-n // split_len), (n, filled[i], seed)
     err = rel_err(out.cpu(), ref)
     assert err <= TOL[dtype], f"rel err {err:.2e} (seed={seed})"
 
@@ -70,6 +90,37 @@ def test_choose_num_splits():
     assert 1 <= choose_num_splits(0, 8, 0, 132) <= 64
     with pytest.raises(ValueError):
         choose_num_splits(1, 0, 10, 132)
+
+
+def test_choose_mixed_num_splits():
+    # few sequence slots: the splits of one decoding sequence, up to the program cap
+    assert choose_mixed_num_splits(1, 8, 40960, 132) == choose_num_splits(1, 8, 40960, 132) == 33
+    assert choose_mixed_num_splits(16, 8, 40960, 132) == 16
+    # a wide graph keeps one split (today's grid)
+    assert choose_mixed_num_splits(256, 8, 40960, 132) == 1
+    assert choose_mixed_num_splits(16, 8, 300, 132) == choose_num_splits(1, 8, 300, 132) == 2
+    with pytest.raises(ValueError):
+        choose_mixed_num_splits(16, 8, 300, 132, max_programs=0)
+
+
+def test_decode_min_split_keys_is_checked():
+    q = torch.zeros(1, 2, 16)
+    kc = torch.zeros(1, 16, 2, 16)
+    po, plse = decode_scratch(1, 2, 16, 2, "cpu")
+    with pytest.raises(ValueError, match="min_split_keys"):
+        decode_attention(
+            q,
+            kc,
+            kc,
+            torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32),
+            torch.empty_like(q),
+            0.1,
+            po,
+            plse,
+            2,
+            min_split_keys=-1,
+        )
 
 
 def test_decode_scratch_shapes(device):
@@ -113,8 +164,9 @@ VARLEN_CASES = [
 
 
 @pytest.mark.parametrize("q_lens,ctx_lens,hq,hkv,d,block_size,dtype,num_splits,pad", VARLEN_CASES)
+@pytest.mark.parametrize("min_split_keys", [0, 64], ids=["cut", "min64"])
 def test_decode_varlen_computes_decode_rows_only(
-    device, q_lens, ctx_lens, hq, hkv, d, block_size, dtype, num_splits, pad
+    device, q_lens, ctx_lens, hq, hkv, d, block_size, dtype, num_splits, pad, min_split_keys
 ):
     """Mixed-step mode (cu_seqlens_q): the row cu_seqlens_q[b] of every sequence with one new token
     matches decode_attention_ref; rows of other sequences and padding rows keep their sentinel."""
@@ -153,6 +205,7 @@ def test_decode_varlen_computes_decode_rows_only(
         plse,
         num_splits,
         cu_seqlens_q=cu.to(device),
+        min_split_keys=min_split_keys,
     )
     assert res is out
     out = out.cpu()

@@ -10,7 +10,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.registry import default_backend_name, get_attention_backend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
-from kernels.decode_attention import choose_num_splits
+from kernels.decode_attention import choose_mixed_num_splits
 from kernels.reference import prefill_attention_ref, rms_norm_ref, rope_ref, store_kv_cache_ref
 
 from .test_prefill_attention import make_paged, rel_err
@@ -102,7 +102,7 @@ def test_triton_backend_matches_torch_backend(device, dtype):
         (
             torch.bfloat16,
             64,
-            1024,
+            2048,
             True,
         ),  # several splits (max_seq_len as a captured graph passes it)
         (torch.float32, 4, None, False),  # the single prefill launch
@@ -118,7 +118,9 @@ def test_triton_backend_mixed_step_matches_reference(
     g = torch.Generator().manual_seed(seed)
     hq, hkv, d, bs = 8, 2, 64, 16
     q_lens = [1, 20, 1, 1, 3, 1, 0, 0]  # the last two: padding sequences
-    ctx_lens = [137, 5, 0, 60, 0, 16, 0, 0]
+    # 1,100 cached keys: with several splits, the mixed step's decode launch fills 3 splits of
+    # MIXED_MIN_SPLIT_KEYS (512) keys for that row and one for the others
+    ctx_lens = [1100, 5, 0, 60, 0, 16, 0, 0]
     pad_tokens = 7
     seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
     k_cache, v_cache, block_tables = make_paged(seq_lens, hkv, d, bs, dtype, g)
@@ -137,7 +139,7 @@ def test_triton_backend_mixed_step_matches_reference(
     if max_seq_len is not None:
         meta.max_seq_len = max_seq_len
     if num_sms == 64:
-        assert choose_num_splits(len(q_lens), hkv, meta.max_seq_len, num_sms) > 1
+        assert choose_mixed_num_splits(len(q_lens), hkv, meta.max_seq_len, num_sms) > 2
 
     ref_k, ref_v = k_cache.float(), v_cache.float()
     store_kv_cache_ref(k.float(), v.float(), ref_k, ref_v, meta.slot_mapping)

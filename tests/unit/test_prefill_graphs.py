@@ -26,12 +26,12 @@ def test_capture_sizes_cover_every_step_with_bounded_padding(max_tokens):
         assert padded <= max(64, 1.25 * t + 16), (t, padded)
 
 
-def _engine(path, async_scheduling, graphs: bool, budget: int):
+def _engine(path, async_scheduling, graphs: bool, budget: int, max_seqs: int = 6):
     cfg = EngineConfig(
         model=path,
         block_size=8,
         num_kv_blocks=96,
-        max_num_seqs=6,
+        max_num_seqs=max_seqs,
         max_num_batched_tokens=budget,
         async_scheduling=async_scheduling,
     )
@@ -83,8 +83,16 @@ def _run(eng, requests):
     return tokens, logprobs
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_padded_graph_steps_equal_eager_steps(tiny_checkpoint, one_torch_thread, async_scheduling):
+@pytest.mark.parametrize(
+    "async_scheduling,max_seqs",
+    [(False, 6), (True, 6), (False, 24)],
+    ids=["sync", "async", "narrow"],
+)
+def test_padded_graph_steps_equal_eager_steps(
+    tiny_checkpoint, one_torch_thread, async_scheduling, max_seqs
+):
+    """max_seqs 24: sizes of 32 and 48 tokens also have narrow graphs (16 sequence slots, the
+    mixed decode rows split for few sequences); the 10 requests replay them."""
     path, _ = tiny_checkpoint
     rng = random.Random(11)
     shared = [rng.randrange(384) for _ in range(40)]  # a prefix several prompts share (cache hits)
@@ -98,11 +106,14 @@ def test_padded_graph_steps_equal_eager_steps(tiny_checkpoint, one_torch_thread,
         requests.append((f"r{i}", prompt, params))
     # budget 40: long prompts are chunked and chunks mix with decodes; 40 is not a capture size
     eager = _run(_engine(path, async_scheduling, graphs=False, budget=40), requests)
-    eng = _engine(path, async_scheduling, graphs=True, budget=40)
-    calls = []
-    run = eng.executor.prefill_graphs.run
-    eng.executor.prefill_graphs.run = lambda step: calls.append(step.num_tokens) or run(step)
+    eng = _engine(path, async_scheduling, graphs=True, budget=40, max_seqs=max_seqs)
+    calls, keys = [], []
+    graphs = eng.executor.prefill_graphs
+    run, run_key = graphs.run, graphs._run
+    graphs.run = lambda step: calls.append(step.num_tokens) or run(step)
+    graphs._run = lambda key: keys.append(key) or run_key(key)
     got = _run(eng, requests)
+    assert any(narrow for _, narrow in keys) == (max_seqs > 16)
     assert got[0] == eager[0]
     for rid in got[1]:
         for a, b in zip(got[1][rid], eager[1][rid], strict=True):
@@ -111,6 +122,18 @@ def test_padded_graph_steps_equal_eager_steps(tiny_checkpoint, one_torch_thread,
             assert [x for _, x in a[1]] == pytest.approx([x for _, x in b[1]], abs=1e-4)
     assert calls and max(calls) > 16 and min(calls) < 16  # several padded sizes were replayed
     assert eng.kv_cache_manager.prefix_hits > 0  # some steps attended to a cached prefix
+
+
+def test_narrow_graphs_take_steps_of_few_sequences():
+    g = PrefillGraphs(None, None, 1024, 256, 4, 40960, torch.device("cpu"))
+    assert (16, True) not in g.keys and (32, True) in g.keys and (1024, True) in g.keys
+    assert g.keys[-1] == (1024, False)  # captured first (reversed), the pool's largest graph
+    assert g.key(1000, 2) == (1024, True)
+    assert g.key(1000, 17) == (1024, False)
+    assert g.key(10, 3) == (16, False)  # 16 tokens have 16 slots anyway
+    assert g._num_seqs((1024, True)) == 16 and g._num_seqs((1024, False)) == 256
+    few = PrefillGraphs(None, None, 64, 8, 4, 4096, torch.device("cpu"))
+    assert not any(narrow for _, narrow in few.keys)  # 8 sequences: nothing narrower
 
 
 def test_padding_rows_store_nothing(tiny_checkpoint, one_torch_thread):
