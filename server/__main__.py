@@ -13,6 +13,8 @@ import sys
 
 import uvicorn
 
+from engine.core.config import DEFAULT_MAX_PREFILL_ATTENTION_WITH_DECODES
+
 log = logging.getLogger("server")
 
 ENV_PREFIX = "QWEN_SERVE_"
@@ -223,10 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--max-prefill-attention-with-decodes",
         type=int,
-        default=_env("max_prefill_attention_with_decodes"),
+        default=_env(
+            "max_prefill_attention_with_decodes", DEFAULT_MAX_PREFILL_ATTENTION_WITH_DECODES
+        ),
         help="most query-key pairs of prompt attention one step carries while requests decode "
         "(a chunk over a long cached prefix gets fewer rows; the first chunk of a step gets at "
-        "least one); 0 or unset: no bound",
+        "least one); 0: no bound",
     )
     a(
         "--served-model-name",

@@ -34,6 +34,11 @@ LOAD_FORMATS = ("auto", "dummy")
 
 #: values of ``EngineConfig.quantization`` besides None (the checkpoint's own format)
 QUANTIZATION_METHODS = ("fp8",)
+#: default bound on the query-key pairs of prompt attention a step carries while requests decode
+#: (``EngineConfig.max_prefill_attention_with_decodes``): 2 Mi pairs, about four whole
+#: 1,024-token prompts or a 64-row chunk over 32k cached keys; chosen by the long-context sweep
+#: (docs/benchmarks.md, issue 20)
+DEFAULT_MAX_PREFILL_ATTENTION_WITH_DECODES = 2 * 1024 * 1024
 
 #: the one FP8 weight block the kernels take: ``[block_n, block_k]`` (DeepSeek-V3, Qwen3-FP8)
 FP8_BLOCK = (128, 128)
@@ -440,8 +445,9 @@ class EngineConfig:
         max_prefill_attention_with_decodes: most query-key pairs of prompt attention one step
             may carry while requests decode (``engine.core.attention_budget``): a chunk over a
             long cached prefix gets fewer rows, so a long prompt's prefill adds a bounded time to
-            each running stream's step at any context length. None = no bound. Chunked prefill
-            only.
+            each running stream's step at any context length. Default
+            :data:`DEFAULT_MAX_PREFILL_ATTENTION_WITH_DECODES`; None or 0 = no bound. Chunked
+            prefill only.
         attention_backend: "triton", "torch" or None (triton on CUDA, torch on CPU).
         enable_prefix_caching: share full KV blocks between requests with the same prefix.
         enable_chunked_prefill: split long prompts over several steps within the token budget.
@@ -484,7 +490,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     prefill_only_token_budget: int | None = None
     max_prefill_tokens_with_decodes: int | None = None
-    max_prefill_attention_with_decodes: int | None = None
+    max_prefill_attention_with_decodes: int | None = DEFAULT_MAX_PREFILL_ATTENTION_WITH_DECODES
     attention_backend: str | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
