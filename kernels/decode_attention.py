@@ -34,9 +34,9 @@ __all__ = [
     "decode_attention",
     "decode_scratch",
     "choose_num_splits",
-    "choose_mixed_num_splits",
+    "choose_mixed_splits",
     "decode_config",
-    "MIXED_MIN_SPLIT_KEYS",
+    "MIXED_FEW_SLOTS",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -320,44 +320,51 @@ def choose_num_splits(
     return int(max(1, min(want, cap, max_splits)))
 
 
-#: most stage-1 programs (sequence slots x KV heads x splits) of a mixed step's decode launch
+#: most sequence slots of a mixed step whose decode rows are split for a long context (the
+#: narrow prefill/mixed graphs, ``engine.worker.cuda_graph.NARROW_SEQS``, have this many)
+MIXED_FEW_SLOTS = 16
+#: most stage-1 programs (sequence slots x KV heads x splits) of such a launch
 MIXED_MAX_PROGRAMS = 2048
-#: fewest keys of one split in a mixed step's decode launch (``decode_attention``'s
-#: ``min_split_keys``): a short context fills one or two splits of a grid sized for a long one
+#: fewest keys of one split in such a launch (``decode_attention``'s ``min_split_keys``): a
+#: short context fills one or two splits of a grid sized for a long one
 MIXED_MIN_SPLIT_KEYS = 512
 
 
-def choose_mixed_num_splits(
+def choose_mixed_splits(
     num_seq_slots: int,
     num_kv_heads: int,
     max_seq_len: int,
     num_sms: int,
     *,
     max_programs: int = MIXED_MAX_PROGRAMS,
-) -> int:
-    """KV splits for the decode rows of a mixed step (``decode_attention(...,
-    cu_seqlens_q=...)``), from host ints.
+) -> tuple[int, int]:
+    """``(num_splits, min_split_keys)`` for the decode rows of a mixed step
+    (``decode_attention(..., cu_seqlens_q=...)``), from host ints.
 
-    How many of a mixed step's ``num_seq_slots`` sequences decode is a device-side fact (the
-    step may replay a CUDA graph captured for any such step), and the common long-context case
-    is one or two streams decoding next to a prompt chunk: so the splits are those of a single
-    decoding sequence (:func:`choose_num_splits` with ``batch=1``), capped so the grid
-    ``num_seq_slots * num_kv_heads * splits`` stays within ``max_programs`` (a wide grid of
-    mostly empty programs costs launch time; 256 slots of 8 KV heads get 1 split, 16 slots get
-    16). Launch with ``min_split_keys=MIXED_MIN_SPLIT_KEYS`` so short contexts fill only the
-    splits they need.
+    How many of a mixed step's ``num_seq_slots`` sequences decode, and over how many keys, is a
+    device-side fact (the step may replay a CUDA graph captured for any such step). With at
+    most :data:`MIXED_FEW_SLOTS` slots the common case is one or two streams decoding over a
+    long context next to a prompt chunk, so the splits are those of a single decoding sequence
+    (:func:`choose_num_splits` with ``batch=1``), capped so the grid ``num_seq_slots *
+    num_kv_heads * splits`` stays within ``max_programs`` (16 slots of 8 KV heads: 16 splits),
+    with ``min_split_keys`` :data:`MIXED_MIN_SPLIT_KEYS` so that short contexts fill only the
+    splits they need. With more slots the step is taken to hold many decoding sequences, and
+    the split count is :func:`choose_num_splits` of the slots (and ``min_split_keys`` 0), as
+    for a decode step of that batch.
 
     Returns:
-        An int >= 1.
+        ``(num_splits >= 1, min_split_keys >= 0)``.
 
     Raises:
         ValueError: as :func:`choose_num_splits`, or ``max_programs < 1``.
     """
     if max_programs < 1:
-        raise ValueError("choose_mixed_num_splits: max_programs must be >= 1")
+        raise ValueError("choose_mixed_splits: max_programs must be >= 1")
+    if num_seq_slots > MIXED_FEW_SLOTS:
+        return choose_num_splits(num_seq_slots, num_kv_heads, max_seq_len, num_sms), 0
     one = choose_num_splits(1, num_kv_heads, max_seq_len, num_sms)
     per_split = max(1, num_seq_slots) * num_kv_heads
-    return max(1, min(one, max_programs // per_split))
+    return max(1, min(one, max_programs // per_split)), MIXED_MIN_SPLIT_KEYS
 
 
 def decode_scratch(

@@ -7,8 +7,8 @@ split-KV paged decode kernel when every sequence has one new token. Any other st
 a mixed step of decodes and prompt chunks) runs the decode kernel in its varlen mode on the
 sequences with one new token and the varlen paged prefill kernel on the others
 (``split_mixed_steps``; otherwise the prefill kernel computes every row); the decode rows of a
-mixed step get the splits of a single decoding sequence within a program cap
-(``kernels.decode_attention.choose_mixed_num_splits``), so a stream decoding over a long context
+mixed step of at most 16 sequences get the splits of a single decoding sequence within a program
+cap (``kernels.decode_attention.choose_mixed_splits``), so a stream decoding over a long context
 next to a prompt chunk is not read by one program per KV head. A prefill launch whose
 grid would leave most SMs idle (a short prompt chunk over a long cached prefix) runs in the
 kernel's split-KV mode, its split count chosen from host ints (``kernels.prefill_split``). Off
@@ -23,8 +23,7 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from kernels.decode_attention import (
-    MIXED_MIN_SPLIT_KEYS,
-    choose_mixed_num_splits,
+    choose_mixed_splits,
     choose_num_splits,
     decode_attention,
     decode_scratch,
@@ -189,8 +188,11 @@ class TritonAttentionBackend:
             # pure decode: one row per sequence; mixed step: the rows of sequences with one new
             # token (row cu_seqlens_q[b]), the others left to the prefill launch below
             _, num_heads, head_dim = q.shape
-            choose = choose_num_splits if decode else choose_mixed_num_splits
-            splits = choose(num_seqs, k_cache.shape[2], meta.max_seq_len, self._sm_count(q.device))
+            args = (num_seqs, k_cache.shape[2], meta.max_seq_len, self._sm_count(q.device))
+            if decode:
+                splits, min_keys = choose_num_splits(*args), 0
+            else:
+                splits, min_keys = choose_mixed_splits(*args)
             po, plse = self.scratch(num_seqs, num_heads, head_dim, splits, q.device)
             decode_attention(
                 q,
@@ -204,7 +206,7 @@ class TritonAttentionBackend:
                 plse,
                 splits,
                 cu_seqlens_q=None if decode else meta.cu_seqlens_q,
-                min_split_keys=0 if decode else MIXED_MIN_SPLIT_KEYS,
+                min_split_keys=min_keys,
             )
             if decode:
                 return out

@@ -27,6 +27,7 @@ import torch
 from engine.attention.metadata import AttentionMetadata
 from engine.worker.staging import HostStaging
 from engine.worker.step_inputs import StepInputs, StepTensors
+from kernels.decode_attention import MIXED_FEW_SLOTS
 
 log = logging.getLogger(__name__)
 
@@ -298,8 +299,9 @@ def prefill_capture_sizes(max_tokens: int) -> list[int]:
     return [s for s in sizes if s < top] + [top]
 
 
-#: sequence slots of the narrow prefill/mixed-step graphs (see :class:`PrefillGraphs`)
-NARROW_SEQS = 16
+#: sequence slots of the narrow prefill/mixed-step graphs (see :class:`PrefillGraphs`): the
+#: most whose mixed decode rows get long-context splits
+NARROW_SEQS = MIXED_FEW_SLOTS
 
 
 class PrefillGraphs:
@@ -311,7 +313,7 @@ class PrefillGraphs:
     slots is also captured with ``S = NARROW_SEQS``, and a step of at most that many sequences
     replays the narrow graph: its kernels' grids have fewer empty sequence slots, and the decode
     rows of a mixed step get a split count sized for few sequences
-    (``kernels.decode_attention.choose_mixed_num_splits``), so a stream decoding over a long
+    (``kernels.decode_attention.choose_mixed_splits``), so a stream decoding over a long
     context next to a prompt chunk reads its keys with the whole GPU. Padding tokens
     ``T .. T_pad`` have slot -1 (nothing stored) and lie past ``cu_seqlens_q[B]`` (no sequence
     attends with them); padding sequences ``B .. S`` have no tokens. The graph ends with the

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.decode_attention import (
-    choose_mixed_num_splits,
+    choose_mixed_splits,
     choose_num_splits,
     decode_attention,
     decode_config,
@@ -92,15 +92,21 @@ def test_choose_num_splits():
         choose_num_splits(1, 0, 10, 132)
 
 
-def test_choose_mixed_num_splits():
-    # few sequence slots: the splits of one decoding sequence, up to the program cap
-    assert choose_mixed_num_splits(1, 8, 40960, 132) == choose_num_splits(1, 8, 40960, 132) == 33
-    assert choose_mixed_num_splits(16, 8, 40960, 132) == 16
-    # a wide graph keeps one split (today's grid)
-    assert choose_mixed_num_splits(256, 8, 40960, 132) == 1
-    assert choose_mixed_num_splits(16, 8, 300, 132) == choose_num_splits(1, 8, 300, 132) == 2
+def test_choose_mixed_splits():
+    # few sequence slots: the splits of one decoding sequence, up to the program cap, with
+    # short contexts filling only the splits they need
+    assert choose_mixed_splits(1, 8, 40960, 132) == (choose_num_splits(1, 8, 40960, 132), 512)
+    assert choose_num_splits(1, 8, 40960, 132) == 33
+    assert choose_mixed_splits(16, 8, 40960, 132) == (16, 512)
+    assert choose_mixed_splits(16, 8, 300, 132) == (choose_num_splits(1, 8, 300, 132), 512)
+    # more slots: as a decode step of that batch (the grids of before)
+    for slots in (17, 32, 128, 256):
+        assert choose_mixed_splits(slots, 8, 40960, 132) == (
+            choose_num_splits(slots, 8, 40960, 132),
+            0,
+        )
     with pytest.raises(ValueError):
-        choose_mixed_num_splits(16, 8, 300, 132, max_programs=0)
+        choose_mixed_splits(16, 8, 300, 132, max_programs=0)
 
 
 def test_decode_min_split_keys_is_checked():

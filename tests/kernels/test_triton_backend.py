@@ -10,7 +10,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.registry import default_backend_name, get_attention_backend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
-from kernels.decode_attention import choose_mixed_num_splits
+from kernels.decode_attention import choose_mixed_splits
 from kernels.reference import prefill_attention_ref, rms_norm_ref, rope_ref, store_kv_cache_ref
 
 from .test_prefill_attention import make_paged, rel_err
@@ -139,7 +139,7 @@ def test_triton_backend_mixed_step_matches_reference(
     if max_seq_len is not None:
         meta.max_seq_len = max_seq_len
     if num_sms == 64:
-        assert choose_mixed_num_splits(len(q_lens), hkv, meta.max_seq_len, num_sms) > 2
+        assert choose_mixed_splits(len(q_lens), hkv, meta.max_seq_len, num_sms)[0] > 2
 
     ref_k, ref_v = k_cache.float(), v_cache.float()
     store_kv_cache_ref(k.float(), v.float(), ref_k, ref_v, meta.slot_mapping)
