@@ -90,7 +90,8 @@ class _EnvCheckedParser(argparse.ArgumentParser):
         if m and "QWEN_SERVE_" not in message:
             env = ENV_PREFIX + m.group(1)[2:].upper().replace("-", "_")
             message = message.replace(m.group(1), f"{m.group(1)} (or {env})", 1)
-        super().error(message)
+        # one line, without argparse's usage block (the message names the flag; --help has more)
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
     def parse_known_args(self, args=None, namespace=None):
         ns, extra = super().parse_known_args(args, namespace)

@@ -99,3 +99,34 @@ def test_model_may_be_a_gguf_file_but_not_another_file(tmp_path, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--model", str(other)])
     assert "is a file but not a GGUF file" in capsys.readouterr().err
+
+
+def test_prompt_attention_bound_reaches_the_engine_config(monkeypatch, capsys):
+    """``--max-prefill-attention-with-decodes``: the engine's default unless given, 0 turns the
+    bound off (None in the EngineConfig), a negative value is refused naming the flag."""
+    from engine.core.config import DEFAULT_MAX_PREFILL_ATTENTION_WITH_DECODES
+    from server.factory import engine_config
+
+    def config(argv):
+        args = build_parser().parse_args(["--device", "cpu", *argv])
+        return engine_config(args).max_prefill_attention_with_decodes
+
+    assert config([]) == DEFAULT_MAX_PREFILL_ATTENTION_WITH_DECODES
+    assert config(["--max-prefill-attention-with-decodes", "0"]) is None
+    assert config(["--max-prefill-attention-with-decodes", "4096"]) == 4096
+    monkeypatch.setenv("QWEN_SERVE_MAX_PREFILL_ATTENTION_WITH_DECODES", "0")
+    assert config([]) is None
+    monkeypatch.setenv("QWEN_SERVE_MAX_PREFILL_ATTENTION_WITH_DECODES", "-1")
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "QWEN_SERVE_MAX_PREFILL_ATTENTION_WITH_DECODES" in err and "out of range" in err
+
+
+def test_a_bad_flag_is_one_line_on_stderr(capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--max-num-seqs", "0"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--max-num-seqs" in err and "out of range" in err
