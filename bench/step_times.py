@@ -10,8 +10,8 @@ with synchronous scheduling (each ``step()`` is timed from its start to its outp
 included, ``torch.cuda.synchronize`` after it): ``--concurrency`` requests of ``--prompt``
 random tokens start together and each finished request is replaced by a new one until
 ``--requests`` have run (every prompt distinct, prefix caching off). Every step is classified by
-what the scheduler put in it: decode rows, prompt rows, the longest cached prefix a prompt chunk
-attends to, and the total context the decode rows read. Prints a table of mean step time per
+what the scheduler put in it: decode rows, prompt rows and the longest cached prefix a prompt
+chunk attends to. Prints a table of mean step time per
 class, the requests' TTFT / TPOT (from the step clock) and output tok/s. ``--profile`` runs
 torch's profiler over one mixed step whose chunk attends to more than half the prompt (and one
 pure decode step) and prints their top kernels by CUDA time.
@@ -38,12 +38,20 @@ def _bucket(x: int, edges: tuple[int, ...]) -> str:
     return f">{edges[-1]}"
 
 
+def _value(text: str):
+    """``None``, ``True``/``False``, an int, a float, or the string itself."""
+    if text in ("None", "True", "False"):
+        return {"None": None, "True": True, "False": False}[text]
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def _overrides(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        key, _, value = item.partition("=")
-        out[key] = None if value == "None" else int(value) if value.lstrip("-").isdigit() else value
-    return out
+    return {key: _value(value) for key, _, value in (i.partition("=") for i in items)}
 
 
 def main() -> None:
@@ -70,18 +78,17 @@ def main() -> None:
     from engine.core.request import SamplingParams
     from engine.worker.build import build_engine
 
-    engine = build_engine(
-        EngineConfig(
-            model=args.ckpt,
-            device=args.device,
-            dtype=torch.bfloat16 if args.device.startswith("cuda") else torch.float32,
-            max_model_len=args.max_model_len,
-            max_num_seqs=256,
-            enable_prefix_caching=False,
-            async_scheduling=False,
-            **_overrides(args.overrides),
-        )
+    fields = dict(
+        model=args.ckpt,
+        device=args.device,
+        dtype=torch.bfloat16 if args.device.startswith("cuda") else torch.float32,
+        max_model_len=args.max_model_len,
+        max_num_seqs=256,
+        enable_prefix_caching=False,
+        async_scheduling=False,
     )
+    fields.update(_overrides(args.overrides))
+    engine = build_engine(EngineConfig(**fields))
     sched = engine.scheduler
     rng = random.Random(7)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -104,17 +111,15 @@ def main() -> None:
 
     def schedule():
         batch = real_schedule()
-        dec = rows = dec_ctx = 0
-        chunk_ctx = 0
+        dec = rows = chunk_ctx = 0
         for r, n in zip(batch.requests, batch.num_new_tokens):
             c = r.num_computed_tokens
             if r.num_tokens - c == 1:
                 dec += 1
-                dec_ctx += c + 1
             else:
                 rows += n
                 chunk_ctx = max(chunk_ctx, c)
-        composition.update(dec=dec, rows=rows, chunk_ctx=chunk_ctx, dec_ctx=dec_ctx)
+        composition.update(dec=dec, rows=rows, chunk_ctx=chunk_ctx)
         return batch
 
     sched.schedule = schedule
@@ -161,7 +166,6 @@ def main() -> None:
             profiled.add(kind)
             print(f"\n-- profile of a {kind} step: {composition}")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
-            continue  # the profiled step's time is not representative
         comp = dict(composition)
         if comp["rows"] and comp["dec"]:
             key = (
@@ -174,7 +178,8 @@ def main() -> None:
             key = ("prefill", 0, _bucket(comp["rows"], (16, 64, 256, 1024, 8192)), "")
         else:
             key = ("decode", comp["dec"], "", "")
-        classes[key].append(1e3 * (t1 - t0))
+        if prof is None:  # a profiled step's time is not representative
+            classes[key].append(1e3 * (t1 - t0))
         for o in outputs:
             if o.new_token_ids:
                 rid = o.request_id

@@ -352,12 +352,20 @@ def choose_mixed_splits(
     the split count is :func:`choose_num_splits` of the slots (and ``min_split_keys`` 0), as
     for a decode step of that batch.
 
+    Args:
+        num_seq_slots: sequences of the launch (B, padded in a graph); num_kv_heads: H_kv.
+        max_seq_len: host bound of the longest context (``max_model_len`` inside a graph).
+        num_sms: multiprocessors of the GPU.
+        max_programs: the grid cap above.
+
     Returns:
         ``(num_splits >= 1, min_split_keys >= 0)``.
 
     Raises:
-        ValueError: as :func:`choose_num_splits`, or ``max_programs < 1``.
+        ValueError: as :func:`choose_num_splits` (a negative count), or ``max_programs < 1``.
     """
+    if num_seq_slots < 0:
+        raise ValueError("choose_mixed_splits: invalid arguments")
     if max_programs < 1:
         raise ValueError("choose_mixed_splits: max_programs must be >= 1")
     if num_seq_slots > MIXED_FEW_SLOTS:
@@ -439,7 +447,8 @@ def decode_attention(
         ``out``.
 
     Raises:
-        ValueError: on inconsistent shapes, dtypes, devices, strides or ``num_splits < 1``.
+        ValueError: on inconsistent shapes, dtypes, devices, strides, ``num_splits < 1`` or
+            ``min_split_keys < 0``.
 
     Grid: ``(H_kv, B, num_splits)`` and ``(H_q, B)`` for the reduction, from shapes and the host
     int ``num_splits`` only (with ``cu_seqlens_q``, skipped sequences' programs return at once),

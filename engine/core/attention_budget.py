@@ -28,7 +28,7 @@ def causal_pairs(computed: int, n: int) -> int:
         n: rows of the chunk, >= 0.
 
     Returns:
-        ``n * computed + n * (n + 1) / 2`` (an int).
+        ``n * computed + n * (n + 1) / 2`` (an int). Raises nothing.
     """
     return n * computed + n * (n + 1) // 2
 
@@ -42,7 +42,7 @@ def max_rows_within(computed: int, pairs: int) -> int:
         pairs: query-key pairs left to the step; <= 0 gives 0.
 
     Returns:
-        The largest ``n >= 0`` with ``causal_pairs(computed, n) <= pairs``.
+        The largest ``n >= 0`` with ``causal_pairs(computed, n) <= pairs``. Raises nothing.
     """
     if pairs <= 0:
         return 0

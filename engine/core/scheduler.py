@@ -105,6 +105,9 @@ class Scheduler:
             gets at least one row (a prompt is never starved by running streams). None: no
             bound (so is 0).
 
+    Raises:
+        ValueError: a negative ``max_prefill_attention_with_decodes``.
+
     Attributes:
         requests: live requests (waiting or running) by id.
         waiting, waiting_for_grammar, running: the queues (a request whose grammar is still
@@ -137,6 +140,11 @@ class Scheduler:
             else max_num_batched_tokens
         )
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes if chunked else None
+        pairs = max_prefill_attention_with_decodes
+        if pairs is not None and pairs < 0:
+            raise ValueError(
+                f"max_prefill_attention_with_decodes must be >= 0 (0: no bound), got {pairs}"
+            )
         self.max_prefill_attention_with_decodes = (
             (max_prefill_attention_with_decodes or None) if chunked else None
         )

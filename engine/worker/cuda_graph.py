@@ -33,9 +33,9 @@ log = logging.getLogger(__name__)
 
 
 def capture_graphs(sizes: list, run, graphs: dict, outputs: dict, pool=None):
-    """Capture ``run(size)`` once per size, the last first (sizes ascending: the largest first,
-    so smaller graphs reuse its memory). A size is any key ``run`` takes (a batch size, or a
-    ``(token count, narrow)`` pair).
+    """Capture ``run(size)`` once per size, the last of ``sizes`` first (give them in ascending
+    order of memory, so the largest graph is captured first and the others reuse its memory).
+    A size is any key ``run`` takes (a batch size, or a ``(token count, narrow)`` pair).
 
     Each size is run once eagerly first (Triton and torch.compile compilation, allocator
     warm-up), then captured; ``graphs[size]`` gets the graph and ``outputs[size]`` the tensor
@@ -364,7 +364,14 @@ class PrefillGraphs:
 
     def key(self, num_tokens: int, num_seqs: int) -> tuple[int, bool]:
         """The graph of a step of ``num_tokens`` tokens from ``num_seqs`` sequences: the
-        smallest captured size that fits, narrow when the sequences fit its slots."""
+        smallest captured size that fits, narrow when the sequences fit its slots.
+
+        Returns:
+            ``(padded token count, narrow)``, a key of :attr:`graphs`.
+
+        Raises:
+            StopIteration: ``num_tokens`` above the largest size (check :meth:`can_run`).
+        """
         size = next(s for s in self.sizes if s >= num_tokens)
         return size, size in self._narrow_sizes and num_seqs <= NARROW_SEQS
 
@@ -379,7 +386,8 @@ class PrefillGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first so smaller graphs share its memory pool.
+        """Capture every size: the wide graphs largest first (the pool's largest), then the
+        narrow ones largest first, all sharing one memory pool.
 
         The static buffers hold an empty step meanwhile (no sequence has tokens, every slot is
         -1): the warm-up and captured runs store nothing and read nothing from the cache.

@@ -10,7 +10,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.registry import default_backend_name, get_attention_backend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
-from kernels.decode_attention import choose_mixed_splits
+from kernels.decode_attention import choose_mixed_splits, choose_num_splits
 from kernels.reference import prefill_attention_ref, rms_norm_ref, rope_ref, store_kv_cache_ref
 
 from .test_prefill_attention import make_paged, rel_err
@@ -264,3 +264,39 @@ def test_triton_backend_split_prefill_over_long_prefix(device):
         buffers |= {buf.data_ptr() for buf in be._prefill_scratch.values()}
         k_cache, v_cache = ref_k, ref_v
     assert len(buffers) == 1 and not plain._prefill_scratch
+
+
+@pytest.mark.parametrize("slots", [3, 20], ids=["few-slots", "many-slots"])
+def test_mixed_and_decode_steps_take_their_split_rules(device, monkeypatch, slots):
+    """The decode launch of a mixed step of at most 16 sequence slots takes
+    ``choose_mixed_splits`` (long-context splits, ``min_split_keys`` 512); a wider mixed step
+    and a pure decode step take ``choose_num_splits`` of their slots with ``min_split_keys`` 0."""
+    import engine.attention.triton_backend as tb
+
+    calls = []
+    real = tb.decode_attention
+
+    def recording(*args, **kwargs):
+        calls.append((args[9], kwargs.get("min_split_keys", 0)))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tb, "decode_attention", recording)
+    g = torch.Generator().manual_seed(1)
+    hq, hkv, d, bs, sms, max_len = 4, 2, 32, 16, 132, 40960
+    be = TritonAttentionBackend()
+    be._num_sms[torch.device(device)] = sms
+    for q_lens in ([1] * (slots - 1) + [5], [1] * slots):  # mixed, then pure decode
+        ctx_lens = [3] * slots
+        seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+        k_cache, v_cache, block_tables = make_paged(seq_lens, hkv, d, bs, torch.float32, g)
+        meta = _meta(block_tables, ctx_lens, q_lens, bs, device)
+        meta.max_seq_len = max_len  # as a captured graph passes it
+        t = sum(q_lens)
+        q, k, v = (torch.randn(t, h, d, generator=g).to(device) for h in (hq, hkv, hkv))
+        be.forward(q, k, v, k_cache.to(device), v_cache.to(device), meta, d**-0.5)
+    mixed = choose_mixed_splits(slots, hkv, max_len, sms)
+    if slots <= 16:
+        assert mixed[1] == 512 and mixed[0] > choose_num_splits(slots, hkv, max_len, sms)
+    else:
+        assert mixed == (choose_num_splits(slots, hkv, max_len, sms), 0)
+    assert calls == [mixed, (choose_num_splits(slots, hkv, max_len, sms), 0)]

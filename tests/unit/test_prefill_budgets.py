@@ -185,3 +185,88 @@ def test_attention_bound_of_zero_is_no_bound():
     kv = KVCacheManager(64, 16, enable_prefix_caching=False)
     s = Scheduler(kv, 4, 128, max_prefill_attention_with_decodes=0)
     assert s.max_prefill_attention_with_decodes is None
+    with pytest.raises(ValueError, match="max_prefill_attention_with_decodes"):
+        Scheduler(kv, 4, 128, max_prefill_attention_with_decodes=-1)
+
+
+def _check_step(s: Scheduler, budget: int, pairs: int) -> tuple[int, list[tuple[int, int]]]:
+    """Schedule one step and check every prompt chunk against the bound, in scheduling order:
+    rows = min(tokens left, token budget left, rows within the pairs left), and at least one row
+    for the step's first chunk. Returns the batch's decode count and its (prefix, rows) chunks
+    (prefix: the request's computed tokens after admission, a prefix-cache hit included)."""
+    batch = s.schedule()
+    rows = [
+        (r, n, r.num_tokens - r.num_computed_tokens)
+        for r, n in zip(batch.requests, batch.num_new_tokens)
+    ]
+    decodes = sum(1 for _, _, left in rows if left == 1)
+    budget_left, pairs_left, chunks = budget, pairs, []
+    for r, n, left in rows:
+        if left == 1:
+            budget_left -= n
+            continue
+        c = r.num_computed_tokens
+        allowed = max_rows_within(c, pairs_left) if decodes else left
+        if not chunks:
+            allowed = max(allowed, 1)
+        assert n == min(left, budget_left, allowed), (r.request_id, c, n, left, budget_left)
+        budget_left -= n
+        pairs_left -= causal_pairs(c, n)
+        chunks.append((c, n))
+    return decodes, chunks, batch
+
+
+@pytest.mark.parametrize("pairs", [1, 5000])
+def test_prompts_progress_while_streams_never_stop_decoding(pairs):
+    """Streams that decode for longer than the test runs: long prompts (two of them sharing a
+    cached prefix) still finish their prefill, each step's chunks are exactly what the bound
+    allows, and a bound of one pair still gives the step's first chunk one row."""
+    rng = random.Random(pairs)
+    kv = KVCacheManager(4096, 16, enable_prefix_caching=True)
+    budget = 256
+    s = Scheduler(kv, 16, budget, max_prefill_attention_with_decodes=pairs)
+    for i in range(4):
+        s.add_request(_req(f"d{i}", 20, 10**6, rng))
+    for _ in range(3):
+        _step(s, rng)
+    shared = [rng.randrange(1000) for _ in range(320)]  # 20 blocks
+    longs = [
+        Request(
+            f"long{i}",
+            (shared if i else []) + [rng.randrange(1000) for _ in range(400)],
+            SamplingParams(max_tokens=2),
+            max_len=1 << 20,
+        )
+        for i in range(3)
+    ]
+    s.add_request(longs[0])
+    s.add_request(longs[1])
+    hits = steps = 0
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in longs):
+        if steps == 30:
+            s.add_request(longs[2])  # its prefix is cached by now
+        decodes, chunks, batch = _check_step(s, budget, pairs)
+        assert decodes >= 4  # the streams (and a prompt whose last token is left)
+        prompting = [r for r in batch.requests if r.num_computed_tokens < r.num_prompt_tokens]
+        assert prompting, "a step with a prompt pending carries at least one prompt row"
+        hits += sum(
+            1
+            for r, c in zip(batch.requests, batch.block_table_reset)
+            if c and r.num_computed_tokens
+        )
+        sample = [
+            r
+            for r, n in zip(batch.requests, batch.num_new_tokens)
+            if r.num_computed_tokens + n == r.num_tokens
+        ]
+        s.update_after_launch(batch, sample)
+        s.update_from_output(
+            sample, SampleOutput([rng.randrange(1000) for _ in sample], [None] * len(sample))
+        )
+        kv.check_integrity(list(s.requests.values()))
+        steps += 1
+        assert steps < 20000
+    assert hits == 1, "the third prompt was admitted on a prefix-cache hit"
+    for rid in list(s.requests):
+        s.abort(rid)
+    assert kv.num_free_blocks == kv.num_blocks
