@@ -141,8 +141,9 @@ class SamplingFields(_Lenient):
     """Fields shared by chat and text completions.
 
     An explicit ``null`` for a field with a default means that default (OpenAI's clients send
-    ``null`` for options left unset, e.g. ``n=None``). Integer and boolean options are strict:
-    ``true`` is not a count and ``"yes"`` not a boolean (400, as OpenAI answers).
+    ``null`` for options left unset, e.g. ``n=None``). Integer, float and boolean options are
+    strict: ``true`` is not a count, ``"0.5"`` not a temperature and ``"yes"`` not a boolean
+    (400, as OpenAI answers); a JSON integer is a float option's value.
     """
 
     @model_validator(mode="before")
@@ -165,13 +166,13 @@ class SamplingFields(_Lenient):
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N, strict=True)
     max_tokens: int | None = Field(None, ge=1, strict=True)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, strict=True)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True)
     top_k: int | None = Field(None, ge=-1, strict=True)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0, strict=True)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, strict=True)
     logit_bias: dict[str, float] | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, strict=True)
     stop: str | list[str] | None = None

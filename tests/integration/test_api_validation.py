@@ -152,6 +152,9 @@ BAD_REQUESTS = [
     ("chat", {"max_tokens": True}, "max_tokens"),
     ("completions", {"logprobs": True}, "logprobs"),
     ("chat", {"stream": "yes"}, "stream"),
+    ("chat", {"temperature": "0.5"}, "temperature"),
+    ("chat", {"top_p": True}, "top_p"),
+    ("completions", {"presence_penalty": "1"}, "presence_penalty"),
     ("chat", {"logprobs": "yes"}, "logprobs"),
     ("chat", {"n": "2"}, "n"),
     # null where no default exists
