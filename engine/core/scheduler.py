@@ -81,6 +81,16 @@ def _last_token_in_flight(req: Request) -> bool:
     )
 
 
+def _within_pairs(n: int, computed: int, pairs_left: int | None, any_prefill: bool) -> int:
+    """A prompt chunk of up to ``n`` rows after ``computed`` cached tokens, cut to the
+    query-key pairs left to the step (None: no bound); the step's first chunk (no
+    ``any_prefill`` yet) keeps at least one row, so running streams never starve a prompt."""
+    if pairs_left is None:
+        return n
+    rows = max_rows_within(computed, pairs_left)
+    return min(n, rows if rows or any_prefill else 1)
+
+
 class Scheduler:
     """Waiting and running queues over a :class:`KVCacheManager`.
 
@@ -145,9 +155,7 @@ class Scheduler:
             raise ValueError(
                 f"max_prefill_attention_with_decodes must be >= 0 (0: no bound), got {pairs}"
             )
-        self.max_prefill_attention_with_decodes = (
-            (max_prefill_attention_with_decodes or None) if chunked else None
-        )
+        self.max_prefill_attention_with_decodes = (pairs or None) if chunked else None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -279,10 +287,12 @@ class Scheduler:
             if left == 1:
                 n = min(left, budget)
             else:
-                n = min(left, budget, prefill_left)
-                if pairs_left is not None:
-                    rows = max_rows_within(req.num_computed_tokens, pairs_left)
-                    n = min(n, rows if rows or any_prefill else 1)
+                n = _within_pairs(
+                    min(left, budget, prefill_left),
+                    req.num_computed_tokens,
+                    pairs_left,
+                    any_prefill,
+                )
             if n <= 0:
                 kept.append(req)  # the step's prefill tokens are spent; it continues next step
                 continue
@@ -329,10 +339,9 @@ class Scheduler:
                 break  # preempted with a token in flight: admitted once the token is back
             hit_blocks, num_hit = kv.get_computed_blocks(req)
             remaining = req.num_tokens - num_hit
-            n = min(remaining, budget, prefill_left)
-            if pairs_left is not None:
-                rows = max_rows_within(num_hit, pairs_left)
-                n = min(n, rows if rows or any_prefill else 1)
+            n = _within_pairs(
+                min(remaining, budget, prefill_left), num_hit, pairs_left, any_prefill
+            )
             if n <= 0:
                 break
             if not self.enable_chunked_prefill and n < remaining <= self.max_num_batched_tokens:

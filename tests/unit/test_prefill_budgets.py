@@ -30,13 +30,21 @@ def _req(rid: str, n: int, max_tokens: int, rng: random.Random) -> Request:
     )
 
 
-def _step(s: Scheduler, rng: random.Random):
-    batch = s.schedule()
+def _finish(s: Scheduler, batch, rng: random.Random) -> None:
+    """Launch a scheduled batch and apply random samples for the requests that sample."""
     sample = [
         r
         for r, n in zip(batch.requests, batch.num_new_tokens)
         if r.num_computed_tokens + n == r.num_tokens
     ]
+    s.update_after_launch(batch, sample)
+    s.update_from_output(
+        sample, SampleOutput([rng.randrange(1000) for _ in sample], [None] * len(sample))
+    )
+
+
+def _step(s: Scheduler, rng: random.Random):
+    batch = s.schedule()
     decodes = sum(
         1
         for r, n in zip(batch.requests, batch.num_new_tokens)
@@ -51,10 +59,7 @@ def _step(s: Scheduler, rng: random.Random):
             and r.num_computed_tokens >= r.num_prompt_tokens
         )
     )
-    s.update_after_launch(batch, sample)
-    s.update_from_output(
-        sample, SampleOutput([rng.randrange(1000) for _ in sample], [None] * len(sample))
-    )
+    _finish(s, batch, rng)
     return batch, decodes, prefill
 
 
@@ -254,15 +259,7 @@ def test_prompts_progress_while_streams_never_stop_decoding(pairs):
             for r, c in zip(batch.requests, batch.block_table_reset)
             if c and r.num_computed_tokens
         )
-        sample = [
-            r
-            for r, n in zip(batch.requests, batch.num_new_tokens)
-            if r.num_computed_tokens + n == r.num_tokens
-        ]
-        s.update_after_launch(batch, sample)
-        s.update_from_output(
-            sample, SampleOutput([rng.randrange(1000) for _ in sample], [None] * len(sample))
-        )
+        _finish(s, batch, rng)
         kv.check_integrity(list(s.requests.values()))
         steps += 1
         assert steps < 20000
