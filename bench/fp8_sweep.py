@@ -62,13 +62,14 @@ from kernels.fp8_configs import (  # noqa: E402
     M_BUCKETS,
     Fp8Config,
     default_fp8_config,
+    fp8_config,
     parse_table_entry,
 )
 from kernels.fp8_cublas import cublas_block_fp8_supported  # noqa: E402
 
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)]
 TINY_SHAPES = [("tiny", 96, 320)]
-TINY_MS = (16, 32, 64)
+TINY_MS = (1, 16, 32, 64)
 #: relative error against the float32 product of the dequantized operands that a configuration
 #: may have (the bf16 rounding of the output alone gives about 1.7e-3)
 TOL = 5e-3
@@ -109,9 +110,19 @@ GEMV_SPLITS = (1, 4)
 DECODE_GEMV_TILES = [(32, 4, 4), (64, 4, 4), (64, 4, 6), (64, 8, 4), (128, 4, 3), (128, 4, 4),
                      (128, 8, 4), (256, 8, 3)]  # fmt: skip
 DECODE_GEMV_SPLITS = (1, 2, 4)
-#: the decode bucket's rows: M = 1 is timed with the bucket's pick too (the issue's small-M
-#: target sums M = 1 and 16 over the four shapes)
+#: the decode bucket's rows (M = 2..16 run its entry)
 DECODE_M = 16
+#: the CUDA-core variant of the small-M kernel (``Fp8Config.fma``) for the batch-1 bucket:
+#: (block_n, num_warps, num_stages) x split-K; the tensor-core candidates of the batch-1 bucket
+#: are :data:`BATCH1_DOT_TILES` x :data:`BATCH1_DOT_SPLITS` and what M = 1 runs today (stage
+#: B then tries other splits of the four fastest)
+FMA_TILES = [(16, 2, 1), (32, 4, 1), (64, 4, 1), (64, 8, 1), (128, 8, 1), (32, 4, 3), (64, 4, 3)]
+FMA_SPLITS = (1, 2, 4)
+BATCH1_DOT_TILES = [(32, 4, 4), (64, 4, 4), (64, 8, 4), (128, 4, 4)]
+BATCH1_DOT_SPLITS = (1, 4)
+#: M of the warm-up launches: the JIT specializes an int argument equal to 1, so the batch-1
+#: bucket's kernels are compiled at M = 1 as well
+WARM_MS = (16, 1)
 SPLITS = (1, 2, 4, 8)
 GROUPS = (1, 8, 16, 32, 64)
 TINY_TILES = [(16, 32, 4, 1), (32, 64, 4, 1)]
@@ -128,7 +139,7 @@ def smem_bytes(cfg: Fp8Config) -> int:
     tiles (activations in bf16 where the kernel quantizes them itself)."""
     bk = FP8_BLOCK[1]
     if cfg.kind == "gemv":
-        return cfg.num_stages * (cfg.block_n * bk + bk * cfg.block_m * 2)
+        return cfg.num_stages * (cfg.block_n * bk + bk * cfg.block_m * 2)  # fma: <= this
     a_bytes = 2 if cfg.fuse_quant else 1
     extra = cfg.block_m * bk if cfg.fuse_quant else 0  # the quantized tile for the MMA
     return cfg.num_stages * (cfg.block_m * bk * a_bytes + cfg.block_n * bk) + extra
@@ -153,7 +164,10 @@ def stage_a(m: int, n: int, k: int, tiny: bool = False) -> list[Fp8Config]:
     """First candidates for ``[M, K] x [K, N]``: the built-in configuration, the regime's tiles
     (with and without fused quantization for M = 17..512, only fused at decode sizes, split-K
     per :func:`auto_split`), and for M <= 64 the fused small-M kernel (more tiles and splits
-    at decode sizes)."""
+    at decode sizes); at M = 1 (:func:`batch1_candidates`) the small-M kernel only, with its
+    CUDA-core variant."""
+    if m == 1:
+        return batch1_candidates(n, k, tiny)
     out = [default_fp8_config(m, n, k)]
     tiles = (
         TINY_TILES if tiny else TILES_SMALL if m <= 128 else TILES_MID if m <= 512 else TILES_LARGE
@@ -177,6 +191,22 @@ def stage_a(m: int, n: int, k: int, tiny: bool = False) -> list[Fp8Config]:
             if _fits(m, cfg):
                 out.append(cfg)
     return list(dict.fromkeys(out))
+
+
+def batch1_candidates(n: int, k: int, tiny: bool = False) -> list[Fp8Config]:
+    """The batch-1 bucket's candidates: the built-in configuration, what M = 1 runs on this
+    device before the sweep (the decode bucket's entry), the small-M kernel's tensor-core tiles
+    and its CUDA-core variant (``fma``, one row) at several K splits."""
+    out = [default_fp8_config(1, n, k)]
+    if not tiny and torch.cuda.is_available():
+        out.append(fp8_config(1, n, k, device=torch.device("cuda")))
+    dot_tiles = TINY_GEMV if tiny else BATCH1_DOT_TILES
+    fma_tiles = TINY_GEMV if tiny else FMA_TILES
+    for (bn, warps, stages), split in ((t, s) for t in dot_tiles for s in BATCH1_DOT_SPLITS):
+        out.append(Fp8Config("gemv", 16, bn, warps, stages, split_k=split))
+    for (bn, warps, stages), split in ((t, s) for t in fma_tiles for s in FMA_SPLITS):
+        out.append(Fp8Config("gemv", 1, bn, warps, stages, split_k=split, fma=True))
+    return [c for c in dict.fromkeys(out) if _fits(1, c)]
 
 
 def _splits_used(k: int, split_k: int) -> int:
@@ -222,7 +252,7 @@ def compile_key(cfg: Fp8Config) -> tuple:
     and whether there are splits (GROUP_M and the split count are run-time arguments of the
     GEMM; the gemv's reduction kernel is small)."""
     return (cfg.kind, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-            cfg.fuse_quant, cfg.split_k > 1)  # fmt: skip
+            cfg.fuse_quant, cfg.fma, cfg.split_k > 1)  # fmt: skip
 
 
 def compile_set(shapes, ms, tiny: bool = False) -> list[Fp8Config]:
@@ -261,7 +291,10 @@ def _warm_one(cfg: Fp8Config) -> tuple[Fp8Config, str | None, float]:
 
     t = time.perf_counter()
     try:
-        fp8_linear(_WARM["x"], _WARM["w"], _WARM["ws"], config=cfg)
+        for m in WARM_MS:  # every M the configuration may be timed at specializes alike
+            if cfg.kind == "cublas" or (cfg.kind == "gemv" and m > cfg.block_m):
+                continue
+            fp8_linear(_WARM["x"][:m], _WARM["w"], _WARM["ws"], config=cfg)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return cfg, None, time.perf_counter() - t
@@ -439,7 +472,8 @@ def sweep_shape(name, n, k, ms, device, compiled, deadline, tiny) -> list[dict]:
             timed[CUBLAS_CONFIG] = check_and_time(CUBLAS_CONFIG, x, ref, wqs, wss, device, None)
         ranked = sorted((c for c in timed if timed[c][0] is not None), key=lambda c: timed[c][0])
         if time.perf_counter() < share:
-            for cfg in stage_b(m, n, k, ranked, set(timed), MAX_CANDIDATES - len(timed)):
+            room = max(0, MAX_CANDIDATES - len(timed))
+            for cfg in stage_b(m, n, k, ranked, set(timed), room):
                 timed[cfg] = check_and_time(cfg, x, ref, wqs, wss, device, compiled)
         ok = {c: v for c, v in timed.items() if v[0] is not None}
         default = default_fp8_config(m, n, k)
@@ -452,13 +486,6 @@ def sweep_shape(name, n, k, ms, device, compiled, deadline, tiny) -> list[dict]:
             best = min(ok, key=lambda c: ok[c][0])
             row.update(best=asdict(best), fp8_us=ok[best][0], err=ok[best][1])
             row["tflops"] = 2 * m * n * k / (row["fp8_us"] * 1e-6) / 1e12
-            if m == DECODE_M:  # M = 1 runs the bucket's pick too: timed, checked, beside bf16
-                x1 = x[:1].contiguous()
-                xq1, xs1 = fp8_group_quant_ref(x1)
-                ref1 = (xq1.float() * xs1.repeat_interleave(FP8_BLOCK[1], 1)[:, :k]) @ w_deq.t()
-                us1, err1, why1 = check_and_time(best, x1, ref1, wqs, wss, device, compiled)
-                bf1 = time_us([partial(torch.nn.functional.linear, x1, wb) for wb in wbs], device)
-                row["m1"] = {"fp8_us": us1, "bf16_us": bf1, "err": err1, "rejected": why1}
         rows.append(row)
         log(
             f"{name} {k}->{n} M={m}: {len(ok)}/{len(timed)} passed; best "
@@ -512,28 +539,19 @@ def print_table(rows) -> None:
             f"| {_f(r.get('tflops'), '.0f')} | {flop / (r['bf16_us'] * 1e-6) / 1e12:.0f} "
             f"| {_f(r.get('err'), '.1e')} | {r['passed']} / {r['tried']} |"
         )
-        if r.get("m1"):
-            m1 = r["m1"]
-            ratio = m1["fp8_us"] / m1["bf16_us"] if m1["fp8_us"] is not None else None
-            why = f" ({m1['rejected']})" if m1["rejected"] else ""
-            log(
-                f"| {r['shape']} {r['k']}->{r['n']} | 1 | the same{why} "
-                f"| {_f(m1['fp8_us'])} | - | {_f(m1['bf16_us'])} | {_f(ratio, '.2f')} | - | - "
-                f"| {_f(m1['err'], '.1e')} | - |"
-            )
 
 
 def print_targets(rows) -> None:
     """The issue's targets: FP8 >= 1.5x bf16's TFLOP/s at M = 4096, FP8's time summed over the
     shapes at most 0.65x bf16's at M = 1 and 16; FP8 faster than bf16 at M = 64..256."""
-    decode = [r for r in rows if r["m"] == DECODE_M and "best" in r]
-    for label, get in (("M=1", lambda r: r.get("m1") or {}), ("M=16", lambda r: r)):
-        fp8 = [get(r).get("fp8_us") for r in decode]
-        if decode and None not in fp8:
-            bf16 = sum(get(r)["bf16_us"] for r in decode)
+    for m in (1, DECODE_M):
+        decode = [r for r in rows if r["m"] == m and "best" in r]
+        if decode:
+            fp8 = sum(r["fp8_us"] for r in decode)
+            bf16 = sum(r["bf16_us"] for r in decode)
             log(
-                f"{label} summed over {len(decode)} shapes: FP8 {sum(fp8):.1f} us, bf16 "
-                f"{bf16:.1f} us, FP8 / bf16 {sum(fp8) / bf16:.2f} (target <= 0.65)"
+                f"M={m} summed over {len(decode)} shapes: FP8 {fp8:.1f} us, bf16 "
+                f"{bf16:.1f} us, FP8 / bf16 {fp8 / bf16:.2f} (target <= 0.65)"
             )
     for r in rows:
         if "best" not in r:
@@ -572,7 +590,14 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=0, help="compile processes (0: CPUs - 2)")
     ap.add_argument("--shapes", nargs="*", default=[s[0] for s in SHAPES])
     ap.add_argument("--tiny", action="store_true", help="CPU, interpreter, one small shape")
+    ap.add_argument(
+        "--ms", type=int, nargs="*", default=None,
+        help="M buckets to sweep (default: all); --write-table then keeps the other buckets of "
+        "the device's table as they are",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.ms and not set(args.ms) <= set(M_BUCKETS):
+        ap.error(f"--ms takes buckets of {list(M_BUCKETS)}")
     t0 = time.perf_counter()
     deadline = t0 + args.budget_s - 10  # room to write the results
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -583,7 +608,7 @@ def main() -> int:
         log("--write-table needs the GPU the table is for")
         return 2
     shapes = TINY_SHAPES if args.tiny else [s for s in SHAPES if s[0] in args.shapes]
-    ms = TINY_MS if args.tiny else M_BUCKETS
+    ms = TINY_MS if args.tiny else tuple(args.ms or M_BUCKETS)
     cfgs = compile_set(shapes, ms, args.tiny)
     workers = args.workers or max(1, min(len(cfgs), (os.cpu_count() or 4) - 2, 14))
     log(f"{len(cfgs)} kernels to compile in {workers} processes (budget {args.compile_budget_s} s)")
@@ -605,7 +630,13 @@ def main() -> int:
         share = now + (deadline - now) / (len(shapes) - i)  # an equal share of the time left
         rows += sweep_shape(name, n, k, ms, device, compiled, share, args.tiny)
         (out / "fp8_sweep.json").write_text(json.dumps(rows))  # kept if a later shape fails
-        blob = json.dumps(table_of(rows), indent=1, sort_keys=True) + "\n"
+        table = table_of(rows)
+        if args.ms and path.exists():  # a partial sweep: the other buckets stay as they were
+            kept = json.loads(path.read_text())
+            for shape, buckets in table.items():
+                kept.setdefault(shape, {}).update(buckets)
+            table = kept
+        blob = json.dumps(table, indent=1, sort_keys=True) + "\n"
         (out / path.name).write_text(blob)
     sweep_s = time.perf_counter() - tc - compile_s
     print_table(rows)

@@ -18,10 +18,12 @@ The table, as vLLM's per-shape ``w8a8_block_fp8_matmul`` JSON files are organise
                               "fp8_us": 12.3, ...}, ...}, ...}
 
 Buckets are :data:`M_BUCKETS`; bucket ``b`` serves the M above the previous bucket up to ``b``
-(``"64"``: M = 33..64; ``"16"``: every decode size M = 1..16, which the fused kernel runs at one
-``BLOCK_M = 16`` tile whatever M is), the last one every larger M too. A shape, a bucket or a
-device without an entry gets :func:`default_fp8_config` unchanged. Keys ending in ``_us``,
-``_tflops`` or ``_err`` are measurements kept for the reader; any other key outside
+(``"64"``: M = 33..64; ``"16"``: the decode sizes M = 2..16, which the fused kernel runs at one
+``BLOCK_M = 16`` tile whatever M is; ``"1"``: batch-1 decode, which may take the fused kernel's
+CUDA-core variant, ``fma``), the last one every larger M too. A shape without a ``"1"`` entry
+runs M = 1 on its ``"16"`` entry (what served M = 1 before that bucket existed). A shape, a
+bucket or a device without an entry gets :func:`default_fp8_config` unchanged. Keys ending in
+``_us``, ``_tflops`` or ``_err`` are measurements kept for the reader; any other key outside
 :class:`Fp8Config`'s fields is an error.
 """
 
@@ -45,7 +47,11 @@ GEMV_MAX_M = 32
 #: the fused small-M kernel may serve M up to this many rows where the table says so
 GEMV_TABLE_MAX_M = 64
 #: the M buckets of the table (each the largest M it serves; the last also every larger M)
-M_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+M_BUCKETS = (1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+#: the most rows the fused small-M kernel's CUDA-core product (``Fp8Config.fma``) takes: one
+#: (batch-1 decode; the multiply-adds grow with M while the tensor-core dot's are a fixed
+#: 16-column tile)
+FMA_MAX_M = 1
 
 #: number of SMs the split heuristic aims at (H200: 132)
 _TARGET_SMS = 132
@@ -69,8 +75,10 @@ class Fp8Config:
     share a weight column in launch order for L2 reuse, ``split_k`` K splits reduced in the
     kernel by the last-arriving program, ``fuse_quant``: the GEMM quantizes the activation tiles
     itself instead of reading ``fp8_group_quant``'s output). ``num_warps`` and ``num_stages``
-    are Triton's. ``kind`` "cublas": cuBLASLt's block-scaled GEMM (:mod:`kernels.fp8_cublas`,
-    sm_90); its tile fields are unused (:data:`CUBLAS_CONFIG`).
+    are Triton's. ``fma`` ("gemv" only): the product in fp32 multiply-adds on the CUDA cores
+    instead of the FP8 tensor-core dot, for ``block_m <= FMA_MAX_M`` rows and ``block_n <=
+    128``. ``kind`` "cublas": cuBLASLt's block-scaled GEMM
+    (:mod:`kernels.fp8_cublas`, sm_90); its tile fields are unused (:data:`CUBLAS_CONFIG`).
     """
 
     kind: str
@@ -81,6 +89,7 @@ class Fp8Config:
     split_k: int = 1
     group_m: int = 8
     fuse_quant: bool = False
+    fma: bool = False
 
 
 #: the configuration of the cuBLASLt kind (no tiles of ours to choose)
@@ -174,7 +183,7 @@ def parse_table_entry(row: object, bucket: int, where: str = "fp8_gemm table") -
         if name not in row:
             continue
         v = row[name]
-        want = {"kind": str, "fuse_quant": bool}.get(name, int)
+        want = {"kind": str, "fuse_quant": bool, "fma": bool}.get(name, int)
         if type(v) is not want:  # bool is an int subclass: exact types only
             raise ValueError(f"{at}: {name} must be {want.__name__}, got {v!r}")
         values[name] = v
@@ -182,7 +191,13 @@ def parse_table_entry(row: object, bucket: int, where: str = "fp8_gemm table") -
     if cfg.kind not in ("gemm", "gemv"):
         raise ValueError(f"{at}: kind must be 'gemm', 'gemv' or 'cublas', got {cfg.kind!r}")
     problems = []
-    if not _pow2(cfg.block_m, 16, 256):
+    if cfg.fma:
+        if cfg.kind != "gemv" or not _pow2(cfg.block_m, 1, FMA_MAX_M) or cfg.block_n > 128:
+            problems.append(
+                f"fma is a gemv option for block_m a power of two in 1..{FMA_MAX_M} and block_n "
+                f"<= 128 (one weight-scale block), got {cfg.kind} {cfg.block_m}x{cfg.block_n}"
+            )
+    elif not _pow2(cfg.block_m, 16, 256):
         problems.append(f"block_m {cfg.block_m} is not a power of two in 16..256")
     if not _pow2(cfg.block_n, 16, 256):
         problems.append(f"block_n {cfg.block_n} is not a power of two in 16..256")
@@ -216,6 +231,8 @@ def _table_entry(name: str, n: int, k: int, bucket: int) -> Fp8Config | None:
     if bad:
         raise ValueError(f"{where}: unknown M buckets {bad} (buckets: {list(M_BUCKETS)})")
     row = shape.get(str(bucket))
+    if row is None and bucket == 1:  # no batch-1 entry: M = 1 runs as the decode bucket says
+        return _table_entry(name, n, k, 16)
     return None if row is None else parse_table_entry(row, bucket, where)
 
 
@@ -225,7 +242,8 @@ def table_fallback(name: str, n: int, k: int, bucket: int) -> Fp8Config | None:
     fallback in it); checked when the entry is (:func:`parse_table_entry`)."""
     if _table_entry(name, n, k, bucket) != CUBLAS_CONFIG:
         return None
-    row = kernel_table("fp8_gemm", name)[f"{n},{k}"][str(bucket)]
+    shape = kernel_table("fp8_gemm", name)[f"{n},{k}"]
+    row = shape[str(bucket)] if str(bucket) in shape else shape["16"]  # bucket 1 without entry
     return parse_table_entry(row["fallback"], bucket) if "fallback" in row else None
 
 

@@ -404,11 +404,18 @@ def _fp8_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     EMULATE_CAST: tl.constexpr,
+    FMA: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """Program ``(n tile, k split)``: ``acc [BLOCK_N, BLOCK_M] = sum_kb W_tile x^T`` over its K
     blocks, each activation group quantized here; with ``SPLIT`` the last-arriving split of an
-    N tile reduces (the serial split-K of :func:`_fp8_gemm_kernel`). ``PDL``: a programmatic
+    N tile reduces (the serial split-K of :func:`_fp8_gemm_kernel`). ``FMA`` (one row,
+    ``BLOCK_N <= 128``): the product in fp32 multiply-adds on the CUDA cores (weights converted
+    in registers, no shared memory, no tensor-core round trip per 128-wide block) instead of
+    the FP8 ``tl.dot``, which pads the row to 16 columns and whose per-block scaling waits for
+    every MMA; the weight and activation scales of a K block multiply the quantized row first
+    (``xq * (xs * ws)``), so the result differs from the dot's by fp32 rounding only. ``PDL``:
+    a programmatic
     dependent launch (:mod:`kernels.pdl`), without the bf16 GEMV's weight prefetch: on the
     H200's Qwen3-8B-shape FP8 decode step a prefetch of the first four K tiles cost 3,565 ->
     3,688 us per step, of whole slices 4,613 (docs/benchmarks.md, 2026-12-02)."""
@@ -427,6 +434,12 @@ def _fp8_gemv_kernel(
     pdl_wait(PDL)
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if FMA:
+        # BLOCK_M == 1 and BLOCK_N divides SCALE_N: one weight scale per K block for the whole
+        # tile, folded with the activation's into the row, so each weight element costs one
+        # fp32 multiply-add into a [BLOCK_N, BLOCK_K] accumulator, reduced over K once at the end
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        ws_tile = ws_ptr + (pid_n * BLOCK_N // SCALE_N) * stride_wsn
     for kb in range(kb_lo, kb_hi):
         if EVEN_K:
             xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
@@ -436,10 +449,17 @@ def _fp8_gemv_kernel(
             xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
             wt = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
         xq, xs = _quant_tile(xt.to(tl.float32), 0, EMULATE_CAST)
-        sw = tl.load(ws_ptrs + kb * stride_wsk)
-        acc += tl.dot(wt, xq) * sw[:, None] * xs[None, :]
+        if FMA:
+            scale = tl.sum(xs, axis=0) * tl.load(ws_tile + kb * stride_wsk)
+            xr = tl.sum(xq.to(tl.float32), axis=1) * scale  # the row (a sum over the size-1 axis)
+            acc2 += wt.to(tl.float32) * xr[None, :]
+        else:
+            sw = tl.load(ws_ptrs + kb * stride_wsk)
+            acc += tl.dot(wt, xq) * sw[:, None] * xs[None, :]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if FMA:
+        acc = tl.sum(acc2, axis=1)[:, None]
 
     # kernels/gemv.py's epilogue: stored directly, or with splits the last-arriving split of
     # the N tile sums the partials in split order (deterministic) and resets its counter
@@ -469,7 +489,8 @@ def fp8_gemv(
         ``out``.
 
     Raises:
-        ValueError: more rows than the configuration's ``block_m``.
+        ValueError: more rows than the configuration's ``block_m``; an ``fma`` configuration
+            with ``block_m`` other than 1 or a ``block_n`` not dividing 128.
     """
     m, k = x.shape
     n = w.shape[0]
@@ -478,6 +499,11 @@ def fp8_gemv(
     cfg = config or fp8_config(m, n, k, kind="gemv", device=x.device)
     if m > cfg.block_m:
         raise ValueError(f"fp8_gemv takes at most block_m={cfg.block_m} rows, got {m}")
+    if cfg.fma and (cfg.block_m != 1 or FP8_BLOCK[0] % cfg.block_n):
+        raise ValueError(
+            f"the fma product takes block_m 1 and a block_n dividing {FP8_BLOCK[0]}, got "
+            f"{cfg.block_m}x{cfg.block_n}"
+        )
     split, per_split = _k_splits(triton.cdiv(k, FP8_BLOCK[1]), cfg.split_k)
     part, counters = _split_k_scratch(m, n, cfg, split, triton.cdiv(n, cfg.block_n), out)
     pdl = pdl_kwargs(x.device)
@@ -506,6 +532,7 @@ def fp8_gemv(
         HAS_BIAS=bias is not None,
         EVEN_K=k % FP8_BLOCK[1] == 0,
         EMULATE_CAST=_interpreting(),
+        FMA=cfg.fma,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl,

@@ -39,7 +39,8 @@ def table(tmp_path, monkeypatch):
 
 
 def test_m_buckets():
-    assert [fc.m_bucket(m) for m in (0, 1, 16)] == [16, 16, 16]  # every decode size: one bucket
+    assert [fc.m_bucket(m) for m in (0, 1)] == [1, 1]  # batch-1 decode: its own bucket
+    assert [fc.m_bucket(m) for m in (2, 9, 16)] == [16, 16, 16]  # the other decode sizes: one
     assert [fc.m_bucket(m) for m in (17, 32, 33, 64, 65, 200, 256, 2049, 4096)] == [
         32, 32, 64, 64, 128, 256, 256, 4096, 4096,
     ]  # fmt: skip
@@ -63,9 +64,22 @@ def test_lookup_picks_the_bucket_and_kind(table):
     assert fp8_table_config("Other GPU", 128, 4096, 4096) is None
     assert fp8_table_config(DEVICE, 16, 4096, 4096) is None  # no "16" entry here
     table({"4096,4096": {"16": {**ROW_GEMV, "block_m": 16}}})
-    for m in (1, 7, 16):  # the decode sizes read the "16" bucket
+    for m in (1, 7, 16):  # the decode sizes read the "16" bucket (M = 1 too: no "1" entry)
         assert fp8_table_config(DEVICE, m, 4096, 4096) == replace(want_gemv, block_m=16)
     assert fp8_table_config(DEVICE, 17, 4096, 4096) is None
+
+
+def test_batch_one_bucket_takes_the_cuda_core_product(table):
+    """A "1" entry serves M = 1 alone (here the fma variant); M = 2..16 keep the "16" entry;
+    the fallback of a shape without a "1" entry is the "16" entry, as before the bucket."""
+    fma_row = {**ROW_GEMV, "block_m": 1, "block_n": 32, "split_k": 2, "fma": True}
+    table({"4096,4096": {"1": fma_row, "16": {**ROW_GEMV, "block_m": 16}}})
+    assert fp8_table_config(DEVICE, 1, 4096, 4096) == Fp8Config(
+        "gemv", 1, 32, 4, 4, split_k=2, fma=True
+    )
+    for m in (2, 16):
+        assert fp8_table_config(DEVICE, m, 4096, 4096) == Fp8Config("gemv", 16, 64, 4, 4, 6)
+    assert fc.table_fallback(DEVICE, 4096, 4096, 1) is None  # not a cublas entry
 
 
 def test_fp8_config_uses_the_table_else_the_builtin_tiles(table, monkeypatch):
@@ -123,6 +137,11 @@ def test_builtin_tiles_are_unchanged():
         ({**ROW_GEMM, "split_k": 0}, "split_k 0 and group_m 1 must be >= 1"),
         ({**ROW_GEMV, "block_m": 32}, "bucket 128 <= block_m 32"),
         ({**ROW_GEMV, "fuse_quant": True}, "fuse_quant is a gemm option"),
+        ({**ROW_GEMV, "fma": 1}, "fma must be bool"),
+        ({**ROW_GEMV, "fma": True}, "fma is a gemv option for block_m a power of two in 1..1"),
+        ({**ROW_GEMV, "block_m": 1, "block_n": 256, "fma": True}, "and block_n <= 128"),
+        ({**ROW_GEMM, "block_m": 2, "fma": True}, "fma is a gemv option"),
+        ({**ROW_GEMV, "block_m": 2}, "block_m 2 is not a power of two in 16..256"),
         ([16, 64], "expected an object of tile fields, got list"),
     ],
 )

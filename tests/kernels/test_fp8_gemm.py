@@ -115,6 +115,34 @@ def test_gemv_matches_reference(m, split_k, n, k):
     assert _rel(out, fp8_linear_ref(x, w, ws, bias)) < 1e-6
 
 
+@pytest.mark.parametrize("block_n", [16, 32])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("n, k", [(200, 300), (256, 512)])
+def test_gemv_fma_matches_reference_and_the_dot(block_n, split_k, n, k):
+    """The CUDA-core product (``fma``) of one row: unaligned N and K, uneven splits, bias;
+    equal to the reference and, up to fp32 rounding, to the tensor-core dot."""
+    w, ws = _weights(n, k)
+    x = _x(1, k)
+    bias = torch.randn(n, device=DEVICE)
+    out = torch.empty(1, n, device=DEVICE)
+    fp8_gemv(x, w, ws, bias, out, Fp8Config("gemv", 1, block_n, 4, 1, split_k, fma=True))
+    assert _rel(out, fp8_linear_ref(x, w, ws, bias)) < 1e-6
+    dot = torch.empty_like(out)
+    fp8_gemv(x, w, ws, bias, dot, Fp8Config("gemv", 16, block_n, 4, 1, split_k))
+    assert _rel(out, dot) < 1e-6
+    assert int(gemv_counters(torch.device(DEVICE)).abs().sum()) == 0
+
+
+def test_gemv_fma_refuses_what_it_cannot_run():
+    w, ws = _weights(64, 128)
+    out = torch.empty(2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="at most block_m=1 rows"):
+        fp8_gemv(_x(2, 128), w, ws, None, out, Fp8Config("gemv", 1, 32, 4, 1, fma=True))
+    for bm, bn in ((2, 32), (1, 256)):
+        with pytest.raises(ValueError, match="the fma product takes block_m 1"):
+            fp8_gemv(_x(1, 128), w, ws, None, out[:1], Fp8Config("gemv", bm, bn, 4, 1, fma=True))
+
+
 @pytest.mark.parametrize("m", [1, 33, 70])
 @pytest.mark.parametrize("n, k", [(200, 300), (256, 512)])
 def test_gemm_matches_reference(m, n, k):
