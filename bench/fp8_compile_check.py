@@ -173,7 +173,6 @@ def quick_set() -> list[Fp8Config]:
         Fp8Config("gemm", 128, 256, 8, 3),
         Fp8Config("gemv", 64, 64, 4, 4, split_k=4),
         Fp8Config("gemv", 1, 32, 4, 1, split_k=2, fma=True),
-        Fp8Config("gemv", 16, 64, 4, 4, split_k=4, k_unroll=2),
     }
     return sorted(out, key=cfg_str)
 

@@ -218,7 +218,7 @@ def _splits_used(k: int, split_k: int) -> int:
 def variants(m: int, n: int, k: int, cfg: Fp8Config) -> list[Fp8Config]:
     """Neighbours of a good configuration: other split-K (M <= 256; only splits the launch
     would really make differently), GROUP_M (more than one M tile), the fusion flipped (gemm);
-    for the fused small-M kernel, other splits and one or two K blocks an iteration."""
+    for the fused small-M kernel, other splits."""
     if cfg.kind == "cublas":
         return []  # cuBLASLt chooses its own tiles
     splits = (1, 2, 3, 4, 6, 8, 12, 16) if cfg.kind == "gemv" else SPLITS if m <= 256 else ()
@@ -228,8 +228,6 @@ def variants(m: int, n: int, k: int, cfg: Fp8Config) -> list[Fp8Config]:
         if _splits_used(k, s) not in seen:
             seen.add(_splits_used(k, s))
             out.append(replace(cfg, split_k=s))
-    if cfg.kind == "gemv":
-        out.append(replace(cfg, k_unroll=3 - cfg.k_unroll))  # one or two K blocks a step
     if cfg.kind == "gemm":
         if triton.cdiv(m, cfg.block_m) > 1:
             out += [replace(cfg, group_m=g) for g in GROUPS if g != cfg.group_m]
@@ -254,7 +252,7 @@ def compile_key(cfg: Fp8Config) -> tuple:
     and whether there are splits (GROUP_M and the split count are run-time arguments of the
     GEMM; the gemv's reduction kernel is small)."""
     return (cfg.kind, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-            cfg.fuse_quant, cfg.fma, cfg.k_unroll, cfg.split_k > 1)  # fmt: skip
+            cfg.fuse_quant, cfg.fma, cfg.split_k > 1)  # fmt: skip
 
 
 def compile_set(shapes, ms, tiny: bool = False) -> list[Fp8Config]:
@@ -398,8 +396,7 @@ def cfg_str(cfg: Fp8Config) -> str:
         return "cublas (cuBLASLt block-scaled)"
     tiles = f"{cfg.kind} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
     if cfg.kind == "gemv":
-        extra = (" fma" if cfg.fma else "") + (f" k{cfg.k_unroll}" if cfg.k_unroll > 1 else "")
-        return f"{tiles} split{cfg.split_k}{extra}"
+        return f"{tiles} split{cfg.split_k}"
     return f"{tiles} g{cfg.group_m} split{cfg.split_k}{' fused' if cfg.fuse_quant else ''}"
 
 

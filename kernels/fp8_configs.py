@@ -77,9 +77,8 @@ class Fp8Config:
     itself instead of reading ``fp8_group_quant``'s output). ``num_warps`` and ``num_stages``
     are Triton's. ``fma`` ("gemv" only): the product in fp32 multiply-adds on the CUDA cores
     instead of the FP8 tensor-core dot, for ``block_m <= FMA_MAX_M`` rows and ``block_n <=
-    128``. ``k_unroll`` ("gemv" only, 1 or 2): K blocks of 128 per loop iteration. ``kind``
-    "cublas": cuBLASLt's block-scaled GEMM (:mod:`kernels.fp8_cublas`, sm_90); its tile
-    fields are unused (:data:`CUBLAS_CONFIG`).
+    128``. ``kind`` "cublas": cuBLASLt's block-scaled GEMM
+    (:mod:`kernels.fp8_cublas`, sm_90); its tile fields are unused (:data:`CUBLAS_CONFIG`).
     """
 
     kind: str
@@ -91,7 +90,6 @@ class Fp8Config:
     group_m: int = 8
     fuse_quant: bool = False
     fma: bool = False
-    k_unroll: int = 1
 
 
 #: the configuration of the cuBLASLt kind (no tiles of ours to choose)
@@ -216,8 +214,6 @@ def parse_table_entry(row: object, bucket: int, where: str = "fp8_gemm table") -
             )
         if cfg.fuse_quant:
             problems.append("fuse_quant is a gemm option (the gemv always quantizes itself)")
-    if cfg.k_unroll not in (1, 2) or (cfg.k_unroll == 2 and cfg.kind != "gemv"):
-        problems.append(f"k_unroll {cfg.k_unroll}: 1, or 2 for a gemv entry")
     if problems:
         raise ValueError(f"{at}: " + "; ".join(problems))
     return cfg

@@ -378,50 +378,6 @@ def fp8_gemm(
 
 
 # ----------------------------------------------------------------------------- small M
-@triton.jit
-def _gemv_kblock(
-    acc,
-    acc2,
-    x_ptrs,
-    w_ptrs,
-    ws_ptrs,
-    kb,
-    kb_s,
-    kb_end,
-    K,
-    rk,
-    m_ok,
-    stride_wsk,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    EMULATE_CAST: tl.constexpr,
-    FMA: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """K block ``kb`` of :func:`_fp8_gemv_kernel` added to ``acc`` (or to ``acc2`` with
-    ``FMA``), its weight scales read at block ``kb_s``; ``MASKED``: the block may lie past the
-    program's range (``kb >= kb_end``: it loads zeros and adds zero)."""
-    if MASKED:  # nothing past the program's K blocks (nor past K)
-        k_ok = kb * BLOCK_K + rk < tl.minimum(K, kb_end * BLOCK_K)
-    else:
-        k_ok = kb * BLOCK_K + rk < K
-    if EVEN_K and not MASKED:
-        xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
-        wt = tl.load(w_ptrs)
-    else:
-        xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-        wt = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-    xq, xs = _quant_tile(xt.to(tl.float32), 0, EMULATE_CAST)
-    # a block past the range (its loads zero) reads the range's last scale: in bounds, finite
-    sw = tl.load(ws_ptrs + kb_s * stride_wsk)
-    if FMA:  # one weight scale for the tile
-        xr = tl.sum(xq.to(tl.float32), axis=1) * (tl.sum(xs, axis=0) * sw)  # the row
-        acc2 += wt.to(tl.float32) * xr[None, :]
-    else:
-        acc += tl.dot(wt, xq) * sw[:, None] * xs[None, :]
-    return acc, acc2
-
-
 @triton.jit(do_not_specialize=["KB_PER_SPLIT"])
 def _fp8_gemv_kernel(
     x_ptr,
@@ -449,7 +405,6 @@ def _fp8_gemv_kernel(
     EVEN_K: tl.constexpr,
     EMULATE_CAST: tl.constexpr,
     FMA: tl.constexpr = False,
-    K_UNROLL: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
     """Program ``(n tile, k split)``: ``acc [BLOCK_N, BLOCK_M] = sum_kb W_tile x^T`` over its K
@@ -459,12 +414,11 @@ def _fp8_gemv_kernel(
     in registers, no shared memory, no tensor-core round trip per 128-wide block) instead of
     the FP8 ``tl.dot``, which pads the row to 16 columns and whose per-block scaling waits for
     every MMA; the weight and activation scales of a K block multiply the quantized row first
-    (``xq * (xs * ws)``), so the result differs from the dot's by fp32 rounding only.
-    ``K_UNROLL`` 2: two K blocks an iteration, so each weight row is read 256 contiguous bytes
-    at a time. ``PDL``: a programmatic dependent launch (:mod:`kernels.pdl`), without the bf16
-    GEMV's weight prefetch: on the H200's Qwen3-8B-shape FP8 decode step a prefetch of the
-    first four K tiles cost 3,565 -> 3,688 us per step, of whole slices 4,613
-    (docs/benchmarks.md, 2026-12-02)."""
+    (``xq * (xs * ws)``), so the result differs from the dot's by fp32 rounding only. ``PDL``:
+    a programmatic
+    dependent launch (:mod:`kernels.pdl`), without the bf16 GEMV's weight prefetch: on the
+    H200's Qwen3-8B-shape FP8 decode step a prefetch of the first four K tiles cost 3,565 ->
+    3,688 us per step, of whole slices 4,613 (docs/benchmarks.md, 2026-12-02)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -485,22 +439,25 @@ def _fp8_gemv_kernel(
         # tile, folded with the activation's into the row, so each weight element costs one
         # fp32 multiply-add into a [BLOCK_N, BLOCK_K] accumulator, reduced over K once at the end
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        ws_ptrs = ws_ptr + (pid_n * BLOCK_N // SCALE_N) * stride_wsn
-    else:
-        acc2 = tl.zeros((1, 1), dtype=tl.float32)  # unused
-    for kb in range(kb_lo, kb_hi, K_UNROLL):
-        acc, acc2 = _gemv_kblock(
-            acc, acc2, x_ptrs, w_ptrs, ws_ptrs, kb, kb, kb_hi, K, rk, m_ok, stride_wsk,
-            BLOCK_K, EVEN_K, EMULATE_CAST, FMA, False,
-        )  # fmt: skip
-        if K_UNROLL == 2:  # the next block's loads issued with this one's: 256 bytes a row
-            acc, acc2 = _gemv_kblock(
-                acc, acc2, x_ptrs + BLOCK_K, w_ptrs + BLOCK_K, ws_ptrs, kb + 1,
-                tl.minimum(kb + 1, kb_hi - 1), kb_hi, K, rk, m_ok, stride_wsk,
-                BLOCK_K, EVEN_K, EMULATE_CAST, FMA, True,
-            )  # fmt: skip
-        x_ptrs += K_UNROLL * BLOCK_K
-        w_ptrs += K_UNROLL * BLOCK_K
+        ws_tile = ws_ptr + (pid_n * BLOCK_N // SCALE_N) * stride_wsn
+    for kb in range(kb_lo, kb_hi):
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+            wt = tl.load(w_ptrs)
+        else:
+            k_ok = kb * BLOCK_K + rk < K
+            xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+            wt = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+        xq, xs = _quant_tile(xt.to(tl.float32), 0, EMULATE_CAST)
+        if FMA:
+            scale = tl.sum(xs, axis=0) * tl.load(ws_tile + kb * stride_wsk)
+            xr = tl.sum(xq.to(tl.float32), axis=1) * scale  # the row (a sum over the size-1 axis)
+            acc2 += wt.to(tl.float32) * xr[None, :]
+        else:
+            sw = tl.load(ws_ptrs + kb * stride_wsk)
+            acc += tl.dot(wt, xq) * sw[:, None] * xs[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
     if FMA:
         acc = tl.sum(acc2, axis=1)[:, None]
 
@@ -576,7 +533,6 @@ def fp8_gemv(
         EVEN_K=k % FP8_BLOCK[1] == 0,
         EMULATE_CAST=_interpreting(),
         FMA=cfg.fma,
-        K_UNROLL=cfg.k_unroll,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl,

@@ -142,8 +142,6 @@ def test_builtin_tiles_are_unchanged():
         ({**ROW_GEMV, "block_m": 1, "block_n": 256, "fma": True}, "and block_n <= 128"),
         ({**ROW_GEMM, "block_m": 2, "fma": True}, "fma is a gemv option"),
         ({**ROW_GEMV, "block_m": 2}, "block_m 2 is not a power of two in 16..256"),
-        ({**ROW_GEMV, "k_unroll": 3}, "k_unroll 3: 1, or 2 for a gemv entry"),
-        ({**ROW_GEMM, "k_unroll": 2}, "k_unroll 2: 1, or 2 for a gemv entry"),
         ([16, 64], "expected an object of tile fields, got list"),
     ],
 )

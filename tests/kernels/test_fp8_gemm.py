@@ -133,25 +133,6 @@ def test_gemv_fma_matches_reference_and_the_dot(block_n, split_k, n, k):
     assert int(gemv_counters(torch.device(DEVICE)).abs().sum()) == 0
 
 
-@pytest.mark.parametrize("m, fma", [(1, True), (1, False), (5, False)])
-@pytest.mark.parametrize("split_k", [1, 2, 3])
-@pytest.mark.parametrize("n, k", [(200, 300), (256, 1024)])
-def test_gemv_two_k_blocks_an_iteration_match_reference(m, fma, split_k, n, k):
-    """``k_unroll`` 2: odd and even K-block counts per split (the second block of the last
-    iteration masked off), unaligned K, both products; the same result as one block a time."""
-    w, ws = _weights(n, k)
-    x = _x(m, k)
-    bias = torch.randn(n, device=DEVICE)
-    cfg = Fp8Config("gemv", 1 if fma else 16, 32, 4, 1, split_k, fma=fma, k_unroll=2)
-    out = torch.empty(m, n, device=DEVICE)
-    fp8_gemv(x, w, ws, bias, out, cfg)
-    assert _rel(out, fp8_linear_ref(x, w, ws, bias)) < 1e-6
-    one = torch.empty_like(out)
-    fp8_gemv(x, w, ws, bias, one, Fp8Config("gemv", cfg.block_m, 32, 4, 1, split_k, fma=fma))
-    assert _rel(out, one) < 1e-6
-    assert int(gemv_counters(torch.device(DEVICE)).abs().sum()) == 0
-
-
 def test_gemv_fma_refuses_what_it_cannot_run():
     w, ws = _weights(64, 128)
     out = torch.empty(2, 64, device=DEVICE)
