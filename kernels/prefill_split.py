@@ -35,6 +35,10 @@ __all__ = [
 MAX_PARTIAL_ROWS = 4096
 #: most splits of one launch
 MAX_PREFILL_SPLITS = 16
+#: a launch over more sequence slots than this whose keys all lie within
+#: :data:`UNSPLIT_MAX_KEYS` runs unsplit (see :func:`prefill_num_splits`)
+UNSPLIT_MIN_SLOTS = 16
+UNSPLIT_MAX_KEYS = 4096
 #: modelled cost of one split program beyond its key tiles (partial write, merge read), in
 #: key tiles; keeps a split from being chosen for a gain of less than about two tiles
 SPLIT_OVERHEAD_TILES = 2
@@ -121,11 +125,21 @@ def prefill_num_splits(
     max_seq_len: int,
     num_sms: int,
     max_partial_rows: int = MAX_PARTIAL_ROWS,
+    num_seqs: int = 1,
 ) -> int:
     """:func:`choose_prefill_splits` for a launch of ``num_tokens`` packed query rows, with the
     split config's tiles and policy (:func:`kernels.prefill_attention.prefill_config` with
     ``split=True``: ``BLOCK_M``, ``BLOCK_N``, ``PROGRAMS_PER_SM``, ``MAX_SPLITS``). Host ints
     only.
+
+    ``num_seqs``: the launch's sequence slots (``block_tables.shape[0]``). More than
+    :data:`UNSPLIT_MIN_SLOTS` with ``max_seq_len <= UNSPLIT_MAX_KEYS`` gives 1: every slot
+    owns a query tile of the grid ``(H, T // BLOCK_M + B, splits)`` whether it has prompt rows
+    or not (decode rows, padding), so a mixed step of 64 decodes and a 256-row chunk in a graph
+    of 256 slots launches ~50k programs a layer at 12 splits, nearly all returning at once --
+    on the H200 such steps took 11.8 ms against 4.1 ms for the same step in a 16-slot graph
+    (docs/benchmarks.md, 2026-12-02, night) -- while a chunk over at most 4,096 keys needs no
+    split.
 
     Returns:
         An int >= 1 (1: the plain launch).
@@ -133,6 +147,8 @@ def prefill_num_splits(
     Raises:
         ValueError: as :func:`choose_prefill_splits`.
     """
+    if num_seqs > UNSPLIT_MIN_SLOTS and max_seq_len <= UNSPLIT_MAX_KEYS:
+        return 1
     cfg = prefill_config(head_dim, dtype, device, causal=True, split=True)
     return choose_prefill_splits(
         _cdiv(num_tokens, cfg["BLOCK_M"]),

@@ -105,7 +105,14 @@ class TritonAttentionBackend:
             return 1, None, None
         t, num_heads, head_dim = q.shape
         splits = prefill_num_splits(
-            t, num_heads, head_dim, q.dtype, q.device, meta.max_seq_len, self._sm_count(q.device)
+            t,
+            num_heads,
+            head_dim,
+            q.dtype,
+            q.device,
+            meta.max_seq_len,
+            self._sm_count(q.device),
+            num_seqs=meta.block_tables.shape[0],
         )
         if splits == 1:
             return 1, None, None

@@ -28,6 +28,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.worker.staging import HostStaging
 from engine.worker.step_inputs import StepInputs, StepTensors
 from kernels.decode_attention import MIXED_FEW_SLOTS
+from kernels.prefill_split import UNSPLIT_MAX_KEYS, UNSPLIT_MIN_SLOTS
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +315,12 @@ class PrefillGraphs:
     replays the narrow graph: its kernels' grids have fewer empty sequence slots, and the decode
     rows of a mixed step get a split count sized for few sequences
     (``kernels.decode_attention.choose_mixed_splits``), so a stream decoding over a long
-    context next to a prompt chunk reads its keys with the whole GPU. Padding tokens
+    context next to a prompt chunk reads its keys with the whole GPU. Where ``max_seq_len``
+    exceeds ``kernels.prefill_split.UNSPLIT_MAX_KEYS``, each wide size is also captured as if
+    that were the model length (its "short" twin), and a wide step whose sequences all fit in
+    it replays that twin: its launches size their split counts for the step's real contexts
+    (no prefill split over many slots, ``kernels.prefill_split.prefill_num_splits``) instead of
+    for the model length. Padding tokens
     ``T .. T_pad`` have slot -1 (nothing stored) and lie past ``cu_seqlens_q[B]`` (no sequence
     attends with them); padding sequences ``B .. S`` have no tokens. The graph ends with the
     final hidden states of the rows to sample (``logits_indices``, padded with row 0); the LM
@@ -349,36 +355,47 @@ class PrefillGraphs:
         self.inputs = GraphInputs(
             self.sizes[-1], min(max_seqs, self.sizes[-1]), max_blocks_per_seq, device
         )
-        # graph keys: (padded token count, narrow); the narrow twin of a size exists where it
-        # has fewer slots than the wide graph
-        self.keys = [(t, True) for t in self.sizes if min(max_seqs, t) > NARROW_SEQS]
-        self.keys += [(t, False) for t in self.sizes]
-        self._narrow_sizes = {t for t, narrow in self.keys if narrow}
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.hidden: dict[tuple[int, bool], torch.Tensor] = {}
+        # graph keys: (padded token count, narrow, short); the narrow twin of a size exists
+        # where it has fewer slots than the wide graph, the short twin of a wide graph where
+        # the model length exceeds UNSPLIT_MAX_KEYS and the graph has enough slots for the
+        # unsplit rule
+        self.keys = [(t, True, False) for t in self.sizes if min(max_seqs, t) > NARROW_SEQS]
+        if max_seq_len > UNSPLIT_MAX_KEYS:
+            self.keys += [
+                (t, False, True) for t in self.sizes if min(max_seqs, t) > UNSPLIT_MIN_SLOTS
+            ]
+        self.keys += [(t, False, False) for t in self.sizes]
+        self._narrow_sizes = {t for t, narrow, _ in self.keys if narrow}
+        self._short_sizes = {t for t, _, short in self.keys if short}
+        self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[tuple[int, bool, bool], torch.Tensor] = {}
         self.pool = None
 
-    def _num_seqs(self, key: tuple[int, bool]) -> int:
-        size, narrow = key
+    def _num_seqs(self, key: tuple[int, bool, bool]) -> int:
+        size, narrow, _ = key
         return min(NARROW_SEQS if narrow else self.max_seqs, self.max_seqs, size)
 
-    def key(self, num_tokens: int, num_seqs: int) -> tuple[int, bool]:
-        """The graph of a step of ``num_tokens`` tokens from ``num_seqs`` sequences: the
-        smallest captured size that fits, narrow when the sequences fit its slots.
+    def key(self, num_tokens: int, num_seqs: int, max_seq_len: int) -> tuple[int, bool, bool]:
+        """The graph of a step of ``num_tokens`` tokens from ``num_seqs`` sequences whose
+        longest holds ``max_seq_len`` tokens: the smallest captured size that fits, narrow when
+        the sequences fit its slots, else short when their contexts fit ``UNSPLIT_MAX_KEYS``.
 
         Returns:
-            ``(padded token count, narrow)``, a key of :attr:`graphs`.
+            ``(padded token count, narrow, short)``, a key of :attr:`graphs`.
 
         Raises:
             StopIteration: ``num_tokens`` above the largest size (check :meth:`can_run`).
         """
         size = next(s for s in self.sizes if s >= num_tokens)
-        return size, size in self._narrow_sizes and num_seqs <= NARROW_SEQS
+        if size in self._narrow_sizes and num_seqs <= NARROW_SEQS:
+            return size, True, False
+        return size, False, size in self._short_sizes and max_seq_len <= UNSPLIT_MAX_KEYS
 
-    def _run(self, key: tuple[int, bool]) -> torch.Tensor:
-        size = key[0]
+    def _run(self, key: tuple[int, bool, bool]) -> torch.Tensor:
+        size, _, short = key
         s = self._num_seqs(key)
-        meta = self.inputs.metadata(size, s, size, self.max_seq_len)
+        max_seq_len = UNSPLIT_MAX_KEYS if short else self.max_seq_len
+        meta = self.inputs.metadata(size, s, size, max_seq_len)
         hidden = self.model(
             self.inputs.input_ids[:size], self.inputs.positions[:size], self.kv_caches, meta
         )
@@ -386,8 +403,8 @@ class PrefillGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size: the wide graphs largest first (the pool's largest), then the
-        narrow ones largest first, all sharing one memory pool.
+        """Capture every size: the wide graphs largest first (the pool's largest), then their
+        short twins, then the narrow ones, each largest first, all sharing one memory pool.
 
         The static buffers hold an empty step meanwhile (no sequence has tokens, every slot is
         -1): the warm-up and captured runs store nothing and read nothing from the cache.
@@ -395,14 +412,16 @@ class PrefillGraphs:
         self.inputs.slot_mapping.fill_(-1)
         self.inputs.cu_seqlens_q.zero_()
         self.inputs.logits_indices.zero_()
-        # reversed order: the wide graphs, largest first, then the narrow ones
+        # reversed order: the wide graphs, largest first, then the short and narrow ones
         self.pool = capture_graphs(self.keys, self._run, self.graphs, self.hidden, self.pool)
         log.info(
             "captured prefill/mixed-step CUDA graphs for token counts %s (also with %d sequence "
-            "slots from %s tokens)",
+            "slots from %s tokens, and for contexts of at most %d tokens from %s tokens)",
             self.sizes,
             NARROW_SEQS,
             min(self._narrow_sizes, default="no"),
+            UNSPLIT_MAX_KEYS,
+            min(self._short_sizes, default="no"),
         )
 
     def can_run(self, num_tokens: int, max_seq_len: int) -> bool:
@@ -416,7 +435,7 @@ class PrefillGraphs:
             (``step.logits_indices``); a view of a static buffer, valid until the next replay.
         """
         n = step.logits_indices.shape[0]
-        key = self.key(step.num_tokens, step.num_seqs)
+        key = self.key(step.num_tokens, step.num_seqs, step.max_seq_len)
         self.inputs.copy_from(step, key[0], self._num_seqs(key), decode=False)
         graph = self.graphs.get(key)
         if graph is None:  # not captured (no CUDA): the same padded forward, eagerly

@@ -300,3 +300,43 @@ def test_mixed_and_decode_steps_take_their_split_rules(device, monkeypatch, slot
     else:
         assert mixed == (choose_num_splits(slots, hkv, max_len, sms), 0)
     assert calls == [mixed, (choose_num_splits(slots, hkv, max_len, sms), 0)]
+
+
+def test_wide_mixed_step_of_short_contexts_runs_the_prefill_unsplit(device):
+    """More than 16 sequence slots with every context within UNSPLIT_MAX_KEYS: the prefill
+    launch takes no split (its grid would be slots x heads x splits of mostly empty programs);
+    the same step at a long max_seq_len (a graph of the model length), or with 3 slots, splits;
+    the unsplit output equals the reference."""
+    from kernels.prefill_split import UNSPLIT_MAX_KEYS
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    hq, hkv, d, bs = 4, 2, 64, 16
+    be = TritonAttentionBackend()
+    be._num_sms[torch.device(device)] = 64
+    for slots, max_len, want_split in (
+        (20, None, False), (20, 40960, True), (3, UNSPLIT_MAX_KEYS, True),
+    ):  # fmt: skip
+        q_lens, ctx_lens = [1] * (slots - 1) + [40], [90] * (slots - 1) + [300]
+        seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+        k_cache, v_cache, block_tables = make_paged(seq_lens, hkv, d, bs, torch.float32, g)
+        meta = _meta(block_tables, ctx_lens, q_lens, bs, device)
+        if max_len is not None:
+            meta.max_seq_len = max_len
+        t = sum(q_lens)
+        q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
+        splits, _, _ = be.prefill_splits(q.to(device), meta)
+        assert (splits > 1) == want_split, (slots, max_len, splits)
+        if not want_split:
+            ref_k, ref_v = k_cache.clone(), v_cache.clone()
+            cpu_meta = _meta(block_tables, ctx_lens, q_lens, bs, "cpu")
+            store_kv_cache_ref(k, v, ref_k, ref_v, cpu_meta.slot_mapping)
+            ref = torch.zeros(t, hq, d)
+            prefill_attention_ref(
+                q, ref_k, ref_v, block_tables, cpu_meta.cu_seqlens_q, cpu_meta.seq_lens, ref,
+                d**-0.5,
+            )  # fmt: skip
+            out = be.forward(
+                q.to(device), k.to(device), v.to(device), k_cache.to(device),
+                v_cache.to(device), meta, d**-0.5,
+            ).cpu()  # fmt: skip
+            assert rel_err(out, ref) <= 1e-5

@@ -117,7 +117,7 @@ def test_padded_graph_steps_equal_eager_steps(
     graphs.run = lambda step: calls.append(step.num_tokens) or run(step)
     graphs._run = lambda key: keys.append(key) or run_key(key)
     got = _run(eng, requests)
-    assert any(narrow for _, narrow in keys) == (max_seqs > 16)
+    assert any(narrow for _, narrow, _ in keys) == (max_seqs > 16)
     assert got[0] == eager[0]
     for rid in got[1]:
         for a, b in zip(got[1][rid], eager[1][rid], strict=True):
@@ -130,14 +130,48 @@ def test_padded_graph_steps_equal_eager_steps(
 
 def test_narrow_graphs_take_steps_of_few_sequences():
     g = PrefillGraphs(None, None, 1024, 256, 4, 40960, torch.device("cpu"))
-    assert (16, True) not in g.keys and (32, True) in g.keys and (1024, True) in g.keys
-    assert g.keys[-1] == (1024, False)  # captured first (reversed), the pool's largest graph
-    assert g.key(1000, 2) == (1024, True)
-    assert g.key(1000, 17) == (1024, False)
-    assert g.key(10, 3) == (16, False)  # 16 tokens have 16 slots anyway
-    assert g._num_seqs((1024, True)) == 16 and g._num_seqs((1024, False)) == 256
+    assert (16, True, False) not in g.keys and (32, True, False) in g.keys
+    assert (1024, True, False) in g.keys
+    assert g.keys[-1] == (1024, False, False)  # captured first (reversed), the pool's largest
+    assert g.key(1000, 2, 40000) == (1024, True, False)
+    assert g.key(1000, 17, 40000) == (1024, False, False)
+    assert g.key(10, 3, 40000) == (16, False, False)  # 16 tokens have 16 slots anyway
+    assert g._num_seqs((1024, True, False)) == 16 and g._num_seqs((1024, False, False)) == 256
     few = PrefillGraphs(None, None, 64, 8, 4, 4096, torch.device("cpu"))
-    assert not any(narrow for _, narrow in few.keys)  # 8 sequences: nothing narrower
+    assert not any(narrow or short for _, narrow, short in few.keys)  # nothing narrower
+
+
+def test_short_twins_take_wide_steps_of_short_contexts(monkeypatch):
+    """A wide step whose contexts fit UNSPLIT_MAX_KEYS replays the short twin, captured as if
+    that were the model length, so its prefill launch runs unsplit; a longer context, a narrow
+    step, or a model length within the bound keeps the graphs of before."""
+    from kernels.prefill_split import UNSPLIT_MAX_KEYS, prefill_num_splits
+
+    g = PrefillGraphs(None, None, 1024, 256, 4, 40960, torch.device("cpu"))
+    assert (32, False, True) in g.keys and (1024, False, True) in g.keys
+    assert (16, False, True) not in g.keys  # 16 slots: the unsplit rule does not apply
+    assert g.key(320, 65, UNSPLIT_MAX_KEYS) == (320, False, True)
+    assert g.key(320, 65, UNSPLIT_MAX_KEYS + 1) == (320, False, False)
+    assert g.key(320, 5, 100) == (320, True, False)
+    seen = []
+    monkeypatch.setattr(
+        g.inputs, "metadata", lambda t, s, q, max_len: seen.append((t, s, max_len)) or 1 / 0
+    )
+    for key, want in (((320, False, True), UNSPLIT_MAX_KEYS), ((320, False, False), 40960)):
+        with pytest.raises(ZeroDivisionError):
+            g._run(key)
+        assert seen.pop() == (320, 256, want)
+    # the rule the twin exists for: many slots within the bound -> no split; few slots, or
+    # keys past it -> the wave model's choice (made 8 here)
+    import kernels.prefill_split as ps
+
+    monkeypatch.setattr(ps, "choose_prefill_splits", lambda *a, **kw: 8)
+    args = (320, 16, 128, torch.bfloat16, torch.device("cpu"))
+    assert prefill_num_splits(*args, UNSPLIT_MAX_KEYS, 132, num_seqs=256) == 1
+    assert prefill_num_splits(*args, UNSPLIT_MAX_KEYS + 1, 132, num_seqs=256) == 8
+    assert prefill_num_splits(*args, UNSPLIT_MAX_KEYS, 132, num_seqs=16) == 8
+    assert not any(short for _, _, short in PrefillGraphs(
+        None, None, 1024, 256, 4, UNSPLIT_MAX_KEYS, torch.device("cpu")).keys)  # fmt: skip
 
 
 def test_padding_rows_store_nothing(tiny_checkpoint, one_torch_thread):
