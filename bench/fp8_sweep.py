@@ -1,10 +1,11 @@
-"""Tile sweep of the block-FP8 linear kernels at Qwen3-8B's shapes for M = 32..4096 on one GPU;
+"""Tile sweep of the block-FP8 linear kernels at Qwen3-8B's shapes for M = 1..4096 on one GPU;
 writes the per-device table ``kernels/configs/fp8_gemm_<device>.json`` that
 ``kernels.fp8_configs.fp8_config`` reads.
 
 Usage (one H200, from the repository root)::
 
     python3 bench/fp8_sweep.py --out $OUT [--write-table] [--budget-s 230] [--compile-budget-s 90]
+        [--ms 1 16]   # only these M buckets; --write-table keeps the table's other buckets
     python3 bench/fp8_sweep.py --tiny --out /tmp/x   # CPU, Triton interpreter: the script's logic
 
 Shapes (N, K): qkv 4096->6144, o 4096->4096, gate_up 4096->24576, down 12288->4096; M = each
@@ -13,15 +14,18 @@ table bucket (``kernels.fp8_configs.M_BUCKETS``, the largest M a bucket serves).
 1. Candidates per (shape, M) (:func:`stage_a`, :func:`stage_b`): tile shapes and pipelines for
    the M regime (BLOCK_M 16..128, BLOCK_N 64..256, BLOCK_K 128, 4/8 warps, 2..5 stages), with and
    without the fused activation quantization, split-K where the tiles leave SMs idle, and the
-   fused small-M kernel ("gemv", BLOCK_M 32/64) for M <= 64; then variants (split-K 1..8,
-   GROUP_M 1..64, fusion flipped) of the four fastest: at most 40 per (shape, M). Tiles whose
+   fused small-M kernel ("gemv", BLOCK_M 16..64) for M <= 64; at M = 1 (the batch-1 bucket)
+   only the small-M kernel: what M = 1 runs before the sweep, its tensor-core tiles and its
+   CUDA-core product (``fma``, one row) at 1-4 splits; then variants (split-K 1..8, GROUP_M
+   1..64, fusion flipped) of the four fastest: at most 40 per (shape, M). Tiles whose
    estimated shared memory exceeds the H200's 227 KB are not tried; the built-in configuration
    (``default_fp8_config``) always is; from M = 64 on sm_90 also cuBLASLt's block-scaled GEMM
    (``kernels/fp8_cublas.py``, table kind "cublas"), checked like the others.
 2. Compilation first, in parallel: every configuration any stage could try is launched once on
    small inputs with the same specialization (16-divisible sizes and strides) in a pool of
-   spawned processes, which fills Triton's on-disk cache; the timing process then only loads
-   kernels. Whatever has not compiled within ``--compile-budget-s`` is not timed.
+   spawned processes (at M = 16, and the small-M tiles also at M = 1: the JIT specializes an
+   int argument equal to 1), which fills Triton's on-disk cache; the timing process then only
+   loads kernels. Whatever has not compiled within ``--compile-budget-s`` is not timed.
 3. Each candidate: two launches checked against the float32 product of the dequantized operands
    (``kernels.reference``: relative error <= ``TOL`` and bit-equal launches, split-K counters
    left zero), then the median of CUDA-graph replays over enough weight copies (>= 128 MB; one
@@ -294,6 +298,8 @@ def _warm_one(cfg: Fp8Config) -> tuple[Fp8Config, str | None, float]:
         for m in WARM_MS:  # every M the configuration may be timed at specializes alike
             if cfg.kind == "cublas" or (cfg.kind == "gemv" and m > cfg.block_m):
                 continue
+            if m == 1 and not (cfg.kind == "gemv" and cfg.block_m <= 16):
+                continue  # M = 1 times only the small-M kernel's batch-1 tiles
             fp8_linear(_WARM["x"][:m], _WARM["w"], _WARM["ws"], config=cfg)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -391,12 +397,13 @@ def cublas_probe(shapes) -> bool:
 
 
 def cfg_str(cfg: Fp8Config) -> str:
-    """``gemm 64x128 w4 s4 g8 split1 fused``: kind, tiles, warps, stages, GROUP_M, split-K."""
+    """``gemm 64x128 w4 s4 g8 split1 fused`` / ``gemv 1x16 w2 s1 split4 fma``: kind, tiles,
+    warps, stages, GROUP_M, split-K, options."""
     if cfg.kind == "cublas":
         return "cublas (cuBLASLt block-scaled)"
     tiles = f"{cfg.kind} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
     if cfg.kind == "gemv":
-        return f"{tiles} split{cfg.split_k}"
+        return f"{tiles} split{cfg.split_k}{' fma' if cfg.fma else ''}"
     return f"{tiles} g{cfg.group_m} split{cfg.split_k}{' fused' if cfg.fuse_quant else ''}"
 
 
@@ -519,6 +526,15 @@ def table_of(rows) -> dict:
     return table
 
 
+def merge_tables(kept: dict, swept: dict) -> dict:
+    """The device's table ``kept`` with the buckets of ``swept`` (a partial sweep, ``--ms``)
+    replaced or added; every other shape and bucket as it was."""
+    out = {shape: dict(buckets) for shape, buckets in kept.items()}
+    for shape, buckets in swept.items():
+        out.setdefault(shape, {}).update(buckets)
+    return out
+
+
 def _f(v, spec=".1f"):
     return "-" if v is None else format(v, spec)
 
@@ -632,10 +648,7 @@ def main() -> int:
         (out / "fp8_sweep.json").write_text(json.dumps(rows))  # kept if a later shape fails
         table = table_of(rows)
         if args.ms and path.exists():  # a partial sweep: the other buckets stay as they were
-            kept = json.loads(path.read_text())
-            for shape, buckets in table.items():
-                kept.setdefault(shape, {}).update(buckets)
-            table = kept
+            table = merge_tables(json.loads(path.read_text()), table)
         blob = json.dumps(table, indent=1, sort_keys=True) + "\n"
         (out / path.name).write_text(blob)
     sweep_s = time.perf_counter() - tc - compile_s

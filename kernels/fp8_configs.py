@@ -143,7 +143,8 @@ def parse_table_entry(row: object, bucket: int, where: str = "fp8_gemm table") -
     Raises:
         ValueError: naming ``where`` and the bucket: not an object, an unknown key, a missing or
             mistyped field, an unknown ``kind``, tiles the kernels cannot run (``block_m`` /
-            ``block_n`` not a power of two in 16..256, ``num_warps`` not 2/4/8,
+            ``block_n`` not a power of two in 16..256 -- ``block_m`` 1 with ``fma``, which also
+            needs a "gemv" entry and ``block_n <= 128`` -- ``num_warps`` not 2/4/8,
             ``num_stages`` outside 1..8, ``split_k`` / ``group_m`` below 1), a "gemv" entry
             whose ``block_m`` cannot hold the bucket's rows or exceeds ``GEMV_TABLE_MAX_M``,
             ``fuse_quant`` on a "gemv" entry; a "cublas" entry with tile fields or a malformed

@@ -414,11 +414,11 @@ def _fp8_gemv_kernel(
     in registers, no shared memory, no tensor-core round trip per 128-wide block) instead of
     the FP8 ``tl.dot``, which pads the row to 16 columns and whose per-block scaling waits for
     every MMA; the weight and activation scales of a K block multiply the quantized row first
-    (``xq * (xs * ws)``), so the result differs from the dot's by fp32 rounding only. ``PDL``:
-    a programmatic
-    dependent launch (:mod:`kernels.pdl`), without the bf16 GEMV's weight prefetch: on the
-    H200's Qwen3-8B-shape FP8 decode step a prefetch of the first four K tiles cost 3,565 ->
-    3,688 us per step, of whole slices 4,613 (docs/benchmarks.md, 2026-12-02)."""
+    (``xq * (xs * ws)``), so the result differs from the dot's by fp32 rounding only.
+    ``PDL``: a programmatic dependent launch (:mod:`kernels.pdl`), without the bf16 GEMV's
+    weight prefetch: on the H200's Qwen3-8B-shape FP8 decode step a prefetch of the first four
+    K tiles cost 3,565 -> 3,688 us per step, of whole slices 4,613 (docs/benchmarks.md,
+    2026-12-02)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -82,6 +82,20 @@ def test_batch_one_bucket_takes_the_cuda_core_product(table):
     assert fc.table_fallback(DEVICE, 4096, 4096, 1) is None  # not a cublas entry
 
 
+def test_batch_one_without_its_entry_takes_the_decode_buckets_cublas_fallback(table, monkeypatch):
+    """No "1" entry and a "cublas" "16" entry whose load-time probe failed: M = 1 runs that
+    entry's recorded Triton fallback, as M = 16 does."""
+    fallback = {**ROW_GEMV, "block_m": 16, "block_n": 128, "split_k": 2, "fp8_us": 9.0}
+    table({"4096,4096": {"16": {"kind": "cublas", "fp8_us": 8.0, "fallback": fallback}}})
+    monkeypatch.setattr(fc, "interpreting", lambda: False)
+    monkeypatch.setattr(fc, "device_name", lambda device: DEVICE)
+    monkeypatch.setitem(fc.CUBLAS_USABLE, (DEVICE, 4096, 4096), False)
+    want = Fp8Config("gemv", 16, 128, 4, 4, split_k=2)
+    assert fc.table_fallback(DEVICE, 4096, 4096, 1) == want
+    for m in (1, 16):
+        assert fp8_config(m, 4096, 4096, device=torch.device("cuda")) == want
+
+
 def test_fp8_config_uses_the_table_else_the_builtin_tiles(table, monkeypatch):
     """On a CUDA device (its name faked; the interpreter's small tiles switched off), an entry
     wins; without one the result is the built-in configuration, exactly."""

@@ -71,6 +71,29 @@ def test_table_of_writes_entries_fp8_config_accepts(tmp_path, monkeypatch):
         fc._table_entry.cache_clear()
 
 
+def test_batch_one_candidates_and_a_partial_sweep_keep_the_other_buckets():
+    """M = 1 times only the small-M kernel, its CUDA-core product among them (one row, each
+    accepted by the table's parser); ``--ms`` merges the swept buckets into the table."""
+    from kernels.fp8_configs import parse_table_entry
+
+    first = sw.stage_a(1, 4096, 4096)
+    assert all(c.kind == "gemv" for c in first)
+    fma = [c for c in first if c.fma]
+    assert fma and all(c.block_m == 1 for c in fma) and any(not c.fma for c in first)
+    for c in first:
+        assert parse_table_entry(asdict(c), 1) == c
+    kept = {"1,2": {"16": {"a": 1}, "64": {"b": 2}}, "3,4": {"16": {"c": 3}}}
+    merged = sw.merge_tables(kept, {"1,2": {"1": {"d": 4}, "16": {"e": 5}}, "5,6": {"1": {}}})
+    assert merged == {"1,2": {"1": {"d": 4}, "16": {"e": 5}, "64": {"b": 2}},
+                      "3,4": {"16": {"c": 3}}, "5,6": {"1": {}}}  # fmt: skip
+    assert kept["1,2"] == {"16": {"a": 1}, "64": {"b": 2}}  # not modified
+    r = subprocess.run(
+        [sys.executable, str(REPO / "bench/fp8_sweep.py"), "--ms", "3", "--tiny"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 2 and "--ms takes buckets of" in r.stderr
+
+
 def test_compile_check_quick_compiles_for_sm90():
     """Also checks (outside the interpreter, which this session runs under) that the sweep's
     warm-up launches specialize as the timed ones: the sweep compiles each configuration on
