@@ -200,10 +200,14 @@ def main() -> int:
     failed, seen = [], set()
     t_all = time.perf_counter()
     for cfg in cfgs:
-        m = min(16, cfg.block_m) if cfg.kind == "gemv" else 16  # fma: one row
-        for fn, _grid, a, kw in launches_of(cfg, m):
+        # the small-M tiles are timed at M = 1 too (the batch-1 bucket), which the JIT
+        # specializes apart; fma runs one row only
+        small = cfg.kind == "gemv" and cfg.block_m <= 16
+        ms = (1,) if cfg.fma else (16, 1) if small else (16,)
+        launches = [(m, launch) for m in ms for launch in launches_of(cfg, m)]
+        for m, (fn, _grid, a, kw) in launches:
             t = time.perf_counter()
-            key = (fn.__name__, compile_key(cfg) if fn.__name__ in KERNELS[:2] else repr(kw))
+            key = (fn.__name__, compile_key(cfg) if fn.__name__ in KERNELS[:2] else repr(kw), m)
             if key in seen:
                 continue
             seen.add(key)
@@ -217,7 +221,7 @@ def main() -> int:
             regs, spill = ptxas_usage(kernel.asm["ptx"], args.arch)
             shared = kernel.metadata.shared
             print(
-                f"| {cfg_str(cfg)} | {fn.__name__} | {shared / 1024:.1f} | {regs} | {spill} "
+                f"| {cfg_str(cfg)} M={m} | {fn.__name__} | {shared / 1024:.1f} | {regs} | {spill} "
                 f"| {time.perf_counter() - t:.1f} |",
                 flush=True,
             )
