@@ -349,7 +349,7 @@ def wait_health(base: str, proc: subprocess.Popen, timeout: float = 600) -> None
                     return
             except httpx.HTTPError:
                 pass
-        time.sleep(1)
+        time.sleep(0.25)
     raise TimeoutError("server did not become healthy")
 
 
@@ -465,9 +465,12 @@ def bench_server(
     if root != REPO:
         env["PYTHONPATH"] = f"{root}:{env.get('PYTHONPATH', '')}"
     with open(log_path, "w") as log:
+        t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root, env=env)
         try:
             wait_health(base, proc)
+            # start-up: imports, weight load, KV-cache sizing, warm-up and CUDA-graph capture
+            print(f"{name}: healthy {time.perf_counter() - t0:.1f} s after start", flush=True)
             return run_levels(name, base, model, args, prompts, proc.pid)
         finally:
             proc.terminate()
