@@ -32,6 +32,14 @@ from bench.serve import make_prompts, prefix_cache_counters, run_level, wait_hea
 LEVELS = [(1024, 1), (1024, 8), (8192, 1), (8192, 8), (32000, 1), (32000, 8)]
 
 
+def _level(spec: str) -> tuple[int, int]:
+    """``"8192x8"`` -> ``(8192, 8)``, a level of :data:`LEVELS`."""
+    level = tuple(int(v) for v in spec.lower().split("x"))
+    if level not in LEVELS:
+        raise argparse.ArgumentTypeError(f"{spec!r} is not one of {LEVELS}")
+    return level
+
+
 def hf_prefill_ms(ckpt: str, tokens: int, device: str) -> float:
     """Milliseconds of transformers' forward (SDPA, bf16) over one ``tokens``-token prompt."""
     import torch
@@ -99,7 +107,7 @@ def run_tree(
                 extra={"ignore_eos": True},
                 client_procs=1,
             )
-            for length, conc in LEVELS:
+            for length, conc in args.levels:
                 before = prefix_cache_counters(base)
                 r = run_level(
                     base,
@@ -147,6 +155,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument(
         "--requests-per-level", type=int, default=2, help="requests per unit of concurrency"
+    )
+    ap.add_argument(
+        "--levels",
+        nargs="*",
+        type=_level,
+        default=LEVELS,
+        help="PROMPTxCONC levels to run, e.g. 8192x8 32000x8 (default: all six); prompts stay "
+        "those of the full set, so a level's texts do not depend on which levels run",
     )
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default="/tmp")
