@@ -13,7 +13,10 @@ import sys
 
 import uvicorn
 
-from engine.core.config import DEFAULT_MAX_PREFILL_ATTENTION_WITH_DECODES
+from engine.core.config import (
+    DEFAULT_MAX_PREFILL_ATTENTION_WITH_DECODES,
+    SERVING_MAX_PREFILL_TOKENS_WITH_DECODES,
+)
 
 log = logging.getLogger("server")
 
@@ -51,7 +54,7 @@ _RANGES = [
     ("max_num_seqs", 1, None),
     ("max_num_batched_tokens", 1, None),
     ("prefill_only_token_budget", 1, None),
-    ("max_prefill_tokens_with_decodes", 1, None),
+    ("max_prefill_tokens_with_decodes", 0, None),
     ("max_prefill_attention_with_decodes", 0, None),
     ("max_body_bytes", 1, None),
     ("max_prompt_tokens", 1, None),
@@ -219,9 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--max-prefill-tokens-with-decodes",
         type=int,
-        default=_env("max_prefill_tokens_with_decodes"),
+        default=_env("max_prefill_tokens_with_decodes", SERVING_MAX_PREFILL_TOKENS_WITH_DECODES),
         help="most prompt tokens one step carries while requests decode (bounds the inter-token "
-        "time long prefills add to running streams); unset: what the budget leaves",
+        "time long prefills add to running streams; Sarathi-Serve's stall-free cap); 0: no cap, "
+        "what the token budget leaves (more throughput, longer inter-token tails)",
     )
     a(
         "--max-prefill-attention-with-decodes",

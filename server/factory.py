@@ -78,7 +78,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_only_token_budget=args.prefill_only_token_budget,
-        max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
+        max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes or None,
         max_prefill_attention_with_decodes=args.max_prefill_attention_with_decodes or None,
         attention_backend=args.attention_backend,
         enable_prefix_caching=not args.no_prefix_caching,

@@ -106,7 +106,8 @@ class Scheduler:
             ``max_num_batched_tokens``.
         max_prefill_tokens_with_decodes: most prompt tokens a step may carry while requests
             decode, so a long prefill cannot stretch every running stream's inter-token time
-            (Sarathi-Serve's chunk bound, Agrawal et al. 2024); None: the budget's remainder.
+            (Sarathi-Serve's chunk bound, Agrawal et al. 2024); None or 0: the budget's
+            remainder.
         max_prefill_attention_with_decodes: most query-key pairs of prompt attention
             (:func:`~engine.core.attention_budget.causal_pairs`, summed over the step's prompt
             chunks) a step may carry while requests decode: a chunk over a long cached prefix
@@ -116,7 +117,8 @@ class Scheduler:
             bound (so is 0).
 
     Raises:
-        ValueError: a negative ``max_prefill_attention_with_decodes``.
+        ValueError: a negative ``max_prefill_tokens_with_decodes`` or
+            ``max_prefill_attention_with_decodes``.
 
     Attributes:
         requests: live requests (waiting or running) by id.
@@ -149,7 +151,10 @@ class Scheduler:
             if chunked and prefill_only_token_budget
             else max_num_batched_tokens
         )
-        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes if chunked else None
+        cap = max_prefill_tokens_with_decodes
+        if cap is not None and cap < 0:
+            raise ValueError(f"max_prefill_tokens_with_decodes must be >= 0 (0: no cap), got {cap}")
+        self.max_prefill_tokens_with_decodes = (cap or None) if chunked else None
         pairs = max_prefill_attention_with_decodes
         if pairs is not None and pairs < 0:
             raise ValueError(

@@ -124,6 +124,30 @@ def test_prompt_attention_bound_reaches_the_engine_config(monkeypatch, capsys):
     assert "QWEN_SERVE_MAX_PREFILL_ATTENTION_WITH_DECODES" in err and "out of range" in err
 
 
+def test_prompt_token_cap_defaults_to_the_serving_cap_and_zero_lifts_it(monkeypatch, capsys):
+    """``--max-prefill-tokens-with-decodes``: the server's cap (512) unless given, while the
+    offline ``EngineConfig`` keeps none; 0 lifts it (None), a negative value names the flag."""
+    from engine.core.config import SERVING_MAX_PREFILL_TOKENS_WITH_DECODES, EngineConfig
+    from server.factory import engine_config
+
+    def config(argv):
+        args = build_parser().parse_args(["--device", "cpu", *argv])
+        return engine_config(args).max_prefill_tokens_with_decodes
+
+    assert config([]) == SERVING_MAX_PREFILL_TOKENS_WITH_DECODES == 512
+    assert EngineConfig(model="m").max_prefill_tokens_with_decodes is None
+    assert config(["--max-prefill-tokens-with-decodes", "0"]) is None
+    assert config(["--max-prefill-tokens-with-decodes", "768"]) == 768
+    monkeypatch.setenv("QWEN_SERVE_MAX_PREFILL_TOKENS_WITH_DECODES", "256")
+    assert config([]) == 256
+    monkeypatch.setenv("QWEN_SERVE_MAX_PREFILL_TOKENS_WITH_DECODES", "-1")
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "QWEN_SERVE_MAX_PREFILL_TOKENS_WITH_DECODES" in err and "out of range" in err
+
+
 def test_a_bad_flag_is_one_line_on_stderr(capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["--max-num-seqs", "0"])

@@ -63,7 +63,7 @@ def _step(s: Scheduler, rng: random.Random):
     return batch, decodes, prefill
 
 
-@pytest.mark.parametrize("cap,solo", [(16, 512), (48, 256), (None, 2048)])
+@pytest.mark.parametrize("cap,solo", [(16, 512), (48, 256), (None, 2048), (0, 1024)])
 def test_prefill_tokens_are_capped_while_decoding_and_a_lone_prefill_takes_the_larger_budget(
     cap, solo
 ):
@@ -97,7 +97,7 @@ def test_prefill_tokens_are_capped_while_decoding_and_a_lone_prefill_takes_the_l
         batch, decodes, prefill = _step(s, rng)
         assert sum(batch.num_new_tokens) <= (128 if decodes else solo)
         if decodes:
-            assert prefill <= (cap if cap is not None else 128)
+            assert prefill <= (cap or 128)  # None and 0: no cap
             steps_with_prefill += prefill > 0
         kv.check_integrity(list(s.requests.values()))
     assert not s.has_work() and kv.num_free_blocks == kv.num_blocks
@@ -192,6 +192,16 @@ def test_attention_bound_of_zero_is_no_bound():
     assert s.max_prefill_attention_with_decodes is None
     with pytest.raises(ValueError, match="max_prefill_attention_with_decodes"):
         Scheduler(kv, 4, 128, max_prefill_attention_with_decodes=-1)
+
+
+def test_prompt_token_cap_of_zero_is_no_cap():
+    kv = KVCacheManager(64, 16, enable_prefix_caching=False)
+    assert (
+        Scheduler(kv, 4, 128, max_prefill_tokens_with_decodes=0).max_prefill_tokens_with_decodes
+        is None
+    )
+    with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes"):
+        Scheduler(kv, 4, 128, max_prefill_tokens_with_decodes=-1)
 
 
 def _check_step(s: Scheduler, budget: int, pairs: int) -> tuple[int, list[tuple[int, int]]]:
