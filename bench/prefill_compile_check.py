@@ -2,7 +2,9 @@
 
 Compiles every tile configuration that ``bench/prefill_long.py --sweep`` may time (both lists of
 ``bench/prefill_configs.py``, single-pass and split-KV variants, with and without
-``SKIP_DECODE``) and the split merge kernel, with ``triton.compile`` for
+``SKIP_DECODE``; GQA-packed candidates at G = 2 and 4, Qwen3-0.6B's and Qwen3-4B/8B's, where
+``BLOCK_M // G`` allows packing) and the split merge kernel (per tokens-per-tile), with
+``triton.compile`` for
 ``GPUTarget("cuda", 90, 32)``, specialized as the JIT specializes a real launch (aligned
 pointers, unit strides folded, strides divisible by 16); then runs ``ptxas -v`` on each PTX for
 its registers and spills, and counts the loads pipelined through ``cp.async`` (0 means
@@ -43,6 +45,7 @@ from kernels.prefill_attention import (  # noqa: E402
     MERGE_WARPS,
     _prefill_kernel,
     _prefill_merge_kernel,
+    prefill_tiling,
 )
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -146,9 +149,14 @@ def jobs(quick: bool) -> list[tuple[str, object, dict, dict]]:
     lists.append((SPLIT_CONFIGS[:1] if quick else SPLIT_CONFIGS, True))
     for configs, split in lists:
         for cfg in configs:
-            for skip in (False, True):
+            # (G, packed): unpacked at Qwen3-0.6B's G = 2; packed candidates at G = 2 and 4
+            groups = [(2, False)]
+            if cfg.get("GQA_PACK"):
+                groups = [(g, True) for g in (2, 4) if prefill_tiling(cfg, 8 * g, 8)[0]]
+            for (num_groups, pack), skip in [(gp, sk) for gp in groups for sk in (False, True)]:
+                tok = cfg["BLOCK_M"] // num_groups if pack else cfg["BLOCK_M"]
                 consts = {
-                    "NUM_GROUPS": 2,
+                    "NUM_GROUPS": num_groups,
                     "HEAD_DIM": 128,
                     "BLOCK_M": cfg["BLOCK_M"],
                     "BLOCK_N": cfg["BLOCK_N"],
@@ -159,22 +167,24 @@ def jobs(quick: bool) -> list[tuple[str, object, dict, dict]]:
                     "BT_PREFETCH": cfg["BT_PREFETCH"],
                     "SKIP_DECODE": skip,
                     "SPLIT": split,
+                    "GQA_PACK": pack,
                 }
                 opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-                name = f"{'split' if split else 'single'} {cfg} skip_decode={skip}"
+                name = f"{'split' if split else 'single'} {cfg} G={num_groups} skip_decode={skip}"
                 out.append((name, _prefill_kernel, consts, opts))
-            if split and cfg["BLOCK_M"] not in seen:
-                seen.add(cfg["BLOCK_M"])
-                consts = {
-                    "HEAD_DIM": 128,
-                    "BLOCK_M": cfg["BLOCK_M"],
-                    "BLOCK_N": cfg["BLOCK_N"],
-                    "MERGE_M": min(MERGE_M, cfg["BLOCK_M"]),
-                    "CAUSAL": True,
-                    "SKIP_DECODE": True,
-                }
-                opts = {"num_warps": MERGE_WARPS, "num_stages": 1}
-                out.append((f"merge BLOCK_M={cfg['BLOCK_M']}", _prefill_merge_kernel, consts, opts))
+                if split and (tok, cfg["BLOCK_N"]) not in seen:
+                    seen.add((tok, cfg["BLOCK_N"]))
+                    consts = {
+                        "HEAD_DIM": 128,
+                        "TOK": tok,
+                        "BLOCK_N": cfg["BLOCK_N"],
+                        "MERGE_M": min(MERGE_M, tok),
+                        "CAUSAL": True,
+                        "SKIP_DECODE": True,
+                    }
+                    opts = {"num_warps": MERGE_WARPS, "num_stages": 1}
+                    name = f"merge TOK={tok} BLOCK_N={cfg['BLOCK_N']}"
+                    out.append((name, _prefill_merge_kernel, consts, opts))
     return out
 
 

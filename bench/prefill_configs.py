@@ -9,14 +9,23 @@ is the configuration without a table row (issue 3's choice for bf16, D=128 on th
 from __future__ import annotations
 
 
-def tiles(bm: int, bn: int, warps: int, stages: int, prefetch: bool = True) -> dict:
-    return {
+def tiles(
+    bm: int, bn: int, warps: int, stages: int, prefetch: bool = True, pack: bool = False
+) -> dict:
+    """One candidate; ``pack`` adds ``GQA_PACK: True`` (the G query heads of a KV head packed
+    into the tile's BLOCK_M rows, BLOCK_M // G tokens each; the kernel falls back to unpacked
+    where G or BLOCK_M // G does not allow it). Unpacked candidates carry no ``GQA_PACK`` key, as
+    the configuration without a table row has none."""
+    cfg = {
         "BLOCK_M": bm,
         "BLOCK_N": bn,
         "num_warps": warps,
         "num_stages": stages,
         "BT_PREFETCH": prefetch,
     }
+    if pack:
+        cfg["GQA_PACK"] = True
+    return cfg
 
 
 #: single-pass launches (long causal prompts, chunks that fill the GPU): BLOCK_M 128 with 8 warps
@@ -33,6 +42,11 @@ UNSPLIT_CONFIGS = [
     tiles(64, 128, 4, 3),
     tiles(64, 64, 4, 3),
     tiles(64, 64, 4, 4),
+    # GQA-packed (Qwen3-0.6B's G = 2: BLOCK_M 128 holds 64 tokens x 2 heads, 64 holds 32 x 2)
+    tiles(128, 128, 8, 2, pack=True),
+    tiles(128, 64, 8, 3, pack=True),
+    tiles(64, 128, 4, 2, pack=True),
+    tiles(64, 64, 4, 3, pack=True),
 ]
 
 #: split-KV launches (few query tiles over long keys): fewer rows per program fill more SMs
@@ -41,6 +55,9 @@ SPLIT_CONFIGS = [
     tiles(128, 64, 8, 3),
     tiles(64, 128, 4, 2),
     tiles(64, 64, 4, 3),
+    tiles(128, 128, 8, 2, pack=True),
+    tiles(64, 128, 4, 2, pack=True),
+    tiles(64, 64, 4, 3, pack=True),
 ]
 
 #: split policies (table keys of the split row): programs resident per SM in the wave model, and
@@ -55,6 +72,6 @@ POLICIES = [
 SPLIT_COUNTS = (2, 4, 8, 16)
 
 #: the interpreter's (CPU, ``--tiny``) lists: small tiles so the smoke test runs in minutes
-TINY_UNSPLIT_CONFIGS = [tiles(32, 32, 4, 1), tiles(16, 32, 4, 1)]
-TINY_SPLIT_CONFIGS = [tiles(32, 32, 4, 1), tiles(16, 16, 4, 1)]
+TINY_UNSPLIT_CONFIGS = [tiles(32, 32, 4, 1), tiles(16, 32, 4, 1), tiles(32, 32, 4, 1, pack=True)]
+TINY_SPLIT_CONFIGS = [tiles(32, 32, 4, 1), tiles(16, 16, 4, 1), tiles(32, 16, 4, 1, pack=True)]
 TINY_SPLIT_COUNTS = (2, 4)

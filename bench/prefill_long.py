@@ -65,7 +65,12 @@ from bench.prefill_configs import (  # noqa: E402
     UNSPLIT_CONFIGS,
 )
 from kernels.configs import device_name, table_path  # noqa: E402
-from kernels.prefill_attention import _default_config, prefill_attention, prefill_config  # noqa: E402
+from kernels.prefill_attention import (  # noqa: E402
+    _default_config,
+    prefill_attention,
+    prefill_config,
+    prefill_tiling,
+)
 from kernels.prefill_split import (  # noqa: E402
     MAX_PARTIAL_ROWS,
     choose_prefill_splits,
@@ -322,11 +327,14 @@ def precompile(configs: list[tuple[dict, int]], hq: int, hkv: int, d: int, devic
 
 
 # ----------------------------------------------------------------------------- selection
-def splits_for(sh: Shape, tiles: dict, policy: dict, hq: int, num_sms: int) -> int:
-    """The split count the engine's policy gives this shape (eager: max_seq_len = its keys)."""
+def splits_for(sh: Shape, tiles: dict, policy: dict, hq: int, hkv: int, num_sms: int) -> int:
+    """The split count the engine's policy gives this shape (eager: max_seq_len = its keys);
+    a GQA-packed candidate's programs are H_kv x cdiv(T, BLOCK_M // G), as the kernel's grid
+    (:func:`kernels.prefill_attention.prefill_tiling`)."""
+    _, tok, grid_heads = prefill_tiling(tiles, hq, hkv)
     return choose_prefill_splits(
-        triton.cdiv(sh.tokens, tiles["BLOCK_M"]),
-        hq,
+        triton.cdiv(sh.tokens, tok),
+        grid_heads,
         sh.keys,
         num_sms,
         block_n=tiles["BLOCK_N"],
@@ -344,6 +352,7 @@ def key(cfg: dict) -> str:
     return (
         f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
         f"{' pf' if cfg.get('BT_PREFETCH') else ''}"
+        f"{' gqa' if cfg.get('GQA_PACK') else ''}"
     )
 
 
@@ -357,6 +366,16 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter: small shapes and tiles")
     ap.add_argument("--reps", type=int, default=10, help="graph replays per timing (median)")
     ap.add_argument("--compile-threads", type=int, default=8, help="0: compile while timing")
+    ap.add_argument(
+        "--gqa-ab",
+        action="store_true",
+        help="also time today's tiles and the installed launch GQA-packed on every shape",
+    )
+    ap.add_argument(
+        "--heads",
+        default=None,
+        help="HQ,HKV instead of Qwen3-0.6B's 16,8 (e.g. 32,8: G = 4); not with --write-table",
+    )
     args = ap.parse_args()
     t0 = time.time()
     deadline = t0 + args.budget_s
@@ -366,6 +385,12 @@ def main() -> int:
     if device.type != "cuda" and not args.tiny:
         ap.error("no GPU: run with --tiny (interpreter) to check the script's logic")
     hq, hkv, d = (4, 2, 64) if args.tiny else (16, 8, 128)
+    if args.heads:
+        if args.write_table:
+            ap.error("--heads: the table is keyed by dtype and head_dim only; write it at 16,8")
+        hq, hkv = (int(x) for x in args.heads.split(","))
+        if hkv < 1 or hq % hkv:
+            ap.error(f"--heads {args.heads}: HQ must be a multiple of HKV")
     g = torch.Generator(device=device).manual_seed(int.from_bytes(os.urandom(4), "little"))
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -390,9 +415,26 @@ def main() -> int:
     cur_split = prefill_config(d, torch.bfloat16, device, True, split=True)
 
     def current_splits(sh: Shape) -> int:
-        return prefill_num_splits(sh.tokens, hq, d, torch.bfloat16, device, sh.keys, num_sms)
+        return prefill_num_splits(
+            sh.tokens, hq, d, torch.bfloat16, device, sh.keys, num_sms, num_kv_heads=hkv
+        )
+
+    def packed(cfg: dict, pack: bool = True) -> dict:
+        return {**cfg, "GQA_PACK": pack}
+
+    def installed_launch(sh: Shape, pack: bool) -> tuple[dict, int]:
+        """The installed table's launch with GQA_PACK forced on or off: the split row at the
+        split count the engine's policy gives that program count (1: the causal row)."""
+        cfg = packed(cur_split, pack)
+        s = splits_for(sh, cfg, cfg, hq, hkv, num_sms)
+        return (cfg, s) if s > 1 else (packed(cur_causal, pack), 1)
 
     variants = [(today, 1), (cur_causal, 1), (cur_split, 2)]
+    if args.gqa_ab:
+        variants += [
+            (packed(c, p), s) for c, s in ((cur_causal, 1), (cur_split, 2)) for p in (False, True)
+        ]
+        variants.append((packed(today), 1))
     if args.sweep:
         variants += [(c, 1) for c in unsplit] + [(c, 2) for c in split_cfgs]
     uniq = {json.dumps([c, s], sort_keys=True): (c, s) for c, s in variants}
@@ -437,6 +479,10 @@ def main() -> int:
         run(sh, today, 1, "(today)")
         s_cur = current_splits(sh)
         run(sh, cur_causal if s_cur == 1 else cur_split, s_cur, "(installed table)")
+        if args.gqa_ab:  # the same launches with the G heads of a KV head packed (unpacked above)
+            run(sh, packed(today), 1, "(today, GQA-packed)")
+            run(sh, *installed_launch(sh, False), "(installed, unpacked)")
+            run(sh, *installed_launch(sh, True), "(installed, GQA-packed)")
         if args.sweep:
             short = time.time() > t0 + 0.8 * args.budget_s
             if short:
@@ -447,7 +493,7 @@ def main() -> int:
                 if sh.ctx:
                     for cfg in split_cfgs:
                         wanted = set(counts)
-                        wanted |= {splits_for(sh, cfg, p, hq, num_sms) for p in POLICIES}
+                        wanted |= {splits_for(sh, cfg, p, hq, hkv, num_sms) for p in POLICIES}
                         for s in sorted(wanted - {1}):
                             if s * sh.tokens <= MAX_PARTIAL_ROWS and s <= triton.cdiv(
                                 sh.keys, cfg["BLOCK_N"]
@@ -463,14 +509,14 @@ def main() -> int:
     chosen_causal, chosen_split, chosen_policy = cur_causal, cur_split, None
     if args.sweep:
         chosen_causal, chosen_split, chosen_policy, table_rows = select(
-            prompts, chunks, unsplit, split_cfgs, res, hq, d, num_sms, today, cur_split
+            prompts, chunks, unsplit, split_cfgs, res, hq, hkv, d, num_sms, today, cur_split
         )
 
     def ours(sh: Shape) -> tuple[dict, int]:
         if chosen_policy is None:
             s = current_splits(sh)
         else:
-            s = splits_for(sh, chosen_split, chosen_policy, hq, num_sms)
+            s = splits_for(sh, chosen_split, chosen_policy, hq, hkv, num_sms)
         return (chosen_causal if s == 1 else chosen_split), s
 
     lines = [
@@ -516,6 +562,36 @@ def main() -> int:
                 "sdpa_error": r_s.error,
             }
         )
+    if args.gqa_ab:
+        lines += [
+            "",
+            f"GQA packing (G = {hq // hkv}): ms unpacked / packed, same tiles and split policy",
+            "",
+            "| shape | today tiles | today packed | speedup | installed (splits) "
+            "| installed packed (splits) | speedup |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for sh in prompts + chunks:
+            got = {
+                k[1:]: r for k, r in res.items() if k[0] == sh.name and r.ok
+            }  # (config key, splits) -> Result
+
+            def cell(cfg: dict, s: int, got: dict = got) -> tuple[str, float | None]:
+                r = got.get((key(cfg), s))
+                return (f"{r.ms:.3f} ({s})", r.ms) if r else ("-", None)
+
+            t_u, t_um = cell(today, 1)
+            t_p, t_pm = cell(packed(today), 1)
+            i_u, i_um = cell(*installed_launch(sh, False))
+            i_p, i_pm = cell(*installed_launch(sh, True))
+
+            def ratio(u, p):
+                return f"{u / p:.2f}x" if u and p else "-"
+
+            lines.append(
+                f"| {sh.name} | {t_u} | {t_p} | {ratio(t_um, t_pm)} | {i_u} | {i_p} "
+                f"| {ratio(i_um, i_pm)} |"
+            )
     lines.append("")
     lines.append(
         f"correctness: {'FAIL: ' + '; '.join(failed) if failed else 'every config that ran PASS'}"
@@ -557,7 +633,7 @@ def main() -> int:
     return 1 if failed else 0
 
 
-def select(prompts, chunks, unsplit, split_cfgs, res, hq, d, num_sms, today, cur_split):
+def select(prompts, chunks, unsplit, split_cfgs, res, hq, hkv, d, num_sms, today, cur_split):
     """The table rows from the sweep's results (correct, measured configurations only)."""
 
     def ms(sh, cfg, s):
@@ -567,7 +643,7 @@ def select(prompts, chunks, unsplit, split_cfgs, res, hq, d, num_sms, today, cur
     # causal row: single-pass tiles over the shapes the default policy runs unsplit
     default_policy = {"PROGRAMS_PER_SM": 1, "MAX_SPLITS": 16}
     unsplit_shapes = list(prompts) + [
-        sh for sh in chunks if splits_for(sh, cur_split, default_policy, hq, num_sms) == 1
+        sh for sh in chunks if splits_for(sh, cur_split, default_policy, hq, hkv, num_sms) == 1
     ]
     scores = {}
     for cfg in unsplit:
@@ -601,7 +677,7 @@ def select(prompts, chunks, unsplit, split_cfgs, res, hq, d, num_sms, today, cur
             for sh in chunks:
                 if sh.name not in best:
                     continue
-                s = splits_for(sh, cfg, pol, hq, num_sms)
+                s = splits_for(sh, cfg, pol, hq, hkv, num_sms)
                 t = ms(sh, best_causal, 1) if s == 1 else ms(sh, cfg, s)
                 if t is None:
                     cost = None
@@ -623,11 +699,17 @@ def select(prompts, chunks, unsplit, split_cfgs, res, hq, d, num_sms, today, cur
     choice = choice[1:] if choice else None
     row = {}  # no causal row when nothing was measured on every shape (today's tiles stay)
     if scores and key(best_causal) != key(today):  # today's tiles need no row
-        row["causal"] = {**best_causal, "geomean_tflops": round(scores[key(best_causal)][0], 1)}
+        row["causal"] = {
+            **best_causal,
+            # explicit either way: the split row inherits the causal row's keys it lacks
+            "GQA_PACK": bool(best_causal.get("GQA_PACK", False)),
+            "geomean_tflops": round(scores[key(best_causal)][0], 1),
+        }
     if choice is None:  # no split policy measured on every chunk shape: no split row
         print("# split: no candidate measured on every chunk shape; no split row written")
         return best_causal, cur_split, None, ({f"bfloat16,{d}": row} if row else {})
     split_cfg, policy = choice
+    split_cfg = {**split_cfg, "GQA_PACK": bool(split_cfg.get("GQA_PACK", False))}
     row["split"] = {**split_cfg, **policy}
     return best_causal, {**split_cfg, **policy}, policy, {f"bfloat16,{d}": row}
 

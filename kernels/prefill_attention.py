@@ -30,6 +30,22 @@ and base-2 log-sum-exp to fp32 scratch; :func:`_prefill_merge_kernel` merges the
 tile that had more than one (a tile whose range fits one split is written to ``out`` directly).
 The host picks ``num_splits`` (:mod:`kernels.prefill_split`), so grids stay shape-only.
 
+GQA packing (config / table key ``GQA_PACK``; off unless a table row or ``config`` sets it):
+the ``G = H_q / H_kv`` query heads that share a KV head are packed into the M dimension of one
+tile, as FlashAttention's ``pack_gqa`` (``hopper/pack_gqa.h``), FlashInfer's prefill and vLLM's
+Triton unified attention (``BLOCK_Q = BLOCK_M // num_queries_per_kv`` in
+``vllm/v1/attention/ops/triton_unified_attention.py``) do. A program then owns one KV head and
+``TOK = BLOCK_M // G`` tokens x its G heads: row ``r = t * G + g`` of the ``[BLOCK_M, D]`` Q tile
+is token ``t`` of the tile, query head ``kv_head * G + g`` (with q ``[T, H_q, D]`` the G heads of
+a token are adjacent, so the Q load and the output store move ``G * D`` contiguous elements per
+token). Every K/V tile, and every block-id load, then serves G heads instead of being loaded
+once per query head (G times less K/V and block-table traffic from L2; the ``tl.dot`` shapes are
+unchanged). The flat tile axis, the key ranges and the split merge count tiles of ``TOK``
+tokens; the causal limit is per row (its token's position ``ctx + t``), and the diagonal of a
+tile spans ``TOK`` tokens, not ``BLOCK_M``. Used only where ``G`` is a power of two >= 2 and
+``TOK >= MIN_PACK_TOKENS`` (:func:`prefill_tiling`); otherwise (MHA, Qwen2.5-0.5B's G = 7, or
+too few tokens per tile) the unpacked kernel runs. Grid ``(H_kv, T // TOK + B[, splits])``.
+
 Tile configurations are static: :func:`prefill_config` reads the table measured on the GPU
 (``bench/prefill_long.py --sweep --write-table`` writes
 ``kernels/configs/prefill_attention_<device>.json``); a device, dtype or head_dim without an entry
@@ -44,7 +60,13 @@ import triton.language as tl
 
 from kernels.configs import device_name, kernel_table
 
-__all__ = ["prefill_attention", "prefill_config", "PREFILL_TABLE_KEYS"]
+__all__ = [
+    "prefill_attention",
+    "prefill_config",
+    "prefill_tiling",
+    "PREFILL_TABLE_KEYS",
+    "MIN_PACK_TOKENS",
+]
 
 _LOG2E = 1.4426950408889634
 # CUDA's limit on gridDim.y, the query-tile axis of the launch
@@ -146,21 +168,22 @@ def _paged_attn_tile(
 
 
 @triton.jit
-def _find_seq(cu_q_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
-    """Last sequence ``s < num_seqs`` with ``cu_q[s] // BLOCK_M + s <= tile`` (binary search).
+def _find_seq(cu_q_ptr, tile, num_seqs, TOK: tl.constexpr):
+    """Last sequence ``s < num_seqs`` with ``cu_q[s] // TOK + s <= tile`` (binary search).
 
-    Sequence ``s`` owns the flat tile slots ``cu_q[s] // BLOCK_M + s .. cu_q[s+1] // BLOCK_M + s``:
+    ``TOK`` is the query tokens of one tile (``BLOCK_M``, or ``BLOCK_M // G`` when GQA-packed).
+    Sequence ``s`` owns the flat tile slots ``cu_q[s] // TOK + s .. cu_q[s+1] // TOK + s``:
     that start is strictly increasing in ``s`` (``cu_q`` is non-decreasing and ``s`` grows by
-    one), and the ``cu_q[s+1] // BLOCK_M - cu_q[s] // BLOCK_M + 1`` slots are at least
-    ``cdiv(q_len, BLOCK_M)``, so every query tile has a slot and the last slot ends at
-    ``cu_q[B] // BLOCK_M + B - 1 < T // BLOCK_M + B``. Empty (padding) sequences own one slot
+    one), and the ``cu_q[s+1] // TOK - cu_q[s] // TOK + 1`` slots are at least
+    ``cdiv(q_len, TOK)``, so every query tile has a slot and the last slot ends at
+    ``cu_q[B] // TOK + B - 1 < T // TOK + B``. Empty (padding) sequences own one slot
     that does no work. After vLLM's ``find_seq_idx`` (triton_unified_attention.py).
     """
     lo = 0
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
-        start = tl.load(cu_q_ptr + mid) // BLOCK_M + mid
+        start = tl.load(cu_q_ptr + mid) // TOK + mid
         if start <= tile:
             lo = mid + 1
         else:
@@ -170,25 +193,25 @@ def _find_seq(cu_q_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _query_tile(cu_q_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
-    """``(seq, q_start, q_len, m_blk)`` of slot ``tile`` of the flat query-tile axis."""
-    seq = _find_seq(cu_q_ptr, tile, num_seqs, BLOCK_M)
+def _query_tile(cu_q_ptr, tile, num_seqs, TOK: tl.constexpr):
+    """``(seq, q_start, q_len, m_blk)`` of slot ``tile`` of the flat axis of ``TOK``-token
+    query tiles (tile ``m_blk`` of sequence ``seq`` holds its tokens ``m_blk * TOK ..``)."""
+    seq = _find_seq(cu_q_ptr, tile, num_seqs, TOK)
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
-    m_blk = tile - (q_start // BLOCK_M + seq)
+    m_blk = tile - (q_start // TOK + seq)
     return seq, q_start, q_len, m_blk
 
 
 @triton.jit
-def _key_range(
-    ctx, seq_len, m_blk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr
-):
-    """``(hi_full, hi)``: query tile ``m_blk`` attends to keys ``0 .. hi``, and keys below
-    ``hi_full`` (a multiple of ``BLOCK_N``) are visible to every row of the tile (no mask)."""
+def _key_range(ctx, seq_len, m_blk, TOK: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """``(hi_full, hi)``: query tile ``m_blk`` (tokens ``m_blk * TOK ..``) attends to keys
+    ``0 .. hi``, and keys below ``hi_full`` (a multiple of ``BLOCK_N``) are visible to every row
+    of the tile (no mask)."""
     if CAUSAL:
-        # keys 0 .. ctx + first row are visible to every row of the tile
-        hi_full = ((ctx + m_blk * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
-        hi = tl.minimum(seq_len, ctx + (m_blk + 1) * BLOCK_M)
+        # keys 0 .. ctx + first token are visible to every row of the tile
+        hi_full = ((ctx + m_blk * TOK + 1) // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(seq_len, ctx + (m_blk + 1) * TOK)
     else:
         hi_full = (seq_len // BLOCK_N) * BLOCK_N
         hi = seq_len
@@ -257,16 +280,22 @@ def _prefill_kernel(
     BT_PREFETCH: tl.constexpr,
     SKIP_DECODE: tl.constexpr,
     SPLIT: tl.constexpr,
+    GQA_PACK: tl.constexpr,
 ):
-    head = tl.program_id(0)
+    # GQA_PACK: axis 0 is the KV head, and the BLOCK_M rows of a tile are TOK tokens x the
+    # NUM_GROUPS query heads of that KV head (row r: token r // G, head r % G of the group), so
+    # each K/V tile is loaded once for the G heads. Otherwise axis 0 is the query head and the
+    # rows are BLOCK_M tokens of it.
+    TOK: tl.constexpr = BLOCK_M // NUM_GROUPS if GQA_PACK else BLOCK_M
+    head = tl.program_id(0)  # the KV head when packed
     # The flat slot axis is walked in reverse: within a sequence its last (heaviest under the
     # causal mask) query tiles start first, which balances the tail of the launch.
     tile = tl.num_programs(1) - 1 - tl.program_id(1)
-    seq, q_start, q_len, m_blk = _query_tile(cu_q_ptr, tile, num_seqs, BLOCK_M)
-    # Spare slots have no rows: a sequence owns up to one more slot than cdiv(q_len, BLOCK_M)
+    seq, q_start, q_len, m_blk = _query_tile(cu_q_ptr, tile, num_seqs, TOK)
+    # Spare slots have no rows: a sequence owns up to one more slot than cdiv(q_len, TOK)
     # (a padding sequence, q_len 0, owns just that one), and the slots that padding tokens past
     # cu_q[B] add to the grid all fall to the last sequence, past its q_len.
-    if m_blk * BLOCK_M >= q_len:
+    if m_blk * TOK >= q_len:
         return
     # mixed step: decode rows (one new token) are computed by the split-KV decode kernel; the
     # constexpr test stays outside so that the flag off compiles no comparison at all
@@ -275,8 +304,11 @@ def _prefill_kernel(
             return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len  # cached prefix length (bottom-right causal alignment)
-    kv_head = head // NUM_GROUPS
-    hi_full, hi = _key_range(ctx, seq_len, m_blk, BLOCK_M, BLOCK_N, CAUSAL)
+    if GQA_PACK:
+        kv_head = head
+    else:
+        kv_head = head // NUM_GROUPS
+    hi_full, hi = _key_range(ctx, seq_len, m_blk, TOK, BLOCK_N, CAUSAL)
     if SPLIT:
         # split `split` of the tile's keys 0 .. hi: unmasked keys lo .. full_end, then the masked
         # ones mask_lo .. end (empty unless the split reaches the diagonal / the tail)
@@ -294,18 +326,27 @@ def _prefill_kernel(
         full_end = hi_full
         mask_lo = hi_full
 
-    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    if GQA_PACK:
+        # token of each row in its sequence, and the row's query head ([BLOCK_M] and its column)
+        offs_r = tl.arange(0, BLOCK_M)
+        offs_m = m_blk * TOK + offs_r // NUM_GROUPS
+        heads = head * NUM_GROUPS + offs_r % NUM_GROUPS
+        head_c = heads[:, None]
+    else:
+        offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        heads = head
+        head_c = head
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < q_len
     q_rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(
-        q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
+        q_ptr + q_rows[:, None] * stride_qt + head_c * stride_qh + offs_d[None, :] * stride_qd,
         mask=row_ok[:, None],
         other=0.0,
     )
     if UPCAST:
         q = q.to(tl.float32)
-    q_pos = ctx + offs_m
+    q_pos = ctx + offs_m  # per row: its token's position (packed rows of a token share it)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -372,7 +413,9 @@ def _prefill_kernel(
     )
     has = l_i > 0.0  # a split may hold no key a row can see (rows above the diagonal)
     acc = acc / tl.where(has, l_i, 1.0)[:, None]
-    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od
+    o_ptrs = (
+        out_ptr + q_rows[:, None] * stride_ot + head_c * stride_oh + offs_d[None, :] * stride_od
+    )
     if SPLIT:
         if n_split > 1:
             lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -381,11 +424,11 @@ def _prefill_kernel(
                 po_ptr
                 + split64 * stride_pos
                 + q_rows[:, None] * stride_pot
-                + head * stride_poh
+                + head_c * stride_poh
                 + offs_d[None, :]
             )
             tl.store(po_ptrs, acc, mask=row_ok[:, None])
-            lse_ptrs = plse_ptr + split64 * stride_pls + q_rows * stride_plt + head * stride_plh
+            lse_ptrs = plse_ptr + split64 * stride_pls + q_rows * stride_plt + heads * stride_plh
             tl.store(lse_ptrs, lse, mask=row_ok)
         else:  # the tile's keys fit one split: no merge
             tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -415,35 +458,37 @@ def _prefill_merge_kernel(
     stride_plt,
     stride_plh,
     HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    TOK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MERGE_M: tl.constexpr,
     CAUSAL: tl.constexpr,
     SKIP_DECODE: tl.constexpr,
 ):
-    """Second stage of the split-KV mode, grid ``(H_q, slots * BLOCK_M // MERGE_M)``: program
-    ``(head, slot * BLOCK_M // MERGE_M + sub)`` merges rows ``sub * MERGE_M ..`` of the first
-    stage's query tile ``(head, slot)`` over its ``n > 1`` splits, with weights
+    """Second stage of the split-KV mode, grid ``(H_q, slots * TOK // MERGE_M)``: program
+    ``(head, slot * TOK // MERGE_M + sub)`` merges the rows of query head ``head`` for tokens
+    ``sub * MERGE_M ..`` of the first stage's query tile ``slot`` over its ``n > 1`` splits
+    (``TOK``: the first stage's tokens per tile, ``BLOCK_M`` or, GQA-packed, ``BLOCK_M // G``, so
+    both stages cut the same tiles and agree on which were split), with weights
     ``2^(lse_s - max lse)`` (online, one split at a time); tiles that had one split were written
     by the first stage. Small row blocks keep the merge's tiles in registers (it streams
     ``n * MERGE_M * D`` fp32 partials and does little arithmetic)."""
     head = tl.program_id(0)
-    tile = tl.program_id(1) // (BLOCK_M // MERGE_M)
-    sub = tl.program_id(1) % (BLOCK_M // MERGE_M)
-    seq, q_start, q_len, m_blk = _query_tile(cu_q_ptr, tile, num_seqs, BLOCK_M)
-    if m_blk * BLOCK_M + sub * MERGE_M >= q_len:
+    tile = tl.program_id(1) // (TOK // MERGE_M)
+    sub = tl.program_id(1) % (TOK // MERGE_M)
+    seq, q_start, q_len, m_blk = _query_tile(cu_q_ptr, tile, num_seqs, TOK)
+    if m_blk * TOK + sub * MERGE_M >= q_len:
         return
     if SKIP_DECODE:  # noqa: SIM102
         if q_len == 1:
             return
     seq_len = tl.load(seq_lens_ptr + seq)
-    _, hi = _key_range(seq_len - q_len, seq_len, m_blk, BLOCK_M, BLOCK_N, CAUSAL)
+    _, hi = _key_range(seq_len - q_len, seq_len, m_blk, TOK, BLOCK_N, CAUSAL)
     _, n_split = _split_len(hi, num_splits, min_split_keys, BLOCK_N)
     if n_split <= 1:
         return
     offs_r = tl.arange(0, MERGE_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    first = m_blk * BLOCK_M + sub * MERGE_M  # first row of this block in its sequence
+    first = m_blk * TOK + sub * MERGE_M  # first token of this block in its sequence
     row_ok = first + offs_r < q_len
     row0 = (q_start + first).to(tl.int64)  # its packed row
     # scalar bases advanced split by split, small loop-invariant offsets within the block (a
@@ -475,7 +520,7 @@ def _prefill_merge_kernel(
     )
 
 
-#: keys of a table row that :func:`prefill_config` takes: the tiles, the kernel's flag, and (split
+#: keys of a table row that :func:`prefill_config` takes: the tiles, the kernel's flags, and (split
 #: rows) the split policy of :mod:`kernels.prefill_split`; other keys (timings) are ignored
 PREFILL_TABLE_KEYS = (
     "BLOCK_M",
@@ -483,6 +528,7 @@ PREFILL_TABLE_KEYS = (
     "num_warps",
     "num_stages",
     "BT_PREFETCH",
+    "GQA_PACK",
     "MIN_SPLIT_KEYS",
     "PROGRAMS_PER_SM",
     "MAX_SPLITS",
@@ -492,6 +538,37 @@ PREFILL_TABLE_KEYS = (
 #: 8 warps), at most 16 splits (``MAX_SPLITS`` 1 turns the split mode off); the interpreter
 #: splits at one tile so small tests cross split boundaries
 _SPLIT_POLICY = {"MIN_SPLIT_KEYS": 512, "PROGRAMS_PER_SM": 1, "MAX_SPLITS": 16}
+
+
+#: fewest query tokens of a GQA-packed tile (``BLOCK_M // G``); a smaller quotient falls back to
+#: the unpacked kernel. Not a tl.dot limit (the dot's M stays BLOCK_M): it keeps the flat tile
+#: axis (``T // TOK + B`` slots, each a binary search) and the split merge's blocks
+#: (``min(MERGE_M, TOK)`` tokens) from growing past 8x the unpacked ones; e.g. BLOCK_M 128
+#: packs G = 2, 4, 8, BLOCK_M 64 packs G = 2, 4
+MIN_PACK_TOKENS = 16
+
+
+def prefill_tiling(cfg: dict, num_heads: int, num_kv_heads: int) -> tuple[bool, int, int]:
+    """``(packed, tok, grid_heads)`` of a launch with config ``cfg`` (a :func:`prefill_config`
+    dict) for ``H_q = num_heads``, ``H_kv = num_kv_heads``: whether the GQA-packed kernel runs,
+    the query tokens of one tile, and the grid's first axis (the program count per query tile).
+
+    Packed when ``cfg["GQA_PACK"]`` is true and ``G = H_q / H_kv`` is a power of two >= 2 with
+    ``BLOCK_M // G >= MIN_PACK_TOKENS``: then ``(True, BLOCK_M // G, H_kv)``; otherwise (also
+    G = 7 of Qwen2.5-0.5B, or MHA) the unpacked kernel, ``(False, BLOCK_M, H_q)``. Host ints
+    only.
+    """
+    block_m = int(cfg["BLOCK_M"])
+    groups = num_heads // num_kv_heads
+    if (
+        cfg.get("GQA_PACK", False)
+        and groups >= 2
+        and (groups & (groups - 1)) == 0
+        and block_m % groups == 0
+        and block_m // groups >= MIN_PACK_TOKENS
+    ):
+        return True, block_m // groups, num_kv_heads
+    return False, block_m, num_heads
 
 
 def _dtype_key(dtype: torch.dtype) -> str:
@@ -520,8 +597,10 @@ def prefill_config(
 ) -> dict:
     """Tile configuration used by :func:`prefill_attention`: ``{BLOCK_M, BLOCK_N, num_warps,
     num_stages, BT_PREFETCH}`` (``BT_PREFETCH``: load the next tile's block ids one iteration
-    ahead); with ``split``, also the split policy ``MIN_SPLIT_KEYS`` (fewest keys of one split),
-    ``PROGRAMS_PER_SM`` (programs one SM runs at once) and ``MAX_SPLITS`` (1: never split), for
+    ahead), plus ``GQA_PACK`` where a table row sets it (absent = False: pack the G query heads
+    of a KV head into a tile's rows, see :func:`prefill_tiling`); with ``split``, also the split
+    policy ``MIN_SPLIT_KEYS`` (fewest keys of one split), ``PROGRAMS_PER_SM`` (programs one SM
+    runs at once) and ``MAX_SPLITS`` (1: never split), for
     :func:`kernels.prefill_split.choose_prefill_splits`.
 
     Host-side and static (no autotuning at launch, so launches can be captured in a CUDA graph).
@@ -634,7 +713,8 @@ def prefill_attention(
         out: ``[T, H_q, D]`` like ``q``; rows of every sequence written in place, returned.
         scale: softmax scale (usually ``D ** -0.5``).
         causal: bottom-right aligned causal mask (query j at position ``seq_len - q_len + j``).
-        config: optional override of :func:`prefill_config`'s keys (benchmarks).
+        config: optional override of :func:`prefill_config`'s keys (benchmarks), e.g.
+            ``{"GQA_PACK": True}``.
         skip_decode_rows: when True (a compile-time flag of the kernel), sequences with exactly
             one new token are skipped like padding: their rows of ``out`` are left untouched for
             ``decode_attention(..., cu_seqlens_q=cu_seqlens_q)`` to fill (mixed steps).
@@ -654,18 +734,24 @@ def prefill_attention(
     Raises:
         ValueError: on inconsistent shapes, dtypes, devices, head counts or head_dim, a
             ``num_splits`` that is not an int >= 1 (or above 65535) or scratch that does not fit
-            it, or when ``T // BLOCK_M + B`` exceeds CUDA's 65535 limit on the grid's second axis.
+            it, or when ``T // TOK + B`` exceeds CUDA's 65535 limit on the grid's second axis.
 
-    Grid: ``(H_q, T // BLOCK_M + B)`` (split mode: ``(H_q, T // BLOCK_M + B, num_splits)`` and the
-    merge ``(H_q, T // BLOCK_M + B)``), from the shapes of ``q`` and ``cu_seqlens_q`` and the host
-    int ``num_splits`` only (no device-to-host sync), so a launch can be captured in a CUDA graph
-    at a padded ``T`` and ``B`` and replayed for every step that fits. Each program finds its
-    sequence and query tile by a binary search over ``cu_seqlens_q`` (after vLLM's Triton unified
-    attention, ``find_seq_idx`` in ``vllm/v1/attention/ops/triton_unified_attention.py``).
+    Grid: ``(H, T // TOK + B)`` (split mode: ``(H, T // TOK + B, num_splits)`` and the merge
+    ``(H_q, (T // TOK + B) * TOK // min(32, TOK))``) with ``(H, TOK) = (H_q, BLOCK_M)``, or
+    ``(H_kv, BLOCK_M // G)`` GQA-packed (:func:`prefill_tiling`), from the shapes of ``q``,
+    ``cu_seqlens_q`` and the caches, the static config and the host int ``num_splits`` only (no
+    device-to-host sync), so a launch can be captured in a CUDA graph at a padded ``T`` and ``B``
+    and replayed for every step that fits. Each program finds its sequence and query tile by a
+    binary search over ``cu_seqlens_q`` (after vLLM's Triton unified attention, ``find_seq_idx``
+    in ``vllm/v1/attention/ops/triton_unified_attention.py``).
 
     Algorithm: FlashAttention-2 (Dao 2023) after Triton's fused-attention tutorial; K/V rows are
     gathered through the block table tile by tile (``block = block_tables[b, pos // block_size]``);
-    the split mode is Flash-Decoding's (Dao et al. 2023) split-KV with a log-sum-exp merge.
+    the split mode is Flash-Decoding's (Dao et al. 2023) split-KV with a log-sum-exp merge. With
+    ``GQA_PACK`` (config/table key) the ``G = H_q / H_kv`` query heads of a KV head are packed
+    into the M dimension of one tile (row ``t * G + g``: token ``t``, head ``g`` of the group), so
+    each K/V tile is read once for the group, as FlashAttention's ``pack_gqa``, FlashInfer's
+    prefill and vLLM's Triton unified attention do; every row keeps its own token's causal limit.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [T, H_q, D], got {tuple(q.shape)}")
@@ -720,12 +806,15 @@ def prefill_attention(
     if config:
         cfg.update(config)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    # GQA packing: TOK tokens x G heads per tile and one program per KV head (or BLOCK_M tokens
+    # of one query head); from the config and the head counts only
+    pack, tok, grid_heads = prefill_tiling(cfg, hq, hkv)
     # Shapes only (never a per-step value such as the longest q_len), so the launch can be
     # captured in a CUDA graph at a padded T and B; see _find_seq for why this covers every tile.
-    num_slots = t // block_m + b
+    num_slots = t // tok + b
     if num_slots > _MAX_GRID_Y:
         raise ValueError(
-            f"T // BLOCK_M + B = {num_slots} query-tile slots exceed the grid's second axis "
+            f"T // TOK + B = {num_slots} query-tile slots exceed the grid's second axis "
             f"({_MAX_GRID_Y})"
         )
     # splits are whole BLOCK_N tiles (the unmasked loop starts on a tile boundary)
@@ -737,7 +826,7 @@ def prefill_attention(
     else:  # placeholders, never dereferenced
         po, plse = out, out
         po_strides = plse_strides = (0, 0, 0)
-    _prefill_kernel[(hq, num_slots, num_splits)](
+    _prefill_kernel[(grid_heads, num_slots, num_splits)](
         q,
         k_cache,
         v_cache,
@@ -779,12 +868,15 @@ def prefill_attention(
         BT_PREFETCH=bool(cfg.get("BT_PREFETCH", False)),
         SKIP_DECODE=bool(skip_decode_rows),
         SPLIT=split,
+        GQA_PACK=pack,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
     if split:
-        merge_m = min(MERGE_M, block_m)
-        merge_slots = num_slots * (block_m // merge_m)
+        # the merge cuts the first launch's TOK-token tiles (so both agree on which were split)
+        # into blocks of merge_m tokens of one query head
+        merge_m = min(MERGE_M, tok)
+        merge_slots = num_slots * (tok // merge_m)
         if merge_slots > _MAX_GRID_Y:
             raise ValueError(
                 f"{merge_slots} merge row blocks exceed the grid's second axis ({_MAX_GRID_Y}): "
@@ -805,7 +897,7 @@ def prefill_attention(
             *po_strides,
             *plse_strides,
             HEAD_DIM=d,
-            BLOCK_M=block_m,
+            TOK=tok,
             BLOCK_N=block_n,
             MERGE_M=merge_m,
             CAUSAL=bool(causal),

@@ -3,9 +3,10 @@ KV splits one launch gets, and the scratch its splits write.
 
 A prompt chunk of few rows over a long cached prefix (a step that carries 256-2048 prompt tokens
 while requests decode, each chunk attending to up to 32k cached keys) launches
-``cdiv(rows, BLOCK_M) * H_q`` programs: 32 for a 256-row chunk of a 16-head model, on a GPU of
-132 SMs, each sweeping all the keys serially. :func:`choose_prefill_splits` cuts the key range
-so that the programs fill the GPU, with a wave model of the launch: ``P * S`` programs run in
+``cdiv(rows, BLOCK_M) * H_q`` programs (GQA-packed, ``cdiv(rows, BLOCK_M // G) * H_kv``): 32 for
+a 256-row chunk of a 16-head model, on a GPU of 132 SMs, each sweeping all the keys serially.
+:func:`choose_prefill_splits` cuts the key range so that the programs fill the GPU, with a wave
+model of the launch: ``P * S`` programs run in
 ``ceil(P * S / (num_sms * programs_per_sm))`` waves, each as long as one split's key tiles plus
 a fixed per-program cost of the partial write and merge; the smallest ``S`` with the shortest
 modelled time wins. Everything is computed from host ints (token count, heads, the step's
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.prefill_attention import prefill_config
+from kernels.prefill_attention import prefill_config, prefill_tiling
 
 __all__ = [
     "choose_prefill_splits",
@@ -74,7 +75,8 @@ def choose_prefill_splits(
 
     Args:
         num_query_tiles: query tiles of the launch (e.g. ``cdiv(T, BLOCK_M)``, an upper bound
-            for a packed batch); num_heads: H_q.
+            for a packed batch; GQA-packed ``cdiv(T, BLOCK_M // G)``); num_heads: programs per
+            query tile, H_q (GQA-packed: H_kv).
         max_seq_len: host bound of the longest key range (``AttentionMetadata.max_seq_len``).
         num_sms: multiprocessors of the GPU (132 on an H200).
         block_n: the split config's ``BLOCK_N`` (keys per tile).
@@ -126,11 +128,18 @@ def prefill_num_splits(
     num_sms: int,
     max_partial_rows: int = MAX_PARTIAL_ROWS,
     num_seqs: int = 1,
+    num_kv_heads: int | None = None,
 ) -> int:
     """:func:`choose_prefill_splits` for a launch of ``num_tokens`` packed query rows, with the
     split config's tiles and policy (:func:`kernels.prefill_attention.prefill_config` with
-    ``split=True``: ``BLOCK_M``, ``BLOCK_N``, ``PROGRAMS_PER_SM``, ``MAX_SPLITS``). Host ints
-    only.
+    ``split=True``: ``BLOCK_M``, ``BLOCK_N``, ``GQA_PACK``, ``PROGRAMS_PER_SM``,
+    ``MAX_SPLITS``). Host ints only.
+
+    The wave model counts the launch's programs as the kernel's grid has them
+    (:func:`kernels.prefill_attention.prefill_tiling`): ``cdiv(T, BLOCK_M) * H_q``, or
+    ``cdiv(T, BLOCK_M // G) * H_kv`` when the split row packs GQA heads. ``num_kv_heads`` (H_kv)
+    is needed for the packed count; without it (None) the heads count as ``H_q = H_kv``, which
+    never packs.
 
     ``num_seqs``: the launch's sequence slots (``block_tables.shape[0]``). More than
     :data:`UNSPLIT_MIN_SLOTS` with ``max_seq_len <= UNSPLIT_MAX_KEYS`` gives 1: every slot
@@ -150,9 +159,10 @@ def prefill_num_splits(
     if num_seqs > UNSPLIT_MIN_SLOTS and max_seq_len <= UNSPLIT_MAX_KEYS:
         return 1
     cfg = prefill_config(head_dim, dtype, device, causal=True, split=True)
+    _, tok, grid_heads = prefill_tiling(cfg, num_heads, num_kv_heads or num_heads)
     return choose_prefill_splits(
-        _cdiv(num_tokens, cfg["BLOCK_M"]),
-        num_heads,
+        _cdiv(num_tokens, tok),
+        grid_heads,
         max_seq_len,
         num_sms,
         block_n=cfg["BLOCK_N"],
