@@ -13,10 +13,7 @@ import sys
 
 import uvicorn
 
-from engine.core.config import (
-    DEFAULT_MAX_PREFILL_ATTENTION_WITH_DECODES,
-    SERVING_MAX_PREFILL_TOKENS_WITH_DECODES,
-)
+from engine.core.config import DEFAULT_MAX_PREFILL_ATTENTION_WITH_DECODES
 
 log = logging.getLogger("server")
 
@@ -222,10 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--max-prefill-tokens-with-decodes",
         type=int,
-        default=_env("max_prefill_tokens_with_decodes", SERVING_MAX_PREFILL_TOKENS_WITH_DECODES),
+        default=_env("max_prefill_tokens_with_decodes"),
         help="most prompt tokens one step carries while requests decode (bounds the inter-token "
-        "time long prefills add to running streams; Sarathi-Serve's stall-free cap); 0: no cap, "
-        "what the token budget leaves (more throughput, longer inter-token tails)",
+        "time long prefills add to running streams; Sarathi-Serve's stall-free cap, e.g. 512 for "
+        "steadier streams at high concurrency, for less throughput); unset or 0: what the "
+        "token budget leaves",
     )
     a(
         "--max-prefill-attention-with-decodes",

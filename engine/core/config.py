@@ -39,14 +39,6 @@ QUANTIZATION_METHODS = ("fp8",)
 #: 1,024-token prompts or a 64-row chunk over 32k cached keys; chosen by the long-context sweep
 #: (docs/benchmarks.md, issue 20)
 DEFAULT_MAX_PREFILL_ATTENTION_WITH_DECODES = 2 * 1024 * 1024
-#: the server's default for ``EngineConfig.max_prefill_tokens_with_decodes`` (``python -m server
-#: --max-prefill-tokens-with-decodes``): 512 prompt tokens per step while requests decode, the
-#: cap of Sarathi-Serve's stall-free batching (Agrawal et al., OSDI 2024). At concurrency 64 and
-#: 256 (1,024-token prompts) it keeps the p99 inter-token latency within 2x of the median where
-#: no cap gives 2.9x, for about 16 % less output throughput (docs/benchmarks.md, issue 19,
-#: 2026-12-03). ``EngineConfig`` itself (offline use, ``engine.LLM``) leaves the cap off: there
-#: throughput is what counts.
-SERVING_MAX_PREFILL_TOKENS_WITH_DECODES = 512
 
 #: the one FP8 weight block the kernels take: ``[block_n, block_k]`` (DeepSeek-V3, Qwen3-FP8)
 FP8_BLOCK = (128, 128)
@@ -449,8 +441,9 @@ class EngineConfig:
             ``max_num_batched_tokens``. Chunked prefill only.
         max_prefill_tokens_with_decodes: most prompt tokens one step may carry while requests
             decode (long prefills then cannot stall the running streams); None or 0 = whatever
-            the budget leaves (the default here; the server's default is
-            :data:`SERVING_MAX_PREFILL_TOKENS_WITH_DECODES`). Chunked prefill only.
+            the budget leaves (the default: at concurrency 64-256 a cap of 512 gives shorter
+            inter-token tails and, at 256, shorter TPOT, for 16-20 % less output throughput;
+            docs/benchmarks.md, 2026-12-03). Chunked prefill only.
         max_prefill_attention_with_decodes: most query-key pairs of prompt attention one step
             may carry while requests decode (``engine.core.attention_budget``): a chunk over a
             long cached prefix gets fewer rows, so a long prompt's prefill adds a bounded time to

@@ -124,17 +124,17 @@ def test_prompt_attention_bound_reaches_the_engine_config(monkeypatch, capsys):
     assert "QWEN_SERVE_MAX_PREFILL_ATTENTION_WITH_DECODES" in err and "out of range" in err
 
 
-def test_prompt_token_cap_defaults_to_the_serving_cap_and_zero_lifts_it(monkeypatch, capsys):
-    """``--max-prefill-tokens-with-decodes``: the server's cap (512) unless given, while the
-    offline ``EngineConfig`` keeps none; 0 lifts it (None), a negative value names the flag."""
-    from engine.core.config import SERVING_MAX_PREFILL_TOKENS_WITH_DECODES, EngineConfig
+def test_prompt_token_cap_is_off_unless_given_and_zero_means_off(monkeypatch, capsys):
+    """``--max-prefill-tokens-with-decodes``: no cap unless given (as ``EngineConfig``), 0 is
+    no cap (None), a value reaches the engine config, a negative value names the flag."""
+    from engine.core.config import EngineConfig
     from server.factory import engine_config
 
     def config(argv):
         args = build_parser().parse_args(["--device", "cpu", *argv])
         return engine_config(args).max_prefill_tokens_with_decodes
 
-    assert config([]) == SERVING_MAX_PREFILL_TOKENS_WITH_DECODES == 512
+    assert config([]) is None
     assert EngineConfig(model="m").max_prefill_tokens_with_decodes is None
     assert config(["--max-prefill-tokens-with-decodes", "0"]) is None
     assert config(["--max-prefill-tokens-with-decodes", "768"]) == 768
