@@ -23,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from engine.core.commands import AbortRequest, AddRequest, Command
 from engine.core.limits import EngineLimits
 from engine.core.outputs import RequestOutput
 from engine.core.request import FinishReason
@@ -73,12 +74,12 @@ class ScriptedCore:
         self._thread = threading.Thread(target=run, name="scripted-core", daemon=True)
         self._thread.start()
 
-    def send(self, command: tuple) -> None:
+    def send(self, command: Command) -> None:
         with self._lock:
-            if command[0] == "add":
-                self._running[command[1]] = [command[3].max_tokens]
-            elif command[0] == "abort":
-                self._running.pop(command[1], None)
+            if isinstance(command, AddRequest):
+                self._running[command.request_id] = [command.params.max_tokens]
+            elif isinstance(command, AbortRequest):
+                self._running.pop(command.request_id, None)
 
     def shutdown(self, timeout: float) -> None:
         self._stop.set()
