@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from server.chat import render_prompt
 from server.context import ServerContext
 from server.errors import APIError
+from server.params import shown
 from server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -104,7 +105,9 @@ class Tokenization:
         bad = next((t for t in req.tokens if not 0 <= t < ctx.vocab_size), None)
         if bad is not None:
             raise APIError(
-                400, f"token id {bad} is outside the vocabulary [0, {ctx.vocab_size})", "tokens"
+                400,
+                f"token id {shown(bad)} is outside the vocabulary [0, {ctx.vocab_size})",
+                "tokens",
             )
         return DetokenizeResponse(
             prompt=ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)

@@ -58,6 +58,9 @@ def send(client, endpoint: str, fields: dict):
 
 
 LONG_PROMPT = "word " * 2100  # about 2100 tokens: over --max-model-len 2048 by itself
+#: the longest integer Python's JSON parser takes (4300 digits); the prompt length added to it
+#: has one more, which str() refuses: messages must not print such sums
+HUGE = 10**4300 - 1
 
 # (endpoint, request fields, the parameter the error must name)
 BAD_REQUESTS = [
@@ -114,6 +117,22 @@ BAD_REQUESTS = [
     ("chat", {"max_tokens": 2040}, "max_tokens"),
     ("chat", {"max_tokens": None, "max_completion_tokens": 2040}, "max_completion_tokens"),
     ("completions", {"max_tokens": 2047}, "max_tokens"),
+    ("chat", {"max_tokens": HUGE}, "max_tokens"),
+    ("chat", {"max_tokens": None, "max_completion_tokens": HUGE}, "max_completion_tokens"),
+    ("completions", {"max_tokens": HUGE}, "max_tokens"),
+    ("chat", {"max_tokens": 4, "min_tokens": HUGE}, "min_tokens"),
+    ("completions", {"max_tokens": None, "min_tokens": HUGE}, "min_tokens"),
+    # other integers, huge
+    ("chat", {"n": HUGE}, "n"),
+    ("chat", {"seed": HUGE}, "seed"),
+    ("chat", {"seed": -HUGE}, "seed"),
+    ("chat", {"stop_token_ids": [HUGE]}, "stop_token_ids"),
+    ("chat", {"logprobs": True, "top_logprobs": HUGE}, "top_logprobs"),
+    ("completions", {"logprobs": HUGE}, "logprobs"),
+    ("completions", {"prompt_logprobs": HUGE}, "prompt_logprobs"),
+    ("completions", {"prompt": [HUGE]}, "prompt"),
+    ("chat", {"logit_bias": {str(HUGE): 5}}, "logit_bias"),
+    ("chat", {"logit_bias": {"9" * 5000: 5}}, "logit_bias"),  # too long even for int()
     ("completions", {"prompt": LONG_PROMPT}, "prompt"),
     (
         "chat",
@@ -224,6 +243,48 @@ def test_context_length_message_gives_both_numbers(client):
     ).usage.prompt_tokens
     assert "2048" in err["message"] and f"{prompt_tokens} in the prompt" in err["message"]
     assert "2040 for the completion" in err["message"] and err["code"] == "context_length_exceeded"
+
+
+def test_huge_max_tokens_is_context_length_exceeded(server):
+    """A max_tokens (or max_completion_tokens) far past any context: 400 context_length_exceeded
+    naming the field used, the huge numbers written as "more than ...", on both endpoints."""
+    cases = [
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": HUGE}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "max_completion_tokens": HUGE},
+            "max_completion_tokens",
+        ),
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": HUGE}, "max_tokens"),
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 10**18 + 1}, "max_tokens"),
+    ]
+    for path, body, param in cases:
+        for stream in (False, True):
+            r = httpx.post(
+                server.base_url + path,
+                content=json.dumps({"model": MODEL, **body, "stream": stream}),
+                headers={"content-type": "application/json"},
+                timeout=60,
+            )
+            assert r.status_code == 400, (path, param, r.text[:500])
+            err = r.json()["error"]
+            assert set(err) == ERROR_KEYS and err["param"] == param, err
+            assert err["code"] == "context_length_exceeded", err
+            assert "maximum context length is 2048 tokens" in err["message"], err
+            assert "more than 1000000000000000000 for the completion" in err["message"], err
+            assert len(err["message"]) < 300, err["message"][:300]
+
+
+def test_huge_token_id_to_detokenize_is_400(server):
+    r = httpx.post(
+        server.base_url + "/detokenize",
+        content=json.dumps({"tokens": [1, HUGE]}),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "tokens", r.text[:500]
+    assert "more than 1000000000000000000" in err["message"] and len(err["message"]) < 200
 
 
 def test_invalid_json_is_400(server):
