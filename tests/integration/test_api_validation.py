@@ -160,6 +160,12 @@ BAD_REQUESTS = [
     ("chat", {"logit_bias": {"100": -100.5}}, "logit_bias"),
     ("chat", {"logit_bias": {"100": "high"}}, "logit_bias.100"),
     ("completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+    # keys int() would take: only canonical decimal ids (ASCII digits, no sign/space/leading 0)
+    *[
+        ("chat", {"logit_bias": {key: 5}}, "logit_bias")
+        for key in (" 5", "5 ", "+5", "\u0665", "05", "-0", "1_0", "")
+    ],
+    ("completions", {"logit_bias": {"\uff15": 1}}, "logit_bias"),  # a fullwidth 5
     # prompts
     ("completions", {"prompt": []}, "prompt"),
     ("completions", {"prompt": ""}, "prompt"),
@@ -458,6 +464,7 @@ EDGE_REQUESTS = [
     {"logprobs": True, "top_logprobs": 20, "n": 4, "temperature": 1.0},
     {"stop": [str(i) for i in range(16)], "stop_token_ids": [0, 151643], "min_tokens": 2},
     {"ignore_eos": True, "logit_bias": {"151645": 100}},
+    {"logit_bias": {"0": 1, "10": -1}},
     {"presence_penalty": -2, "frequency_penalty": 2, "temperature": 1.0},
     {"n": 16, "max_tokens": 1, "temperature": 1.0},
     {"chat_template_kwargs": {"enable_thinking": False, "custom": {"nested": [1, 2]}}},
