@@ -326,15 +326,36 @@ def test_json_nested_too_deeply_is_json_invalid(server):
     """Valid JSON nested past the parser's recursion limit: a 400 that says so (not a text
     encoding error), and the server keeps answering."""
     raw = b'{"model": "m", "prompt": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    r = httpx.post(
-        server.base_url + "/v1/completions",
-        content=raw,
-        headers={"content-type": "application/json"},
-        timeout=60,
-    )
-    err = r.json()["error"]
-    assert r.status_code == 400 and err["code"] == "json_invalid", r.text
-    assert "nested too deeply" in err["message"] and err["param"] is None
+    for path in ("/v1/completions", "/tokenize"):
+        r = httpx.post(
+            server.base_url + path,
+            content=raw,
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "json_invalid", (path, r.text)
+        assert "nested too deeply" in err["message"] and err["param"] is None
+    assert httpx.get(server.base_url + "/health", timeout=30).status_code == 200
+
+
+def test_integer_literal_too_long_is_json_invalid(server):
+    """An integer literal of more than 4300 digits (Python's limit: json.loads raises a
+    ValueError, which FastAPI chains to its "error parsing the body"): 400 json_invalid saying
+    so, not a text-encoding error; on every JSON route."""
+    raw = b'{"model": "m", "prompt": "a", "messages": [], "tokens": [1], "n": ' + b"9" * 4301
+    for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"):
+        r = httpx.post(
+            server.base_url + path,
+            content=raw + b"}",
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
+        err = r.json()["error"]
+        assert r.status_code == 400 and set(err) == ERROR_KEYS, (path, r.text)
+        assert err["code"] == "json_invalid" and err["param"] is None, (path, err)
+        assert "integer literal too long to parse" in err["message"], (path, err)
+        assert "UTF-8" not in err["message"]
     assert httpx.get(server.base_url + "/health", timeout=30).status_code == 200
 
 
