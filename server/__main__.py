@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import gc
 import logging
@@ -24,13 +25,46 @@ def _env(name: str, default=None):
     return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
 
 
+#: seconds uvicorn waits past --graceful-timeout before it cancels the tasks still running: the
+#: app ends its requests at the timeout itself (error event + [DONE]); this backstop only hits a
+#: response that cannot be written (a client that stopped reading)
+SHUTDOWN_BACKSTOP_S = 5.0
+
+
 class GracefulServer(uvicorn.Server):
-    """uvicorn's server, except that a SIGTERM/SIGINT ending in a graceful shutdown exits 0.
+    """uvicorn's server, except that a SIGTERM/SIGINT ending in a graceful shutdown exits 0, and
+    that the app ends its own in-flight requests when the graceful timeout expires.
+
+    On SIGTERM/SIGINT uvicorn stops accepting connections and waits for the open ones to finish;
+    past its ``timeout_graceful_shutdown`` it cancels their tasks, which cuts streams without an
+    error or ``[DONE]`` and logs a CancelledError traceback per request. Here
+    ``on_graceful_timeout`` runs ``graceful_timeout`` seconds after shutdown starts
+    (:meth:`ServerContext.end_in_flight`: streams end with an error event and ``[DONE]``, the
+    engine aborts the requests), and uvicorn's own timeout is set
+    :data:`SHUTDOWN_BACKSTOP_S` later, so the connections close before it and the lifespan
+    shutdown runs normally.
 
     uvicorn re-raises the captured signal after shutting down, which ends the process with
     -SIGTERM; by then in-flight requests have finished (or were aborted after
     --graceful-timeout), so it is a normal exit.
     """
+
+    def __init__(self, config: uvicorn.Config, graceful_timeout=None, on_graceful_timeout=None):
+        super().__init__(config)
+        self.graceful_timeout = graceful_timeout
+        self.on_graceful_timeout = on_graceful_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        timer = None
+        if self.on_graceful_timeout is not None and self.graceful_timeout is not None:
+            timer = asyncio.get_running_loop().call_later(
+                self.graceful_timeout, self.on_graceful_timeout
+            )
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -435,7 +469,9 @@ def main(argv: list[str] | None = None) -> None:
     # passes, whose pauses would otherwise stall every stream (vLLM freezes after start-up too).
     gc.collect()
     gc.freeze()
-    make_server(app, args).run(sockets=[sock])
+    timeout = float(args.graceful_timeout)
+    server = make_server(app, args, on_graceful_timeout=lambda: ctx.end_in_flight(timeout))
+    server.run(sockets=[sock])
     return 0
 
 
@@ -464,27 +500,34 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(app, args: argparse.Namespace) -> GracefulServer:
+def make_server(app, args: argparse.Namespace, on_graceful_timeout=None) -> GracefulServer:
     """The uvicorn server for ``app`` with the parsed flags (also used by
     bench/frontend_latency.py): the h11 protocol with request read deadlines
     (:mod:`server.http_protocol`), the keep-alive timeout, the connection cap and the header
-    size limit."""
+    size limit. ``on_graceful_timeout`` (the app's :meth:`ServerContext.end_in_flight`) runs
+    when --graceful-timeout expires during a shutdown; uvicorn's own timeout, which cancels
+    the requests' tasks, comes :data:`SHUTDOWN_BACKSTOP_S` later (without a hook, at the
+    timeout itself)."""
     from server.http_protocol import guarded_protocol
 
+    timeout = float(args.graceful_timeout)
     return GracefulServer(
         uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
             log_level=args.log_level,
-            timeout_graceful_shutdown=int(args.graceful_timeout),
+            timeout_graceful_shutdown=timeout
+            + (SHUTDOWN_BACKSTOP_S if on_graceful_timeout is not None else 0.0),
             http=guarded_protocol(
                 float(args.timeout_request_header), float(args.timeout_request_body)
             ),
             timeout_keep_alive=int(args.timeout_keep_alive),
             limit_concurrency=int(args.limit_concurrency),
             h11_max_incomplete_event_size=int(args.h11_max_incomplete_event_size),
-        )
+        ),
+        graceful_timeout=timeout,
+        on_graceful_timeout=on_graceful_timeout,
     )
 
 

@@ -13,7 +13,7 @@ from server.chat import ChatCompletions
 from server.completions import Completions
 from server.context import ServerContext
 from server.errors import APIError, error_body, install_error_handlers
-from server.generation import EngineError
+from server.generation import EngineError, engine_api_error
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from server.tokenize import Tokenization
 
@@ -146,7 +146,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
         try:
             resp = await _until_disconnect(raw, chat.complete(req, gen))
         except EngineError as exc:
-            raise APIError(500, f"engine error: {exc}") from None
+            raise engine_api_error(exc) from None
         finally:
             gen.abort()
         return resp if resp is not None else Response(status_code=499)
@@ -164,7 +164,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
         try:
             resp = await _until_disconnect(raw, completions.complete(req, gens, rid))
         except EngineError as exc:
-            raise APIError(500, f"engine error: {exc}") from None
+            raise engine_api_error(exc) from None
         finally:
             abort_all()
         return resp if resp is not None else Response(status_code=499)

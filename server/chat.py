@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 from engine.core.limits import RequestRejected
 from engine.frontend.tokenizer import Tokenizer
 from server.context import ServerContext
-from server.errors import APIError, error_body, rejected
-from server.generation import EngineError, Generation
+from server.errors import APIError, rejected
+from server.generation import EngineError, Generation, engine_error_event
 from server.logprobs import TokenNames, chat_logprobs, prompt_logprobs_list
 from server.output import ChatOutputProcessor
 from server.params import to_sampling_params
@@ -24,7 +24,7 @@ from server.protocol import (
     Usage,
     new_id,
 )
-from server.stream import DONE, ChunkWriter, sse
+from server.stream import DONE, ChunkWriter
 from server.structured_outputs import (
     grammar_from_request,
     tool_call_grammar,
@@ -330,7 +330,7 @@ class ChatCompletions:
                     )
                     yield chunk(ev.index, {}, finish)
         except EngineError as exc:
-            yield sse(error_body(500, f"engine error: {exc}"))
+            yield engine_error_event(exc)
             yield DONE
             return
         if req.stream_options is not None and req.stream_options.include_usage:

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 
 from engine.core.limits import RequestRejected
 from server.context import ServerContext
-from server.errors import APIError, error_body, rejected
-from server.generation import ChoiceEvent, EngineError, Generation, merge
+from server.errors import APIError, rejected
+from server.generation import ChoiceEvent, EngineError, Generation, engine_error_event, merge
 from server.logprobs import TokenNames, completion_logprobs, prompt_logprobs_list
 from server.params import to_sampling_params
 from server.protocol import (
@@ -20,7 +20,7 @@ from server.protocol import (
     Usage,
     new_id,
 )
-from server.stream import DONE, ChunkWriter, sse
+from server.stream import DONE, ChunkWriter
 from server.structured_outputs import grammar_from_request
 from server.text_check import check_request_text
 
@@ -234,7 +234,7 @@ class Completions:
                 if ev.text or ev.finish_reason or lps:
                     yield chunk(index, ev.text, ev.finish_reason, lps)
         except EngineError as exc:
-            yield sse(error_body(500, f"engine error: {exc}"))
+            yield engine_error_event(exc)
             yield DONE
             return
         finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -33,6 +35,27 @@ def rejected(exc, param: str) -> APIError:
     """A 400 for an engine ``RequestRejected``, with OpenAI's code for a too-long prompt."""
     code = "context_length_exceeded" if exc.reason == "too_long" else "invalid_value"
     return APIError(400, str(exc), param, code)
+
+
+def body_parse_error(exc: BaseException | None) -> APIError:
+    """The 400 for a request body that ``json.loads`` failed on with ``exc`` other than a
+    ``JSONDecodeError``: bytes that are not UTF-8 (``UnicodeDecodeError``, code invalid_text),
+    JSON nested deeper than the parser's recursion limit (``RecursionError``), an integer
+    literal longer than Python converts (``ValueError``, more than
+    ``sys.get_int_max_str_digits()`` digits), or another failure (all code json_invalid)."""
+    if isinstance(exc, UnicodeError):
+        return APIError(400, "the request body is not valid UTF-8 JSON", None, "invalid_text")
+    if isinstance(exc, RecursionError):
+        return APIError(400, "the request body's JSON is nested too deeply", None, "json_invalid")
+    if isinstance(exc, ValueError) and "integer string conversion" in str(exc):
+        return APIError(
+            400,
+            "the request body's JSON has an integer literal too long to parse "
+            f"(more than {sys.get_int_max_str_digits()} digits)",
+            None,
+            "json_invalid",
+        )
+    return APIError(400, "the request body could not be parsed as JSON", None, "json_invalid")
 
 
 def error_body(
@@ -119,15 +142,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
-            # FastAPI's answer to a body it cannot decode: bytes that are not UTF-8, or JSON
-            # nested deeper than the parser's recursion limit
-            if isinstance(exc.__cause__ or exc.__context__, RecursionError):
-                return error_response(
-                    400, "the request body's JSON is nested too deeply", None, "json_invalid"
-                )
-            return error_response(
-                400, "the request body is not valid UTF-8 JSON", None, "invalid_text"
-            )
+            # FastAPI's answer to a body json.loads failed on other than with a JSONDecodeError
+            # (that one is a RequestValidationError): it raises this exception from the error
+            err = body_parse_error(exc.__cause__ or exc.__context__)
+            return error_response(err.status, err.message, err.param, err.code)
         return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)

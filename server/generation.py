@@ -16,6 +16,8 @@ from engine.core.stats import RequestStats
 from engine.frontend.async_engine import AsyncEngine, RequestStream
 from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.frontend.tokenizer import Tokenizer
+from server.errors import APIError, error_body
+from server.stream import sse
 
 
 async def merge(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
@@ -52,6 +54,25 @@ async def merge(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, obje
 
 class EngineError(RuntimeError):
     """The engine failed while running a request (HTTP 500 / an error chunk)."""
+
+
+class ServerAborted(EngineError):
+    """The server ended the request: it is shutting down and the graceful timeout expired
+    (HTTP 503 / an error chunk, code ``server_shutting_down``)."""
+
+
+def engine_api_error(exc: EngineError) -> APIError:
+    """The OpenAI error for a request the engine failed or the server ended."""
+    if isinstance(exc, ServerAborted):
+        return APIError(503, str(exc), None, "server_shutting_down")
+    return APIError(500, f"engine error: {exc}")
+
+
+def engine_error_event(exc: EngineError) -> str:
+    """The SSE error event ending a stream the engine failed or the server ended (``[DONE]``
+    follows it)."""
+    err = engine_api_error(exc)
+    return sse(error_body(err.status, err.message, err.param, err.code))
 
 
 @dataclass
@@ -161,6 +182,9 @@ class Generation:
                 return  # aborted meanwhile: nothing more is delivered or counted
             self._count_prompt(index)
             if out.error is not None:
+                if out.finish_reason == FinishReason.ABORT:  # the server ended it (shutdown)
+                    self._finish(index, "abort")
+                    raise ServerAborted(out.error)
                 self._finish(index, "error")
                 raise EngineError(out.error)
             ids, logprobs, prompt_lps = out.new_token_ids, out.logprobs, out.prompt_logprobs

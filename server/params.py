@@ -10,6 +10,20 @@ from server.protocol import SamplingFields
 #: generation_config.json keys that give request defaults
 _DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
+#: integers above this are written "more than ..." in error messages
+_SHOWN_MAX = 10**18
+
+
+def shown(value: int) -> str:
+    """A request's integer as an error message writes it: as is, or ``more than 10**18`` /
+    ``less than -10**18`` beyond (no real limit comes near; a huge JSON integer, or a sum with
+    one, may not even be convertible to text: Python refuses ints of more than 4300 digits)."""
+    if value > _SHOWN_MAX:
+        return f"more than {_SHOWN_MAX}"
+    if value < -_SHOWN_MAX:
+        return f"less than -{_SHOWN_MAX}"
+    return str(value)
+
 
 def generation_defaults(generation_config: dict) -> dict:
     """Sampling defaults from a checkpoint's generation config (Qwen3: temperature 0.6, top_p 0.95,
@@ -60,9 +74,9 @@ def to_sampling_params(
         raise APIError(
             400,
             f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt_tokens + max_tokens} tokens "
+            f"requested {shown(num_prompt_tokens + max_tokens)} tokens "
             f"({num_prompt_tokens} in the prompt, "
-            f"{max_tokens} for the completion).",
+            f"{shown(max_tokens)} for the completion).",
             max_tokens_param,
             "context_length_exceeded",
         )
@@ -70,23 +84,28 @@ def to_sampling_params(
     if req.logit_bias:
         bias = {}
         for key, val in req.logit_bias.items():
-            tok = int(key)
+            # keys are canonical decimal ids (protocol.py); one longer than 19 digits is outside
+            # any vocabulary (and int() refuses more than 4300 digits)
+            tok = int(key) if len(key) <= 19 else _SHOWN_MAX + 1
             if not 0 <= tok < vocab_size:
                 raise APIError(
                     400,
-                    f"logit_bias token id {tok} is outside the vocabulary [0, {vocab_size})",
+                    f"logit_bias token id {shown(tok)} is outside the vocabulary [0, {vocab_size})",
                     "logit_bias",
                 )
             bias[tok] = float(val)
     for tok in req.stop_token_ids or []:
         if not 0 <= tok < vocab_size:
             raise APIError(
-                400, f"stop_token_ids entry {tok} is outside the vocabulary", "stop_token_ids"
+                400,
+                f"stop_token_ids entry {shown(tok)} is outside the vocabulary [0, {vocab_size})",
+                "stop_token_ids",
             )
     if req.min_tokens and max_tokens is not None and req.min_tokens > max_tokens:
         raise APIError(
             400,
-            f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
+            f"min_tokens ({shown(req.min_tokens)}) must not exceed max_tokens "
+            f"({shown(max_tokens)})",
             "min_tokens",
         )
 

@@ -7,6 +7,7 @@ are ignored. Range rules live here so that a bad value becomes a 400 naming the 
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -17,6 +18,8 @@ MAX_N = 16
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+#: a logit_bias key: a token id in canonical decimal (ASCII digits, no sign, space or leading 0)
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]*")
 #: seeds are 64-bit signed integers (as in vLLM); the n choices use seed, seed + 1, ... which torch
 #: still accepts (its generators take [-2**63, 2**64 - 1]). Larger values used to fail the whole
 #: engine step, i.e. every request batched with them.
@@ -213,10 +216,13 @@ class SamplingFields(_Lenient):
         if len(v) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(v)}")
         for key, val in v.items():
-            try:
-                int(key)
-            except ValueError:
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+            # int() would also take " 5", "+5", "05", "1_0" or "\u0665" (a non-ASCII digit)
+            if not _TOKEN_ID.fullmatch(key):
+                shown = key if len(key) <= 40 else key[:40] + "..."
+                raise ValueError(
+                    f'logit_bias keys must be token ids written in decimal (e.g. "1234"), '
+                    f"got {shown!r}"
+                )
             if not -100.0 <= val <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {val}")
         return v

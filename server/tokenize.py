@@ -18,7 +18,8 @@ from pydantic import ValidationError
 
 from server.chat import render_prompt
 from server.context import ServerContext
-from server.errors import APIError
+from server.errors import APIError, body_parse_error
+from server.params import shown
 from server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -35,19 +36,22 @@ async def parse_body(raw: Request, model_for):
     Raises:
         RequestValidationError: not JSON, or invalid for that model (the app's handler turns it
             into a 400 naming the parameter).
+        APIError: 400 for bytes that are not UTF-8, JSON nested too deeply or an integer literal
+            too long to parse (as :func:`~server.errors.body_parse_error` words them).
     """
     data = await raw.body()
     try:
         data.decode("utf-8")
-    except UnicodeDecodeError:
-        msg = "the request body is not valid UTF-8 JSON"
-        raise APIError(400, msg, None, "invalid_text") from None
+    except UnicodeDecodeError as exc:
+        raise body_parse_error(exc) from None
     try:
         body = json.loads(data)
     except json.JSONDecodeError:
         raise RequestValidationError(
             [{"type": "json_invalid", "loc": ("body",), "msg": "invalid JSON"}]
         ) from None
+    except (ValueError, RecursionError) as exc:  # an integer too long, nesting too deep
+        raise body_parse_error(exc) from None
     cls = model_for(body)
     try:
         return cls.model_validate(body)
@@ -104,7 +108,9 @@ class Tokenization:
         bad = next((t for t in req.tokens if not 0 <= t < ctx.vocab_size), None)
         if bad is not None:
             raise APIError(
-                400, f"token id {bad} is outside the vocabulary [0, {ctx.vocab_size})", "tokens"
+                400,
+                f"token id {shown(bad)} is outside the vocabulary [0, {ctx.vocab_size})",
+                "tokens",
             )
         return DetokenizeResponse(
             prompt=ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)

@@ -41,7 +41,8 @@ class RequestOutput:
             :data:`PromptLogprob` per prompt token after the first (``num_prompt_tokens - 1``).
         finished, finish_reason: set on the request's last output.
         num_prompt_tokens, num_cached_tokens: the request's prompt and its prefix-cache hits.
-        error: message when the request failed inside the engine.
+        error: message when the request failed inside the engine (``finish_reason`` error), or
+            why the server ended it (``finish_reason`` abort: the front end's ``abort_all``).
         scheduled_time: monotonic time the engine first scheduled the request.
     """
 

@@ -109,6 +109,7 @@ class AsyncEngine:
         self.on_step = on_step
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._refusing: str | None = None  # set by abort_all: why new requests are refused
 
     @property
     def engine(self) -> LLMEngine | None:
@@ -145,6 +146,8 @@ class AsyncEngine:
         """
         if not self.core.is_alive():
             raise EngineUnavailable("the engine is not running")
+        if self._refusing is not None:
+            raise EngineUnavailable(self._refusing)
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.limits.validate(prompt_token_ids)
@@ -164,6 +167,28 @@ class AsyncEngine:
         self.core.send(AbortRequest(request_id))
         # end the stream for anyone still reading it
         stream._put(RequestOutput(request_id, [], finished=True, finish_reason=FinishReason.ABORT))
+
+    def abort_all(self, message: str) -> int:
+        """End every in-flight request because the server is going away (the graceful-shutdown
+        timeout expired) and refuse new ones with ``message`` (:class:`EngineUnavailable`).
+
+        Each request is aborted in the core (its KV blocks are freed at the start of the next
+        engine iteration) and its stream ends with a finished ``abort`` output whose ``error``
+        is ``message`` (an abort the server decided, not the client). Returns how many.
+        """
+        self._refusing = message
+        ids = list(self._streams)
+        alive = self.core.is_alive()
+        for rid in ids:
+            stream = self._streams.pop(rid)
+            if alive:
+                self.core.send(AbortRequest(rid))
+            stream._put(
+                RequestOutput(
+                    rid, [], finished=True, finish_reason=FinishReason.ABORT, error=message
+                )
+            )
+        return len(ids)
 
     def fail_all(self, message: str) -> None:
         """Finish every in-flight stream with an error (the engine core died)."""

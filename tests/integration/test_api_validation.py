@@ -58,6 +58,9 @@ def send(client, endpoint: str, fields: dict):
 
 
 LONG_PROMPT = "word " * 2100  # about 2100 tokens: over --max-model-len 2048 by itself
+#: the longest integer Python's JSON parser takes (4300 digits); the prompt length added to it
+#: has one more, which str() refuses: messages must not print such sums
+HUGE = 10**4300 - 1
 
 # (endpoint, request fields, the parameter the error must name)
 BAD_REQUESTS = [
@@ -114,6 +117,22 @@ BAD_REQUESTS = [
     ("chat", {"max_tokens": 2040}, "max_tokens"),
     ("chat", {"max_tokens": None, "max_completion_tokens": 2040}, "max_completion_tokens"),
     ("completions", {"max_tokens": 2047}, "max_tokens"),
+    ("chat", {"max_tokens": HUGE}, "max_tokens"),
+    ("chat", {"max_tokens": None, "max_completion_tokens": HUGE}, "max_completion_tokens"),
+    ("completions", {"max_tokens": HUGE}, "max_tokens"),
+    ("chat", {"max_tokens": 4, "min_tokens": HUGE}, "min_tokens"),
+    ("completions", {"max_tokens": None, "min_tokens": HUGE}, "min_tokens"),
+    # other integers, huge
+    ("chat", {"n": HUGE}, "n"),
+    ("chat", {"seed": HUGE}, "seed"),
+    ("chat", {"seed": -HUGE}, "seed"),
+    ("chat", {"stop_token_ids": [HUGE]}, "stop_token_ids"),
+    ("chat", {"logprobs": True, "top_logprobs": HUGE}, "top_logprobs"),
+    ("completions", {"logprobs": HUGE}, "logprobs"),
+    ("completions", {"prompt_logprobs": HUGE}, "prompt_logprobs"),
+    ("completions", {"prompt": [HUGE]}, "prompt"),
+    ("chat", {"logit_bias": {str(HUGE): 5}}, "logit_bias"),
+    ("chat", {"logit_bias": {"9" * 5000: 5}}, "logit_bias"),  # too long even for int()
     ("completions", {"prompt": LONG_PROMPT}, "prompt"),
     (
         "chat",
@@ -141,6 +160,12 @@ BAD_REQUESTS = [
     ("chat", {"logit_bias": {"100": -100.5}}, "logit_bias"),
     ("chat", {"logit_bias": {"100": "high"}}, "logit_bias.100"),
     ("completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+    # keys int() would take: only canonical decimal ids (ASCII digits, no sign/space/leading 0)
+    *[
+        ("chat", {"logit_bias": {key: 5}}, "logit_bias")
+        for key in (" 5", "5 ", "+5", "\u0665", "05", "-0", "1_0", "")
+    ],
+    ("completions", {"logit_bias": {"\uff15": 1}}, "logit_bias"),  # a fullwidth 5
     # prompts
     ("completions", {"prompt": []}, "prompt"),
     ("completions", {"prompt": ""}, "prompt"),
@@ -226,6 +251,48 @@ def test_context_length_message_gives_both_numbers(client):
     assert "2040 for the completion" in err["message"] and err["code"] == "context_length_exceeded"
 
 
+def test_huge_max_tokens_is_context_length_exceeded(server):
+    """A max_tokens (or max_completion_tokens) far past any context: 400 context_length_exceeded
+    naming the field used, the huge numbers written as "more than ...", on both endpoints."""
+    cases = [
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": HUGE}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "max_completion_tokens": HUGE},
+            "max_completion_tokens",
+        ),
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": HUGE}, "max_tokens"),
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 10**18 + 1}, "max_tokens"),
+    ]
+    for path, body, param in cases:
+        for stream in (False, True):
+            r = httpx.post(
+                server.base_url + path,
+                content=json.dumps({"model": MODEL, **body, "stream": stream}),
+                headers={"content-type": "application/json"},
+                timeout=60,
+            )
+            assert r.status_code == 400, (path, param, r.text[:500])
+            err = r.json()["error"]
+            assert set(err) == ERROR_KEYS and err["param"] == param, err
+            assert err["code"] == "context_length_exceeded", err
+            assert "maximum context length is 2048 tokens" in err["message"], err
+            assert "more than 1000000000000000000 for the completion" in err["message"], err
+            assert len(err["message"]) < 300, err["message"][:300]
+
+
+def test_huge_token_id_to_detokenize_is_400(server):
+    r = httpx.post(
+        server.base_url + "/detokenize",
+        content=json.dumps({"tokens": [1, HUGE]}),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "tokens", r.text[:500]
+    assert "more than 1000000000000000000" in err["message"] and len(err["message"]) < 200
+
+
 def test_invalid_json_is_400(server):
     for raw in (
         b"{not json",
@@ -259,15 +326,36 @@ def test_json_nested_too_deeply_is_json_invalid(server):
     """Valid JSON nested past the parser's recursion limit: a 400 that says so (not a text
     encoding error), and the server keeps answering."""
     raw = b'{"model": "m", "prompt": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    r = httpx.post(
-        server.base_url + "/v1/completions",
-        content=raw,
-        headers={"content-type": "application/json"},
-        timeout=60,
-    )
-    err = r.json()["error"]
-    assert r.status_code == 400 and err["code"] == "json_invalid", r.text
-    assert "nested too deeply" in err["message"] and err["param"] is None
+    for path in ("/v1/completions", "/tokenize"):
+        r = httpx.post(
+            server.base_url + path,
+            content=raw,
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "json_invalid", (path, r.text)
+        assert "nested too deeply" in err["message"] and err["param"] is None
+    assert httpx.get(server.base_url + "/health", timeout=30).status_code == 200
+
+
+def test_integer_literal_too_long_is_json_invalid(server):
+    """An integer literal of more than 4300 digits (Python's limit: json.loads raises a
+    ValueError, which FastAPI chains to its "error parsing the body"): 400 json_invalid saying
+    so, not a text-encoding error; on every JSON route."""
+    raw = b'{"model": "m", "prompt": "a", "messages": [], "tokens": [1], "n": ' + b"9" * 4301
+    for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"):
+        r = httpx.post(
+            server.base_url + path,
+            content=raw + b"}",
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
+        err = r.json()["error"]
+        assert r.status_code == 400 and set(err) == ERROR_KEYS, (path, r.text)
+        assert err["code"] == "json_invalid" and err["param"] is None, (path, err)
+        assert "integer literal too long to parse" in err["message"], (path, err)
+        assert "UTF-8" not in err["message"]
     assert httpx.get(server.base_url + "/health", timeout=30).status_code == 200
 
 
@@ -397,6 +485,7 @@ EDGE_REQUESTS = [
     {"logprobs": True, "top_logprobs": 20, "n": 4, "temperature": 1.0},
     {"stop": [str(i) for i in range(16)], "stop_token_ids": [0, 151643], "min_tokens": 2},
     {"ignore_eos": True, "logit_bias": {"151645": 100}},
+    {"logit_bias": {"0": 1, "10": -1}},
     {"presence_penalty": -2, "frequency_penalty": 2, "temperature": 1.0},
     {"n": 16, "max_tokens": 1, "temperature": 1.0},
     {"chat_template_kwargs": {"enable_thinking": False, "custom": {"nested": [1, 2]}}},

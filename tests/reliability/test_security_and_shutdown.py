@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from engine.loader.embedded import ensure_embedded_checkpoint
+from server.__main__ import build_parser
+from server.app import create_app
+from server.factory import build_context
 from tests.serverproc import ServerProcess
 
 KEY = "s3cret-key"
@@ -144,16 +149,98 @@ def test_sigterm_lets_in_flight_requests_finish():
     assert code == 0, srv.log()
 
 
-def test_sigterm_aborts_requests_past_the_timeout():
+def _complete(base: str, out: dict) -> None:
+    body = {"prompt": "hi", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+    try:
+        out["response"] = httpx.post(base + "/v1/completions", json=body, timeout=120)
+    except httpx.HTTPError as exc:
+        out["error"] = exc
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_aborts_requests_past_the_timeout(sig):
+    """Past --graceful-timeout the server ends its requests itself: a stream gets an error event
+    and [DONE], a non-streamed request a 503, both code server_shutting_down; no traceback, the
+    lifespan shutdown completes, exit 0 (4000 tokens take far longer than the 2 s on CPU)."""
     srv = ServerProcess("--max-model-len", "4096", "--graceful-timeout", "2").wait_ready()
     out = {"started": threading.Event()}
+    plain: dict = {}
     t = threading.Thread(target=_stream_until_done, args=(srv.base_url, 4000, out))
     t.start()
+    t2 = threading.Thread(target=_complete, args=(srv.base_url, plain))
+    t2.start()
     assert out["started"].wait(60)
+    time.sleep(0.5)  # the non-streamed request is in too
     t0 = time.monotonic()
-    srv.proc.send_signal(signal.SIGTERM)
+    srv.proc.send_signal(sig)
     code = srv.stop(timeout=60)
     t.join(30)
-    assert code == 0, srv.log()
+    t2.join(30)
+    log = Path(srv.log_path).read_text()
+    assert code == 0, log[-6000:]
     assert time.monotonic() - t0 < 30
-    assert out["events"] and out["events"][-1] != "data: [DONE]"  # cut off, not completed
+    assert "error" not in out, out["error"]  # the stream ended as an SSE stream, not cut
+    events = out["events"]
+    assert events[-1] == "data: [DONE]", events[-3:]
+    err = json.loads(events[-2][6:])["error"]
+    assert err["code"] == "server_shutting_down" and err["type"] == "service_unavailable", err
+    assert "2 s graceful timeout" in err["message"], err
+    assert all("choices" in json.loads(e[6:]) for e in events[:-2])  # tokens until then
+    r = plain["response"]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down", r.text
+    assert "Traceback" not in log and "CancelledError" not in log, log[-6000:]
+    assert "aborting 2 in-flight request(s)" in log, log[-6000:]
+    assert "Application shutdown complete" in log, log[-6000:]
+
+
+def test_requests_ended_at_the_graceful_timeout_free_their_kv_blocks():
+    """What the server calls when --graceful-timeout expires (in-process, on the live engine):
+    streamed and non-streamed requests end (error event + [DONE] / 503), the engine aborts them
+    so every KV block is free again, and a request arriving after is refused with a 503."""
+    ctx = build_context(build_parser().parse_args(["--max-model-len", "512"]))
+    bm = ctx.engine.engine.kv_cache_manager
+    body = {"prompt": "once upon a time", "max_tokens": 400, "ignore_eos": True}
+
+    async def scenario():
+        app = create_app(ctx)
+        ctx.engine.start()
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://test", timeout=120
+            ) as c:
+
+                async def stream():
+                    async with c.stream(
+                        "POST", "/v1/completions", json={**body, "stream": True, "n": 2}
+                    ) as r:
+                        return [line async for line in r.aiter_lines() if line.startswith("data")]
+
+                async def end_when_generating():
+                    deadline = time.monotonic() + 60
+                    while time.monotonic() < deadline:
+                        streams = list(ctx.engine._streams.values())
+                        if len(streams) == 3 and all(s.first_token_time for s in streams):
+                            return ctx.end_in_flight(2)
+                        await asyncio.sleep(0.05)
+                    return 0
+
+                results = await asyncio.gather(
+                    stream(), c.post("/v1/completions", json=body), end_when_generating()
+                )
+                late = await c.post("/v1/completions", json=body)
+                deadline = time.monotonic() + 30
+                while bm.num_free_blocks != bm.num_blocks and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+            return (*results, late)
+        finally:
+            await ctx.engine.shutdown()
+
+    events, plain, ended, late = asyncio.run(scenario())
+    assert ended == 3  # two choices of the stream, one plain request
+    assert events[-1] == "data: [DONE]"
+    err = json.loads(events[-2][6:])["error"]
+    assert err["code"] == "server_shutting_down" and "2 s graceful timeout" in err["message"]
+    assert plain.status_code == 503 and plain.json()["error"]["code"] == "server_shutting_down"
+    assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+    assert bm.num_free_blocks == bm.num_blocks
