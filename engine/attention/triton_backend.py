@@ -55,7 +55,8 @@ class TritonAttentionBackend:
         split_mixed_steps: in steps that are not pure decode, compute the rows of sequences with
             one new token with the split-KV decode kernel (GQA-packed, each KV block read once
             per KV head) and only the others with the prefill kernel, instead of a whole
-            ``BLOCK_M``-row query tile per query head for each of them. Both launches have
+            query tile (``BLOCK_M`` rows of one query head, or ``BLOCK_M // G`` tokens x the G
+            heads of a KV head when GQA-packed) for each of them. Both launches have
             shape-only grids, so the step stays capturable in a CUDA graph. False restores the
             single prefill launch (benchmarks).
         split_prefill: let prefill launches take the split-KV mode where

@@ -441,8 +441,8 @@ class EngineConfig:
             ``max_num_batched_tokens``. Chunked prefill only.
         max_prefill_tokens_with_decodes: most prompt tokens one step may carry while requests
             decode (long prefills then cannot stall the running streams); None or 0 = whatever
-            the budget leaves (the default: at concurrency 64-256 a cap of 512 gives shorter
-            inter-token tails and, at 256, shorter TPOT, for 16-20 % less output throughput;
+            the budget leaves (the default: at concurrency 256 a cap of 512 gives shorter TPOT
+            and inter-token tails, at 64 no shorter tails, for 16-20 % less output throughput;
             docs/benchmarks.md, 2026-12-03). Chunked prefill only.
         max_prefill_attention_with_decodes: most query-key pairs of prompt attention one step
             may carry while requests decode (``engine.core.attention_budget``): a chunk over a

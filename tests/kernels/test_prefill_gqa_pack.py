@@ -103,6 +103,8 @@ CASES = [
     ([45], [30], 8, 2, 128, torch.bfloat16, True, 32, False),  # G=4 at BLOCK_M 32: 8 tokens
     ([30, 19], [17, 0], 2, 2, 64, torch.float32, True, 32, False),  # MHA
     ([25, 9], [40, 3], 7, 1, 64, torch.float32, True, 32, False),  # G=7
+    ([90], [0], 4, 2, 64, torch.float32, True, 128, True),  # G=2, TOK 64 (Qwen3-0.6B's tiling)
+    ([70, 20], [40, 0], 8, 2, 64, torch.bfloat16, False, 128, True),  # G=4, TOK 32
 ]
 
 
@@ -185,6 +187,8 @@ SPLIT_CASES = [
     ([24, 33], [200, 0], 4, 2, torch.bfloat16, True, 32, 4, False, 0),  # G=2, some splits empty
     ([50, 20], [70, 130], 4, 2, torch.float32, False, 32, 2, False, 0),  # non-causal
     ([1, 37, 1, 0, 20, 0], [80, 120, 9, 0, 0, 0], 8, 2, torch.bfloat16, True, 64, 3, True, 6),
+    ([70, 1, 45], [150, 60, 90], 4, 2, torch.float32, True, 64, 3, False, 0),  # G=2, TOK 32
+    ([130, 33], [40, 200], 4, 2, torch.float32, True, 128, 4, False, 0),  # TOK 64: 2 merge blocks
 ]
 
 
