@@ -58,7 +58,8 @@ def to_sampling_params(
             when the chat request used it; "prompt" for text completions).
 
     Raises:
-        APIError: 400 when prompt + max_tokens exceed the model length or a logit_bias /
+        APIError: 400 when prompt + max_tokens (or, without max_tokens, prompt + min_tokens)
+            exceed the model length, min_tokens exceeds max_tokens, or a logit_bias /
             stop_token_ids id is outside the vocabulary.
     """
     room = max_model_len - num_prompt_tokens
@@ -107,6 +108,17 @@ def to_sampling_params(
             f"min_tokens ({shown(req.min_tokens)}) must not exceed max_tokens "
             f"({shown(max_tokens)})",
             "min_tokens",
+        )
+    if req.min_tokens and max_tokens is None and req.min_tokens > room:
+        # max_tokens defaults to the room the prompt leaves (vLLM then refuses min_tokens >
+        # max_tokens the same way): min_tokens could never be met
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, "
+            f"min_tokens ({shown(req.min_tokens)}) asks for more than the {room} tokens the "
+            f"prompt ({num_prompt_tokens} tokens) leaves for the completion.",
+            "min_tokens",
+            "context_length_exceeded",
         )
 
     def pick(name, fallback):

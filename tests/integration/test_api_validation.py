@@ -122,6 +122,8 @@ BAD_REQUESTS = [
     ("completions", {"max_tokens": HUGE}, "max_tokens"),
     ("chat", {"max_tokens": 4, "min_tokens": HUGE}, "min_tokens"),
     ("completions", {"max_tokens": None, "min_tokens": HUGE}, "min_tokens"),
+    ("chat", {"max_tokens": None, "min_tokens": 2047}, "min_tokens"),  # more than the room left
+    ("completions", {"max_tokens": None, "min_tokens": 2048}, "min_tokens"),
     # other integers, huge
     ("chat", {"n": HUGE}, "n"),
     ("chat", {"seed": HUGE}, "seed"),
