@@ -30,6 +30,14 @@ class EngineUnavailable(RuntimeError):
     """The engine core is not running (it died or was shut down)."""
 
 
+class ServerShuttingDown(EngineUnavailable):
+    """The server is shutting down and ended its in-flight requests (:meth:`AsyncEngine.abort_all`):
+    new requests are refused (HTTP 503, code ``server_shutting_down``)."""
+
+    def __init__(self, message: str = "the server is shutting down"):
+        super().__init__(message)
+
+
 class RequestStream:
     """Async iterator over one request's outputs; ends after the output with ``finished``.
 
@@ -109,7 +117,7 @@ class AsyncEngine:
         self.on_step = on_step
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._refusing: str | None = None  # set by abort_all: why new requests are refused
+        self._refusing = False  # set by abort_all: new requests get ServerShuttingDown
 
     @property
     def engine(self) -> LLMEngine | None:
@@ -133,6 +141,16 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self.core.is_alive()
 
+    @property
+    def in_flight(self) -> list[RequestStream]:
+        """The streams of the engine requests in flight (one per choice), in arrival order."""
+        return list(self._streams.values())
+
+    @property
+    def num_in_flight(self) -> int:
+        """How many engine requests (one per choice) are in flight."""
+        return len(self._streams)
+
     # --------------------------------------------------------------- requests
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -143,11 +161,13 @@ class AsyncEngine:
             RequestRejected: the request can never be served (see EngineLimits.validate).
             ValueError: duplicate id.
             EngineUnavailable: the engine core is not running.
+            ServerShuttingDown: :meth:`abort_all` ended the in-flight requests (a subclass of
+                EngineUnavailable).
         """
+        if self._refusing:
+            raise ServerShuttingDown()
         if not self.core.is_alive():
             raise EngineUnavailable("the engine is not running")
-        if self._refusing is not None:
-            raise EngineUnavailable(self._refusing)
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.limits.validate(prompt_token_ids)
@@ -170,25 +190,37 @@ class AsyncEngine:
 
     def abort_all(self, message: str) -> int:
         """End every in-flight request because the server is going away (the graceful-shutdown
-        timeout expired) and refuse new ones with ``message`` (:class:`EngineUnavailable`).
+        timeout expired, or a second signal came) and refuse new ones
+        (:class:`ServerShuttingDown`).
 
-        Each request is aborted in the core (its KV blocks are freed at the start of the next
-        engine iteration) and its stream ends with a finished ``abort`` output whose ``error``
-        is ``message`` (an abort the server decided, not the client). Returns how many.
+        Each stream first gets a finished ``abort`` output whose ``error`` is ``message`` (an
+        abort the server decided, not the client), then the request is aborted in the core (its
+        KV blocks are freed at the start of the next engine iteration). A core that cannot take
+        the abort (a broken pipe to a dead engine process) is logged once; every stream is
+        ended regardless. Returns how many engine requests (one per choice) were ended.
         """
-        self._refusing = message
-        ids = list(self._streams)
-        alive = self.core.is_alive()
-        for rid in ids:
-            stream = self._streams.pop(rid)
-            if alive:
-                self.core.send(AbortRequest(rid))
+        self._refusing = True
+        streams, self._streams = self._streams, {}
+        for rid, stream in streams.items():
             stream._put(
                 RequestOutput(
                     rid, [], finished=True, finish_reason=FinishReason.ABORT, error=message
                 )
             )
-        return len(ids)
+        send = self.core.is_alive()
+        for rid in streams:
+            if not send:
+                break
+            try:
+                self.core.send(AbortRequest(rid))
+            except Exception:  # noqa: BLE001 - the streams are ended; the core is going away
+                log.warning(
+                    "could not send the aborts of %d request(s) to the engine core",
+                    len(streams),
+                    exc_info=True,
+                )
+                send = False
+        return len(streams)
 
     def fail_all(self, message: str) -> None:
         """Finish every in-flight stream with an error (the engine core died)."""
