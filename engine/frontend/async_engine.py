@@ -51,6 +51,7 @@ class RequestStream:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._held: RequestOutput | None = None  # an error output taken off the queue early
         self.finished = False
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
@@ -76,12 +77,20 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         """The next output; when the consumer fell behind, all queued outputs merged into one
         (their tokens concatenated), so a busy server does its per-chunk work once per batch of
-        tokens instead of once per token."""
+        tokens instead of once per token. An output with an ``error`` is never merged into
+        the tokens before it: those come first, then the error (a consumer that stops at the
+        error still delivers every token generated before it)."""
         if self.finished:
             raise StopAsyncIteration
-        out = await self.queue.get()
+        if self._held is not None:
+            out, self._held = self._held, None
+        else:
+            out = await self.queue.get()
         while not out.finished and out.error is None and not self.queue.empty():
             nxt = self.queue.get_nowait()
+            if nxt.error is not None:
+                self._held = nxt  # the next call returns it
+                break
             out = RequestOutput(
                 out.request_id,
                 out.new_token_ids + nxt.new_token_ids,
@@ -93,7 +102,6 @@ class RequestStream:
                 finish_reason=nxt.finish_reason,
                 num_prompt_tokens=nxt.num_prompt_tokens,
                 num_cached_tokens=nxt.num_cached_tokens,
-                error=nxt.error,
                 scheduled_time=out.scheduled_time
                 if out.scheduled_time is not None
                 else nxt.scheduled_time,

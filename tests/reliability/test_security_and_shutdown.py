@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine.frontend.async_engine import RequestStream
 from engine.loader.embedded import ensure_embedded_checkpoint
 from server.__main__ import build_parser
 from server.app import create_app
@@ -247,3 +248,61 @@ def test_requests_ended_at_the_graceful_timeout_free_their_kv_blocks():
     assert late.json()["error"]["code"] == "server_shutting_down", late.text
     assert late.json()["error"]["message"] == "the server is shutting down", late.text
     assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("ending", ["server_abort", "engine_error"])
+def test_tokens_generated_before_a_server_abort_are_streamed(monkeypatch, ending):
+    """The tokens the engine generated before the server ended a stream (or the engine failed
+    it) reach the client, before the error event: the text sent is the decode of every token
+    the engine produced, with no gap. The request is ended while a token output is still
+    queued for the stream (the consumer fell behind), the case where the error used to be
+    merged into those tokens and they were dropped."""
+    ctx = build_context(build_parser().parse_args(["--max-model-len", "512"]))
+    body = {
+        "prompt": "once upon a time",
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    produced: list[int] = []
+    ended = []
+    original_put = RequestStream._put
+
+    def put(stream, out):
+        original_put(stream, out)
+        produced.extend(out.new_token_ids)
+        if out.new_token_ids and len(produced) >= 8 and not ended:
+            ended.append(stream.queue.qsize())  # this output is still queued, unread
+            if ending == "server_abort":
+                ctx.end_in_flight(2)
+            else:
+                ctx.engine.fail_all("boom")
+
+    monkeypatch.setattr(RequestStream, "_put", put)
+
+    async def scenario():
+        app = create_app(ctx)
+        ctx.engine.start()
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://test", timeout=120
+            ) as c:
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    return [line async for line in r.aiter_lines() if line.startswith("data")]
+        finally:
+            await ctx.engine.shutdown()
+
+    events = asyncio.run(scenario())
+    assert ended and ended[0] >= 1
+    assert events[-1] == "data: [DONE]"
+    err = json.loads(events[-2][6:])["error"]
+    if ending == "server_abort":
+        assert err["code"] == "server_shutting_down", err
+    else:
+        assert err["type"] == "internal_server_error" and "boom" in err["message"], err
+    chunks = [json.loads(e[6:]) for e in events[:-2]]
+    text = "".join(ch["choices"][0]["text"] for ch in chunks)
+    assert text == ctx.tokenizer.decode(produced, skip_special_tokens=True)
+    assert len(produced) >= 8 and text

@@ -1,4 +1,5 @@
-"""AsyncEngine's shutdown paths without an engine: abort_all and the refusal after it."""
+"""AsyncEngine's shutdown paths without an engine: abort_all, the refusal after it, and a
+RequestStream that keeps the tokens queued before an error output."""
 
 from __future__ import annotations
 
@@ -107,3 +108,18 @@ def test_requests_after_abort_all_are_refused_as_shutting_down():
     assert isinstance(exc.value, EngineUnavailable)  # callers catching the base still work
     assert str(exc.value) == "the server is shutting down"
     assert not any(isinstance(c, AddRequest) and c.request_id == "late" for c in core.sent)
+
+
+def test_stream_delivers_the_tokens_queued_before_an_error():
+    """Outputs queued behind a slow consumer merge, but never into an error output: the tokens
+    come first, then the error (a consumer stopping at the error still has every token)."""
+    for error_reason in (FinishReason.ABORT, FinishReason.ERROR):
+        stream = RequestStream("r", 3)
+        stream._put(RequestOutput("r", [5], [None]))
+        stream._put(RequestOutput("r", [6, 7], [None, None]))
+        stream._put(RequestOutput("r", [], finished=True, finish_reason=error_reason, error="boom"))
+        outs = asyncio.run(_drain(stream))
+        assert [o.new_token_ids for o in outs] == [[5, 6, 7], []]
+        assert outs[0].error is None and not outs[0].finished
+        assert outs[1].error == "boom" and outs[1].finished
+        assert outs[1].finish_reason == error_reason
