@@ -50,6 +50,15 @@ class GracefulServer(uvicorn.Server):
     """
 
     def __init__(self, config: uvicorn.Config, graceful_timeout=None, on_graceful_timeout=None):
+        """
+        Args:
+            config: uvicorn's configuration; its ``timeout_graceful_shutdown`` (seconds) is when
+                uvicorn cancels the tasks still running, the backstop.
+            graceful_timeout: seconds from the start of the shutdown until
+                ``on_graceful_timeout`` runs (None: never).
+            on_graceful_timeout: ends the in-flight requests; called without arguments, on the
+                event loop, when ``graceful_timeout`` expires. None: no hook.
+        """
         super().__init__(config)
         self.graceful_timeout = graceful_timeout
         self.on_graceful_timeout = on_graceful_timeout
@@ -411,7 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--graceful-timeout",
         type=float,
         default=_env("graceful_timeout", 30),
-        help="seconds in-flight requests get to finish after SIGTERM",
+        help="seconds in-flight requests get to finish after SIGTERM or SIGINT (Ctrl-C); then "
+        "the server ends them: streams with an error event (503 server_shutting_down) and "
+        "[DONE], other requests with that 503. 0 ends them at once",
     )
     # slow clients (server/http_protocol.py): a request must arrive within these bounds
     a(

@@ -146,14 +146,15 @@ class ServerContext:
         """The graceful-shutdown timeout expired: end every in-flight request and refuse new
         ones. Streams end with an error event (503, code ``server_shutting_down``) and
         ``[DONE]``, other requests get that 503; the engine aborts them (their KV blocks are
-        freed). Returns how many engine requests were ended."""
+        freed). Returns how many engine requests (one per choice) were ended."""
         n = self.engine.abort_all(
             "the server is shutting down: the request did not finish within the "
             f"{graceful_timeout:g} s graceful timeout"
         )
         if n:
             log.warning(
-                "graceful timeout (%g s) expired: aborting %d in-flight request(s)",
+                "graceful timeout (%g s) expired: aborting %d in-flight engine request(s) "
+                "(choices)",
                 graceful_timeout,
                 n,
             )

@@ -158,40 +158,71 @@ def _complete(base: str, out: dict) -> None:
         out["error"] = exc
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_sigterm_aborts_requests_past_the_timeout(sig):
-    """Past --graceful-timeout the server ends its requests itself: a stream gets an error event
-    and [DONE], a non-streamed request a 503, both code server_shutting_down; no traceback, the
-    lifespan shutdown completes, exit 0 (4000 tokens take far longer than the 2 s on CPU)."""
-    srv = ServerProcess("--max-model-len", "4096", "--graceful-timeout", "2").wait_ready()
+def _wait_running(base: str, n: int, timeout: float = 60.0) -> None:
+    """Wait until the engine runs ``n`` requests (the metrics' running gauge), so a test knows
+    its requests were admitted before it signals the server."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("qwen_serve:num_requests_running{") and float(line.split()[-1]) >= n:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"the engine did not run {n} requests within {timeout} s")
+
+
+def _start_stream_and_plain(srv: ServerProcess) -> tuple[dict, dict, list[threading.Thread]]:
+    """A 4000-token stream and a 4000-token non-streamed request, both running in the engine
+    (4000 tokens take far longer than any timeout of these tests on CPU)."""
     out = {"started": threading.Event()}
     plain: dict = {}
-    t = threading.Thread(target=_stream_until_done, args=(srv.base_url, 4000, out))
-    t.start()
-    t2 = threading.Thread(target=_complete, args=(srv.base_url, plain))
-    t2.start()
+    threads = [
+        threading.Thread(target=_stream_until_done, args=(srv.base_url, 4000, out)),
+        threading.Thread(target=_complete, args=(srv.base_url, plain)),
+    ]
+    for t in threads:
+        t.start()
     assert out["started"].wait(60)
-    time.sleep(0.5)  # the non-streamed request is in too
-    t0 = time.monotonic()
-    srv.proc.send_signal(sig)
-    code = srv.stop(timeout=60)
-    t.join(30)
-    t2.join(30)
+    _wait_running(srv.base_url, 2)
+    return out, plain, threads
+
+
+def _assert_ended_cleanly(srv: ServerProcess, out: dict, plain: dict, message: str) -> str:
+    """Both requests were ended by the server (error event + [DONE] / 503, code
+    server_shutting_down, ``message`` in the error) and the shutdown was clean; returns the
+    log."""
     log = Path(srv.log_path).read_text()
-    assert code == 0, log[-6000:]
-    assert time.monotonic() - t0 < 30
+    assert srv.proc.returncode == 0, log[-6000:]
     assert "error" not in out, out["error"]  # the stream ended as an SSE stream, not cut
     events = out["events"]
     assert events[-1] == "data: [DONE]", events[-3:]
     err = json.loads(events[-2][6:])["error"]
     assert err["code"] == "server_shutting_down" and err["type"] == "service_unavailable", err
-    assert "2 s graceful timeout" in err["message"], err
+    assert message in err["message"], err
     assert all("choices" in json.loads(e[6:]) for e in events[:-2])  # tokens until then
     r = plain["response"]
     assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down", r.text
+    assert message in r.json()["error"]["message"], r.text
     assert "Traceback" not in log and "CancelledError" not in log, log[-6000:]
-    assert "aborting 2 in-flight request(s)" in log, log[-6000:]
-    assert "Application shutdown complete" in log, log[-6000:]
+    assert "Application shutdown complete" in log, log[-6000:]  # the engine was shut down
+    return log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_aborts_requests_past_the_timeout(sig):
+    """Past --graceful-timeout the server ends its requests itself: a stream gets an error event
+    and [DONE], a non-streamed request a 503, both code server_shutting_down; no traceback, the
+    lifespan shutdown completes, exit 0."""
+    srv = ServerProcess("--max-model-len", "4096", "--graceful-timeout", "2").wait_ready()
+    out, plain, threads = _start_stream_and_plain(srv)
+    t0 = time.monotonic()
+    srv.proc.send_signal(sig)
+    srv.proc.wait(60)  # one signal only: a second one would end the requests itself
+    srv.stop()
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - t0 < 30
+    log = _assert_ended_cleanly(srv, out, plain, "2 s graceful timeout")
+    assert "aborting 2 in-flight engine request(s) (choices)" in log, log[-6000:]
 
 
 def test_requests_ended_at_the_graceful_timeout_free_their_kv_blocks():
