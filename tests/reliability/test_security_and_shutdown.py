@@ -225,6 +225,29 @@ def test_sigterm_aborts_requests_past_the_timeout(sig):
     assert "aborting 2 in-flight engine request(s) (choices)" in log, log[-6000:]
 
 
+def test_second_sigint_ends_in_flight_requests_at_once():
+    """A second Ctrl-C during the shutdown ends the in-flight requests at once (error event +
+    [DONE] / 503) and the server then finishes shutting down cleanly: lifespan shutdown, exit 0,
+    no traceback; long before the 60 s graceful timeout, so only the second signal explains
+    the end (uvicorn alone would force-quit: streams cut, no lifespan shutdown)."""
+    srv = ServerProcess("--max-model-len", "4096", "--graceful-timeout", "60").wait_ready()
+    out, plain, threads = _start_stream_and_plain(srv)
+    srv.proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    assert srv.proc.poll() is None  # still waiting for the requests
+    t0 = time.monotonic()
+    srv.proc.send_signal(signal.SIGINT)
+    srv.proc.wait(30)
+    elapsed = time.monotonic() - t0
+    srv.stop()
+    for t in threads:
+        t.join(30)
+    log = _assert_ended_cleanly(srv, out, plain, "a second shutdown signal ended the request")
+    assert elapsed < 20, elapsed
+    assert "second shutdown signal: aborting 2 in-flight engine request(s)" in log, log[-6000:]
+    assert "forcing the quit" not in log, log[-6000:]
+
+
 def test_requests_ended_at_the_graceful_timeout_free_their_kv_blocks():
     """What the server calls when --graceful-timeout expires (in-process, on the live engine):
     streamed and non-streamed requests end (error event + [DONE] / 503), the engine aborts them
