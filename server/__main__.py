@@ -32,8 +32,9 @@ SHUTDOWN_BACKSTOP_S = 5.0
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn's server, except that a SIGTERM/SIGINT ending in a graceful shutdown exits 0, and
-    that the app ends its own in-flight requests when the graceful timeout expires.
+    """uvicorn's server, except that a SIGTERM/SIGINT ending in a graceful shutdown exits 0, that
+    the app ends its own in-flight requests when the graceful timeout expires, and that a second
+    signal ends them at once.
 
     On SIGTERM/SIGINT uvicorn stops accepting connections and waits for the open ones to finish;
     past its ``timeout_graceful_shutdown`` it cancels their tasks, which cuts streams without an
@@ -44,21 +45,70 @@ class GracefulServer(uvicorn.Server):
     :data:`SHUTDOWN_BACKSTOP_S` later, so the connections close before it and the lifespan
     shutdown runs normally.
 
+    A second signal during the shutdown (a second Ctrl-C, which uvicorn's "CTRL+C to force
+    quit" invites) runs ``on_graceful_timeout`` at once instead of uvicorn's force quit (which
+    would skip the hook, cut the streams and skip the lifespan shutdown): the requests end as
+    above and the server finishes shutting down cleanly, promptly. Only a third signal forces
+    the quit (uvicorn's ``force_exit``: no more waiting, no lifespan shutdown). Without a hook,
+    signals behave as in uvicorn.
+
     uvicorn re-raises the captured signal after shutting down, which ends the process with
-    -SIGTERM; by then in-flight requests have finished (or were aborted after
-    --graceful-timeout), so it is a normal exit.
+    -SIGTERM; by then in-flight requests have finished (or were ended), so it is a normal exit:
+    the captured signals are dropped and the process exits 0.
     """
 
     def __init__(self, config: uvicorn.Config, graceful_timeout=None, on_graceful_timeout=None):
+        """
+        Args:
+            config: uvicorn's configuration; its ``timeout_graceful_shutdown`` (seconds) is when
+                uvicorn cancels the tasks still running, the backstop.
+            graceful_timeout: seconds from the start of the shutdown until
+                ``on_graceful_timeout`` runs (None: it runs only on a second signal).
+            on_graceful_timeout: ends the in-flight requests; called once, on the event loop,
+                as ``on_graceful_timeout(early)``: ``early`` is False when ``graceful_timeout``
+                expired, True when a second signal came first. None: no hook (uvicorn's
+                behaviour, a second SIGINT forces the quit).
+        """
         super().__init__(config)
         self.graceful_timeout = graceful_timeout
         self.on_graceful_timeout = on_graceful_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ended = False  # the hook ran
+        self._signals_in_shutdown = 0
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def _end_in_flight(self, early: bool) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        if early:
+            log.warning(
+                "second shutdown signal: ending the in-flight requests now "
+                "(a third signal forces the quit)"
+            )
+        self.on_graceful_timeout(early)
+
+    def handle_exit(self, sig, frame) -> None:
+        """The signal handler (run by Python in the main thread, between two bytecodes of
+        whatever runs there, so it only sets flags and hands work to the loop)."""
+        if self.on_graceful_timeout is None or not self.should_exit or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self._signals_in_shutdown += 1
+        if self._signals_in_shutdown == 1:  # (nothing to do if the timeout ended them already)
+            self._loop.call_soon_threadsafe(self._end_in_flight, True)
+        else:
+            self.force_exit = True
+            self._loop.call_soon_threadsafe(log.warning, "another signal: forcing the quit")
 
     async def shutdown(self, sockets=None) -> None:
         timer = None
         if self.on_graceful_timeout is not None and self.graceful_timeout is not None:
             timer = asyncio.get_running_loop().call_later(
-                self.graceful_timeout, self.on_graceful_timeout
+                self.graceful_timeout, self._end_in_flight, False
             )
         try:
             await super().shutdown(sockets)
@@ -411,7 +461,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--graceful-timeout",
         type=float,
         default=_env("graceful_timeout", 30),
-        help="seconds in-flight requests get to finish after SIGTERM",
+        help="seconds in-flight requests get to finish after SIGTERM or SIGINT (Ctrl-C); then "
+        "the server ends them: streams with an error event (503 server_shutting_down) and "
+        "[DONE], other requests with that 503. 0 ends them at once; a second signal ends them "
+        "at once too, a third forces the quit",
     )
     # slow clients (server/http_protocol.py): a request must arrive within these bounds
     a(
@@ -470,7 +523,9 @@ def main(argv: list[str] | None = None) -> None:
     gc.collect()
     gc.freeze()
     timeout = float(args.graceful_timeout)
-    server = make_server(app, args, on_graceful_timeout=lambda: ctx.end_in_flight(timeout))
+    server = make_server(
+        app, args, on_graceful_timeout=lambda early: ctx.end_in_flight(timeout, early=early)
+    )
     server.run(sockets=[sock])
     return 0
 
@@ -504,8 +559,9 @@ def make_server(app, args: argparse.Namespace, on_graceful_timeout=None) -> Grac
     """The uvicorn server for ``app`` with the parsed flags (also used by
     bench/frontend_latency.py): the h11 protocol with request read deadlines
     (:mod:`server.http_protocol`), the keep-alive timeout, the connection cap and the header
-    size limit. ``on_graceful_timeout`` (the app's :meth:`ServerContext.end_in_flight`) runs
-    when --graceful-timeout expires during a shutdown; uvicorn's own timeout, which cancels
+    size limit. ``on_graceful_timeout(early)`` (the app's :meth:`ServerContext.end_in_flight`)
+    runs when --graceful-timeout expires during a shutdown, or at a second signal
+    (:class:`GracefulServer`); uvicorn's own timeout, which cancels
     the requests' tasks, comes :data:`SHUTDOWN_BACKSTOP_S` later (without a hook, at the
     timeout itself)."""
     from server.http_protocol import guarded_protocol

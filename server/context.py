@@ -142,19 +142,25 @@ class ServerContext:
             stats.finish_reason,
         )
 
-    def end_in_flight(self, graceful_timeout: float) -> int:
-        """The graceful-shutdown timeout expired: end every in-flight request and refuse new
-        ones. Streams end with an error event (503, code ``server_shutting_down``) and
+    def end_in_flight(self, graceful_timeout: float, early: bool = False) -> int:
+        """The server is shutting down and its in-flight requests must end now: the graceful
+        timeout (``graceful_timeout`` seconds) expired, or (``early``) a second signal came
+        first. Streams end with an error event (503, code ``server_shutting_down``) and
         ``[DONE]``, other requests get that 503; the engine aborts them (their KV blocks are
-        freed). Returns how many engine requests were ended."""
-        n = self.engine.abort_all(
-            "the server is shutting down: the request did not finish within the "
-            f"{graceful_timeout:g} s graceful timeout"
-        )
+        freed) and refuses new ones. Returns how many engine requests (one per choice) were
+        ended."""
+        if early:
+            why = f"a second shutdown signal ended the request before the {graceful_timeout:g} s"
+            why += " graceful timeout"
+        else:
+            why = f"the request did not finish within the {graceful_timeout:g} s graceful timeout"
+        n = self.engine.abort_all(f"the server is shutting down: {why}")
         if n:
             log.warning(
-                "graceful timeout (%g s) expired: aborting %d in-flight request(s)",
-                graceful_timeout,
+                "%s: aborting %d in-flight engine request(s) (choices)",
+                "second shutdown signal"
+                if early
+                else f"graceful timeout ({graceful_timeout:g} s) expired",
                 n,
             )
         return n

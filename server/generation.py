@@ -182,6 +182,13 @@ class Generation:
                 return  # aborted meanwhile: nothing more is delivered or counted
             self._count_prompt(index)
             if out.error is not None:
+                # the tokens generated before the error came in earlier outputs (a RequestStream
+                # never merges an error into them) and were delivered; deliver the text the
+                # detokenizer still holds back too (an unfinished character, a possible start
+                # of a stop string), so the text sent is the decode of every token generated
+                tail = detok.finish()
+                if tail:
+                    yield ChoiceEvent(index, tail)
                 if out.finish_reason == FinishReason.ABORT:  # the server ended it (shutdown)
                     self._finish(index, "abort")
                     raise ServerAborted(out.error)

@@ -30,6 +30,14 @@ class EngineUnavailable(RuntimeError):
     """The engine core is not running (it died or was shut down)."""
 
 
+class ServerShuttingDown(EngineUnavailable):
+    """The server is shutting down and ended its in-flight requests (:meth:`AsyncEngine.abort_all`):
+    new requests are refused (HTTP 503, code ``server_shutting_down``)."""
+
+    def __init__(self, message: str = "the server is shutting down"):
+        super().__init__(message)
+
+
 class RequestStream:
     """Async iterator over one request's outputs; ends after the output with ``finished``.
 
@@ -43,6 +51,7 @@ class RequestStream:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._held: RequestOutput | None = None  # an error output taken off the queue early
         self.finished = False
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
@@ -68,12 +77,20 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         """The next output; when the consumer fell behind, all queued outputs merged into one
         (their tokens concatenated), so a busy server does its per-chunk work once per batch of
-        tokens instead of once per token."""
+        tokens instead of once per token. An output with an ``error`` is never merged into
+        the tokens before it: those come first, then the error (a consumer that stops at the
+        error still delivers every token generated before it)."""
         if self.finished:
             raise StopAsyncIteration
-        out = await self.queue.get()
+        if self._held is not None:
+            out, self._held = self._held, None
+        else:
+            out = await self.queue.get()
         while not out.finished and out.error is None and not self.queue.empty():
             nxt = self.queue.get_nowait()
+            if nxt.error is not None:
+                self._held = nxt  # the next call returns it
+                break
             out = RequestOutput(
                 out.request_id,
                 out.new_token_ids + nxt.new_token_ids,
@@ -85,7 +102,6 @@ class RequestStream:
                 finish_reason=nxt.finish_reason,
                 num_prompt_tokens=nxt.num_prompt_tokens,
                 num_cached_tokens=nxt.num_cached_tokens,
-                error=nxt.error,
                 scheduled_time=out.scheduled_time
                 if out.scheduled_time is not None
                 else nxt.scheduled_time,
@@ -109,7 +125,7 @@ class AsyncEngine:
         self.on_step = on_step
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._refusing: str | None = None  # set by abort_all: why new requests are refused
+        self._refusing = False  # set by abort_all: new requests get ServerShuttingDown
 
     @property
     def engine(self) -> LLMEngine | None:
@@ -133,6 +149,16 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self.core.is_alive()
 
+    @property
+    def in_flight(self) -> list[RequestStream]:
+        """The streams of the engine requests in flight (one per choice), in arrival order."""
+        return list(self._streams.values())
+
+    @property
+    def num_in_flight(self) -> int:
+        """How many engine requests (one per choice) are in flight."""
+        return len(self._streams)
+
     # --------------------------------------------------------------- requests
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -143,11 +169,13 @@ class AsyncEngine:
             RequestRejected: the request can never be served (see EngineLimits.validate).
             ValueError: duplicate id.
             EngineUnavailable: the engine core is not running.
+            ServerShuttingDown: :meth:`abort_all` ended the in-flight requests (a subclass of
+                EngineUnavailable).
         """
+        if self._refusing:
+            raise ServerShuttingDown()
         if not self.core.is_alive():
             raise EngineUnavailable("the engine is not running")
-        if self._refusing is not None:
-            raise EngineUnavailable(self._refusing)
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.limits.validate(prompt_token_ids)
@@ -170,25 +198,37 @@ class AsyncEngine:
 
     def abort_all(self, message: str) -> int:
         """End every in-flight request because the server is going away (the graceful-shutdown
-        timeout expired) and refuse new ones with ``message`` (:class:`EngineUnavailable`).
+        timeout expired, or a second signal came) and refuse new ones
+        (:class:`ServerShuttingDown`).
 
-        Each request is aborted in the core (its KV blocks are freed at the start of the next
-        engine iteration) and its stream ends with a finished ``abort`` output whose ``error``
-        is ``message`` (an abort the server decided, not the client). Returns how many.
+        Each stream first gets a finished ``abort`` output whose ``error`` is ``message`` (an
+        abort the server decided, not the client), then the request is aborted in the core (its
+        KV blocks are freed at the start of the next engine iteration). A core that cannot take
+        the abort (a broken pipe to a dead engine process) is logged once; every stream is
+        ended regardless. Returns how many engine requests (one per choice) were ended.
         """
-        self._refusing = message
-        ids = list(self._streams)
-        alive = self.core.is_alive()
-        for rid in ids:
-            stream = self._streams.pop(rid)
-            if alive:
-                self.core.send(AbortRequest(rid))
+        self._refusing = True
+        streams, self._streams = self._streams, {}
+        for rid, stream in streams.items():
             stream._put(
                 RequestOutput(
                     rid, [], finished=True, finish_reason=FinishReason.ABORT, error=message
                 )
             )
-        return len(ids)
+        send = self.core.is_alive()
+        for rid in streams:
+            if not send:
+                break
+            try:
+                self.core.send(AbortRequest(rid))
+            except Exception:  # noqa: BLE001 - the streams are ended; the core is going away
+                log.warning(
+                    "could not send the aborts of %d request(s) to the engine core",
+                    len(streams),
+                    exc_info=True,
+                )
+                send = False
+        return len(streams)
 
     def fail_all(self, message: str) -> None:
         """Finish every in-flight stream with an error (the engine core died)."""

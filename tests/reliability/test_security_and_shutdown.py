@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine.frontend.async_engine import RequestStream
 from engine.loader.embedded import ensure_embedded_checkpoint
 from server.__main__ import build_parser
 from server.app import create_app
@@ -157,40 +158,94 @@ def _complete(base: str, out: dict) -> None:
         out["error"] = exc
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_sigterm_aborts_requests_past_the_timeout(sig):
-    """Past --graceful-timeout the server ends its requests itself: a stream gets an error event
-    and [DONE], a non-streamed request a 503, both code server_shutting_down; no traceback, the
-    lifespan shutdown completes, exit 0 (4000 tokens take far longer than the 2 s on CPU)."""
-    srv = ServerProcess("--max-model-len", "4096", "--graceful-timeout", "2").wait_ready()
+def _wait_running(base: str, n: int, timeout: float = 60.0) -> None:
+    """Wait until the engine runs ``n`` requests (the metrics' running gauge), so a test knows
+    its requests were admitted before it signals the server."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("qwen_serve:num_requests_running{") and float(line.split()[-1]) >= n:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"the engine did not run {n} requests within {timeout} s")
+
+
+def _start_stream_and_plain(srv: ServerProcess) -> tuple[dict, dict, list[threading.Thread]]:
+    """A 4000-token stream and a 4000-token non-streamed request, both running in the engine
+    (4000 tokens take far longer than any timeout of these tests on CPU)."""
     out = {"started": threading.Event()}
     plain: dict = {}
-    t = threading.Thread(target=_stream_until_done, args=(srv.base_url, 4000, out))
-    t.start()
-    t2 = threading.Thread(target=_complete, args=(srv.base_url, plain))
-    t2.start()
+    threads = [
+        threading.Thread(target=_stream_until_done, args=(srv.base_url, 4000, out)),
+        threading.Thread(target=_complete, args=(srv.base_url, plain)),
+    ]
+    for t in threads:
+        t.start()
     assert out["started"].wait(60)
-    time.sleep(0.5)  # the non-streamed request is in too
-    t0 = time.monotonic()
-    srv.proc.send_signal(sig)
-    code = srv.stop(timeout=60)
-    t.join(30)
-    t2.join(30)
+    _wait_running(srv.base_url, 2)
+    return out, plain, threads
+
+
+def _assert_ended_cleanly(srv: ServerProcess, out: dict, plain: dict, message: str) -> str:
+    """Both requests were ended by the server (error event + [DONE] / 503, code
+    server_shutting_down, ``message`` in the error) and the shutdown was clean; returns the
+    log."""
     log = Path(srv.log_path).read_text()
-    assert code == 0, log[-6000:]
-    assert time.monotonic() - t0 < 30
+    assert srv.proc.returncode == 0, log[-6000:]
     assert "error" not in out, out["error"]  # the stream ended as an SSE stream, not cut
     events = out["events"]
     assert events[-1] == "data: [DONE]", events[-3:]
     err = json.loads(events[-2][6:])["error"]
     assert err["code"] == "server_shutting_down" and err["type"] == "service_unavailable", err
-    assert "2 s graceful timeout" in err["message"], err
+    assert message in err["message"], err
     assert all("choices" in json.loads(e[6:]) for e in events[:-2])  # tokens until then
     r = plain["response"]
     assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down", r.text
+    assert message in r.json()["error"]["message"], r.text
     assert "Traceback" not in log and "CancelledError" not in log, log[-6000:]
-    assert "aborting 2 in-flight request(s)" in log, log[-6000:]
-    assert "Application shutdown complete" in log, log[-6000:]
+    assert "Application shutdown complete" in log, log[-6000:]  # the engine was shut down
+    return log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_aborts_requests_past_the_timeout(sig):
+    """Past --graceful-timeout the server ends its requests itself: a stream gets an error event
+    and [DONE], a non-streamed request a 503, both code server_shutting_down; no traceback, the
+    lifespan shutdown completes, exit 0."""
+    srv = ServerProcess("--max-model-len", "4096", "--graceful-timeout", "2").wait_ready()
+    out, plain, threads = _start_stream_and_plain(srv)
+    t0 = time.monotonic()
+    srv.proc.send_signal(sig)
+    srv.proc.wait(60)  # one signal only: a second one would end the requests itself
+    srv.stop()
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - t0 < 30
+    log = _assert_ended_cleanly(srv, out, plain, "2 s graceful timeout")
+    assert "aborting 2 in-flight engine request(s) (choices)" in log, log[-6000:]
+
+
+def test_second_sigint_ends_in_flight_requests_at_once():
+    """A second Ctrl-C during the shutdown ends the in-flight requests at once (error event +
+    [DONE] / 503) and the server then finishes shutting down cleanly: lifespan shutdown, exit 0,
+    no traceback; long before the 60 s graceful timeout, so only the second signal explains
+    the end (uvicorn alone would force-quit: streams cut, no lifespan shutdown)."""
+    srv = ServerProcess("--max-model-len", "4096", "--graceful-timeout", "60").wait_ready()
+    out, plain, threads = _start_stream_and_plain(srv)
+    srv.proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    assert srv.proc.poll() is None  # still waiting for the requests
+    t0 = time.monotonic()
+    srv.proc.send_signal(signal.SIGINT)
+    srv.proc.wait(30)
+    elapsed = time.monotonic() - t0
+    srv.stop()
+    for t in threads:
+        t.join(30)
+    log = _assert_ended_cleanly(srv, out, plain, "a second shutdown signal ended the request")
+    assert elapsed < 20, elapsed
+    assert "second shutdown signal: aborting 2 in-flight engine request(s)" in log, log[-6000:]
+    assert "forcing the quit" not in log, log[-6000:]
 
 
 def test_requests_ended_at_the_graceful_timeout_free_their_kv_blocks():
@@ -219,7 +274,7 @@ def test_requests_ended_at_the_graceful_timeout_free_their_kv_blocks():
                 async def end_when_generating():
                     deadline = time.monotonic() + 60
                     while time.monotonic() < deadline:
-                        streams = list(ctx.engine._streams.values())
+                        streams = ctx.engine.in_flight
                         if len(streams) == 3 and all(s.first_token_time for s in streams):
                             return ctx.end_in_flight(2)
                         await asyncio.sleep(0.05)
@@ -242,5 +297,66 @@ def test_requests_ended_at_the_graceful_timeout_free_their_kv_blocks():
     err = json.loads(events[-2][6:])["error"]
     assert err["code"] == "server_shutting_down" and "2 s graceful timeout" in err["message"]
     assert plain.status_code == 503 and plain.json()["error"]["code"] == "server_shutting_down"
-    assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+    # a request arriving after was never started: its own code and message, not the timeout's
+    assert late.status_code == 503, late.text
+    assert late.json()["error"]["code"] == "server_shutting_down", late.text
+    assert late.json()["error"]["message"] == "the server is shutting down", late.text
     assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("ending", ["server_abort", "engine_error"])
+def test_tokens_generated_before_a_server_abort_are_streamed(monkeypatch, ending):
+    """The tokens the engine generated before the server ended a stream (or the engine failed
+    it) reach the client, before the error event: the text sent is the decode of every token
+    the engine produced, with no gap. The request is ended while a token output is still
+    queued for the stream (the consumer fell behind), the case where the error used to be
+    merged into those tokens and they were dropped."""
+    ctx = build_context(build_parser().parse_args(["--max-model-len", "512"]))
+    body = {
+        "prompt": "once upon a time",
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    produced: list[int] = []
+    ended = []
+    original_put = RequestStream._put
+
+    def put(stream, out):
+        original_put(stream, out)
+        produced.extend(out.new_token_ids)
+        if out.new_token_ids and len(produced) >= 8 and not ended:
+            ended.append(stream.queue.qsize())  # this output is still queued, unread
+            if ending == "server_abort":
+                ctx.end_in_flight(2)
+            else:
+                ctx.engine.fail_all("boom")
+
+    monkeypatch.setattr(RequestStream, "_put", put)
+
+    async def scenario():
+        app = create_app(ctx)
+        ctx.engine.start()
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://test", timeout=120
+            ) as c:
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    return [line async for line in r.aiter_lines() if line.startswith("data")]
+        finally:
+            await ctx.engine.shutdown()
+
+    events = asyncio.run(scenario())
+    assert ended and ended[0] >= 1
+    assert events[-1] == "data: [DONE]"
+    err = json.loads(events[-2][6:])["error"]
+    if ending == "server_abort":
+        assert err["code"] == "server_shutting_down", err
+    else:
+        assert err["type"] == "internal_server_error" and "boom" in err["message"], err
+    chunks = [json.loads(e[6:]) for e in events[:-2]]
+    text = "".join(ch["choices"][0]["text"] for ch in chunks)
+    assert text == ctx.tokenizer.decode(produced, skip_special_tokens=True)
+    assert len(produced) >= 8 and text

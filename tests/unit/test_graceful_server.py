@@ -1,0 +1,60 @@
+"""GracefulServer's signal handling during a shutdown, without a server process."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import uvicorn
+
+from server.__main__ import GracefulServer
+
+
+def _server(hook=None) -> GracefulServer:
+    return GracefulServer(uvicorn.Config(app=None), graceful_timeout=60, on_graceful_timeout=hook)
+
+
+def _signals(server: GracefulServer, sigs: list[int]) -> None:
+    async def run():
+        server._loop = asyncio.get_running_loop()
+        for sig in sigs:
+            server.handle_exit(sig, None)
+            await asyncio.sleep(0)  # the loop runs what the handler handed it
+
+    asyncio.run(run())
+
+
+def test_second_signal_ends_in_flight_requests_and_a_third_forces():
+    calls = []
+    server = _server(calls.append)
+    _signals(server, [signal.SIGINT])
+    assert server.should_exit and not server.force_exit and calls == []
+    _signals(server, [signal.SIGINT])
+    assert calls == [True] and not server.force_exit  # ended at once, shutdown continues
+    _signals(server, [signal.SIGINT])
+    assert calls == [True] and server.force_exit
+
+
+def test_second_sigterm_also_ends_in_flight_requests():
+    calls = []
+    server = _server(calls.append)
+    _signals(server, [signal.SIGTERM, signal.SIGTERM])
+    assert calls == [True] and not server.force_exit
+
+
+def test_the_hook_runs_once_when_the_timeout_and_a_signal_both_come():
+    calls = []
+    server = _server(calls.append)
+    server._end_in_flight(False)  # the graceful timeout expired
+    _signals(server, [signal.SIGINT, signal.SIGINT])  # then a second signal: nothing to end
+    assert calls == [False] and not server.force_exit
+    _signals(server, [signal.SIGINT])  # a third still forces
+    assert server.force_exit
+
+
+def test_without_a_hook_signals_behave_as_in_uvicorn():
+    server = _server()
+    _signals(server, [signal.SIGTERM, signal.SIGTERM])
+    assert server.should_exit and not server.force_exit
+    _signals(server, [signal.SIGINT])
+    assert server.force_exit
