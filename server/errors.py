@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.frontend.async_engine import EngineUnavailable, ServerShuttingDown
+from engine.frontend.async_engine import EngineUnavailable
 
 _TYPES = {
     400: "invalid_request_error",
@@ -133,12 +133,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineUnavailable)
     async def _unavailable(_: Request, exc: EngineUnavailable):
-        return error_response(503, str(exc), None, "engine_unavailable")
-
-    @app.exception_handler(ServerShuttingDown)
-    async def _shutting_down(_: Request, exc: ServerShuttingDown):
-        # a request that arrived after the in-flight ones were ended (not one of them)
-        return error_response(503, str(exc), None, "server_shutting_down")
+        # engine_unavailable, or server_shutting_down (ServerShuttingDown: a request that
+        # arrived after the in-flight ones were ended)
+        return error_response(503, str(exc), None, exc.code)
 
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError):

@@ -27,12 +27,17 @@ log = logging.getLogger(__name__)
 
 
 class EngineUnavailable(RuntimeError):
-    """The engine core is not running (it died or was shut down)."""
+    """The engine core is not running (it died or was shut down): HTTP 503 with the error code
+    :attr:`code`."""
+
+    code = "engine_unavailable"
 
 
 class ServerShuttingDown(EngineUnavailable):
     """The server is shutting down and ended its in-flight requests (:meth:`AsyncEngine.abort_all`):
     new requests are refused (HTTP 503, code ``server_shutting_down``)."""
+
+    code = "server_shutting_down"
 
     def __init__(self, message: str = "the server is shutting down"):
         super().__init__(message)
@@ -215,19 +220,16 @@ class AsyncEngine:
                     rid, [], finished=True, finish_reason=FinishReason.ABORT, error=message
                 )
             )
-        send = self.core.is_alive()
-        for rid in streams:
-            if not send:
-                break
+        if self.core.is_alive():
             try:
-                self.core.send(AbortRequest(rid))
+                for rid in streams:
+                    self.core.send(AbortRequest(rid))
             except Exception:  # noqa: BLE001 - the streams are ended; the core is going away
                 log.warning(
                     "could not send the aborts of %d request(s) to the engine core",
                     len(streams),
                     exc_info=True,
                 )
-                send = False
         return len(streams)
 
     def fail_all(self, message: str) -> None:
