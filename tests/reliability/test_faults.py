@@ -9,12 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
 import pytest
 
 from server.__main__ import build_parser
-from server.app import create_app
 from server.factory import build_context
+from tests.inprocess import app_client
 
 
 @pytest.fixture(scope="module", params=["off", "on"], ids=["sync", "async"])
@@ -36,13 +35,8 @@ def test_model_step_exception_fails_only_that_step(ctx):
         return real_launch(batch, eos_ids, prev)
 
     async def scenario():
-        app = create_app(ctx)
-        ctx.engine.start()
         try:
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(
-                transport=transport, base_url="http://test", timeout=60
-            ) as c:
+            async with app_client(ctx) as c:
                 body = {
                     "messages": [{"role": "user", "content": "hi"}],
                     "max_tokens": 4,
@@ -61,7 +55,6 @@ def test_model_step_exception_fails_only_that_step(ctx):
             return failed, ok, events, after, health, metrics
         finally:
             runner.launch = real_launch
-            await ctx.engine.shutdown()
 
     failed, ok, events, after, health, metrics = asyncio.run(scenario())
     assert failed.status_code == 500
@@ -88,25 +81,17 @@ def test_device_error_stops_the_engine_and_fails_requests():
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     async def scenario():
-        app = create_app(ctx2)
-        ctx2.engine.start()
-        try:
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(
-                transport=transport, base_url="http://test", timeout=60
-            ) as c:
-                runner.launch = broken
-                body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-                failed = await c.post("/v1/chat/completions", json=body)
-                for _ in range(50):
-                    if not ctx2.engine.is_running:
-                        break
-                    await asyncio.sleep(0.05)
-                health = await c.get("/health")
-                refused = await c.post("/v1/chat/completions", json=body)
-            return failed, health, refused
-        finally:
-            await ctx2.engine.shutdown()
+        async with app_client(ctx2) as c:
+            runner.launch = broken
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            failed = await c.post("/v1/chat/completions", json=body)
+            for _ in range(50):
+                if not ctx2.engine.is_running:
+                    break
+                await asyncio.sleep(0.05)
+            health = await c.get("/health")
+            refused = await c.post("/v1/chat/completions", json=body)
+        return failed, health, refused
 
     failed, health, refused = asyncio.run(scenario())
     assert failed.status_code == 500 and "CUDA error" in failed.json()["error"]["message"]

@@ -16,8 +16,8 @@ import pytest
 from engine.frontend.async_engine import RequestStream
 from engine.loader.embedded import ensure_embedded_checkpoint
 from server.__main__ import build_parser
-from server.app import create_app
 from server.factory import build_context
+from tests.inprocess import app_client
 from tests.serverproc import ServerProcess
 
 KEY = "s3cret-key"
@@ -257,39 +257,31 @@ def test_requests_ended_at_the_graceful_timeout_free_their_kv_blocks():
     body = {"prompt": "once upon a time", "max_tokens": 400, "ignore_eos": True}
 
     async def scenario():
-        app = create_app(ctx)
-        ctx.engine.start()
-        try:
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(
-                transport=transport, base_url="http://test", timeout=120
-            ) as c:
+        async with app_client(ctx, timeout=120) as c:
 
-                async def stream():
-                    async with c.stream(
-                        "POST", "/v1/completions", json={**body, "stream": True, "n": 2}
-                    ) as r:
-                        return [line async for line in r.aiter_lines() if line.startswith("data")]
+            async def stream():
+                async with c.stream(
+                    "POST", "/v1/completions", json={**body, "stream": True, "n": 2}
+                ) as r:
+                    return [line async for line in r.aiter_lines() if line.startswith("data")]
 
-                async def end_when_generating():
-                    deadline = time.monotonic() + 60
-                    while time.monotonic() < deadline:
-                        streams = ctx.engine.in_flight
-                        if len(streams) == 3 and all(s.first_token_time for s in streams):
-                            return ctx.end_in_flight(2)
-                        await asyncio.sleep(0.05)
-                    return 0
-
-                results = await asyncio.gather(
-                    stream(), c.post("/v1/completions", json=body), end_when_generating()
-                )
-                late = await c.post("/v1/completions", json=body)
-                deadline = time.monotonic() + 30
-                while bm.num_free_blocks != bm.num_blocks and time.monotonic() < deadline:
+            async def end_when_generating():
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    streams = ctx.engine.in_flight
+                    if len(streams) == 3 and all(s.first_token_time for s in streams):
+                        return ctx.end_in_flight(2)
                     await asyncio.sleep(0.05)
-            return (*results, late)
-        finally:
-            await ctx.engine.shutdown()
+                return 0
+
+            results = await asyncio.gather(
+                stream(), c.post("/v1/completions", json=body), end_when_generating()
+            )
+            late = await c.post("/v1/completions", json=body)
+            deadline = time.monotonic() + 30
+            while bm.num_free_blocks != bm.num_blocks and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        return (*results, late)
 
     events, plain, ended, late = asyncio.run(scenario())
     assert ended == 3  # two choices of the stream, one plain request
@@ -336,17 +328,11 @@ def test_tokens_generated_before_a_server_abort_are_streamed(monkeypatch, ending
     monkeypatch.setattr(RequestStream, "_put", put)
 
     async def scenario():
-        app = create_app(ctx)
-        ctx.engine.start()
-        try:
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(
-                transport=transport, base_url="http://test", timeout=120
-            ) as c:
-                async with c.stream("POST", "/v1/completions", json=body) as r:
-                    return [line async for line in r.aiter_lines() if line.startswith("data")]
-        finally:
-            await ctx.engine.shutdown()
+        async with (
+            app_client(ctx, timeout=120) as c,
+            c.stream("POST", "/v1/completions", json=body) as r,
+        ):
+            return [line async for line in r.aiter_lines() if line.startswith("data")]
 
     events = asyncio.run(scenario())
     assert ended and ended[0] >= 1
