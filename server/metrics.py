@@ -11,9 +11,21 @@ accounted per request by the front end (``server.generation.Generation``), so af
 finished, stopped, length-capped, aborted, preempted and ``n > 1`` requests they equal the sums
 of ``request_prompt_tokens`` and ``request_generation_tokens``. The tokens the engine computes
 per step (prefill positions actually run, cache hits excluded) are ``iteration_tokens_total``.
+
+With several API-server processes (``--api-server-count``) each process accounts its own
+requests, counters and histograms alike, in prometheus_client's multiprocess files (one set per
+process in ``multiprocess_dir``), and every process's ``/metrics`` renders the sum over all of
+them (dead processes' files included). A request is accounted wholly by the one process that
+served it, so the summed token counters still equal the summed histograms' ``_sum``: the
+invariant holds per process and therefore for the aggregate, whichever process is scraped.
+Only API server 0 receives the engine's step stats; the step gauges take the most recently set
+value of any process (in effect API server 0's), the step counters and ``iteration_tokens_total``
+are summed (the other processes add zero).
 """
 
 from __future__ import annotations
+
+import os
 
 from prometheus_client import (
     CollectorRegistry,
@@ -23,11 +35,18 @@ from prometheus_client import (
     Info,
     ProcessCollector,
     generate_latest,
+    values,
 )
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from engine.core.stats import RequestStats, StepStats
 
 PREFIX = "qwen_serve:"
+#: the environment variable prometheus_client reads at import to choose its multiprocess values
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+#: multiprocess aggregation of every gauge: the value most recently set by any process, no pid
+#: label (the step gauges are set by API server 0 alone, the rank gauges identically by all)
+GAUGE_MODE = "mostrecent"
 #: latency buckets from 1 ms to 10 minutes: they fit CPU and GPU speeds alike
 LATENCY_BUCKETS = (
     0.001,
@@ -78,8 +97,57 @@ TOKEN_BUCKETS = (
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
+def check_multiprocess_dir(path: str) -> None:
+    """Check that this process writes prometheus_client's multiprocess files into ``path``.
+
+    prometheus_client chooses its value class once, at import: mmap files in
+    ``$PROMETHEUS_MULTIPROC_DIR`` when the variable is set then, process-local floats otherwise.
+    The launcher therefore sets the variable before it starts the API-server processes.
+
+    Raises:
+        ValueError: ``path`` is not a directory; prometheus_client was imported without
+            ``PROMETHEUS_MULTIPROC_DIR`` (its metrics would be process-local); or the variable
+            now names another directory (the files would go there, not to ``path``).
+    """
+    if not os.path.isdir(path):
+        raise ValueError(f"metrics multiprocess_dir {path!r} is not a directory")
+    env = os.environ.get(MULTIPROC_ENV)
+    if not getattr(values.ValueClass, "_multiprocess", False):
+        raise ValueError(
+            f"metrics multiprocess_dir {path!r} needs {MULTIPROC_ENV}={path} in the process "
+            f"environment before prometheus_client is imported; this process imported it "
+            f"without ({MULTIPROC_ENV}={env!r} now), so its metrics are process-local"
+        )
+    if env is None or os.path.realpath(env) != os.path.realpath(path):
+        raise ValueError(
+            f"metrics multiprocess_dir {path!r} differs from {MULTIPROC_ENV}={env!r}, where "
+            f"prometheus_client writes this process's metric files"
+        )
+
+
 class ServerMetrics:
     """All metrics of one server, labelled with ``model_name``.
+
+    Single-process (``multiprocess_dir`` None): a private registry holds every metric, the
+    ``process_*`` metrics of this process (ProcessCollector) and the info metric.
+
+    Multiprocess (``multiprocess_dir`` set, one ServerMetrics per API-server process): counter,
+    histogram and gauge values live in prometheus_client's per-process mmap files in that
+    directory, and :meth:`render` shows the aggregate of every process that ever wrote there,
+    whichever process renders it. Counters and histograms are summed over the processes;
+    gauges use ``multiprocess_mode="mostrecent"``: the value most recently *set* by any process,
+    without a pid label. The step gauges are set only by the process that gets the engine's step
+    stats (API server 0); until its first step they have no sample (a process that never set a
+    gauge holds it with timestamp 0, which "mostrecent" never picks). The rank gauges are set
+    identically by every process. The info metric, which the multiprocess collector does not
+    support, stays in this process's registry (every process has the same one), so it is
+    rendered exactly once. There are no ``process_*`` metrics: they describe one process (its
+    CPU time, memory, file descriptors) and cannot be summed into one meaningful series (vLLM
+    leaves them out too). A dead process's files keep counting (its requests happened), and no
+    mode here is a ``live*`` one, so the launcher has nothing to clean up per exited process
+    (``prometheus_client.multiprocess.mark_process_dead`` only deletes ``live*`` gauge files);
+    it must, however, give a fresh, empty directory to each server run: stale files of an
+    earlier run would be added to the sums.
 
     Args:
         model_name: the served model id.
@@ -88,16 +156,39 @@ class ServerMetrics:
         ranks: the engine's layout (``EngineLimits.ranks``): one sample per rank of
             ``rank_weight_bytes`` and ``rank_kv_cache_bytes``, labelled with the rank, its
             device and host (a single-device engine has rank 0).
+        multiprocess_dir: the ``PROMETHEUS_MULTIPROC_DIR`` shared by the API-server processes
+            (None: single-process).
+
+    Raises:
+        ValueError: ``multiprocess_dir`` given but this process does not write its metrics
+            there (:func:`check_multiprocess_dir`).
     """
 
-    def __init__(self, model_name: str, info: dict[str, str], ranks: tuple = ()):
-        self.registry = reg = CollectorRegistry()
-        ProcessCollector(registry=reg)
+    def __init__(
+        self,
+        model_name: str,
+        info: dict[str, str],
+        ranks: tuple = (),
+        multiprocess_dir: str | None = None,
+    ):
+        if multiprocess_dir is None:
+            self.registry = reg = info_reg = CollectorRegistry()
+            ProcessCollector(registry=reg)
+        else:
+            check_multiprocess_dir(multiprocess_dir)
+            # the metrics' own registry only catches name clashes: their values are rendered
+            # from the files (this process's among them) by the collector, so never from here
+            reg = CollectorRegistry()
+            self.registry = info_reg = CollectorRegistry()
+            MultiProcessCollector(info_reg, path=multiprocess_dir)
+        self.multiprocess_dir = multiprocess_dir
         labels = ["model_name"]
         self._label = {"model_name": model_name}
 
         def gauge(name, doc):
-            return Gauge(PREFIX + name, doc, labels, registry=reg).labels(**self._label)
+            return Gauge(
+                PREFIX + name, doc, labels, registry=reg, multiprocess_mode=GAUGE_MODE
+            ).labels(**self._label)
 
         def counter(name, doc):
             return Counter(PREFIX + name, doc, labels, registry=reg).labels(**self._label)
@@ -160,18 +251,20 @@ class ServerMetrics:
             "Bytes of model weights one tensor-parallel rank holds (its shards).",
             rank_labels,
             registry=reg,
+            multiprocess_mode=GAUGE_MODE,
         )
         kv = Gauge(
             PREFIX + "rank_kv_cache_bytes",
             "Bytes of the KV cache of one tensor-parallel rank (its KV heads).",
             rank_labels,
             registry=reg,
+            multiprocess_mode=GAUGE_MODE,
         )
         for r in ranks:
             where = {"rank": str(r.rank), "device": r.device, "host": r.host, **self._label}
             weights.labels(**where).set(r.weight_bytes)
             kv.labels(**where).set(r.kv_cache_bytes)
-        Info(PREFIX + "model", "Served model and cache configuration.", registry=reg).info(
+        Info(PREFIX + "model", "Served model and cache configuration.", registry=info_reg).info(
             {"model_name": model_name, **{k: str(v) for k, v in info.items()}}
         )
 
@@ -212,5 +305,6 @@ class ServerMetrics:
             self.itl.observe(gap)
 
     def render(self) -> bytes:
-        """The Prometheus text exposition."""
+        """The Prometheus text exposition: this process's metrics, or in multiprocess mode the
+        aggregate over every API-server process and this process's info metric."""
         return generate_latest(self.registry)
