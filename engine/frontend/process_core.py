@@ -1,10 +1,12 @@
 """An engine core in a separate process, so the engine loop never waits for the server's GIL.
 
 The parent (the HTTP server) keeps tokenization, detokenization and response shaping; the child
-owns the model, the KV cache and the scheduler. They talk over one ``multiprocessing`` pipe:
+owns the model, the KV cache and the scheduler. They talk over a ``multiprocessing`` pipe:
 commands go down as typed commands (``engine.core.commands``), each engine step comes back as
 one ``("out", outputs, stats)`` message. This is the split vLLM's V1 engine makes (its EngineCore
-process), for the same reason.
+process), for the same reason. With several API servers (``server.api_servers``) the engine
+process has one pipe per server (:class:`EngineProcess`, ``engine.frontend.client_channels``)
+and each server holds a :meth:`ProcessCore.attach` client.
 """
 
 from __future__ import annotations
@@ -22,21 +24,30 @@ from engine.core.commands import Command, Shutdown
 from engine.core.config import EngineConfig
 from engine.core.engine_loop import Emit, run_engine_loop
 from engine.core.limits import EngineLimits
+from engine.frontend.client_channels import ClientChannels
 from engine.frontend.core_client import SWITCH_INTERVAL_S
 
 log = logging.getLogger(__name__)
 
 
 def _child_main(
-    config: EngineConfig, eos_token_ids, conn, log_level: int, log_interval: float
+    config: EngineConfig,
+    eos_token_ids,
+    conns: list,
+    log_level: int,
+    log_interval: float,
+    ignore_signals: bool = False,
 ) -> None:
-    """Entry point of the engine process: build the engine, report its limits, serve commands.
+    """Entry point of the engine process: build the engine, report its limits on ``conns[0]``,
+    serve the commands of every front end (:class:`ClientChannels`).
 
-    A tensor-parallel engine core ignores SIGTERM and SIGINT: launchers (torchrun, a terminal's
-    Ctrl-C) signal the whole process group, and the server stops its engine itself (a Shutdown
-    command, then the ranks' shutdown message) once its requests are done; a core killed by
-    the signal instead would leave its ranks to fail on a closed connection."""
-    if config.tensor_parallel_size > 1:
+    A tensor-parallel engine core, and one serving several API servers (``ignore_signals``),
+    ignores SIGTERM and SIGINT: launchers (torchrun, a terminal's Ctrl-C, the API-server
+    supervisor) signal the whole process group, and the engine stops itself once every front
+    end has left (each sends Shutdown or closes its pipe after its requests are done); a core
+    killed by the signal instead would fail the requests still finishing, and leave its ranks
+    to fail on a closed connection."""
+    if config.tensor_parallel_size > 1 or ignore_signals:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
@@ -49,42 +60,127 @@ def _child_main(
     try:
         engine = build_engine(config, eos_token_ids=eos_token_ids)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails its start-up
-        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        conns[0].send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     # The model, caches and compiled code are permanent: keep them out of the garbage collector's
     # full passes, which would otherwise walk them all and pause the engine loop (vLLM does the
     # same).
     gc.collect()
     gc.freeze()
-    conn.send(("ready", engine.limits))
-
-    def next_commands(timeout: float) -> list[Command]:
-        commands = []
-        try:
-            if conn.poll(timeout):
-                while conn.poll(0):
-                    commands.append(conn.recv())
-        except (EOFError, OSError):  # the parent is gone
-            commands.append(Shutdown())
-        return commands
-
-    def emit(outputs, stats) -> None:
-        try:
-            conn.send(("out", outputs, stats))
-        except (BrokenPipeError, OSError):
-            pass
-
+    conns[0].send(("ready", engine.limits))
+    channels = ClientChannels(conns)
+    channels.emit([], engine.idle_stats())  # the gauges have values before the first request
     try:
-        run_engine_loop(engine, next_commands, emit, log_interval)
+        run_engine_loop(engine, channels.next_commands, channels.emit, log_interval)
     finally:  # also after a fatal step: stop the other tensor-parallel ranks
         engine.shutdown()
 
 
-class ProcessCore:
-    """Starts the engine process and waits until its model is loaded.
+class EngineProcess:
+    """The engine-core process, started and loaded, with one pipe per front end.
 
     Args:
         config: engine settings; eos_token_ids: ids ending generation.
+        num_clients: front ends (API servers) it serves, one pipe each (:attr:`conns`).
+        log_interval: seconds between the engine's periodic log lines.
+        startup_timeout: seconds to wait for the model (compilation and CUDA graphs included).
+        ignore_signals: the process ignores SIGTERM/SIGINT (a supervisor stops it by closing the
+            pipes; see :func:`_child_main`).
+
+    Attributes:
+        conns: this side of the pipes; hand each to its front end. limits: the engine's
+            constants. proc: the ``multiprocessing`` process.
+
+    Raises:
+        RuntimeError: the engine process failed to start (its error message included).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        eos_token_ids: frozenset[int],
+        num_clients: int = 1,
+        log_interval: float = 10.0,
+        startup_timeout: float = 1800.0,
+        ignore_signals: bool = False,
+    ):
+        if num_clients < 1:
+            raise ValueError(f"num_clients must be at least 1, got {num_clients}")
+        ctx = mp.get_context("spawn")
+        pipes = [ctx.Pipe() for _ in range(num_clients)]
+        self.conns = [p[0] for p in pipes]
+        # a tensor-parallel engine core spawns its other ranks, which a daemonic process may
+        # not do; it leaves when its front ends' pipes close (ClientChannels) and its ranks die
+        # with it (engine.worker.tp_worker), and shutdown() kills it after its timeout
+        self.proc = ctx.Process(
+            target=_child_main,
+            name="engine-core",
+            daemon=config.tensor_parallel_size == 1 and not ignore_signals,
+            args=(
+                config,
+                eos_token_ids,
+                [p[1] for p in pipes],
+                logging.getLogger().level,
+                log_interval,
+                ignore_signals,
+            ),
+        )
+        self.proc.start()
+        for _, child_conn in pipes:
+            child_conn.close()
+        if not self.proc.daemon:  # multiprocessing would join it at exit, maybe forever
+            atexit.register(self.reap)
+        first = self.conns[0]
+        if not first.poll(startup_timeout):
+            self.proc.kill()
+            raise RuntimeError(f"engine process not ready after {startup_timeout:.0f}s")
+        try:
+            kind, payload = first.recv()
+        except EOFError:
+            raise RuntimeError(
+                f"engine process died during start-up (exit code {self.proc.exitcode})"
+            ) from None
+        if kind != "ready":
+            self.proc.join(10)
+            raise RuntimeError(f"engine process failed: {payload}")
+        self.limits: EngineLimits = payload
+
+    def close_conns(self) -> None:
+        """Close this process's copies of the pipes (after handing them to the front-end
+        processes, so that a front end that exits closes its pipe for good)."""
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the process to exit, then kill it."""
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            log.warning("engine process still running after %.0f s: killing it", timeout)
+            self.proc.kill()
+            self.proc.join(5)
+
+    def reap(self, timeout: float = 30.0) -> None:
+        """At interpreter exit without a shutdown (a server that failed after starting its
+        engine): close the pipes, which stops the engine loop and its ranks, then wait for the
+        process, and kill it after ``timeout`` seconds."""
+        if not self.proc.is_alive():
+            return
+        self.close_conns()
+        self.join(timeout)
+
+
+class ProcessCore:
+    """A front end's client of the engine process: commands down its pipe, step outputs up.
+
+    ``ProcessCore(config, eos_token_ids)`` starts its own engine process (one front end, which
+    owns the process and stops it at :meth:`shutdown`); :meth:`attach` makes the client of one
+    pipe of an :class:`EngineProcess` that another process started (an API server of several,
+    which leaves the engine at :meth:`shutdown` and does not stop it).
+
+    Args:
+        config: engine settings; eos_token_ids: ids ending generation.
+        log_interval: seconds between the engine's periodic log lines.
         startup_timeout: seconds to wait for the model (compilation and CUDA graphs included).
 
     Raises:
@@ -100,37 +196,27 @@ class ProcessCore:
         log_interval: float = 10.0,
         startup_timeout: float = 1800.0,
     ):
-        ctx = mp.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe()
+        process = EngineProcess(config, eos_token_ids, 1, log_interval, startup_timeout)
+        self._setup(process.conns[0], process.limits, process)
+
+    @classmethod
+    def attach(cls, conn, limits: EngineLimits) -> ProcessCore:
+        """The client of an engine process started elsewhere, over its pipe end ``conn``
+        (one of :attr:`EngineProcess.conns`, passed to this process); ``limits`` are that
+        engine's (:attr:`EngineProcess.limits`)."""
+        core = cls.__new__(cls)
+        core._setup(conn, limits, None)
+        return core
+
+    def _setup(self, conn, limits: EngineLimits, process: EngineProcess | None) -> None:
+        self._conn = conn
+        self.limits = limits
+        self._process = process
+        self._proc = process.proc if process is not None else None
         self._send_lock = threading.Lock()
-        # a tensor-parallel engine core spawns its other ranks, which a daemonic process may
-        # not do; it leaves when this process's pipe closes (next_commands) and its ranks die
-        # with it (engine.worker.tp_worker), and shutdown() kills it after its timeout
-        self._proc = ctx.Process(
-            target=_child_main,
-            name="engine-core",
-            daemon=config.tensor_parallel_size == 1,
-            args=(config, eos_token_ids, child_conn, logging.getLogger().level, log_interval),
-        )
-        self._proc.start()
-        child_conn.close()
-        if not self._proc.daemon:  # multiprocessing would join it at exit, maybe forever
-            atexit.register(self._reap)
-        if not self._conn.poll(startup_timeout):
-            self._proc.kill()
-            raise RuntimeError(f"engine process not ready after {startup_timeout:.0f}s")
-        try:
-            kind, payload = self._conn.recv()
-        except EOFError:
-            raise RuntimeError(
-                f"engine process died during start-up (exit code {self._proc.exitcode})"
-            ) from None
-        if kind != "ready":
-            self._proc.join(10)
-            raise RuntimeError(f"engine process failed: {payload}")
-        self.limits: EngineLimits = payload
         self._reader: threading.Thread | None = None
         self._stopping = False
+        self._lost = False  # the pipe closed (an attached client's view of the engine's death)
 
     def start(self, emit: Emit, on_death) -> None:
         """Forward the child's step outputs to ``emit`` from a reader thread; ``on_death()`` is
@@ -148,9 +234,13 @@ class ProcessCore:
                 try:
                     msg = self._conn.recv()
                 except (EOFError, OSError):
+                    self._lost = True
                     if not self._stopping:
-                        self._proc.join(5)
-                        log.error("engine process died (exit code %s)", self._proc.exitcode)
+                        if self._proc is not None:
+                            self._proc.join(5)
+                            log.error("engine process died (exit code %s)", self._proc.exitcode)
+                        else:
+                            log.error("the engine process closed its pipe (it died)")
                         on_death()
                     return
                 if msg[0] == "out":
@@ -167,26 +257,19 @@ class ProcessCore:
                 log.error("engine process is gone; dropped command %s", command.kind.value)
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        """Leave the engine (a Shutdown command: the engine aborts what this front end still
+        has and closes its pipe); an owning client then waits ``timeout`` seconds for the
+        process to exit (its only front end left, it stops) and kills it after that."""
         self._stopping = True
         self.send(Shutdown())
-        self._proc.join(timeout)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
-        self._conn.close()
-
-    def is_alive(self) -> bool:
-        return self._proc.is_alive()
-
-    def _reap(self, timeout: float = 30.0) -> None:
-        """At interpreter exit without :meth:`shutdown` (a server that failed after starting
-        its engine): close the pipe, which stops the engine loop and its ranks, then wait for
-        the process, and kill it after ``timeout`` seconds."""
-        if not self._proc.is_alive():
-            return
+        if self._process is not None:
+            self._process.join(timeout)
+        elif self._reader is not None:  # the engine closes the pipe once it read the Shutdown
+            self._reader.join(min(timeout, 5.0))
         with contextlib.suppress(OSError):
             self._conn.close()
-        self._proc.join(timeout)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
+
+    def is_alive(self) -> bool:
+        if self._proc is not None:
+            return self._proc.is_alive()
+        return not self._lost

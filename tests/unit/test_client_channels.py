@@ -1,0 +1,103 @@
+"""The engine core's routing between several front ends (engine.frontend.client_channels) and the
+connection count the API servers share (server.http_protocol.SharedConnections), over real
+``multiprocessing`` pipes and a real shared value."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+from engine.core.commands import AbortRequest, AddRequest, CommandKind, Shutdown
+from engine.core.outputs import RequestOutput
+from engine.core.request import FinishReason, SamplingParams
+from engine.core.stats import StepStats
+from engine.frontend.client_channels import ClientChannels
+from server.http_protocol import SharedConnections
+
+
+def _stats(running: int) -> StepStats:
+    return StepStats(running, 0, 10, 12, 2 / 12, 3, running, 0, 0, 0, 0.001)
+
+
+def _channels(n: int):
+    pipes = [mp.Pipe() for _ in range(n)]
+    return ClientChannels([p[1] for p in pipes]), [p[0] for p in pipes]
+
+
+def _drain(conn) -> list:
+    msgs = []
+    while conn.poll(0.05):
+        msgs.append(conn.recv())
+    return msgs
+
+
+def test_outputs_go_to_the_front_end_that_added_the_request_and_stats_to_front_end_0():
+    ch, (c0, c1) = _channels(2)
+    c0.send(AddRequest("a", [1, 2], SamplingParams()))
+    c1.send(AddRequest("b", [3], SamplingParams()))
+    cmds = ch.next_commands(1.0)
+    assert sorted(c.request_id for c in cmds) == ["a", "b"]
+    ch.emit([RequestOutput("a", [5]), RequestOutput("b", [6])], _stats(2))
+    (m0,) = _drain(c0)
+    (m1,) = _drain(c1)
+    assert m0[0] == "out" and [o.request_id for o in m0[1]] == ["a"] and m0[2].num_running == 2
+    assert [o.request_id for o in m1[1]] == ["b"] and m1[2] is None
+    # a step without outputs of front end 1: only front end 0 hears of it (the stats)
+    ch.emit([RequestOutput("a", [7])], _stats(2))
+    assert len(_drain(c0)) == 1 and _drain(c1) == []
+    # a finished request is forgotten: a late output for it goes nowhere
+    ch.emit([RequestOutput("b", [8], finished=True, finish_reason=FinishReason.LENGTH)], None)
+    assert [o.request_id for o in _drain(c1)[0][1]] == ["b"]
+    ch.emit([RequestOutput("b", [9])], None)
+    assert _drain(c1) == [] and _drain(c0) == []
+
+
+def test_a_duplicate_id_from_another_front_end_is_failed_back_to_it():
+    ch, (c0, c1) = _channels(2)
+    c0.send(AddRequest("same", [1], SamplingParams()))
+    assert [c.request_id for c in ch.next_commands(1.0)] == ["same"]
+    c1.send(AddRequest("same", [2], SamplingParams()))
+    assert ch.next_commands(1.0) == []
+    (msg,) = _drain(c1)
+    assert msg[1][0].error == "duplicate request id" and msg[1][0].finished
+    ch.emit([RequestOutput("same", [4])], None)  # still front end 0's
+    assert [o.request_id for o in _drain(c0)[0][1]] == ["same"]
+
+
+def test_a_front_end_that_leaves_has_its_requests_aborted_and_the_last_one_stops_the_loop():
+    ch, (c0, c1) = _channels(2)
+    c0.send(AddRequest("a", [1], SamplingParams()))
+    c1.send(AddRequest("b1", [1], SamplingParams()))
+    c1.send(AddRequest("b2", [1], SamplingParams()))
+    ch.next_commands(1.0)
+    c1.close()  # its process died
+    cmds = ch.next_commands(1.0)
+    assert all(isinstance(c, AbortRequest) for c in cmds)
+    assert sorted(c.request_id for c in cmds) == ["b1", "b2"]
+    assert ch.num_clients == 1
+    ch.emit([RequestOutput("b1", [3])], _stats(1))  # nothing to send to the gone front end
+    c0.send(Shutdown())  # front end 0 leaves politely: its request is aborted, the loop stops
+    cmds = ch.next_commands(1.0)
+    assert [c.kind for c in cmds] == [CommandKind.ABORT, CommandKind.SHUTDOWN]
+    assert cmds[0].request_id == "a"
+    assert ch.next_commands(0.0) == []  # one Shutdown only
+    try:  # the core closed its end: the front end's reader sees the end of the pipe
+        c0.recv()  # (the stats message from before)
+        c0.recv()
+        raise AssertionError("pipe still open")
+    except EOFError:
+        pass
+
+
+def test_shared_connections_count_over_processes_and_ignore_repeats():
+    shared = mp.get_context("spawn").Value("q", 0)
+    a, b = SharedConnections(set(), shared), SharedConnections(set(), shared)
+    x, y, z = object(), object(), object()
+    a.add(x)
+    a.add(x)  # uvicorn adds a connection once, but a repeat must not count twice
+    b.add(y)
+    b.add(z)
+    assert len(a) == len(b) == 3 and x in a and x not in b
+    b.discard(y)
+    b.discard(y)
+    a.discard(z)  # not a's: no change
+    assert len(a) == 2 and set(b) == {z}
