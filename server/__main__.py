@@ -75,10 +75,17 @@ class GracefulServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ended = False  # the hook ran
         self._signals_in_shutdown = 0
+        #: called once the server listens (set by ``server.api_servers`` to report readiness)
+        self.on_started = None
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
 
     def _end_in_flight(self, early: bool) -> None:
         if self._ended:
@@ -138,6 +145,7 @@ _RANGES = [
     ("max_prefill_tokens_with_decodes", 0, None),
     ("max_prefill_attention_with_decodes", 0, None),
     ("max_body_bytes", 1, None),
+    ("api_server_count", 1, None),
     ("max_prompt_tokens", 1, None),
     ("graceful_timeout", 0, None),
     ("grammar_compile_timeout", 0.01, None),
@@ -202,6 +210,13 @@ class _EnvCheckedParser(argparse.ArgumentParser):
                     f"argument --{dest.replace('_', '-')}: {value} is out of range "
                     f"(must be {bound})"
                 )
+        if (getattr(ns, "api_server_count", 1) or 1) > 1 and getattr(ns, "engine_mode", None) == (
+            "thread"
+        ):
+            self.error(
+                "argument --api-server-count: more than 1 API server needs the engine core in "
+                "its own process (--engine-mode process or auto, not thread)"
+            )
         device = getattr(ns, "device", None)
         if device is not None and not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
             self.error(f"argument --device: invalid device {device!r} (auto, cpu, cuda or cuda:N)")
@@ -365,6 +380,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(auto: process on CUDA)",
     )
     a(
+        "--api-server-count",
+        type=int,
+        default=_env("api_server_count", 1),
+        help="HTTP server processes in front of the one engine core (vLLM's option): they share "
+        "the port (SO_REUSEPORT), /metrics and --limit-concurrency; more than 1 spreads the "
+        "per-token HTTP work of many streams over several cores (needs --engine-mode process "
+        "or auto)",
+    )
+    a(
         "--compile-mode",
         default=_env("compile_mode", "auto"),
         choices=["auto", "model", "ops", "none"],
@@ -514,6 +538,10 @@ def main(argv: list[str] | None = None) -> None:
     code = run_worker_rank_if_any(config)
     if code is not None:  # a torchrun rank other than 0: no HTTP server here
         return code
+    if args.api_server_count > 1:
+        from server.api_servers import run_api_servers
+
+        return run_api_servers(args, config)
     sock = listen_socket(args.host, args.port)  # before the model loads: a taken port fails now
     ctx = build_context(args, config)
     app = create_app(ctx)
@@ -530,9 +558,13 @@ def main(argv: list[str] | None = None) -> None:
     return 0
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
+def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A TCP socket bound to ``host:port`` (uvicorn listens on it), so that an address in use
     or not available ends start-up at once, before the engine loads its weights.
+
+    ``reuse_port``: set SO_REUSEPORT, so that several API-server processes each listen on a
+    socket of their own at the same address and the kernel spreads the connections over them
+    (``server.api_servers``; Linux allows it only to sockets of the same user).
 
     Raises:
         SystemExit: the address cannot be bound (one line naming it and the reason).
@@ -544,6 +576,8 @@ def listen_socket(host: str, port: int) -> socket.socket:
     family, _, _, _, addr = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind(addr)
     except OSError as e:
@@ -555,7 +589,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(app, args: argparse.Namespace, on_graceful_timeout=None) -> GracefulServer:
+def make_server(
+    app, args: argparse.Namespace, on_graceful_timeout=None, shared_connections=None
+) -> GracefulServer:
     """The uvicorn server for ``app`` with the parsed flags (also used by
     bench/frontend_latency.py): the h11 protocol with request read deadlines
     (:mod:`server.http_protocol`), the keep-alive timeout, the connection cap and the header
@@ -563,7 +599,9 @@ def make_server(app, args: argparse.Namespace, on_graceful_timeout=None) -> Grac
     runs when --graceful-timeout expires during a shutdown, or at a second signal
     (:class:`GracefulServer`); uvicorn's own timeout, which cancels
     the requests' tasks, comes :data:`SHUTDOWN_BACKSTOP_S` later (without a hook, at the
-    timeout itself)."""
+    timeout itself). ``shared_connections``: the connection count shared by several API
+    servers (``server.http_protocol.SharedConnections``), so that --limit-concurrency limits
+    the whole server."""
     from server.http_protocol import guarded_protocol
 
     timeout = float(args.graceful_timeout)
@@ -576,7 +614,9 @@ def make_server(app, args: argparse.Namespace, on_graceful_timeout=None) -> Grac
             timeout_graceful_shutdown=timeout
             + (SHUTDOWN_BACKSTOP_S if on_graceful_timeout is not None else 0.0),
             http=guarded_protocol(
-                float(args.timeout_request_header), float(args.timeout_request_body)
+                float(args.timeout_request_header),
+                float(args.timeout_request_body),
+                shared_connections,
             ),
             timeout_keep_alive=int(args.timeout_keep_alive),
             limit_concurrency=int(args.limit_concurrency),

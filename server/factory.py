@@ -10,6 +10,7 @@ import torch
 
 from engine.core.config import EngineConfig, ModelConfig, read_generation_config
 from engine.frontend.async_engine import AsyncEngine
+from engine.frontend.core_client import EngineCoreClient
 from engine.frontend.launch import is_worker_rank, run_worker_rank, start_engine_core
 from engine.frontend.tokenizer import Tokenizer
 from engine.loader.gguf_loader import is_gguf, resolve_model_path
@@ -96,11 +97,20 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def build_context(args: argparse.Namespace, config: EngineConfig | None = None) -> ServerContext:
+def build_context(
+    args: argparse.Namespace,
+    config: EngineConfig | None = None,
+    core: EngineCoreClient | None = None,
+    metrics_dir: str | None = None,
+) -> ServerContext:
     """Load the checkpoint (or build the embedded one) and wire engine, tokenizer and metrics.
 
     ``config``: :func:`engine_config` of ``args`` when the caller has it already (None: made
-    here), so the model is resolved, and its start-up line logged, once.
+    here), so the model is resolved, and its start-up line logged, once. ``core``: the client of
+    an engine core started elsewhere (an API server of several, ``server.api_servers``); None:
+    the engine core is started here. ``metrics_dir``: the directory the API servers share
+    their metrics through (``ServerMetrics``'s ``multiprocess_dir``); None: this process's
+    metrics alone.
 
     Raises:
         FileNotFoundError / ValueError: unreadable or unsupported checkpoint, bad settings.
@@ -112,8 +122,9 @@ def build_context(args: argparse.Namespace, config: EngineConfig | None = None) 
     )
     model_config = ModelConfig.from_hf(model_dir)
     tokenizer = Tokenizer(model_dir)
-    mode = None if args.engine_mode == "auto" else args.engine_mode
-    core = start_engine_core(config, tokenizer.eos_token_ids, mode)
+    if core is None:
+        mode = None if args.engine_mode == "auto" else args.engine_mode
+        core = start_engine_core(config, tokenizer.eos_token_ids, mode)
     limits = core.limits
     metrics = ServerMetrics(
         name,
@@ -129,6 +140,7 @@ def build_context(args: argparse.Namespace, config: EngineConfig | None = None) 
             "tensor_parallel_size": max(1, len(limits.ranks)),
         },
         limits.ranks,
+        multiprocess_dir=metrics_dir,
     )
     log.info("engine core: %s", type(core).__name__)
     return ServerContext(

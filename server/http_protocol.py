@@ -19,6 +19,10 @@ deadlines (as nginx's ``client_header_timeout`` / ``client_body_timeout`` and Ap
 On expiry the client gets ``408 Request Timeout`` (an OpenAI error body) and the connection is
 closed; an app waiting for the rest of the body sees a disconnect. A request that has been read
 is never timed: responses (streams included) take as long as they take.
+
+With several API-server processes (``--api-server-count``) ``limit_concurrency`` stays one
+limit for the whole server: each protocol counts its connection in a count shared by the
+processes (:class:`SharedConnections`), and uvicorn's check compares that count with the limit.
 """
 
 from __future__ import annotations
@@ -49,11 +53,57 @@ def _timeout_response(what: str, seconds: float) -> bytes:
     return head.encode() + body
 
 
-def guarded_protocol(header_timeout: float, body_timeout: float) -> type[H11Protocol]:
+class SharedConnections:
+    """One process's open connections (uvicorn's set) counted into a count shared by all API
+    servers: ``len()`` is the server-wide number of open connections, which is what uvicorn
+    compares with ``limit_concurrency`` before it answers a request (503 at the limit).
+
+    Args:
+        local: uvicorn's ``server_state.connections`` of this process (added to and discarded
+            from as uvicorn does; its own shutdown waits on it).
+        shared: a ``multiprocessing.Value`` of a signed integer type, made by the API-server
+            supervisor and passed to every API server (0 at start).
+    """
+
+    def __init__(self, local: set, shared):
+        self.local = local
+        self.shared = shared
+
+    def add(self, conn) -> None:
+        if conn not in self.local:
+            self.local.add(conn)
+            with self.shared.get_lock():
+                self.shared.value += 1
+
+    def discard(self, conn) -> None:
+        if conn in self.local:
+            self.local.discard(conn)
+            with self.shared.get_lock():
+                self.shared.value -= 1
+
+    def __len__(self) -> int:
+        return self.shared.value
+
+    def __contains__(self, conn) -> bool:
+        return conn in self.local
+
+    def __iter__(self):
+        return iter(self.local)
+
+
+def guarded_protocol(
+    header_timeout: float, body_timeout: float, shared_connections=None
+) -> type[H11Protocol]:
     """An h11 protocol class for ``uvicorn.Config(http=...)`` with the two read deadlines
-    (seconds, > 0)."""
+    (seconds, > 0). ``shared_connections``: the ``multiprocessing.Value`` the API servers count
+    their open connections in (:class:`SharedConnections`), None for a server of one process."""
 
     class GuardedH11Protocol(H11Protocol):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            if shared_connections is not None:
+                self.connections = SharedConnections(self.connections, shared_connections)
+
         def connection_made(self, transport) -> None:
             self._read_timer = None
             self._reading = None  # "headers" / "body" while a deadline runs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import signal
 import threading
@@ -246,6 +247,29 @@ def test_second_sigint_ends_in_flight_requests_at_once():
     assert elapsed < 20, elapsed
     assert "second shutdown signal: aborting 2 in-flight engine request(s)" in log, log[-6000:]
     assert "forcing the quit" not in log, log[-6000:]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_two_api_servers_end_requests_past_the_timeout_and_exit_cleanly(sig):
+    """With --api-server-count 2 the supervisor forwards the signal to both API servers, each
+    ends its own requests at --graceful-timeout (error event + [DONE] / 503), both run their
+    lifespan shutdown, the engine core stops once both left it, and the server exits 0."""
+    srv = ServerProcess(
+        "--api-server-count", "2", "--max-model-len", "4096", "--graceful-timeout", "2"
+    ).wait_ready()
+    out, plain, threads = _start_stream_and_plain(srv)
+    t0 = time.monotonic()
+    srv.proc.send_signal(sig)
+    srv.proc.wait(60)
+    srv.stop()
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - t0 < 40
+    log = _assert_ended_cleanly(srv, out, plain, "2 s graceful timeout")
+    ended = re.findall(r"aborting (\d) in-flight engine request", log)
+    assert sum(map(int, ended)) == 2, log[-6000:]  # both requests, whichever server had them
+    assert log.count("Application shutdown complete") == 2, log[-6000:]
+    assert "API servers exited (codes [0, 0]); engine core stopped" in log, log[-6000:]
 
 
 def test_requests_ended_at_the_graceful_timeout_free_their_kv_blocks():

@@ -1,0 +1,169 @@
+"""``--api-server-count 2``: two API-server processes in front of one engine core.
+
+Checked over the real server (``python -m server`` as a subprocess): both API servers answer
+(the kernel spreads connections over their SO_REUSEPORT sockets), the shared engine gives the
+same greedy text whichever server took the request, /metrics is one exact view from either
+server (token counters equal the clients' usage sums and the per-request histograms), no KV
+block leaks, ``--limit-concurrency`` is one limit over both servers, and an API server that
+dies takes the whole server down with exit code 1 (nothing left running).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.metricsutil import num_kv_blocks, scrape
+from tests.serverproc import ServerProcess
+
+P = "qwen_serve:"
+
+
+def _wait_all_listening(srv: ServerProcess, timeout: float = 120.0) -> tuple[list[int], int]:
+    """Wait for the supervisor's line saying every API server listens; returns the pids of the
+    API servers and of the engine core."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = Path(srv.log_path).read_text()
+        m = re.search(r"with 2 API servers \(pids ([\d, ]+); engine core pid (\d+)\)", text)
+        if m:
+            return [int(p) for p in m.group(1).split(", ")], int(m.group(2))
+        time.sleep(0.2)
+    raise AssertionError("the API servers did not all start:\n" + srv.log())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and " Z " not in Path(f"/proc/{pid}/stat").read_text()
+
+
+@pytest.fixture(scope="module")
+def two_servers():
+    srv = ServerProcess("--api-server-count", "2", "--max-model-len", "512").wait_ready()
+    _wait_all_listening(srv)
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def test_both_servers_answer_one_engine_and_metrics_are_one_exact_view(two_servers):
+    base = two_servers.base_url
+    rng = random.Random(time.time_ns())
+    fixed = [rng.randrange(1000, 20000) for _ in range(12)]
+    bodies = []
+    for i in range(32):
+        prompt = (
+            fixed
+            if i % 4 == 0
+            else [rng.randrange(1000, 20000) for _ in range(rng.randrange(3, 40))]
+        )
+        bodies.append(
+            {
+                "prompt": prompt,
+                "max_tokens": rng.randrange(1, 9),
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+        )
+    for b in bodies[::4]:
+        b["max_tokens"] = 6
+
+    def post(body):  # a fresh connection per request: the kernel picks the API server
+        r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(post, bodies))
+
+    # which API server served each request: its "[api N]" log line names the response id
+    log = Path(two_servers.log_path).read_text()
+    server_of = {}
+    for res in results:
+        m = re.search(r"\[api (\d)\]: finished " + re.escape(res["id"]) + "-p0-0:", log)
+        assert m, f"no log line for {res['id']}"
+        server_of[res["id"]] = int(m.group(1))
+    assert set(server_of.values()) == {0, 1}, server_of  # both servers took requests
+
+    # the one engine: the same greedy prompt gives the same text on either server
+    texts = {(server_of[r["id"]], r["choices"][0]["text"]) for r in results[::4]}
+    assert len({t for _, t in texts}) == 1, texts
+
+    prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in results)
+    completion_tokens = sum(r["usage"]["completion_tokens"] for r in results)
+    assert completion_tokens == sum(b["max_tokens"] for b in bodies)
+    views = [scrape(base) for _ in range(8)]  # fresh connections: scrapes land on both servers
+    for m in views:
+        assert m[P + "prompt_tokens_total"] == prompt_tokens
+        assert m[P + "generation_tokens_total"] == completion_tokens
+        assert m[P + "request_prompt_tokens_sum"] == prompt_tokens
+        assert m[P + "request_generation_tokens_sum"] == completion_tokens
+        assert m[P + "request_success_total{finished_reason=length}"] == len(bodies)
+        assert m[P + "time_to_first_token_seconds_count"] == len(bodies)
+        assert m[P + "num_requests_running"] == 0
+        assert m[P + "num_free_kv_blocks"] == num_kv_blocks(m)  # no block leaked
+        assert m[P + "iteration_tokens_total_count"] > 0  # the engine's steps, counted once
+        assert sum(1 for k in m if k.startswith(P + "model_info")) == 1
+    steps = {m[P + "iteration_tokens_total_count"] for m in views}
+    assert len(steps) == 1, steps  # the same step count from either server
+
+
+def _open_idle(port: int, n: int) -> list[socket.socket]:
+    return [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
+
+
+def test_limit_concurrency_is_one_limit_over_both_servers():
+    """``--limit-concurrency 4``: with three idle connections open anywhere, a request on a
+    fourth connection gets 503 whichever server it reaches (uvicorn's check counts the
+    connection itself); counted per server, most would pass."""
+    srv = ServerProcess(
+        "--api-server-count",
+        "2",
+        "--max-model-len",
+        "256",
+        "--limit-concurrency",
+        "4",
+        "--timeout-request-header",
+        "120",
+    ).wait_ready()
+    try:
+        _wait_all_listening(srv)
+        idle = _open_idle(srv.port, 3)
+        time.sleep(1.0)  # both servers accepted theirs
+        codes = [httpx.get(srv.base_url + "/health", timeout=10).status_code for _ in range(12)]
+        assert codes == [503] * 12, codes
+        for s in idle:
+            s.close()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            codes = [httpx.get(srv.base_url + "/health", timeout=10).status_code for _ in range(8)]
+            if codes == [200] * 8:
+                break
+            time.sleep(0.2)
+        assert codes == [200] * 8, codes  # the count went back down
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_an_api_server_that_dies_stops_the_whole_server():
+    srv = ServerProcess("--api-server-count", "2", "--max-model-len", "256").wait_ready()
+    pids, engine = _wait_all_listening(srv)
+    os.kill(pids[1], signal.SIGKILL)
+    assert srv.proc.wait(60) == 1, srv.log()
+    assert "api-server-1 exited unexpectedly (exit code -9)" in srv.log(), srv.log()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(p) for p in [*pids, engine]):
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in [*pids, engine]), srv.log()
+    srv.stop()
