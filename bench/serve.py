@@ -23,6 +23,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -564,7 +565,8 @@ def main() -> None:
         "--server-args",
         nargs="*",
         default=[],
-        help="extra flags of our server (e.g. --prefill-only-token-budget 8192)",
+        help="extra flags of our server (e.g. --prefill-only-token-budget 8192); each value is "
+        "split like a shell line, so one --server-args='--a=1 --b=2' passes two flags",
     )
     ap.add_argument(
         "--server-root",
@@ -614,7 +616,7 @@ def main() -> None:
                 "bfloat16",
                 "--max-model-len",
                 str(max_len),
-                *args.server_args,
+                *[a for s in args.server_args for a in shlex.split(s)],
                 "--served-model-name",
                 "bench",
                 "--log-level",
