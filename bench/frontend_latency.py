@@ -347,9 +347,10 @@ def main() -> None:
     import logging
 
     from bench.serve import make_prompts
-    from server.__main__ import build_parser, make_server
+    from server.__main__ import build_parser
     from server.app import create_app
     from server.factory import build_context
+    from server.http_server import make_server
 
     flags = [a for a in args.server_args if a != "--"]
     sargs = build_parser().parse_args(["--port", str(args.port), "--log-level", "warning", *flags])

@@ -110,9 +110,10 @@ def main() -> None:
     from engine.frontend.async_engine import AsyncEngine
     from engine.frontend.tokenizer import Tokenizer
     from engine.loader.embedded import ensure_embedded_checkpoint
-    from server.__main__ import build_parser, make_server
+    from server.__main__ import build_parser
     from server.app import create_app
     from server.context import ServerContext
+    from server.http_server import make_server
     from server.metrics import ServerMetrics
     from server.prompt_encoder import PromptEncoder
 

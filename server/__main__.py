@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import gc
 import logging
 import os
 import re
-import socket
 import sys
 
-import uvicorn
-
 from engine.core.config import DEFAULT_MAX_PREFILL_ATTENTION_WITH_DECODES
+from server.http_server import listen_socket, make_server
 
 log = logging.getLogger("server")
 
@@ -23,112 +19,6 @@ ENV_PREFIX = "QWEN_SERVE_"
 
 def _env(name: str, default=None):
     return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
-
-
-#: seconds uvicorn waits past --graceful-timeout before it cancels the tasks still running: the
-#: app ends its requests at the timeout itself (error event + [DONE]); this backstop only hits a
-#: response that cannot be written (a client that stopped reading)
-SHUTDOWN_BACKSTOP_S = 5.0
-
-
-class GracefulServer(uvicorn.Server):
-    """uvicorn's server, except that a SIGTERM/SIGINT ending in a graceful shutdown exits 0, that
-    the app ends its own in-flight requests when the graceful timeout expires, and that a second
-    signal ends them at once.
-
-    On SIGTERM/SIGINT uvicorn stops accepting connections and waits for the open ones to finish;
-    past its ``timeout_graceful_shutdown`` it cancels their tasks, which cuts streams without an
-    error or ``[DONE]`` and logs a CancelledError traceback per request. Here
-    ``on_graceful_timeout`` runs ``graceful_timeout`` seconds after shutdown starts
-    (:meth:`ServerContext.end_in_flight`: streams end with an error event and ``[DONE]``, the
-    engine aborts the requests), and uvicorn's own timeout is set
-    :data:`SHUTDOWN_BACKSTOP_S` later, so the connections close before it and the lifespan
-    shutdown runs normally.
-
-    A second signal during the shutdown (a second Ctrl-C, which uvicorn's "CTRL+C to force
-    quit" invites) runs ``on_graceful_timeout`` at once instead of uvicorn's force quit (which
-    would skip the hook, cut the streams and skip the lifespan shutdown): the requests end as
-    above and the server finishes shutting down cleanly, promptly. Only a third signal forces
-    the quit (uvicorn's ``force_exit``: no more waiting, no lifespan shutdown). Without a hook,
-    signals behave as in uvicorn.
-
-    uvicorn re-raises the captured signal after shutting down, which ends the process with
-    -SIGTERM; by then in-flight requests have finished (or were ended), so it is a normal exit:
-    the captured signals are dropped and the process exits 0.
-    """
-
-    def __init__(self, config: uvicorn.Config, graceful_timeout=None, on_graceful_timeout=None):
-        """
-        Args:
-            config: uvicorn's configuration; its ``timeout_graceful_shutdown`` (seconds) is when
-                uvicorn cancels the tasks still running, the backstop.
-            graceful_timeout: seconds from the start of the shutdown until
-                ``on_graceful_timeout`` runs (None: it runs only on a second signal).
-            on_graceful_timeout: ends the in-flight requests; called once, on the event loop,
-                as ``on_graceful_timeout(early)``: ``early`` is False when ``graceful_timeout``
-                expired, True when a second signal came first. None: no hook (uvicorn's
-                behaviour, a second SIGINT forces the quit).
-        """
-        super().__init__(config)
-        self.graceful_timeout = graceful_timeout
-        self.on_graceful_timeout = on_graceful_timeout
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._ended = False  # the hook ran
-        self._signals_in_shutdown = 0
-        #: called once the server listens (set by ``server.api_servers`` to report readiness)
-        self.on_started = None
-
-    async def serve(self, sockets=None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    async def startup(self, sockets=None) -> None:
-        await super().startup(sockets)
-        if self.started and self.on_started is not None:
-            self.on_started()
-
-    def _end_in_flight(self, early: bool) -> None:
-        if self._ended:
-            return
-        self._ended = True
-        if early:
-            log.warning(
-                "second shutdown signal: ending the in-flight requests now "
-                "(a third signal forces the quit)"
-            )
-        self.on_graceful_timeout(early)
-
-    def handle_exit(self, sig, frame) -> None:
-        """The signal handler (run by Python in the main thread, between two bytecodes of
-        whatever runs there, so it only sets flags and hands work to the loop)."""
-        if self.on_graceful_timeout is None or not self.should_exit or self._loop is None:
-            super().handle_exit(sig, frame)
-            return
-        self._signals_in_shutdown += 1
-        if self._signals_in_shutdown == 1:  # (nothing to do if the timeout ended them already)
-            self._loop.call_soon_threadsafe(self._end_in_flight, True)
-        else:
-            self.force_exit = True
-            self._loop.call_soon_threadsafe(log.warning, "another signal: forcing the quit")
-
-    async def shutdown(self, sockets=None) -> None:
-        timer = None
-        if self.on_graceful_timeout is not None and self.graceful_timeout is not None:
-            timer = asyncio.get_running_loop().call_later(
-                self.graceful_timeout, self._end_in_flight, False
-            )
-        try:
-            await super().shutdown(sockets)
-        finally:
-            if timer is not None:
-                timer.cancel()
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        with super().capture_signals():
-            yield
-            if hasattr(self, "_captured_signals"):
-                self._captured_signals.clear()
 
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"", "0", "false", "no", "off"}
@@ -556,75 +446,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     server.run(sockets=[sock])
     return 0
-
-
-def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (uvicorn listens on it), so that an address in use
-    or not available ends start-up at once, before the engine loads its weights.
-
-    ``reuse_port``: set SO_REUSEPORT, so that several API-server processes each listen on a
-    socket of their own at the same address and the kernel spreads the connections over them
-    (``server.api_servers``; Linux allows it only to sockets of the same user).
-
-    Raises:
-        SystemExit: the address cannot be bound (one line naming it and the reason).
-    """
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError as e:
-        raise SystemExit(f"python -m server: cannot listen on {host}:{port}: {e}") from None
-    family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind(addr)
-    except OSError as e:
-        sock.close()
-        raise SystemExit(
-            f"python -m server: cannot listen on {host}:{port}: {e.strerror or e} "
-            "(another server on that port? choose one with --port or QWEN_SERVE_PORT)"
-        ) from None
-    return sock
-
-
-def make_server(
-    app, args: argparse.Namespace, on_graceful_timeout=None, shared_connections=None
-) -> GracefulServer:
-    """The uvicorn server for ``app`` with the parsed flags (also used by
-    bench/frontend_latency.py): the h11 protocol with request read deadlines
-    (:mod:`server.http_protocol`), the keep-alive timeout, the connection cap and the header
-    size limit. ``on_graceful_timeout(early)`` (the app's :meth:`ServerContext.end_in_flight`)
-    runs when --graceful-timeout expires during a shutdown, or at a second signal
-    (:class:`GracefulServer`); uvicorn's own timeout, which cancels
-    the requests' tasks, comes :data:`SHUTDOWN_BACKSTOP_S` later (without a hook, at the
-    timeout itself). ``shared_connections``: the connection count shared by several API
-    servers (``server.http_protocol.SharedConnections``), so that --limit-concurrency limits
-    the whole server."""
-    from server.http_protocol import guarded_protocol
-
-    timeout = float(args.graceful_timeout)
-    return GracefulServer(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=timeout
-            + (SHUTDOWN_BACKSTOP_S if on_graceful_timeout is not None else 0.0),
-            http=guarded_protocol(
-                float(args.timeout_request_header),
-                float(args.timeout_request_body),
-                shared_connections,
-            ),
-            timeout_keep_alive=int(args.timeout_keep_alive),
-            limit_concurrency=int(args.limit_concurrency),
-            h11_max_incomplete_event_size=int(args.h11_max_incomplete_event_size),
-        ),
-        graceful_timeout=timeout,
-        on_graceful_timeout=on_graceful_timeout,
-    )
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ core. Here:
 * signals: the API servers run in process groups of their own, so a terminal's Ctrl-C reaches
   only the supervisor, which forwards each SIGTERM/SIGINT it gets to every API server as a
   SIGTERM (the first starts their graceful shutdown, a second ends their requests at once, a
-  third forces the quit: ``server.__main__.GracefulServer``). The engine core ignores signals
+  third forces the quit: ``server.http_server.GracefulServer``). The engine core ignores signals
   and stops when the last API server has left it. An API server that dies unexpectedly stops
   the others and the supervisor exits 1 (a container restart policy brings the server back);
   an API server whose supervisor died shuts itself down.
@@ -94,9 +94,9 @@ def api_server_main(
     )
     _watch_parent(os.getppid())
     from engine.frontend.process_core import ProcessCore
-    from server.__main__ import listen_socket, make_server
     from server.app import create_app
     from server.factory import build_context
+    from server.http_server import listen_socket, make_server
 
     core = ProcessCore.attach(conn, limits)
     ctx = build_context(args, config, core=core, metrics_dir=metrics_dir)
@@ -171,7 +171,7 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
     """
     from engine.frontend.process_core import EngineProcess
     from engine.frontend.tokenizer import Tokenizer
-    from server.__main__ import listen_socket
+    from server.http_server import listen_socket
 
     count = int(args.api_server_count)
     # bound (never listening) for the server's lifetime: a taken port fails now, port 0 is

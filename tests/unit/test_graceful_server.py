@@ -7,7 +7,7 @@ import signal
 
 import uvicorn
 
-from server.__main__ import GracefulServer
+from server.http_server import GracefulServer
 
 
 def _server(hook=None) -> GracefulServer:
