@@ -18,25 +18,32 @@ core. Here:
 * ``--limit-concurrency`` is one limit over all of them (a shared connection count,
   ``server.http_protocol.SharedConnections``); the engine's own limits (``--max-num-seqs``, the
   KV cache) are the engine core's, shared by construction;
-* signals: the API servers run in process groups of their own, so a terminal's Ctrl-C reaches
-  only the supervisor, which forwards each SIGTERM/SIGINT it gets to every API server as a
-  SIGTERM (the first starts their graceful shutdown, a second ends their requests at once, a
-  third forces the quit: ``server.http_server.GracefulServer``). The engine core ignores signals
-  and stops when the last API server has left it. An API server that dies unexpectedly stops
-  the others and the supervisor exits 1 (a container restart policy brings the server back);
-  an API server whose supervisor died shuts itself down.
+* signals: only the supervisor acts on SIGTERM/SIGINT. The API servers run in process groups
+  of their own (a terminal's Ctrl-C reaches only the supervisor) and ignore both signals (a
+  service manager that signals every process of the service, as systemd does, must not count
+  twice); the supervisor turns each SIGTERM/SIGINT it gets into one SIGUSR1 to every API server
+  (the first starts their graceful shutdown, a second ends their requests at once, a third
+  forces the quit: ``server.http_server.GracefulServer``). A signal during start-up kills the
+  loading engine and exits. The engine core ignores signals and stops when the last API server
+  has left it. An API server or engine core that dies unexpectedly stops the others and the
+  supervisor exits 1 (a container restart policy brings the server back); an API server whose
+  supervisor died shuts itself down (a parent-death signal, and a watcher thread).
+* a second supervisor on the same port fails at start-up (SO_REUSEPORT would otherwise let both
+  listen and split the connections): each holds an abstract Unix socket named after the port.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import gc
 import logging
 import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -51,19 +58,25 @@ log = logging.getLogger("server")
 ENGINE_STOP_TIMEOUT_S = 30.0
 #: seconds between an API server's checks that its supervisor is still alive
 PARENT_CHECK_S = 1.0
+#: the signal the supervisor sends its API servers (they ignore SIGTERM and SIGINT)
+STOP_SIGNAL = signal.SIGUSR1
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """In an API server: start a graceful shutdown (SIGTERM to itself) once its supervisor is
-    gone (the process was re-parented)."""
+def _watch_supervisor(supervisor_pid: int) -> None:
+    """In an API server: stop (:data:`STOP_SIGNAL` to itself) once the supervisor is gone: the
+    kernel's parent-death signal where there is one (Linux ``prctl``), and a thread that sees
+    the process re-parented (also when the supervisor died before this process got here)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(STOP_SIGNAL), 0, 0, 0)
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
+        while os.getppid() == supervisor_pid:
             time.sleep(PARENT_CHECK_S)
-        log.warning("the supervisor (pid %d) is gone: shutting down", parent_pid)
-        os.kill(os.getpid(), signal.SIGTERM)
+        log.warning("the supervisor (pid %d) is gone: shutting down", supervisor_pid)
+        os.kill(os.getpid(), STOP_SIGNAL)
 
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
 
 
 def api_server_main(
@@ -76,9 +89,10 @@ def api_server_main(
     shared_connections,
     num_ready,
     metrics_dir: str,
+    supervisor_pid: int,
 ) -> None:
     """Entry point of API server ``index``: serve HTTP on ``args.host:port`` in front of the
-    engine core reached through ``conn`` (its pipe end), until a SIGTERM/SIGINT.
+    engine core reached through ``conn`` (its pipe end), until :data:`STOP_SIGNAL`.
 
     Args:
         args: the parsed flags; config: the engine settings (the model directory resolved).
@@ -86,13 +100,18 @@ def api_server_main(
             (``multiprocessing.Value``). num_ready: a ``multiprocessing.Value`` each API server
             increments once it listens. metrics_dir: prometheus_client's multiprocess
             directory (PROMETHEUS_MULTIPROC_DIR is set to it in this process's environment).
+            supervisor_pid: the supervisor's pid (this process stops when it is gone).
     """
-    os.setpgid(0, 0)  # a terminal's Ctrl-C goes to the supervisor alone, which forwards it
+    # SIGTERM/SIGINT are the supervisor's alone; until uvicorn runs, STOP_SIGNAL's default
+    # action (exit) is the right one: nothing is in flight yet
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.setpgid(0, 0)
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s %(name)s[api {index}]: %(message)s",
     )
-    _watch_parent(os.getppid())
+    _watch_supervisor(supervisor_pid)
     from engine.frontend.process_core import ProcessCore
     from server.app import create_app
     from server.factory import build_context
@@ -111,6 +130,8 @@ def api_server_main(
         on_graceful_timeout=lambda early: ctx.end_in_flight(timeout, early=early),
         shared_connections=shared_connections,
     )
+    server.exit_signals = (STOP_SIGNAL,)
+    server.ignored_signals = (signal.SIGTERM, signal.SIGINT)
 
     def started() -> None:
         with num_ready.get_lock():
@@ -120,50 +141,91 @@ def api_server_main(
     server.run(sockets=[sock])
 
 
-class _Supervisor:
-    """Forwards signals to the API servers and watches them (see the module docstring)."""
+class _StartupInterrupted(Exception):
+    """A SIGTERM/SIGINT came before the API servers were started."""
 
-    def __init__(self, procs: list[mp.Process]):
-        self.procs = procs
+
+class _Supervisor:
+    """Forwards signals to the API servers and watches them and the engine core (see the module
+    docstring). Its handler is installed before the engine loads, so that a signal at any time
+    has one meaning."""
+
+    def __init__(self):
+        self.procs: list[mp.Process] = []  # the API servers started so far
         self.signals = 0
         self.failed = False
+        self.serving = False  # the API servers are being started: signals go to them
 
     def forward(self, sig, frame) -> None:
-        """The signal handler: each signal becomes one SIGTERM to every API server alive."""
+        """The signal handler: before the API servers start, stop the start-up; after, each
+        SIGTERM/SIGINT becomes one :data:`STOP_SIGNAL` to every API server alive."""
         self.signals += 1
+        if not self.serving:
+            raise _StartupInterrupted(signal.Signals(sig).name)
+        self._signal_all()
+
+    def _signal_all(self) -> None:
         for p in self.procs:
             if p.is_alive():
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGTERM)
+                    os.kill(p.pid, STOP_SIGNAL)
 
     def stopping(self) -> bool:
         return self.signals > 0 or self.failed
 
-    def run(self, num_ready, announce) -> None:
+    def _fail(self, what: str, code) -> None:
+        log.error("%s exited unexpectedly (exit code %s): stopping the server", what, code)
+        self.failed = True
+        self._signal_all()
+
+    def run(self, engine_proc: mp.Process, num_ready, announce) -> None:
         """Wait until every API server has exited; call ``announce()`` once all listen; after
-        an unexpected exit, stop the others (:attr:`failed`)."""
+        an unexpected exit of an API server or of the engine core, stop the others
+        (:attr:`failed`)."""
         announced = False
         alive = list(self.procs)
+        engine_watched = True
         while alive:
-            wait([p.sentinel for p in alive], timeout=0.2)
+            sentinels = [p.sentinel for p in alive]
+            if engine_watched:
+                sentinels.append(engine_proc.sentinel)
+            wait(sentinels, timeout=0.2)
             for p in [p for p in alive if not p.is_alive()]:
                 alive.remove(p)
                 if not self.stopping():
-                    log.error(
-                        "%s exited unexpectedly (exit code %s): stopping the server",
-                        p.name,
-                        p.exitcode,
-                    )
-                    self.failed = True
-                    self.forward(signal.SIGTERM, None)
+                    self._fail(p.name, p.exitcode)
+            if engine_watched and not engine_proc.is_alive():
+                engine_watched = False
+                if not self.stopping():
+                    self._fail("the engine core", engine_proc.exitcode)
             if not announced and num_ready.value == len(self.procs) and not self.stopping():
                 announced = True
                 announce()
 
 
+def _port_lock(port: int) -> socket.socket:
+    """An abstract Unix socket named after ``port``, bound for this supervisor's lifetime (the
+    kernel frees it when the process ends, however it ends).
+
+    Raises:
+        SystemExit: another supervisor holds it (serves with several API servers on the port).
+    """
+    lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        lock.bind(f"\0qwen-serve-api-servers-port-{port}")
+    except OSError:
+        lock.close()
+        raise SystemExit(
+            f"python -m server: cannot listen on port {port}: another server with "
+            "--api-server-count already serves on it (choose one with --port or QWEN_SERVE_PORT)"
+        ) from None
+    return lock
+
+
 def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
     """Serve with ``args.api_server_count`` API-server processes and one engine core; returns
-    the exit code (0 after a signal's shutdown, 1 after an API server died unexpectedly).
+    the exit code: 0 after a signal's shutdown (also one during start-up), 1 after an API server
+    or the engine core died unexpectedly, or an API server failed while shutting down.
 
     Raises:
         SystemExit: the address cannot be bound.
@@ -178,7 +240,10 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
     # resolved once, and the port stays ours; connections go only to the listening sockets
     hold = listen_socket(args.host, args.port, reuse_port=True)
     port = hold.getsockname()[1]
+    lock = _port_lock(port)
     metrics_dir = tempfile.mkdtemp(prefix="qwen-serve-metrics-")
+    supervisor = _Supervisor()
+    previous = {s: signal.signal(s, supervisor.forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         # the API servers (spawned: they inherit this environment) import prometheus_client
         # with it set, which selects its multiprocess value files
@@ -188,8 +253,11 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
         ctx = mp.get_context("spawn")
         shared_connections = ctx.Value("q", 0)
         num_ready = ctx.Value("i", 0)
-        procs = [
-            ctx.Process(
+        supervisor.serving = True
+        for i in range(count):
+            if supervisor.stopping():
+                break
+            p = ctx.Process(
                 target=api_server_main,
                 name=f"api-server-{i}",
                 args=(
@@ -202,37 +270,37 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
                     shared_connections,
                     num_ready,
                     metrics_dir,
+                    os.getpid(),
                 ),
             )
-            for i in range(count)
-        ]
-        supervisor = _Supervisor(procs)
-        previous = {
-            s: signal.signal(s, supervisor.forward) for s in (signal.SIGTERM, signal.SIGINT)
-        }
-        try:
-            for p in procs:
-                p.start()
-            engine.close_conns()  # each pipe is its API server's alone now
+            p.start()
+            supervisor.procs.append(p)
+        engine.close_conns()  # each pipe is its API server's alone now (or no one's)
 
-            def announce() -> None:
-                log.info(
-                    "serving on http://%s:%d with %d API servers (pids %s; engine core pid %d)",
-                    args.host,
-                    port,
-                    count,
-                    ", ".join(str(p.pid) for p in procs),
-                    engine.proc.pid,
-                )
+        def announce() -> None:
+            log.info(
+                "serving on http://%s:%d with %d API servers (pids %s; engine core pid %d)",
+                args.host,
+                port,
+                count,
+                ", ".join(str(p.pid) for p in supervisor.procs),
+                engine.proc.pid,
+            )
 
-            supervisor.run(num_ready, announce)
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+        supervisor.run(engine.proc, num_ready, announce)
         engine.join(ENGINE_STOP_TIMEOUT_S)  # it stops once the last API server has left it
-        codes = [p.exitcode for p in procs]
+        codes = [p.exitcode for p in supervisor.procs]
         log.info("API servers exited (codes %s); engine core stopped", codes)
-        return 1 if supervisor.failed else 0
+        clean = all(c in (0, -STOP_SIGNAL) for c in codes)  # (stopped before uvicorn ran)
+        if not clean and not supervisor.failed:
+            log.error("an API server failed while shutting down (exit codes %s)", codes)
+        return 1 if supervisor.failed or not clean else 0
+    except _StartupInterrupted as e:
+        log.info("%s during start-up: stopped", e)
+        return 0
     finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         hold.close()
+        lock.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)

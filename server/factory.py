@@ -6,8 +6,6 @@ import argparse
 import logging
 from pathlib import Path
 
-import torch
-
 from engine.core.config import EngineConfig, ModelConfig, read_generation_config
 from engine.frontend.async_engine import AsyncEngine
 from engine.frontend.core_client import EngineCoreClient
@@ -26,6 +24,8 @@ log = logging.getLogger(__name__)
 def resolve_device(name: str) -> str:
     """ "auto" -> "cuda" when available else "cpu"."""
     if name == "auto":
+        import torch  # here: an API-server process never needs torch (hundreds of MB)
+
         return "cuda" if torch.cuda.is_available() else "cpu"
     return name
 

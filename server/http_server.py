@@ -10,7 +10,9 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
+import threading
 
 import uvicorn
 
@@ -69,6 +71,10 @@ class GracefulServer(uvicorn.Server):
         self._signals_in_shutdown = 0
         #: called once the server listens (set by ``server.api_servers`` to report readiness)
         self.on_started = None
+        #: the signals that shut the server down (an API server of several: the supervisor's
+        #: SIGUSR1 alone) and those ignored while it serves
+        self.exit_signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)
+        self.ignored_signals: tuple[int, ...] = ()
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -117,10 +123,19 @@ class GracefulServer(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self):
-        with super().capture_signals():
+        """While serving: :attr:`exit_signals` run :meth:`handle_exit`, :attr:`ignored_signals`
+        are ignored; the previous handlers come back afterwards. uvicorn's version would
+        re-raise the captured signals at the end; here the process goes on (exit 0)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals can be handled only in the main thread
+            return
+        previous = {s: signal.signal(s, self.handle_exit) for s in self.exit_signals}
+        previous.update({s: signal.signal(s, signal.SIG_IGN) for s in self.ignored_signals})
+        try:
             yield
-            if hasattr(self, "_captured_signals"):
-                self._captured_signals.clear()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
 def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:

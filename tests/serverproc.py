@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -75,6 +76,20 @@ class ServerProcess:
     def log(self) -> str:
         return Path(self.log_path).read_text()[-6000:]
 
+    def api_server_pids(self, count: int, timeout: float = 120.0) -> tuple[list[int], int]:
+        """With ``--api-server-count count``: wait for the supervisor's line saying every API
+        server listens; returns the pids of the API servers and of the engine core."""
+        pattern = rf"with {count} API servers \(pids ([\d, ]+); engine core pid (\d+)\)"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(pattern, Path(self.log_path).read_text())
+            if m:
+                return [int(p) for p in m.group(1).split(", ")], int(m.group(2))
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise AssertionError("the API servers did not all start:\n" + self.log())
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -85,3 +100,25 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return " Z " not in stat.read_text()
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait up to ``timeout`` seconds for every process of ``pids`` to end; returns those
+    still alive."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if pid_alive(p)]

@@ -8,6 +8,17 @@ every step's outputs of a request only to that front end. The step's :class:`Ste
 front end 0 alone, so the step-derived metrics (gauges, preemptions, prefix-cache counters,
 tokens per step) are counted once.
 
+A front end may abort only requests it added (an abort of another front end's request, say one
+whose duplicate id was refused, is ignored), and an aborted request is forgotten at once.
+
+With several front ends the engine thread never writes to a pipe itself: each front end has an
+:class:`_Outbox` whose sender thread writes its messages in order (vLLM's engine core sends its
+outputs from a separate thread too), so a front end that is slow to read, still starting or
+stopped (SIGSTOP) holds back only its own messages, never the engine loop. While one's backlog
+is over :data:`MAX_BACKLOG` messages, its step stats without outputs are dropped (the newest
+replaces the last one queued, so the gauges stay current; a warning says so); outputs are never
+dropped.
+
 A front end leaves with a :class:`Shutdown` command or by closing its pipe (its process ended):
 its requests still in the engine are aborted (their KV blocks freed) and its pipe is closed.
 When the last front end has left, the engine loop is told to shut down.
@@ -16,7 +27,8 @@ When the last front end has left, the engine loop is told to shut down.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+import threading
+from collections import defaultdict, deque
 from multiprocessing.connection import Connection, wait
 
 from engine.core.commands import AbortRequest, Command, CommandKind, Shutdown
@@ -25,6 +37,67 @@ from engine.core.stats import StepStats
 
 log = logging.getLogger(__name__)
 
+#: messages waiting for one front end beyond which its stats-only messages are dropped
+MAX_BACKLOG = 4096
+
+
+class _Outbox:
+    """The messages waiting for one front end and the daemon thread that sends them, in order,
+    over its pipe (a blocking ``Connection.send`` that waits only for that front end)."""
+
+    def __init__(self, index: int, conn: Connection):
+        self.index = index
+        self._conn = conn
+        self._queue: deque = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._dropped = 0
+        self._thread = threading.Thread(target=self._run, name=f"send-{index}", daemon=True)
+        self._thread.start()
+
+    def put(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
+        """Queue one ``("out", outputs, stats)`` message (called from the engine thread)."""
+        with self._cond:
+            if self._closed:
+                return
+            if not outputs and len(self._queue) >= MAX_BACKLOG:
+                self._dropped += 1
+                if self._dropped == 1:
+                    log.warning(
+                        "front end %d is not reading (%d messages waiting): dropping its step "
+                        "stats until it catches up",
+                        self.index,
+                        len(self._queue),
+                    )
+                if not self._queue[-1][1]:  # keep the newest gauges in the last stats message
+                    self._queue[-1] = ("out", outputs, stats)
+                return
+            self._queue.append(("out", outputs, stats))
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Stop sending (the front end left); what is still queued is discarded."""
+        with self._cond:
+            self._closed = True
+            self._queue.clear()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                msg = self._queue.popleft()
+                if self._dropped and not self._queue:
+                    log.info("front end %d caught up (%d stats dropped)", self.index, self._dropped)
+                    self._dropped = 0
+            try:
+                self._conn.send(msg)
+            except (BrokenPipeError, OSError):
+                return  # it is gone; next_commands sees the closed pipe and aborts its requests
+
 
 class ClientChannels:
     """Routes commands from, and outputs to, the front ends of one engine core.
@@ -32,13 +105,21 @@ class ClientChannels:
     Args:
         conns: one pipe end per front end; the front end at index 0 also receives the step
             stats (every step, with or without outputs of its own).
+        sender_threads: send through one :class:`_Outbox` thread per front end (None: when
+            there are several front ends; a single front end is written to directly, as it
+            is the only one the engine serves anyway).
 
     ``next_commands`` and ``emit`` are the engine loop's two callbacks
     (``engine.core.engine_loop.run_engine_loop``); both run on the engine loop's thread.
     """
 
-    def __init__(self, conns: list[Connection]):
+    def __init__(self, conns: list[Connection], sender_threads: bool | None = None):
         self._conns: dict[int, Connection] = dict(enumerate(conns))
+        if sender_threads is None:
+            sender_threads = len(conns) > 1
+        self._outboxes: dict[int, _Outbox] = (
+            {i: _Outbox(i, c) for i, c in self._conns.items()} if sender_threads else {}
+        )
         self._owner: dict[str, int] = {}  # request id -> index of the front end that added it
         self._shutdown_sent = False
 
@@ -78,6 +159,16 @@ class ClientChannels:
                                 None,
                             )
                             continue
+                    elif cmd.kind is CommandKind.ABORT:
+                        owner = self._owner.get(cmd.request_id)
+                        if owner is None:  # finished already (or never added): nothing to do
+                            continue
+                        if owner != index:
+                            log.debug(
+                                "ignored an abort of %s from front end %d", cmd.request_id, index
+                            )
+                            continue
+                        del self._owner[cmd.request_id]
                     commands.append(cmd)
             except (EOFError, OSError):  # it left: abort what it still had in the engine
                 commands.extend(self._leave(index))
@@ -91,6 +182,9 @@ class ClientChannels:
 
     def _leave(self, index: int) -> list[Command]:
         conn = self._conns.pop(index)
+        outbox = self._outboxes.pop(index, None)
+        if outbox is not None:
+            outbox.close()
         try:
             conn.close()
         except OSError:
@@ -129,6 +223,10 @@ class ClientChannels:
             self._send(index, outs, stats if index == 0 else None)
 
     def _send(self, index: int, outputs: list[RequestOutput], stats: StepStats | None) -> None:
+        outbox = self._outboxes.get(index)
+        if outbox is not None:
+            outbox.put(outputs, stats)
+            return
         conn = self._conns.get(index)
         if conn is None:
             return

@@ -93,6 +93,8 @@ class EngineProcess:
 
     Raises:
         RuntimeError: the engine process failed to start (its error message included).
+        BaseException: whatever interrupted the wait (KeyboardInterrupt, a signal handler's
+            exception); the process is killed first in every case.
     """
 
     def __init__(
@@ -130,20 +132,30 @@ class EngineProcess:
             child_conn.close()
         if not self.proc.daemon:  # multiprocessing would join it at exit, maybe forever
             atexit.register(self.reap)
+        try:
+            self.limits: EngineLimits = self._wait_ready(startup_timeout)
+        except BaseException:  # also a signal handler's exception (a stop during start-up)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
+            self.close_conns()
+            raise
+
+    def _wait_ready(self, startup_timeout: float) -> EngineLimits:
         first = self.conns[0]
         if not first.poll(startup_timeout):
-            self.proc.kill()
             raise RuntimeError(f"engine process not ready after {startup_timeout:.0f}s")
         try:
             kind, payload = first.recv()
         except EOFError:
+            self.proc.join(5)
             raise RuntimeError(
                 f"engine process died during start-up (exit code {self.proc.exitcode})"
             ) from None
         if kind != "ready":
             self.proc.join(10)
             raise RuntimeError(f"engine process failed: {payload}")
-        self.limits: EngineLimits = payload
+        return payload
 
     def close_conns(self) -> None:
         """Close this process's copies of the pipes (after handing them to the front-end

@@ -45,12 +45,14 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from engine.loader.embedded import bytes_to_unicode, default_cache_root
+
+if TYPE_CHECKING:
+    import torch
 
 GGUF_MAGIC = b"GGUF"
 #: bump when the derived files change, so cached folders are rebuilt
@@ -431,6 +433,7 @@ def gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     Raises:
         ValueError: a tensor type gguf-py cannot dequantize, or an unknown tensor name (named).
     """
+    import torch  # here: the server's front end reads GGUF metadata without loading torch
     from gguf.quants import dequantize
 
     for t in _reader(path).tensors:

@@ -5,7 +5,9 @@ Checked over the real server (``python -m server`` as a subprocess): both API se
 same greedy text whichever server took the request, /metrics is one exact view from either
 server (token counters equal the clients' usage sums and the per-request histograms), no KV
 block leaks, ``--limit-concurrency`` is one limit over both servers, and an API server that
-dies takes the whole server down with exit code 1 (nothing left running).
+dies takes the whole server down with exit code 1 (nothing left running), as does the engine
+core's death; the API servers and the engine stop when their supervisor is killed, a second
+server on the port fails at once, and a signal during start-up stops the loading engine.
 """
 
 from __future__ import annotations
@@ -23,36 +25,31 @@ import httpx
 import pytest
 
 from tests.metricsutil import num_kv_blocks, scrape
-from tests.serverproc import ServerProcess
+from tests.serverproc import ServerProcess, wait_gone
 
 P = "qwen_serve:"
 
 
-def _wait_all_listening(srv: ServerProcess, timeout: float = 120.0) -> tuple[list[int], int]:
-    """Wait for the supervisor's line saying every API server listens; returns the pids of the
-    API servers and of the engine core."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = Path(srv.log_path).read_text()
-        m = re.search(r"with 2 API servers \(pids ([\d, ]+); engine core pid (\d+)\)", text)
-        if m:
-            return [int(p) for p in m.group(1).split(", ")], int(m.group(2))
-        time.sleep(0.2)
-    raise AssertionError("the API servers did not all start:\n" + srv.log())
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").exists() and " Z " not in Path(f"/proc/{pid}/stat").read_text()
+def _spawned_children(pid: int) -> list[int]:
+    """The ``multiprocessing`` spawn children of ``pid`` (the engine core, the API servers)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"spawn_main" in cmd:
+            found.append(int(d.name))
+    return found
 
 
 @pytest.fixture(scope="module")
 def two_servers():
     srv = ServerProcess("--api-server-count", "2", "--max-model-len", "512").wait_ready()
-    _wait_all_listening(srv)
+    srv.api_server_pids(2)
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -138,7 +135,7 @@ def test_limit_concurrency_is_one_limit_over_both_servers():
         "120",
     ).wait_ready()
     try:
-        _wait_all_listening(srv)
+        srv.api_server_pids(2)
         idle = _open_idle(srv.port, 3)
         time.sleep(1.0)  # both servers accepted theirs
         codes = [httpx.get(srv.base_url + "/health", timeout=10).status_code for _ in range(12)]
@@ -156,14 +153,54 @@ def test_limit_concurrency_is_one_limit_over_both_servers():
         assert srv.stop() == 0, srv.log()
 
 
-def test_an_api_server_that_dies_stops_the_whole_server():
+def test_a_second_server_on_the_same_port_fails_at_once(two_servers):
+    """SO_REUSEPORT would let a second --api-server-count server listen on the port too and
+    take half of its connections; it fails before loading anything, the first serves on."""
+    second = ServerProcess("--api-server-count", "2", "--port", str(two_servers.port))
+    try:
+        assert second.proc.wait(60) == 1, second.log()
+        assert "another server with --api-server-count already serves on it" in second.log()
+    finally:
+        second.stop()
+    assert httpx.get(two_servers.base_url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("victim", ["api-server-1", "the engine core"])
+def test_a_process_that_dies_stops_the_whole_server(victim):
     srv = ServerProcess("--api-server-count", "2", "--max-model-len", "256").wait_ready()
-    pids, engine = _wait_all_listening(srv)
-    os.kill(pids[1], signal.SIGKILL)
+    pids, engine = srv.api_server_pids(2)
+    os.kill(pids[1] if victim == "api-server-1" else engine, signal.SIGKILL)
     assert srv.proc.wait(60) == 1, srv.log()
-    assert "api-server-1 exited unexpectedly (exit code -9)" in srv.log(), srv.log()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(_alive(p) for p in [*pids, engine]):
-        time.sleep(0.2)
-    assert not any(_alive(p) for p in [*pids, engine]), srv.log()
+    assert f"{victim} exited unexpectedly (exit code -9)" in srv.log(), srv.log()
+    assert wait_gone([*pids, engine], 30) == [], srv.log()
+    srv.stop()
+
+
+def test_the_api_servers_and_the_engine_stop_when_the_supervisor_is_killed():
+    srv = ServerProcess("--api-server-count", "2", "--max-model-len", "256").wait_ready()
+    pids, engine = srv.api_server_pids(2)
+    srv.proc.kill()
+    srv.proc.wait(10)
+    assert wait_gone([*pids, engine], 60) == [], Path(srv.log_path).read_text()[-6000:]
+    log = Path(srv.log_path).read_text()
+    assert log.count("Application shutdown complete") == 2, log[-6000:]  # both shut down
+    srv.stop()
+
+
+def test_a_signal_during_start_up_stops_the_loading_engine():
+    """SIGTERM while the engine core loads: the supervisor kills it and exits 0 at once."""
+    srv = ServerProcess("--api-server-count", "2", "--max-model-len", "256")
+    deadline = time.monotonic() + 60
+    children: list[int] = []
+    while not children and time.monotonic() < deadline and srv.proc.poll() is None:
+        children = _spawned_children(srv.proc.pid)
+        time.sleep(0.05)
+    assert children, srv.log()
+    assert "serving on" not in Path(srv.log_path).read_text()  # still loading
+    t0 = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(30) == 0, srv.log()
+    assert time.monotonic() - t0 < 10
+    assert "SIGTERM during start-up: stopped" in srv.log(), srv.log()
+    assert wait_gone(children, 10) == [], srv.log()
     srv.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
 import signal
@@ -131,6 +132,7 @@ def _stream_until_done(base: str, max_tokens: int, out: dict) -> None:
     except httpx.HTTPError as exc:
         out["error"] = exc
     out["events"] = events
+    out["ended_at"] = time.monotonic()
 
 
 def test_sigterm_lets_in_flight_requests_finish():
@@ -269,6 +271,29 @@ def test_two_api_servers_end_requests_past_the_timeout_and_exit_cleanly(sig):
     ended = re.findall(r"aborting (\d) in-flight engine request", log)
     assert sum(map(int, ended)) == 2, log[-6000:]  # both requests, whichever server had them
     assert log.count("Application shutdown complete") == 2, log[-6000:]
+    assert "API servers exited (codes [0, 0]); engine core stopped" in log, log[-6000:]
+
+
+def test_two_api_servers_signalled_all_at_once_count_one_signal():
+    """A service manager that signals every process of the server (systemd's control-group
+    stop) sends one SIGTERM to the supervisor, each API server and the engine core: that is
+    one signal, so the requests still get the whole --graceful-timeout (a second one would end
+    them at once), and the server exits 0."""
+    srv = ServerProcess(
+        "--api-server-count", "2", "--max-model-len", "4096", "--graceful-timeout", "3"
+    ).wait_ready()
+    pids, engine = srv.api_server_pids(2)
+    out, plain, threads = _start_stream_and_plain(srv)
+    t0 = time.monotonic()
+    for pid in [srv.proc.pid, *pids, engine]:
+        os.kill(pid, signal.SIGTERM)
+    srv.proc.wait(60)
+    srv.stop()
+    for t in threads:
+        t.join(30)
+    assert out["ended_at"] - t0 > 2.5, out["ended_at"] - t0  # at the timeout, not at once
+    log = _assert_ended_cleanly(srv, out, plain, "3 s graceful timeout")
+    assert "second shutdown signal" not in log, log[-6000:]
     assert "API servers exited (codes [0, 0]); engine core stopped" in log, log[-6000:]
 
 

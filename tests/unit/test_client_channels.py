@@ -5,11 +5,16 @@ connection count the API servers share (server.http_protocol.SharedConnections),
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
+import time
+
+import pytest
 
 from engine.core.commands import AbortRequest, AddRequest, CommandKind, Shutdown
 from engine.core.outputs import RequestOutput
 from engine.core.request import FinishReason, SamplingParams
 from engine.core.stats import StepStats
+from engine.frontend import client_channels
 from engine.frontend.client_channels import ClientChannels
 from server.http_protocol import SharedConnections
 
@@ -86,6 +91,57 @@ def test_a_front_end_that_leaves_has_its_requests_aborted_and_the_last_one_stops
         raise AssertionError("pipe still open")
     except EOFError:
         pass
+
+
+def test_a_front_end_aborts_only_its_own_requests_and_an_aborted_request_is_forgotten():
+    ch, (c0, c1) = _channels(2)
+    c0.send(AddRequest("a", [1], SamplingParams()))
+    ch.next_commands(1.0)
+    c1.send(AbortRequest("a"))  # not front end 1's request: ignored
+    assert ch.next_commands(0.2) == []
+    c0.send(AbortRequest("a"))
+    assert [(c.kind, c.request_id) for c in ch.next_commands(1.0)] == [(CommandKind.ABORT, "a")]
+    assert ch._owner == {}  # nothing left behind (the engine emits nothing for an abort)
+    c1.send(AddRequest("a", [2], SamplingParams()))  # the id is free again
+    assert [c.request_id for c in ch.next_commands(1.0)] == ["a"]
+    c0.send(AbortRequest("a"))  # front end 1's now
+    assert ch.next_commands(0.2) == []
+    ch.emit([RequestOutput("a", [3])], None)
+    assert [o.request_id for o in _drain(c1)[0][1]] == ["a"]
+
+
+def test_a_front_end_that_does_not_read_never_blocks_the_engine(monkeypatch):
+    """Front end 0 (the one that gets every step's stats) reads nothing, as when its process
+    is still starting or stopped: the engine keeps emitting to front end 1 without waiting, and
+    front end 0's backlog of stats-only messages stays bounded."""
+    monkeypatch.setattr(client_channels, "MAX_BACKLOG", 64)
+    ch, (c0, c1) = _channels(2)
+    c1.send(AddRequest("b", [1], SamplingParams()))
+    ch.next_commands(1.0)
+    steps = 3000  # ~1 MB of messages: far more than a pipe's buffer holds
+    received: list = []
+    reader = threading.Thread(
+        target=lambda: received.extend(c1.recv() for _ in range(steps)), daemon=True
+    )
+    reader.start()
+    done = threading.Event()
+
+    def engine() -> None:
+        for i in range(steps):
+            ch.emit([RequestOutput("b", [i] * 40)], _stats(1 + i))
+        done.set()
+
+    threading.Thread(target=engine, daemon=True).start()
+    if not done.wait(20):
+        pytest.fail("emit blocked on the front end that does not read")
+    reader.join(20)
+    assert [m[1][0].new_token_ids[0] for m in received] == list(range(steps))  # all, in order
+    assert all(m[2] is None for m in received)
+    assert len(ch._outboxes[0]._queue) <= 64
+    time.sleep(0.2)
+    got = _drain(c0)  # front end 0 starts reading: what it finds is bounded
+    # (what the pipe's buffer held, then the bounded backlog, its last the newest step's stats)
+    assert 64 <= len(got) < steps / 4 and got[-1][2].num_running == steps
 
 
 def test_shared_connections_count_over_processes_and_ignore_repeats():

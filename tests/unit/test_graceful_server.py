@@ -58,3 +58,18 @@ def test_without_a_hook_signals_behave_as_in_uvicorn():
     assert server.should_exit and not server.force_exit
     _signals(server, [signal.SIGINT])
     assert server.force_exit
+
+
+def test_exit_signals_and_ignored_signals_while_serving():
+    """An API server of several: only the supervisor's SIGUSR1 shuts it down; a SIGTERM that
+    reaches it directly is ignored; the previous handlers come back afterwards."""
+    server = _server(lambda early: None)
+    server.exit_signals = (signal.SIGUSR1,)
+    server.ignored_signals = (signal.SIGTERM,)
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
+    with server.capture_signals():
+        signal.raise_signal(signal.SIGTERM)  # ignored: this process lives on
+        assert not server.should_exit
+        signal.raise_signal(signal.SIGUSR1)
+        assert server.should_exit
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before
