@@ -60,21 +60,46 @@ ENGINE_STOP_TIMEOUT_S = 30.0
 PARENT_CHECK_S = 1.0
 #: the signal the supervisor sends its API servers (they ignore SIGTERM and SIGINT)
 STOP_SIGNAL = signal.SIGUSR1
+#: the parent-death signal of an API server (turned into one STOP_SIGNAL)
+PARENT_DEATH_SIGNAL = signal.SIGUSR2
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+#: the signals only the supervisor acts on
+_SUPERVISOR_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 def _watch_supervisor(supervisor_pid: int) -> None:
-    """In an API server: stop (:data:`STOP_SIGNAL` to itself) once the supervisor is gone: the
-    kernel's parent-death signal where there is one (Linux ``prctl``), and a thread that sees
-    the process re-parented (also when the supervisor died before this process got here)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(STOP_SIGNAL), 0, 0, 0)
+    """In an API server: stop (one :data:`STOP_SIGNAL` to itself) once the supervisor is gone.
+
+    The kernel's parent-death signal (Linux ``prctl``) is :data:`PARENT_DEATH_SIGNAL`, not the
+    stop signal itself: it comes once for each thread of the dying supervisor that the process
+    is handed over from (the tokenizer's thread pool makes several), and a second stop signal
+    would end the requests at once; its handler sends the stop signal the first time only.
+    Where there is no ``prctl``, a thread watches for the process being re-parented. Either
+    way a supervisor that died before this process got here counts too."""
+    fired = []
+
+    def once(sig=None, frame=None) -> None:
+        if not fired:
+            fired.append(True)
+            log.warning("the supervisor (pid %d) is gone: shutting down", supervisor_pid)
+            os.kill(os.getpid(), STOP_SIGNAL)
+
+    signal.signal(PARENT_DEATH_SIGNAL, once)
+    try:
+        rc = ctypes.CDLL(None, use_errno=True).prctl(
+            _PR_SET_PDEATHSIG, int(PARENT_DEATH_SIGNAL), 0, 0, 0
+        )
+    except (OSError, AttributeError):
+        rc = -1
+    if rc == 0:
+        if os.getppid() != supervisor_pid:  # it died before the parent-death signal was set
+            once()
+        return
 
     def watch() -> None:
         while os.getppid() == supervisor_pid:
             time.sleep(PARENT_CHECK_S)
-        log.warning("the supervisor (pid %d) is gone: shutting down", supervisor_pid)
-        os.kill(os.getpid(), STOP_SIGNAL)
+        once()
 
     threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
 
@@ -102,10 +127,12 @@ def api_server_main(
             directory (PROMETHEUS_MULTIPROC_DIR is set to it in this process's environment).
             supervisor_pid: the supervisor's pid (this process stops when it is gone).
     """
-    # SIGTERM/SIGINT are the supervisor's alone; until uvicorn runs, STOP_SIGNAL's default
+    # SIGTERM/SIGINT are the supervisor's alone (it started this process with them blocked, so
+    # none arrived before they were ignored here); until uvicorn runs, STOP_SIGNAL's default
     # action (exit) is the right one: nothing is in flight yet
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _SUPERVISOR_SIGNALS)
     os.setpgid(0, 0)
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -141,27 +168,21 @@ def api_server_main(
     server.run(sockets=[sock])
 
 
-class _StartupInterrupted(Exception):
-    """A SIGTERM/SIGINT came before the API servers were started."""
-
-
 class _Supervisor:
     """Forwards signals to the API servers and watches them and the engine core (see the module
-    docstring). Its handler is installed before the engine loads, so that a signal at any time
-    has one meaning."""
+    docstring). Its handler is installed before the engine loads and only counts and forwards,
+    so that a signal at any moment has one meaning and never interrupts the code it lands in;
+    the start-up checks :meth:`stopping` between its steps (and while the engine loads)."""
 
     def __init__(self):
         self.procs: list[mp.Process] = []  # the API servers started so far
         self.signals = 0
         self.failed = False
-        self.serving = False  # the API servers are being started: signals go to them
 
     def forward(self, sig, frame) -> None:
-        """The signal handler: before the API servers start, stop the start-up; after, each
-        SIGTERM/SIGINT becomes one :data:`STOP_SIGNAL` to every API server alive."""
+        """The signal handler: each SIGTERM/SIGINT becomes one :data:`STOP_SIGNAL` to every API
+        server alive (none before they start: the start-up stops instead)."""
         self.signals += 1
-        if not self.serving:
-            raise _StartupInterrupted(signal.Signals(sig).name)
         self._signal_all()
 
     def _signal_all(self) -> None:
@@ -172,6 +193,17 @@ class _Supervisor:
 
     def stopping(self) -> bool:
         return self.signals > 0 or self.failed
+
+    def start(self, process: mp.Process) -> None:
+        """Start one API server with SIGTERM/SIGINT blocked (they wait until it is in
+        :attr:`procs`, so the handler's forward reaches it; the child inherits the mask and
+        unblocks once it ignores them)."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, _SUPERVISOR_SIGNALS)
+        try:
+            process.start()
+            self.procs.append(process)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _SUPERVISOR_SIGNALS)
 
     def _fail(self, what: str, code) -> None:
         log.error("%s exited unexpectedly (exit code %s): stopping the server", what, code)
@@ -202,6 +234,40 @@ class _Supervisor:
                 announced = True
                 announce()
 
+    def stop_leftovers(self, timeout: float = 10.0) -> None:
+        """After an error in the supervisor itself: stop the API servers still running (their
+        supervisor is alive, so nothing else would), killing those that do not exit."""
+        left = [p for p in self.procs if p.is_alive()]
+        if not left:
+            return
+        self._signal_all()
+        deadline = time.monotonic() + timeout
+        for p in left:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def _hold_port(host: str, port: int) -> socket.socket:
+    """The supervisor's socket on ``host:port``, bound (never listening) for the server's
+    lifetime: a taken port fails at once, port 0 is resolved once, and while the engine loads no
+    other server can take the port (no SO_REUSEADDR: only SO_REUSEPORT sockets of this user,
+    the API servers', may join it). Connections from an earlier server left in TIME_WAIT block
+    that; then the port is held with SO_REUSEADDR as a single server holds it.
+
+    Raises:
+        SystemExit: the address cannot be bound.
+    """
+    from server.http_server import listen_socket
+
+    try:
+        return listen_socket(host, port, reuse_port=True, reuse_addr=False)
+    except SystemExit:
+        sock = listen_socket(host, port, reuse_port=True)  # SystemExit: truly taken
+        log.info("port %d has connections in TIME_WAIT: held as a single server holds it", port)
+        return sock
+
 
 def _port_lock(port: int) -> socket.socket:
     """An abstract Unix socket named after ``port``, bound for this supervisor's lifetime (the
@@ -225,56 +291,56 @@ def _port_lock(port: int) -> socket.socket:
 def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
     """Serve with ``args.api_server_count`` API-server processes and one engine core; returns
     the exit code: 0 after a signal's shutdown (also one during start-up), 1 after an API server
-    or the engine core died unexpectedly, or an API server failed while shutting down.
+    or the engine core died unexpectedly, or one of them failed while shutting down.
 
     Raises:
         SystemExit: the address cannot be bound.
         RuntimeError: the engine process failed to start.
     """
-    from engine.frontend.process_core import EngineProcess
+    from engine.frontend.process_core import EngineProcess, StartupInterrupted
     from engine.frontend.tokenizer import Tokenizer
-    from server.http_server import listen_socket
 
     count = int(args.api_server_count)
-    # bound (never listening) for the server's lifetime: a taken port fails now, port 0 is
-    # resolved once, and the port stays ours; connections go only to the listening sockets
-    hold = listen_socket(args.host, args.port, reuse_port=True)
+    hold = _hold_port(args.host, args.port)
     port = hold.getsockname()[1]
     lock = _port_lock(port)
     metrics_dir = tempfile.mkdtemp(prefix="qwen-serve-metrics-")
     supervisor = _Supervisor()
-    previous = {s: signal.signal(s, supervisor.forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, supervisor.forward) for s in _SUPERVISOR_SIGNALS}
     try:
         # the API servers (spawned: they inherit this environment) import prometheus_client
         # with it set, which selects its multiprocess value files
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         eos = Tokenizer(config.model).eos_token_ids
-        engine = EngineProcess(config, eos, num_clients=count, ignore_signals=True)
+        if supervisor.stopping():
+            raise StartupInterrupted("stopped before the engine started")
+        engine = EngineProcess(
+            config, eos, num_clients=count, ignore_signals=True, should_stop=supervisor.stopping
+        )
         ctx = mp.get_context("spawn")
         shared_connections = ctx.Value("q", 0)
         num_ready = ctx.Value("i", 0)
-        supervisor.serving = True
         for i in range(count):
             if supervisor.stopping():
                 break
-            p = ctx.Process(
-                target=api_server_main,
-                name=f"api-server-{i}",
-                args=(
-                    args,
-                    config,
-                    i,
-                    engine.conns[i],
-                    engine.limits,
-                    port,
-                    shared_connections,
-                    num_ready,
-                    metrics_dir,
-                    os.getpid(),
-                ),
+            supervisor.start(
+                ctx.Process(
+                    target=api_server_main,
+                    name=f"api-server-{i}",
+                    args=(
+                        args,
+                        config,
+                        i,
+                        engine.conns[i],
+                        engine.limits,
+                        port,
+                        shared_connections,
+                        num_ready,
+                        metrics_dir,
+                        os.getpid(),
+                    ),
+                )
             )
-            p.start()
-            supervisor.procs.append(p)
         engine.close_conns()  # each pipe is its API server's alone now (or no one's)
 
         def announce() -> None:
@@ -290,15 +356,21 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
         supervisor.run(engine.proc, num_ready, announce)
         engine.join(ENGINE_STOP_TIMEOUT_S)  # it stops once the last API server has left it
         codes = [p.exitcode for p in supervisor.procs]
-        log.info("API servers exited (codes %s); engine core stopped", codes)
+        log.info(
+            "API servers exited (codes %s); engine core stopped (code %s)",
+            codes,
+            engine.proc.exitcode,
+        )
         clean = all(c in (0, -STOP_SIGNAL) for c in codes)  # (stopped before uvicorn ran)
+        clean = clean and engine.proc.exitcode == 0
         if not clean and not supervisor.failed:
-            log.error("an API server failed while shutting down (exit codes %s)", codes)
+            log.error("a process failed while shutting down (exit codes above)")
         return 1 if supervisor.failed or not clean else 0
-    except _StartupInterrupted as e:
-        log.info("%s during start-up: stopped", e)
+    except StartupInterrupted as e:
+        log.info("signal during start-up: %s", e)
         return 0
     finally:
+        supervisor.stop_leftovers()
         for s, handler in previous.items():
             signal.signal(s, handler)
         hold.close()

@@ -138,13 +138,18 @@ class GracefulServer(uvicorn.Server):
                 signal.signal(s, handler)
 
 
-def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+def listen_socket(
+    host: str, port: int, reuse_port: bool = False, reuse_addr: bool = True
+) -> socket.socket:
     """A TCP socket bound to ``host:port`` (uvicorn listens on it), so that an address in use
     or not available ends start-up at once, before the engine loads its weights.
 
     ``reuse_port``: set SO_REUSEPORT, so that several API-server processes each listen on a
     socket of their own at the same address and the kernel spreads the connections over them
     (``server.api_servers``; Linux allows it only to sockets of the same user).
+    ``reuse_addr`` (SO_REUSEADDR, on by default so that a restart is not refused by the last
+    run's connections in TIME_WAIT): off, no other server without SO_REUSEPORT can bind the
+    port while this socket holds it.
 
     Raises:
         SystemExit: the address cannot be bound (one line naming it and the reason).
@@ -155,7 +160,8 @@ def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.sock
         raise SystemExit(f"python -m server: cannot listen on {host}:{port}: {e}") from None
     family, _, _, _, addr = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_addr:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,22 @@ class StepStats:
     gpu_memory_allocated: int = 0
     gpu_memory_reserved: int = 0
     gpu_memory_total: int = 0
+
+
+def combine_steps(earlier: StepStats, later: StepStats) -> StepStats:
+    """Two consecutive steps' stats as one: the state (queue lengths, KV blocks, GPU memory) of
+    ``later``, the per-step counts (tokens, preemptions, prefix-cache lookups, seconds) summed.
+    Used where a reader fell behind and one message has to stand for several steps; a
+    per-step histogram then sees one larger step instead of two."""
+    return replace(
+        later,
+        num_prompt_tokens=earlier.num_prompt_tokens + later.num_prompt_tokens,
+        num_generation_tokens=earlier.num_generation_tokens + later.num_generation_tokens,
+        num_preemptions=earlier.num_preemptions + later.num_preemptions,
+        prefix_queries=earlier.prefix_queries + later.prefix_queries,
+        prefix_hits=earlier.prefix_hits + later.prefix_hits,
+        step_seconds=earlier.step_seconds + later.step_seconds,
+    )
 
 
 @dataclass(frozen=True)

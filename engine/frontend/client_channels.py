@@ -5,8 +5,8 @@ its ``--api-server-count``: the HTTP work of many streams spread over several pr
 scheduler and KV cache behind them). Each front end has its own ``multiprocessing`` pipe; the
 core takes commands from all of them, remembers which front end added each request, and sends
 every step's outputs of a request only to that front end. The step's :class:`StepStats` go to
-front end 0 alone, so the step-derived metrics (gauges, preemptions, prefix-cache counters,
-tokens per step) are counted once.
+one front end alone (0, or the lowest-numbered one left), so the step-derived metrics
+(gauges, preemptions, prefix-cache counters, tokens per step) are counted once.
 
 A front end may abort only requests it added (an abort of another front end's request, say one
 whose duplicate id was refused, is ignored), and an aborted request is forgotten at once.
@@ -15,9 +15,9 @@ With several front ends the engine thread never writes to a pipe itself: each fr
 :class:`_Outbox` whose sender thread writes its messages in order (vLLM's engine core sends its
 outputs from a separate thread too), so a front end that is slow to read, still starting or
 stopped (SIGSTOP) holds back only its own messages, never the engine loop. While one's backlog
-is over :data:`MAX_BACKLOG` messages, its step stats without outputs are dropped (the newest
-replaces the last one queued, so the gauges stay current; a warning says so); outputs are never
-dropped.
+is over :data:`MAX_BACKLOG` messages, its stats-only messages are merged (newest state, summed
+counts; a warning says so); nothing is dropped. At the engine's exit the sender threads deliver
+what is queued (:meth:`ClientChannels.close`).
 
 A front end leaves with a :class:`Shutdown` command or by closing its pipe (its process ended):
 its requests still in the engine are aborted (their KV blocks freed) and its pipe is closed.
@@ -28,71 +28,95 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict, deque
 from multiprocessing.connection import Connection, wait
 
 from engine.core.commands import AbortRequest, Command, CommandKind, Shutdown
 from engine.core.outputs import RequestOutput
-from engine.core.stats import StepStats
+from engine.core.stats import StepStats, combine_steps
 
 log = logging.getLogger(__name__)
 
-#: messages waiting for one front end beyond which its stats-only messages are dropped
+#: messages waiting for one front end beyond which its stats-only messages are merged
 MAX_BACKLOG = 4096
 
 
 class _Outbox:
     """The messages waiting for one front end and the daemon thread that sends them, in order,
-    over its pipe (a blocking ``Connection.send`` that waits only for that front end)."""
+    over its pipe (a blocking ``Connection.send`` that waits only for that front end).
+
+    Over :data:`MAX_BACKLOG` queued messages, a stats-only message is merged into the last one
+    queued when that one is stats-only too (:func:`combine_steps`: newest state, summed counts),
+    so a front end that does not read costs bounded memory and loses no count."""
 
     def __init__(self, index: int, conn: Connection):
         self.index = index
         self._conn = conn
         self._queue: deque = deque()
         self._cond = threading.Condition()
-        self._closed = False
-        self._dropped = 0
+        self._closed = False  # stop now, discard what is queued
+        self._draining = False  # stop once the queue is empty
+        self._merged = 0
         self._thread = threading.Thread(target=self._run, name=f"send-{index}", daemon=True)
         self._thread.start()
 
     def put(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
         """Queue one ``("out", outputs, stats)`` message (called from the engine thread)."""
+        first_merge = False
         with self._cond:
-            if self._closed:
+            if self._closed or self._draining:
                 return
-            if not outputs and len(self._queue) >= MAX_BACKLOG:
-                self._dropped += 1
-                if self._dropped == 1:
-                    log.warning(
-                        "front end %d is not reading (%d messages waiting): dropping its step "
-                        "stats until it catches up",
-                        self.index,
-                        len(self._queue),
-                    )
-                if not self._queue[-1][1]:  # keep the newest gauges in the last stats message
-                    self._queue[-1] = ("out", outputs, stats)
-                return
-            self._queue.append(("out", outputs, stats))
-            self._cond.notify()
+            last = self._queue[-1] if self._queue else None
+            if (
+                not outputs
+                and stats is not None
+                and len(self._queue) >= MAX_BACKLOG
+                and not last[1]
+                and last[2] is not None
+            ):
+                self._queue[-1] = ("out", [], combine_steps(last[2], stats))
+                self._merged += 1
+                first_merge = self._merged == 1
+                waiting = len(self._queue)
+            else:
+                self._queue.append(("out", outputs, stats))
+                self._cond.notify()
+        if first_merge:
+            log.warning(
+                "front end %d is not reading (%d messages waiting): merging its step stats "
+                "until it catches up",
+                self.index,
+                waiting,
+            )
 
-    def close(self) -> None:
-        """Stop sending (the front end left); what is still queued is discarded."""
+    def close(self, drain_timeout: float | None = None) -> None:
+        """Stop sending: at once, discarding what is queued (the front end left), or with
+        ``drain_timeout`` seconds after the queued messages were sent (the engine is exiting:
+        its last outputs, say the errors of a fatal step, must reach the front ends)."""
         with self._cond:
-            self._closed = True
-            self._queue.clear()
+            if drain_timeout is None:
+                self._closed = True
+                self._queue.clear()
+            else:
+                self._draining = True
             self._cond.notify()
+        if drain_timeout is not None:
+            self._thread.join(drain_timeout)
 
     def _run(self) -> None:
         while True:
+            caught_up = 0
             with self._cond:
-                while not self._queue and not self._closed:
+                while not self._queue and not self._closed and not self._draining:
                     self._cond.wait()
-                if self._closed:
+                if self._closed or not self._queue:
                     return
                 msg = self._queue.popleft()
-                if self._dropped and not self._queue:
-                    log.info("front end %d caught up (%d stats dropped)", self.index, self._dropped)
-                    self._dropped = 0
+                if self._merged and not self._queue:
+                    caught_up, self._merged = self._merged, 0
+            if caught_up:
+                log.info("front end %d caught up (%d step stats merged)", self.index, caught_up)
             try:
                 self._conn.send(msg)
             except (BrokenPipeError, OSError):
@@ -103,8 +127,8 @@ class ClientChannels:
     """Routes commands from, and outputs to, the front ends of one engine core.
 
     Args:
-        conns: one pipe end per front end; the front end at index 0 also receives the step
-            stats (every step, with or without outputs of its own).
+        conns: one pipe end per front end; the lowest-numbered front end still connected also
+            receives the step stats (every step, with or without outputs of its own).
         sender_threads: send through one :class:`_Outbox` thread per front end (None: when
             there are several front ends; a single front end is written to directly, as it
             is the only one the engine serves anyway).
@@ -202,8 +226,10 @@ class ClientChannels:
         return [AbortRequest(rid) for rid in mine]
 
     def emit(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
-        """Send each output to the front end that added its request, and ``stats`` to front end
-        0 (a step with stats always reaches it, with its outputs or none)."""
+        """Send each output to the front end that added its request, and ``stats`` to the
+        lowest-numbered front end still connected (front end 0 unless it left first, as it
+        may during a shutdown; a step with stats always reaches it, with its outputs or
+        none)."""
         if len(self._conns) == 1 and 0 in self._conns:  # the common single-front-end case
             for out in outputs:
                 if out.finished:
@@ -217,10 +243,18 @@ class ClientChannels:
                 owner = self._owner.get(out.request_id)
             if owner is not None:
                 routed[owner].append(out)
-        if stats is not None:
-            routed.setdefault(0, [])
+        stats_to = min(self._conns) if self._conns else None
+        if stats is not None and stats_to is not None:
+            routed.setdefault(stats_to, [])
         for index, outs in routed.items():
-            self._send(index, outs, stats if index == 0 else None)
+            self._send(index, outs, stats if index == stats_to else None)
+
+    def close(self, drain_timeout: float) -> None:
+        """At the engine's exit: let each sender thread deliver what is queued, waiting at most
+        ``drain_timeout`` seconds in all (a direct sender has nothing queued)."""
+        deadline = time.monotonic() + drain_timeout
+        for outbox in self._outboxes.values():
+            outbox.close(max(0.0, deadline - time.monotonic()))
 
     def _send(self, index: int, outputs: list[RequestOutput], stats: StepStats | None) -> None:
         outbox = self._outboxes.get(index)

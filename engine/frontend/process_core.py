@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import gc
 import logging
 import multiprocessing as mp
 import signal
 import sys
 import threading
+import time
 
 from engine.core.commands import Command, Shutdown
 from engine.core.config import EngineConfig
@@ -28,6 +30,9 @@ from engine.frontend.client_channels import ClientChannels
 from engine.frontend.core_client import SWITCH_INTERVAL_S
 
 log = logging.getLogger(__name__)
+
+#: seconds between the checks of ``should_stop`` while the engine process loads
+STARTUP_POLL_S = 0.1
 
 
 def _child_main(
@@ -50,6 +55,9 @@ def _child_main(
     if config.tensor_parallel_size > 1 or ignore_signals:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a parent killed during the load (minutes with a large model) must not leave this process
+    # loading and holding the GPU: until it reports ready, its parent's death kills it
+    _set_parent_death_signal(signal.SIGKILL)
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s"
     )
@@ -67,13 +75,35 @@ def _child_main(
     # same).
     gc.collect()
     gc.freeze()
-    conns[0].send(("ready", engine.limits))
+    try:
+        conns[0].send(("ready", engine.limits))
+    except OSError:  # the parent is gone
+        engine.shutdown()
+        return
+    # from here on the front ends stop it (they leave; see ClientChannels), also when the
+    # parent dies: a supervisor's API servers finish their requests first
+    _set_parent_death_signal(0)
     channels = ClientChannels(conns)
     channels.emit([], engine.idle_stats())  # the gauges have values before the first request
     try:
         run_engine_loop(engine, channels.next_commands, channels.emit, log_interval)
-    finally:  # also after a fatal step: stop the other tensor-parallel ranks
+    finally:  # also after a fatal step: deliver what is queued, stop the tensor-parallel ranks
+        channels.close(CHANNELS_DRAIN_S)
         engine.shutdown()
+
+
+#: seconds the engine process waits at exit for its sender threads to deliver what is queued
+CHANNELS_DRAIN_S = 5.0
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    """Linux ``prctl(PR_SET_PDEATHSIG, sig)`` (0 clears it); nothing where there is none."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)
+
+
+class StartupInterrupted(Exception):
+    """The wait for the engine process was stopped (``should_stop``); the process was killed."""
 
 
 class EngineProcess:
@@ -86,6 +116,9 @@ class EngineProcess:
         startup_timeout: seconds to wait for the model (compilation and CUDA graphs included).
         ignore_signals: the process ignores SIGTERM/SIGINT (a supervisor stops it by closing the
             pipes; see :func:`_child_main`).
+        should_stop: called every :data:`STARTUP_POLL_S` seconds while the model loads; True
+            kills the process and raises :class:`StartupInterrupted` (a supervisor's signal
+            handler sets the flag it reads; it never raises from the handler).
 
     Attributes:
         conns: this side of the pipes; hand each to its front end. limits: the engine's
@@ -93,8 +126,9 @@ class EngineProcess:
 
     Raises:
         RuntimeError: the engine process failed to start (its error message included).
-        BaseException: whatever interrupted the wait (KeyboardInterrupt, a signal handler's
-            exception); the process is killed first in every case.
+        StartupInterrupted: ``should_stop()`` said so.
+        BaseException: whatever else interrupted the wait (KeyboardInterrupt); the process is
+            killed first in every case.
     """
 
     def __init__(
@@ -105,6 +139,7 @@ class EngineProcess:
         log_interval: float = 10.0,
         startup_timeout: float = 1800.0,
         ignore_signals: bool = False,
+        should_stop=None,
     ):
         if num_clients < 1:
             raise ValueError(f"num_clients must be at least 1, got {num_clients}")
@@ -127,24 +162,28 @@ class EngineProcess:
                 ignore_signals,
             ),
         )
-        self.proc.start()
-        for _, child_conn in pipes:
-            child_conn.close()
-        if not self.proc.daemon:  # multiprocessing would join it at exit, maybe forever
-            atexit.register(self.reap)
         try:
-            self.limits: EngineLimits = self._wait_ready(startup_timeout)
-        except BaseException:  # also a signal handler's exception (a stop during start-up)
-            if self.proc.is_alive():
+            self.proc.start()
+            for _, child_conn in pipes:
+                child_conn.close()
+            if not self.proc.daemon:  # multiprocessing would join it at exit, maybe forever
+                atexit.register(self.reap)
+            self.limits: EngineLimits = self._wait_ready(startup_timeout, should_stop)
+        except BaseException:
+            if self.proc.pid is not None and self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join(5)
             self.close_conns()
             raise
 
-    def _wait_ready(self, startup_timeout: float) -> EngineLimits:
+    def _wait_ready(self, startup_timeout: float, should_stop) -> EngineLimits:
         first = self.conns[0]
-        if not first.poll(startup_timeout):
-            raise RuntimeError(f"engine process not ready after {startup_timeout:.0f}s")
+        deadline = time.monotonic() + startup_timeout
+        while not first.poll(min(STARTUP_POLL_S, max(0.0, deadline - time.monotonic()))):
+            if should_stop is not None and should_stop():
+                raise StartupInterrupted("stopped while the engine loaded")
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"engine process not ready after {startup_timeout:.0f}s")
         try:
             kind, payload = first.recv()
         except EOFError:

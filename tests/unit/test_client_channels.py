@@ -13,7 +13,7 @@ import pytest
 from engine.core.commands import AbortRequest, AddRequest, CommandKind, Shutdown
 from engine.core.outputs import RequestOutput
 from engine.core.request import FinishReason, SamplingParams
-from engine.core.stats import StepStats
+from engine.core.stats import StepStats, combine_steps
 from engine.frontend import client_channels
 from engine.frontend.client_channels import ClientChannels
 from server.http_protocol import SharedConnections
@@ -112,13 +112,13 @@ def test_a_front_end_aborts_only_its_own_requests_and_an_aborted_request_is_forg
 
 def test_a_front_end_that_does_not_read_never_blocks_the_engine(monkeypatch):
     """Front end 0 (the one that gets every step's stats) reads nothing, as when its process
-    is still starting or stopped: the engine keeps emitting to front end 1 without waiting, and
-    front end 0's backlog of stats-only messages stays bounded."""
+    is still starting or stopped: the engine keeps emitting to front end 1 without waiting;
+    front end 0's backlog stays bounded, its stats merged, no step's counts lost."""
     monkeypatch.setattr(client_channels, "MAX_BACKLOG", 64)
     ch, (c0, c1) = _channels(2)
     c1.send(AddRequest("b", [1], SamplingParams()))
     ch.next_commands(1.0)
-    steps = 3000  # ~1 MB of messages: far more than a pipe's buffer holds
+    steps = 3000  # ~1 MB of messages: more than a pipe's buffer holds by default
     received: list = []
     reader = threading.Thread(
         target=lambda: received.extend(c1.recv() for _ in range(steps)), daemon=True
@@ -138,10 +138,43 @@ def test_a_front_end_that_does_not_read_never_blocks_the_engine(monkeypatch):
     assert [m[1][0].new_token_ids[0] for m in received] == list(range(steps))  # all, in order
     assert all(m[2] is None for m in received)
     assert len(ch._outboxes[0]._queue) <= 64
-    time.sleep(0.2)
-    got = _drain(c0)  # front end 0 starts reading: what it finds is bounded
-    # (what the pipe's buffer held, then the bounded backlog, its last the newest step's stats)
-    assert 64 <= len(got) < steps / 4 and got[-1][2].num_running == steps
+    got = _drain(c0)  # front end 0 starts reading: every step's counts arrive, newest state last
+    deadline = time.monotonic() + 10
+    while sum(m[2].num_generation_tokens for m in got) < sum(range(1, steps + 1)):
+        assert time.monotonic() < deadline, len(got)
+        got += _drain(c0)
+    assert sum(m[2].num_generation_tokens for m in got) == sum(range(1, steps + 1))
+    assert sum(m[2].num_prompt_tokens for m in got) == 3 * steps
+    assert got[-1][2].num_running == steps
+
+
+def test_stats_go_to_the_next_front_end_when_front_end_0_left_and_the_queue_drains_at_exit():
+    ch, (c0, c1, c2) = _channels(3)
+    c2.send(AddRequest("c", [1], SamplingParams()))
+    ch.next_commands(1.0)
+    c0.send(Shutdown())  # front end 0 finished its shutdown first
+    ch.next_commands(1.0)
+    ch.emit([RequestOutput("c", [4])], _stats(5))
+    (m1,) = _drain(c1)
+    (m2,) = _drain(c2)
+    assert m1[1] == [] and m1[2].num_running == 5  # the gauges live on
+    assert m2[1][0].request_id == "c" and m2[2] is None
+    # a fatal step's last outputs, emitted just before the engine exits, are delivered
+    ch.emit([RequestOutput.failed("c", "CUDA error")], None)
+    ch.close(5.0)
+    (last,) = _drain(c2)
+    assert last[1][0].error == "CUDA error"
+
+
+def test_combine_steps_keeps_the_newest_state_and_sums_the_counts():
+    a = StepStats(3, 1, 10, 12, 0.2, 100, 3, 1, 64, 32, 0.004)
+    b = StepStats(2, 0, 11, 12, 0.1, 0, 2, 0, 16, 16, 0.003, 7, 8, 9)
+    c = combine_steps(a, b)
+    assert (c.num_running, c.num_waiting, c.num_free_blocks, c.kv_usage) == (2, 0, 11, 0.1)
+    assert (c.gpu_memory_allocated, c.gpu_memory_reserved, c.gpu_memory_total) == (7, 8, 9)
+    assert (c.num_prompt_tokens, c.num_generation_tokens, c.num_preemptions) == (100, 5, 1)
+    assert (c.prefix_queries, c.prefix_hits) == (80, 48)
+    assert c.step_seconds == pytest.approx(0.007)
 
 
 def test_shared_connections_count_over_processes_and_ignore_repeats():

@@ -66,10 +66,16 @@ def test_exit_signals_and_ignored_signals_while_serving():
     server = _server(lambda early: None)
     server.exit_signals = (signal.SIGUSR1,)
     server.ignored_signals = (signal.SIGTERM,)
-    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
-    with server.capture_signals():
-        signal.raise_signal(signal.SIGTERM)  # ignored: this process lives on
-        assert not server.should_exit
-        signal.raise_signal(signal.SIGUSR1)
-        assert server.should_exit
-    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before
+    seen: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda sig, frame: seen.append(sig))
+    try:
+        outer = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
+        with server.capture_signals():
+            signal.raise_signal(signal.SIGTERM)  # ignored (not even the handler outside sees it)
+            assert not server.should_exit
+            signal.raise_signal(signal.SIGUSR1)
+            assert server.should_exit
+        assert seen == []
+        assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == outer
+    finally:
+        signal.signal(signal.SIGTERM, before)
