@@ -75,14 +75,16 @@ def _child_main(
     # same).
     gc.collect()
     gc.freeze()
+    # from here on the front ends stop it (they leave; see ClientChannels), also when the
+    # parent dies: a supervisor's API servers finish their requests first. (Cleared before the
+    # report: the parent-death signal follows the parent's thread, which may end once it has
+    # the report.)
+    _set_parent_death_signal(0)
     try:
         conns[0].send(("ready", engine.limits))
     except OSError:  # the parent is gone
         engine.shutdown()
         return
-    # from here on the front ends stop it (they leave; see ClientChannels), also when the
-    # parent dies: a supervisor's API servers finish their requests first
-    _set_parent_death_signal(0)
     channels = ClientChannels(conns)
     channels.emit([], engine.idle_stats())  # the gauges have values before the first request
     try:
