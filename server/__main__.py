@@ -405,7 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--limit-concurrency",
         type=int,
         default=_env("limit_concurrency", 1024),
-        help="most open connections (and running requests); a request beyond gets 503 (uvicorn's)",
+        help="most connections served at once (over all API servers); a connection opened "
+        "beyond gets a 503 (OpenAI error body) and is closed",
     )
     a(
         "--h11-max-incomplete-event-size",

@@ -16,7 +16,7 @@ core. Here:
   processes through prometheus_client's multiprocess directory, the engine's step stats go to
   API server 0 alone (``engine.frontend.client_channels``);
 * ``--limit-concurrency`` is one limit over all of them (a shared connection count,
-  ``server.http_protocol.SharedConnections``); the engine's own limits (``--max-num-seqs``, the
+  ``server.http_protocol.ConnectionSlots``); the engine's own limits (``--max-num-seqs``, the
   KV cache) are the engine core's, shared by construction;
 * signals: only the supervisor acts on SIGTERM/SIGINT. The API servers run in process groups
   of their own (a terminal's Ctrl-C reaches only the supervisor) and ignore both signals (a

@@ -20,9 +20,14 @@ On expiry the client gets ``408 Request Timeout`` (an OpenAI error body) and the
 closed; an app waiting for the rest of the body sees a disconnect. A request that has been read
 is never timed: responses (streams included) take as long as they take.
 
-With several API-server processes (``--api-server-count``) ``limit_concurrency`` stays one
-limit for the whole server: each protocol counts its connection in a count shared by the
-processes (:class:`SharedConnections`), and uvicorn's check compares that count with the limit.
+The connection cap (``--limit-concurrency N``) is admission per connection
+(:class:`ConnectionSlots`): the first N open connections are served; a connection opened while N
+are open gets ``503`` (an OpenAI error body, ``connection: close``) for its request and is
+closed. uvicorn's own ``limit_concurrency`` is not used: it compares the open connections,
+the asking one included, with the limit at every request, so at most N - 1 connections are
+served and a burst of more than N new connections gets 503 on every one of them, and its
+503 is plain text. With several API-server processes (``--api-server-count``) the slots are one
+count shared by the processes, so the cap stays one limit for the whole server.
 """
 
 from __future__ import annotations
@@ -53,64 +58,94 @@ def _timeout_response(what: str, seconds: float) -> bytes:
     return head.encode() + body
 
 
-class SharedConnections:
-    """One process's open connections (uvicorn's set) counted into a count shared by all API
-    servers: ``len()`` is the server-wide number of open connections, which is what uvicorn
-    compares with ``limit_concurrency`` before it answers a request (503 at the limit).
+def _unavailable_response(limit: int) -> bytes:
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"the server has {limit} open connections, its --limit-concurrency: "
+                "retry later",
+                "type": "service_unavailable",
+                "param": None,
+                "code": "too_many_connections",
+            }
+        }
+    ).encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+        f"retry-after: 1\r\nconnection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class ConnectionSlots:
+    """The connection cap: ``limit`` slots, one taken by each served connection while it is
+    open.
 
     Args:
-        local: uvicorn's ``server_state.connections`` of this process (added to and discarded
-            from as uvicorn does; its own shutdown waits on it).
-        shared: a ``multiprocessing.Value`` of a signed integer type, made by the API-server
-            supervisor and passed to every API server (0 at start).
+        limit: the most connections served at once (>= 1).
+        shared: a ``multiprocessing.Value`` of a signed integer type (0 at start) that the API
+            servers of one server share (made by the supervisor), or None for a server of one
+            process (its event loop is the only user).
     """
 
-    def __init__(self, local: set, shared):
-        self.local = local
-        self.shared = shared
+    def __init__(self, limit: int, shared=None):
+        self.limit = limit
+        self._shared = shared
+        self._taken = 0
 
-    def add(self, conn) -> None:
-        if conn not in self.local:
-            self.local.add(conn)
-            with self.shared.get_lock():
-                self.shared.value += 1
+    def acquire(self) -> bool:
+        """Take a slot; False when all are taken."""
+        if self._shared is None:
+            if self._taken >= self.limit:
+                return False
+            self._taken += 1
+            return True
+        with self._shared.get_lock():
+            if self._shared.value >= self.limit:
+                return False
+            self._shared.value += 1
+            return True
 
-    def discard(self, conn) -> None:
-        if conn in self.local:
-            self.local.discard(conn)
-            with self.shared.get_lock():
-                self.shared.value -= 1
+    def release(self) -> None:
+        """Give a slot back (once per successful :meth:`acquire`)."""
+        if self._shared is None:
+            self._taken -= 1
+            return
+        with self._shared.get_lock():
+            self._shared.value -= 1
 
     def __len__(self) -> int:
-        return self.shared.value
-
-    def __contains__(self, conn) -> bool:
-        return conn in self.local
-
-    def __iter__(self):
-        return iter(self.local)
+        """Slots taken (over all processes sharing them)."""
+        return self._taken if self._shared is None else self._shared.value
 
 
 def guarded_protocol(
-    header_timeout: float, body_timeout: float, shared_connections=None
+    header_timeout: float, body_timeout: float, slots: ConnectionSlots | None = None
 ) -> type[H11Protocol]:
     """An h11 protocol class for ``uvicorn.Config(http=...)`` with the two read deadlines
-    (seconds, > 0). ``shared_connections``: the ``multiprocessing.Value`` the API servers count
-    their open connections in (:class:`SharedConnections`), None for a server of one process."""
+    (seconds, > 0) and, with ``slots``, the connection cap (see the module docstring)."""
 
     class GuardedH11Protocol(H11Protocol):
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            if shared_connections is not None:
-                self.connections = SharedConnections(self.connections, shared_connections)
-
         def connection_made(self, transport) -> None:
             self._read_timer = None
             self._reading = None  # "headers" / "body" while a deadline runs
+            self._has_slot = slots is None or slots.acquire()
             super().connection_made(transport)
+            if not self._has_slot:
+                log.warning(
+                    "refusing %s:%s: %d connections open (--limit-concurrency)",
+                    *(self.client or ("?", "?")),
+                    slots.limit,
+                )
             self._arm("headers", header_timeout)
 
         def data_received(self, data: bytes) -> None:
+            if not self._has_slot:  # answer its request (any bytes of it) with the 503, close
+                if not self.transport.is_closing():
+                    self._cancel()
+                    self.transport.write(_unavailable_response(slots.limit))
+                    self.transport.close()
+                return
             if self._read_timer is None and (self.cycle is None or self.cycle.response_complete):
                 self._arm("headers", header_timeout)  # the next request on a kept-alive socket
             before = self.cycle
@@ -129,6 +164,9 @@ def guarded_protocol(
 
         def connection_lost(self, exc) -> None:
             self._cancel()
+            if self._has_slot and slots is not None:
+                self._has_slot = False
+                slots.release()
             super().connection_lost(exc)
 
         def _arm(self, what: str, seconds: float) -> None:

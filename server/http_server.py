@@ -185,10 +185,10 @@ def make_server(
     runs when --graceful-timeout expires during a shutdown, or at a second signal
     (:class:`GracefulServer`); uvicorn's own timeout, which cancels
     the requests' tasks, comes :data:`SHUTDOWN_BACKSTOP_S` later (without a hook, at the
-    timeout itself). ``shared_connections``: the connection count shared by several API
-    servers (``server.http_protocol.SharedConnections``), so that --limit-concurrency limits
-    the whole server."""
-    from server.http_protocol import guarded_protocol
+    timeout itself). ``shared_connections``: the ``multiprocessing.Value`` in which several
+    API servers count their served connections (``server.http_protocol.ConnectionSlots``), so
+    that --limit-concurrency limits the whole server."""
+    from server.http_protocol import ConnectionSlots, guarded_protocol
 
     timeout = float(args.graceful_timeout)
     return GracefulServer(
@@ -202,10 +202,9 @@ def make_server(
             http=guarded_protocol(
                 float(args.timeout_request_header),
                 float(args.timeout_request_body),
-                shared_connections,
+                ConnectionSlots(int(args.limit_concurrency), shared_connections),
             ),
             timeout_keep_alive=int(args.timeout_keep_alive),
-            limit_concurrency=int(args.limit_concurrency),
             h11_max_incomplete_event_size=int(args.h11_max_incomplete_event_size),
         ),
         graceful_timeout=timeout,

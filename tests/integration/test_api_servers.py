@@ -130,9 +130,9 @@ def _open_idle(port: int, n: int) -> list[socket.socket]:
 
 
 def test_limit_concurrency_is_one_limit_over_both_servers():
-    """``--limit-concurrency 4``: with three idle connections open anywhere, a request on a
-    fourth connection gets 503 whichever server it reaches (uvicorn's check counts the
-    connection itself); counted per server, most would pass."""
+    """``--limit-concurrency 4``: with four idle connections open anywhere, a request on a fifth
+    connection gets 503 whichever server it reaches (counted per server, most would pass); with
+    three open, it is served."""
     srv = ServerProcess(
         "--api-server-count",
         "2",
@@ -145,20 +145,29 @@ def test_limit_concurrency_is_one_limit_over_both_servers():
     ).wait_ready()
     try:
         srv.api_server_pids(2)
+
+        def health_codes(n: int) -> list[int]:  # each on a fresh connection, closed after
+            return [httpx.get(srv.base_url + "/health", timeout=10).status_code for _ in range(n)]
+
         idle = _open_idle(srv.port, 3)
+        time.sleep(0.5)
+        assert health_codes(8) == [200] * 8  # a fourth connection is within the cap
+        idle += _open_idle(srv.port, 1)
         deadline = time.monotonic() + 20  # until both servers accepted theirs
         codes: list[int] = []
         while time.monotonic() < deadline:
-            codes = [httpx.get(srv.base_url + "/health", timeout=10).status_code for _ in range(12)]
+            codes = health_codes(12)
             if codes == [503] * 12:
                 break
             time.sleep(0.2)
         assert codes == [503] * 12, codes
+        r = httpx.get(srv.base_url + "/health", timeout=10)
+        assert r.json()["error"]["code"] == "too_many_connections", r.text
         for s in idle:
             s.close()
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            codes = [httpx.get(srv.base_url + "/health", timeout=10).status_code for _ in range(8)]
+            codes = health_codes(8)
             if codes == [200] * 8:
                 break
             time.sleep(0.2)

@@ -6,6 +6,8 @@ sockets are dropped. Every wait is bounded: the test ends by itself within ~40 s
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import statistics
 import time
 
@@ -129,3 +131,35 @@ def test_connection_cap_answers_503_and_recovers_when_idle_sockets_are_dropped(s
     capped, recovered = asyncio.run(run())
     assert capped == 503
     assert recovered == 200
+
+
+def test_a_burst_over_the_cap_serves_the_first_connections_and_refuses_the_rest(slow_server):
+    """CAP + 44 connections open at once, then each sends a request: CAP are served, 44 get
+    the 503 (OpenAI error body) and are closed. (uvicorn's own check, which counts the asking
+    connection, would answer 503 to every one of them.)"""
+    extra = 44
+
+    async def one(reader, writer) -> tuple[int, bytes]:
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(re.search(rb"content-length: (\d+)", head.lower()).group(1))
+        body = await reader.readexactly(length)
+        return int(head.split()[1]), body
+
+    async def run():
+        socks = [
+            await asyncio.open_connection("127.0.0.1", slow_server.port) for _ in range(CAP + extra)
+        ]
+        await asyncio.sleep(0.3)  # all accepted: CAP hold a slot
+        answers = await asyncio.gather(*(one(r, w) for r, w in socks))
+        for _, writer in socks:
+            writer.close()
+        return answers
+
+    answers = asyncio.run(run())
+    codes = [code for code, _ in answers]
+    assert codes.count(200) == CAP and codes.count(503) == extra, sorted(set(codes))
+    refused = json.loads(next(body for code, body in answers if code == 503))["error"]
+    assert refused["code"] == "too_many_connections" and refused["type"] == "service_unavailable"
+    assert f"{CAP} open connections" in refused["message"], refused

@@ -1,5 +1,5 @@
 """The engine core's routing between several front ends (engine.frontend.client_channels) and the
-connection count the API servers share (server.http_protocol.SharedConnections), over real
+connection slots the API servers share (server.http_protocol.ConnectionSlots), over real
 ``multiprocessing`` pipes and a real shared value."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from engine.core.request import FinishReason, SamplingParams
 from engine.core.stats import StepStats, combine_steps
 from engine.frontend import client_channels
 from engine.frontend.client_channels import ClientChannels
-from server.http_protocol import SharedConnections
+from server.http_protocol import ConnectionSlots
 
 
 def _stats(running: int) -> StepStats:
@@ -177,16 +177,14 @@ def test_combine_steps_keeps_the_newest_state_and_sums_the_counts():
     assert c.step_seconds == pytest.approx(0.007)
 
 
-def test_shared_connections_count_over_processes_and_ignore_repeats():
+def test_connection_slots_are_one_count_over_processes():
     shared = mp.get_context("spawn").Value("q", 0)
-    a, b = SharedConnections(set(), shared), SharedConnections(set(), shared)
-    x, y, z = object(), object(), object()
-    a.add(x)
-    a.add(x)  # uvicorn adds a connection once, but a repeat must not count twice
-    b.add(y)
-    b.add(z)
-    assert len(a) == len(b) == 3 and x in a and x not in b
-    b.discard(y)
-    b.discard(y)
-    a.discard(z)  # not a's: no change
-    assert len(a) == 2 and set(b) == {z}
+    a, b = ConnectionSlots(3, shared), ConnectionSlots(3, shared)
+    assert [a.acquire(), b.acquire(), a.acquire()] == [True] * 3
+    assert not b.acquire() and not a.acquire() and len(a) == len(b) == 3
+    b.release()
+    assert a.acquire() and not b.acquire()
+    local = ConnectionSlots(1)
+    assert local.acquire() and not local.acquire()
+    local.release()
+    assert local.acquire() and len(local) == 1
