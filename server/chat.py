@@ -13,7 +13,7 @@ from server.errors import APIError, rejected
 from server.generation import EngineError, Generation, engine_error_event
 from server.logprobs import TokenNames, chat_logprobs, prompt_logprobs_list
 from server.output import ChatOutputProcessor
-from server.params import to_sampling_params
+from server.params import check_stream_options, to_sampling_params
 from server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -118,6 +118,7 @@ class ChatCompletions:
         ctx = self.ctx
         check_request_text(req)
         ctx.check_model(req.model)
+        check_stream_options(req)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         if req.echo:

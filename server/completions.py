@@ -11,7 +11,7 @@ from server.context import ServerContext
 from server.errors import APIError, rejected
 from server.generation import ChoiceEvent, EngineError, Generation, engine_error_event, merge
 from server.logprobs import TokenNames, completion_logprobs, prompt_logprobs_list
-from server.params import to_sampling_params
+from server.params import check_stream_options, to_sampling_params
 from server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -47,6 +47,7 @@ class Completions:
         ctx = self.ctx
         check_request_text(req)
         ctx.check_model(req.model)
+        check_stream_options(req)
         if req.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         if req.max_tokens == 0 and not req.echo and req.prompt_logprobs is None:

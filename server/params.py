@@ -25,6 +25,16 @@ def shown(value: int) -> str:
     return str(value)
 
 
+def check_stream_options(req: SamplingFields) -> None:
+    """``stream_options`` only with ``stream`` true (OpenAI and vLLM answer 400 otherwise).
+
+    Raises:
+        APIError: 400 naming ``stream_options``.
+    """
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+
+
 def generation_defaults(generation_config: dict) -> dict:
     """Sampling defaults from a checkpoint's generation config (Qwen3: temperature 0.6, top_p 0.95,
     top_k 20). Without ``do_sample`` true the checkpoint asks for greedy decoding."""

@@ -12,7 +12,15 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 MAX_N = 16
 MAX_STOP = 16
@@ -52,9 +60,17 @@ class ChatMessage(_Lenient):
     tool_calls: list[ToolCall] | None = (
         None  # before content: its validator reads role and tool_calls
     )
-    tool_call_id: str | None = None
+    tool_call_id: str | None = Field(None, validate_default=True)
     reasoning_content: str | None = None
     content: str | list[TextPart] | None = Field(None, validate_default=True)
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id_required(cls, v, info):
+        """A tool message answers one call: it must name it (OpenAI answers 400 without)."""
+        if v is None and info.data.get("role") == "tool":
+            raise ValueError("a message with role 'tool' needs the tool_call_id it answers")
+        return v
 
     @field_validator("content", mode="before")
     @classmethod
@@ -176,10 +192,10 @@ class SamplingFields(_Lenient):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, strict=True)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, strict=True)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     ignore_eos: bool = Field(False, strict=True)
     min_tokens: int = Field(0, ge=0, strict=True)
     skip_special_tokens: bool = Field(True, strict=True)
@@ -243,7 +259,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = Field(None, ge=0, strict=True)  # 0: score the prompt only (with echo)
     echo: bool = Field(False, strict=True)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
@@ -285,7 +301,7 @@ class DetokenizeRequest(_Lenient):
     """``POST /detokenize`` (vLLM's shape)."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 # ------------------------------------------------------------------ responses

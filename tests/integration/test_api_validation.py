@@ -184,6 +184,19 @@ BAD_REQUESTS = [
     ("completions", {"presence_penalty": "1"}, "presence_penalty"),
     ("chat", {"logprobs": "yes"}, "logprobs"),
     ("chat", {"n": "2"}, "n"),
+    ("completions", {"prompt": [True, False]}, "prompt"),  # not token ids 1 and 0
+    ("completions", {"prompt": [[5, True]]}, "prompt"),
+    ("chat", {"stop_token_ids": [True]}, "stop_token_ids.0"),
+    ("completions", {"logit_bias": {"5": True}}, "logit_bias.5"),
+    # a tool result must name the call it answers (OpenAI answers 400)
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "ok"}]},
+        "messages.1.tool_call_id",
+    ),
+    # stream_options without stream (OpenAI and vLLM answer 400)
+    ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     # null where no default exists
     ("chat", {"messages": None}, "messages"),
     # a tool schema the engine cannot enforce, named by its own path

@@ -14,6 +14,8 @@ MESSAGES = [
 
 def test_models_and_health(server, client):
     assert httpx.get(server.base_url + "/health").json() == {"status": "ok"}
+    head = httpx.head(server.base_url + "/health")  # load balancers probe with HEAD too
+    assert head.status_code == 200 and head.content == b""
     models = client.models.list()
     assert [m.id for m in models.data] == ["qwen3-embedded"]
 

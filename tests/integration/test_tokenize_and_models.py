@@ -113,6 +113,7 @@ def test_detokenize_round_trip(server, hf_tok):
         ("/detokenize", {"tokens": [1, -1]}, 400, "tokens"),
         ("/detokenize", {"tokens": [151936]}, 400, "tokens"),
         ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+        ("/detokenize", {"tokens": [True]}, 400, "tokens.0"),  # a boolean is not an id
         ("/detokenize", {"tokens": [1], "model": "other"}, 404, "model"),
     ],
 )
