@@ -58,6 +58,25 @@ def _timeout_response(what: str, seconds: float) -> bytes:
     return head.encode() + body
 
 
+def _bad_request_response(msg: str) -> bytes:
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"{msg} (malformed request line or headers, or headers larger than "
+                "the server's limit)",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_http_request",
+            }
+        }
+    ).encode()
+    head = (
+        "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+        f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
 def _unavailable_response(limit: int) -> bytes:
     body = json.dumps(
         {
@@ -161,6 +180,13 @@ def guarded_protocol(
         def on_response_complete(self) -> None:
             self._cancel()  # idle until the next request: the keep-alive timeout applies
             super().on_response_complete()
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to a request h11 cannot parse (a malformed request line or
+            header, headers still incomplete past --h11-max-incomplete-event-size), as an
+            OpenAI error body instead of plain text."""
+            self.transport.write(_bad_request_response(msg))
+            self.transport.close()
 
         def connection_lost(self, exc) -> None:
             self._cancel()

@@ -163,3 +163,27 @@ def test_a_burst_over_the_cap_serves_the_first_connections_and_refuses_the_rest(
     refused = json.loads(next(body for code, body in answers if code == 503))["error"]
     assert refused["code"] == "too_many_connections" and refused["type"] == "service_unavailable"
     assert f"{CAP} open connections" in refused["message"], refused
+
+
+def test_unparsable_requests_get_an_openai_error_body(slow_server):
+    """What h11 cannot parse (a bad Content-Length; headers still incomplete past 16 KiB) gets
+    400 with an OpenAI error body, then the connection closes."""
+
+    async def send(chunks: list[bytes]) -> tuple[int, dict]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", slow_server.port)
+        for c in chunks:
+            writer.write(c)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        raw = await asyncio.wait_for(reader.read(), 10)  # until the server closes
+        writer.close()
+        head, _, body = raw.partition(b"\r\n\r\n")
+        return int(head.split()[1]), json.loads(body)
+
+    bad_length = [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n"]
+    huge = [b"GET /health HTTP/1.1\r\nHost: x\r\n"] + [b"X-Pad: " + b"a" * 8000 + b"\r\n"] * 3
+    for chunks in (bad_length, huge):
+        code, body = asyncio.run(send(chunks))
+        assert code == 400, body
+        assert body["error"]["code"] == "invalid_http_request", body
+        assert body["error"]["type"] == "invalid_request_error"
