@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("engine_mode", "auto"),
         choices=["auto", "thread", "process"],
         help="run the engine loop in a thread of the server or in its own process "
-        "(auto: process on CUDA)",
+        "(auto: process on CUDA, and with --api-server-count above 1, which needs it)",
     )
     a(
         "--api-server-count",
