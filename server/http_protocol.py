@@ -40,60 +40,45 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 log = logging.getLogger("server.http")
 
 
-def _timeout_response(what: str, seconds: float) -> bytes:
+def _error_response(status: str, message: str, kind: str, code: str, headers: str = "") -> bytes:
+    """A whole HTTP/1.1 response written by the protocol itself (no app involved): ``status``
+    like "408 Request Timeout", an OpenAI error body, ``connection: close``."""
     body = json.dumps(
-        {
-            "error": {
-                "message": f"the request {what} took longer than {seconds:g} s to arrive",
-                "type": "invalid_request_error",
-                "param": None,
-                "code": "request_timeout",
-            }
-        }
+        {"error": {"message": message, "type": kind, "param": None, "code": code}}
     ).encode()
     head = (
-        "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+        f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\n{headers}"
         f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
+
+
+def _timeout_response(what: str, seconds: float) -> bytes:
+    return _error_response(
+        "408 Request Timeout",
+        f"the request {what} took longer than {seconds:g} s to arrive",
+        "invalid_request_error",
+        "request_timeout",
+    )
 
 
 def _bad_request_response(msg: str) -> bytes:
-    body = json.dumps(
-        {
-            "error": {
-                "message": f"{msg} (malformed request line or headers, or headers larger than "
-                "the server's limit)",
-                "type": "invalid_request_error",
-                "param": None,
-                "code": "invalid_http_request",
-            }
-        }
-    ).encode()
-    head = (
-        "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-        f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+    return _error_response(
+        "400 Bad Request",
+        f"{msg} (malformed request line or headers, or headers larger than the server's limit)",
+        "invalid_request_error",
+        "invalid_http_request",
     )
-    return head.encode() + body
 
 
 def _unavailable_response(limit: int) -> bytes:
-    body = json.dumps(
-        {
-            "error": {
-                "message": f"the server has {limit} open connections, its --limit-concurrency: "
-                "retry later",
-                "type": "service_unavailable",
-                "param": None,
-                "code": "too_many_connections",
-            }
-        }
-    ).encode()
-    head = (
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-        f"retry-after: 1\r\nconnection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+    return _error_response(
+        "503 Service Unavailable",
+        f"the server has {limit} open connections, its --limit-concurrency: retry later",
+        "service_unavailable",
+        "too_many_connections",
+        "retry-after: 1\r\n",
     )
-    return head.encode() + body
 
 
 class ConnectionSlots:
