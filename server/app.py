@@ -189,7 +189,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
     async def detokenize(raw: Request):
         return await tokenization.detokenize(raw)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers probing
+    @app.head("/health", include_in_schema=False)  # load balancers probe with HEAD too
+    @app.get("/health")
     async def health():
         if not ctx.engine.is_running:
             return JSONResponse(error_body(503, "engine loop is not running"), status_code=503)

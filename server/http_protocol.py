@@ -39,6 +39,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("server.http")
 
+#: seconds a refused connection (over --limit-concurrency) that sends nothing waits for its 503
+REFUSE_WAIT_S = 1.0
+#: seconds a refused connection is still read from (and what it sends dropped) after its 503
+REFUSE_LINGER_S = 2.0
+
 
 def _error_response(status: str, message: str, kind: str, code: str, headers: str = "") -> bytes:
     """A whole HTTP/1.1 response written by the protocol itself (no app involved): ``status``
@@ -134,6 +139,7 @@ def guarded_protocol(
             self._read_timer = None
             self._reading = None  # "headers" / "body" while a deadline runs
             self._has_slot = slots is None or slots.acquire()
+            self._refused = False  # the 503 was written
             super().connection_made(transport)
             if not self._has_slot:
                 log.warning(
@@ -141,14 +147,14 @@ def guarded_protocol(
                     *(self.client or ("?", "?")),
                     slots.limit,
                 )
+                # the 503 answers its first bytes, or comes after a second if it sends none
+                self._read_timer = self.loop.call_later(REFUSE_WAIT_S, self._refuse)
+                return
             self._arm("headers", header_timeout)
 
         def data_received(self, data: bytes) -> None:
-            if not self._has_slot:  # answer its request (any bytes of it) with the 503, close
-                if not self.transport.is_closing():
-                    self._cancel()
-                    self.transport.write(_unavailable_response(slots.limit))
-                    self.transport.close()
+            if not self._has_slot:  # its request (whatever of it arrived) gets the 503
+                self._refuse()
                 return
             if self._read_timer is None and (self.cycle is None or self.cycle.response_complete):
                 self._arm("headers", header_timeout)  # the next request on a kept-alive socket
@@ -166,11 +172,34 @@ def guarded_protocol(
             self._cancel()  # idle until the next request: the keep-alive timeout applies
             super().on_response_complete()
 
+        def _refuse(self) -> None:
+            """Write the 503 once, then half-close and keep reading (and dropping) what the
+            client still sends for :data:`REFUSE_LINGER_S` seconds: closing at once with
+            unread bytes would reset the connection, and the client could lose the 503."""
+            if self._refused or self.transport.is_closing():
+                return
+            self._refused = True
+            self._cancel()
+            self.transport.write(_unavailable_response(slots.limit))
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+                self._read_timer = self.loop.call_later(REFUSE_LINGER_S, self.transport.close)
+            else:
+                self.transport.close()
+
+        def _should_upgrade(self) -> bool:
+            """Never: the app has no WebSocket route, and an upgrade would hand the connection
+            to another protocol object, whose end would not give its slot back."""
+            return False
+
         def send_400_response(self, msg: str) -> None:
             """uvicorn's answer to a request h11 cannot parse (a malformed request line or
             header, headers still incomplete past --h11-max-incomplete-event-size), as an
-            OpenAI error body instead of plain text."""
-            self.transport.write(_bad_request_response(msg))
+            OpenAI error body instead of plain text; only closes the connection when a
+            response was already under way."""
+            cycle = self.cycle
+            if cycle is None or not cycle.response_started:
+                self.transport.write(_bad_request_response(msg))
             self.transport.close()
 
         def connection_lost(self, exc) -> None:

@@ -187,3 +187,58 @@ def test_unparsable_requests_get_an_openai_error_body(slow_server):
         assert code == 400, body
         assert body["error"]["code"] == "invalid_http_request", body
         assert body["error"]["type"] == "invalid_request_error"
+
+
+def test_refused_connections_get_the_503_whatever_they_send_and_upgrades_hold_no_slot(slow_server):
+    """At the cap: a connection that sends nothing gets the 503 within about a second (not the
+    header timeout's 408), one sending a POST whose body follows later still reads the 503
+    (the server keeps reading after it instead of resetting the connection). And WebSocket
+    upgrade requests are served as plain HTTP, so their end gives their slot back (an upgraded
+    connection's end would not): after more of them than the cap, requests are still served."""
+
+    async def answer(reader) -> tuple[int, dict]:
+        raw = await asyncio.wait_for(reader.read(), 10)  # until the server closes
+        head, _, body = raw.partition(b"\r\n\r\n")
+        return int(head.split()[1]), json.loads(body)
+
+    async def at_cap():
+        held = [await asyncio.open_connection("127.0.0.1", slow_server.port) for _ in range(CAP)]
+        await asyncio.sleep(0.3)
+        reader, writer = await asyncio.open_connection("127.0.0.1", slow_server.port)
+        t0 = time.monotonic()
+        silent = await answer(reader), time.monotonic() - t0
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", slow_server.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 60000\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.write(b"a" * 60000)  # after the 503 went out
+        post = await answer(reader)
+        writer.close()
+        for _, w in held:
+            w.close()
+        return silent, post
+
+    (silent, waited), post = asyncio.run(at_cap())
+    assert silent[0] == 503 and silent[1]["error"]["code"] == "too_many_connections", silent
+    assert waited < HEADER_TIMEOUT, waited
+    assert post[0] == 503 and post[1]["error"]["code"] == "too_many_connections", post
+
+    upgrade = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+    upgrade += b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+
+    async def upgrades() -> list[int]:
+        codes = []
+        for _ in range(CAP + 20):
+            reader, writer = await asyncio.open_connection("127.0.0.1", slow_server.port)
+            writer.write(upgrade)
+            await writer.drain()
+            codes.append(int((await reader.readuntil(b"\r\n")).split()[1]))
+            writer.close()
+            await writer.wait_closed()
+        return codes
+
+    codes = asyncio.run(upgrades())
+    assert 503 not in codes, codes.index(503)
+    time.sleep(0.5)
+    assert httpx.get(slow_server.base_url + "/health", timeout=10).status_code == 200
