@@ -170,24 +170,45 @@ def api_server_main(
 
 class _Supervisor:
     """Forwards signals to the API servers and watches them and the engine core (see the module
-    docstring). Its handler is installed before the engine loads and only counts and forwards,
-    so that a signal at any moment has one meaning and never interrupts the code it lands in;
-    the start-up checks :meth:`stopping` between its steps (and while the engine loads)."""
+    docstring). Its handler is installed before the engine loads and only counts (it may run
+    in the main thread inside any call, a process start included); the main thread sends each
+    API server the stop signals it has not had yet (:meth:`deliver`), so none is lost and none
+    is sent twice, and the start-up checks :meth:`stopping` between its steps (and while the
+    engine loads)."""
 
     def __init__(self):
         self.procs: list[mp.Process] = []  # the API servers started so far
         self.signals = 0
         self.failed = False
+        self._sent: dict[int, int] = {}  # pid -> stop signals sent to it
+        self._wakeup_r, self._wakeup_w = os.pipe()
+        os.set_blocking(self._wakeup_w, False)
+        os.set_blocking(self._wakeup_r, False)
 
     def forward(self, sig, frame) -> None:
-        """The signal handler: each SIGTERM/SIGINT becomes one :data:`STOP_SIGNAL` to every API
-        server alive (none before they start: the start-up stops instead)."""
+        """The signal handler: count the SIGTERM/SIGINT (:meth:`deliver` forwards it)."""
         self.signals += 1
-        self._signal_all()
 
-    def _signal_all(self) -> None:
+    def install(self) -> dict:
+        """Install the handler for SIGTERM/SIGINT (and a wake-up of :meth:`run` on each);
+        returns the previous handlers for :meth:`uninstall`."""
+        signal.set_wakeup_fd(self._wakeup_w)
+        return {s: signal.signal(s, self.forward) for s in _SUPERVISOR_SIGNALS}
+
+    def uninstall(self, previous: dict) -> None:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        signal.set_wakeup_fd(-1)
+        os.close(self._wakeup_r)
+        os.close(self._wakeup_w)
+
+    def deliver(self) -> None:
+        """Send every API server alive the stop signals it lacks: one per SIGTERM/SIGINT the
+        supervisor got, and one after a failure (main thread only)."""
+        wanted = self.signals + (1 if self.failed else 0)
         for p in self.procs:
-            if p.is_alive():
+            while self._sent.get(p.pid, 0) < wanted and p.is_alive():
+                self._sent[p.pid] = self._sent.get(p.pid, 0) + 1
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, STOP_SIGNAL)
 
@@ -195,33 +216,37 @@ class _Supervisor:
         return self.signals > 0 or self.failed
 
     def start(self, process: mp.Process) -> None:
-        """Start one API server with SIGTERM/SIGINT blocked (they wait until it is in
-        :attr:`procs`, so the handler's forward reaches it; the child inherits the mask and
-        unblocks once it ignores them)."""
-        signal.pthread_sigmask(signal.SIG_BLOCK, _SUPERVISOR_SIGNALS)
+        """Start one API server with SIGTERM/SIGINT blocked in this thread, so the child
+        inherits them blocked (it unblocks once it ignores them: none hits its bootstrap);
+        then send it what it missed (:meth:`deliver`)."""
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _SUPERVISOR_SIGNALS)
         try:
             process.start()
             self.procs.append(process)
         finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _SUPERVISOR_SIGNALS)
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        self.deliver()
 
     def _fail(self, what: str, code) -> None:
         log.error("%s exited unexpectedly (exit code %s): stopping the server", what, code)
         self.failed = True
-        self._signal_all()
+        self.deliver()
 
     def run(self, engine_proc: mp.Process, num_ready, announce) -> None:
-        """Wait until every API server has exited; call ``announce()`` once all listen; after
-        an unexpected exit of an API server or of the engine core, stop the others
-        (:attr:`failed`)."""
+        """Wait until every API server has exited, forwarding signals as they come; call
+        ``announce()`` once all listen; after an unexpected exit of an API server or of the
+        engine core, stop the others (:attr:`failed`)."""
         announced = False
         alive = list(self.procs)
         engine_watched = True
         while alive:
-            sentinels = [p.sentinel for p in alive]
+            self.deliver()
+            sentinels = [p.sentinel for p in alive] + [self._wakeup_r]
             if engine_watched:
                 sentinels.append(engine_proc.sentinel)
             wait(sentinels, timeout=0.2)
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wakeup_r, 512)
             for p in [p for p in alive if not p.is_alive()]:
                 alive.remove(p)
                 if not self.stopping():
@@ -240,7 +265,9 @@ class _Supervisor:
         left = [p for p in self.procs if p.is_alive()]
         if not left:
             return
-        self._signal_all()
+        for p in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, STOP_SIGNAL)
         deadline = time.monotonic() + timeout
         for p in left:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -264,9 +291,30 @@ def _hold_port(host: str, port: int) -> socket.socket:
     try:
         return listen_socket(host, port, reuse_port=True, reuse_addr=False)
     except SystemExit:
+        if not _in_time_wait(port):  # another server has it (maybe bound, not listening yet)
+            raise
         sock = listen_socket(host, port, reuse_port=True)  # SystemExit: truly taken
         log.info("port %d has connections in TIME_WAIT: held as a single server holds it", port)
         return sock
+
+
+def _in_time_wait(port: int) -> bool:
+    """Whether a TCP connection on local port ``port`` is in TIME_WAIT (Linux /proc/net)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if (
+                len(fields) > 3
+                and fields[3] == "06"
+                and int(fields[1].rsplit(":", 1)[1], 16) == port
+            ):
+                return True
+    return False
 
 
 def _port_lock(port: int) -> socket.socket:
@@ -306,7 +354,7 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
     lock = _port_lock(port)
     metrics_dir = tempfile.mkdtemp(prefix="qwen-serve-metrics-")
     supervisor = _Supervisor()
-    previous = {s: signal.signal(s, supervisor.forward) for s in _SUPERVISOR_SIGNALS}
+    previous = supervisor.install()
     try:
         # the API servers (spawned: they inherit this environment) import prometheus_client
         # with it set, which selects its multiprocess value files
@@ -371,8 +419,7 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
         return 0
     finally:
         supervisor.stop_leftovers()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        supervisor.uninstall(previous)
         hold.close()
         lock.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -56,9 +56,15 @@ def _child_main(
     if config.tensor_parallel_size > 1 or ignore_signals:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if ignore_signals:  # started with them blocked (EngineProcess): none hit the bootstrap
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
     # a parent killed during the load (minutes with a large model) must not leave this process
-    # loading and holding the GPU: until it reports ready, its parent's death kills it
+    # loading and holding the GPU: until it reports ready, its parent's death kills it (and a
+    # parent already gone before the signal was set ends it here)
     _set_parent_death_signal(signal.SIGKILL)
+    parent = mp.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)
     if config.device == "cpu" and len(conns) > 1 and "torch" not in sys.modules:
         # a CPU model next to several API servers: libgomp's threads must sleep between
         # parallel regions, not spin, or they take the cores the API servers (and the other
@@ -172,7 +178,14 @@ class EngineProcess:
             ),
         )
         try:
-            self.proc.start()
+            # a supervisor's engine core starts with SIGTERM/SIGINT blocked (see _child_main)
+            blocked = {signal.SIGTERM, signal.SIGINT}
+            old = signal.pthread_sigmask(signal.SIG_BLOCK, blocked) if ignore_signals else None
+            try:
+                self.proc.start()
+            finally:
+                if old is not None:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, old)
             for _, child_conn in pipes:
                 child_conn.close()
             if not self.proc.daemon:  # multiprocessing would join it at exit, maybe forever
