@@ -202,6 +202,7 @@ def test_refused_connections_get_the_503_whatever_they_send_and_upgrades_hold_no
         return int(head.split()[1]), json.loads(body)
 
     async def at_cap():
+        await asyncio.sleep(1.0)  # the earlier tests' sockets are gone and their slots free
         held = [await asyncio.open_connection("127.0.0.1", slow_server.port) for _ in range(CAP)]
         await asyncio.sleep(0.3)
         reader, writer = await asyncio.open_connection("127.0.0.1", slow_server.port)
