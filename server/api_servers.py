@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import gc
 import logging
 import multiprocessing as mp
@@ -51,6 +50,7 @@ from multiprocessing.connection import wait
 
 from engine.core.config import EngineConfig
 from engine.core.limits import EngineLimits
+from engine.core.parent_death import set_parent_death_signal
 
 log = logging.getLogger("server")
 
@@ -62,7 +62,6 @@ PARENT_CHECK_S = 1.0
 STOP_SIGNAL = signal.SIGUSR1
 #: the parent-death signal of an API server (turned into one STOP_SIGNAL)
 PARENT_DEATH_SIGNAL = signal.SIGUSR2
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 #: the signals only the supervisor acts on
 _SUPERVISOR_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
@@ -85,13 +84,7 @@ def _watch_supervisor(supervisor_pid: int) -> None:
             os.kill(os.getpid(), STOP_SIGNAL)
 
     signal.signal(PARENT_DEATH_SIGNAL, once)
-    try:
-        rc = ctypes.CDLL(None, use_errno=True).prctl(
-            _PR_SET_PDEATHSIG, int(PARENT_DEATH_SIGNAL), 0, 0, 0
-        )
-    except (OSError, AttributeError):
-        rc = -1
-    if rc == 0:
+    if set_parent_death_signal(PARENT_DEATH_SIGNAL):
         if os.getppid() != supervisor_pid:  # it died before the parent-death signal was set
             once()
         return

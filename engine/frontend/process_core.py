@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import gc
 import logging
 import multiprocessing as mp
@@ -27,6 +26,7 @@ from engine.core.commands import Command, Shutdown
 from engine.core.config import EngineConfig
 from engine.core.engine_loop import Emit, run_engine_loop
 from engine.core.limits import EngineLimits
+from engine.core.parent_death import set_parent_death_signal
 from engine.frontend.client_channels import ClientChannels
 from engine.frontend.core_client import SWITCH_INTERVAL_S
 
@@ -61,7 +61,7 @@ def _child_main(
     # a parent killed during the load (minutes with a large model) must not leave this process
     # loading and holding the GPU: until it reports ready, its parent's death kills it (and a
     # parent already gone before the signal was set ends it here)
-    _set_parent_death_signal(signal.SIGKILL)
+    set_parent_death_signal(signal.SIGKILL)
     parent = mp.parent_process()
     if parent is not None and os.getppid() != parent.pid:
         os._exit(1)
@@ -92,7 +92,7 @@ def _child_main(
     # parent dies: a supervisor's API servers finish their requests first. (Cleared before the
     # report: the parent-death signal follows the parent's thread, which may end once it has
     # the report.)
-    _set_parent_death_signal(0)
+    set_parent_death_signal(0)
     try:
         conns[0].send(("ready", engine.limits))
     except OSError:  # the parent is gone
@@ -109,12 +109,6 @@ def _child_main(
 
 #: seconds the engine process waits at exit for its sender threads to deliver what is queued
 CHANNELS_DRAIN_S = 5.0
-
-
-def _set_parent_death_signal(sig: int) -> None:
-    """Linux ``prctl(PR_SET_PDEATHSIG, sig)`` (0 clears it); nothing where there is none."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)
 
 
 class StartupInterrupted(Exception):

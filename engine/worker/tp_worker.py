@@ -19,7 +19,6 @@ heartbeat stops.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -28,6 +27,7 @@ import sys
 import torch
 
 from engine.core.config import EngineConfig, ModelConfig, resolve_quantization
+from engine.core.parent_death import set_parent_death_signal
 from engine.worker.block_table import RowBlockTables
 from engine.worker.control_channel import ControlChannel
 from engine.worker.model_runner import ModelRunner
@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 #: exit code of a rank that failed (rank 0 logs it)
 FAILED_EXIT_CODE = 1
-_PR_SET_PDEATHSIG = 1
 
 
 def serve_steps(runner: ModelRunner, channel: ControlChannel) -> int:
@@ -110,14 +109,8 @@ def _exit(code: int) -> None:
 
 def _die_with_parent() -> None:
     """Linux: SIGKILL this process when its parent dies (rank 0 killed by a signal runs no
-    clean-up that would end its ranks); a no-op elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # no prctl: the control group's errors still end us
-        return
+    clean-up that would end its ranks; elsewhere the control group's errors still end us)."""
+    set_parent_death_signal(signal.SIGKILL)
 
 
 def spawned_rank_main(
