@@ -129,6 +129,7 @@ def prefill_num_splits(
     max_partial_rows: int = MAX_PARTIAL_ROWS,
     num_seqs: int = 1,
     num_kv_heads: int | None = None,
+    page_size: int | None = None,
 ) -> int:
     """:func:`choose_prefill_splits` for a launch of ``num_tokens`` packed query rows, with the
     split config's tiles and policy (:func:`kernels.prefill_attention.prefill_config` with
@@ -139,7 +140,8 @@ def prefill_num_splits(
     (:func:`kernels.prefill_attention.prefill_tiling`): ``cdiv(T, BLOCK_M) * H_q``, or
     ``cdiv(T, BLOCK_M // G) * H_kv`` when the split row packs GQA heads. ``num_kv_heads`` (H_kv)
     is needed for the packed count; without it (None) the heads count as ``H_q = H_kv``, which
-    never packs.
+    never packs. ``page_size`` (the cache's tokens per block) selects the same tiles as the
+    launch does (the ``KV_TMA`` rows where the page admits them).
 
     ``num_seqs``: the launch's sequence slots (``block_tables.shape[0]``). More than
     :data:`UNSPLIT_MIN_SLOTS` with ``max_seq_len <= UNSPLIT_MAX_KEYS`` gives 1: every slot
@@ -158,7 +160,7 @@ def prefill_num_splits(
     """
     if num_seqs > UNSPLIT_MIN_SLOTS and max_seq_len <= UNSPLIT_MAX_KEYS:
         return 1
-    cfg = prefill_config(head_dim, dtype, device, causal=True, split=True)
+    cfg = prefill_config(head_dim, dtype, device, causal=True, split=True, page_size=page_size)
     _, tok, grid_heads = prefill_tiling(cfg, num_heads, num_kv_heads or num_heads)
     return choose_prefill_splits(
         _cdiv(num_tokens, tok),

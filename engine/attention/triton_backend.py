@@ -98,11 +98,16 @@ class TritonAttentionBackend:
         return buf
 
     def prefill_splits(
-        self, q: torch.Tensor, meta: AttentionMetadata, num_kv_heads: int | None = None
+        self,
+        q: torch.Tensor,
+        meta: AttentionMetadata,
+        num_kv_heads: int | None = None,
+        page_size: int | None = None,
     ) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
         """``(num_splits, partial_out, partial_lse)`` of this step's prefill launch: 1 and no
         scratch unless the split-KV mode is on and chosen (host ints only, no sync).
-        ``num_kv_heads`` lets the split model count a GQA-packed launch's programs."""
+        ``num_kv_heads`` lets the split model count a GQA-packed launch's programs, ``page_size``
+        (the cache's tokens per block) picks the tiles the launch will use."""
         if not self.split_prefill:
             return 1, None, None
         t, num_heads, head_dim = q.shape
@@ -116,6 +121,7 @@ class TritonAttentionBackend:
             self._sm_count(q.device),
             num_seqs=meta.block_tables.shape[0],
             num_kv_heads=num_kv_heads,
+            page_size=page_size,
         )
         if splits == 1:
             return 1, None, None
@@ -220,7 +226,7 @@ class TritonAttentionBackend:
             )
             if decode:
                 return out
-        splits, po, plse = self.prefill_splits(q, meta, k_cache.shape[2])
+        splits, po, plse = self.prefill_splits(q, meta, k_cache.shape[2], k_cache.shape[1])
         return prefill_attention(
             q,
             k_cache,
