@@ -1,7 +1,8 @@
 """GPU correctness of the engine: the production configuration against torch attention run eagerly.
 
-Usage (on the GPU): ``python bench/engine_check.py [--ckpt DIR]`` (Qwen3-0.6B architecture,
-random bf16 weights). Prints relative errors; exits non-zero when a check fails.
+Usage (on the GPU): ``python bench/engine_check.py [--ckpt DIR] [--block-size N]`` (Qwen3-0.6B
+architecture, random bf16 weights; ``--block-size``: the production engine's tokens per KV block,
+the reference keeps 16). Prints relative errors; exits non-zero when a check fails.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ from engine.worker.build import build_engine
 from tests.engine_helpers import logits_for
 
 
-def engine(ckpt, backend, graphs=False, async_scheduling=True, compile_mode=None):
+def engine(ckpt, backend, graphs=False, async_scheduling=True, compile_mode=None, block_size=16):
     return build_engine(
         EngineConfig(
             model=ckpt,
             device="cuda",
             dtype=torch.bfloat16,
             max_model_len=4096,
-            num_kv_blocks=2048,
+            block_size=block_size,
+            num_kv_blocks=2048 * 16 // block_size,
             attention_backend=backend,
             cuda_graph=graphs,
             max_num_seqs=64,
@@ -88,6 +90,7 @@ def batch1_latency(eng, prompt, trials: int) -> tuple[float, float]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", default="/tmp/qwen3-0.6b-random")
+    ap.add_argument("--block-size", type=int, default=16, help="the production engine's")
     args = ap.parse_args()
     ckpt = str(random_qwen3_checkpoint(args.ckpt))
     gen = torch.Generator().manual_seed(0)
@@ -99,7 +102,8 @@ def main() -> int:
     # configuration: Triton kernels, the default torch.compile mode, CUDA graphs, async scheduling
     ref_eng = engine(ckpt, "torch", compile_mode="none", async_scheduling=False)
     ref = prefill_logits(ref_eng, prompts)
-    graph_eng = engine(ckpt, "triton", graphs=True)
+    graph_eng = engine(ckpt, "triton", graphs=True, block_size=args.block_size)
+    print(f"production engine: KV block {args.block_size} tokens")
     got = prefill_logits(graph_eng, prompts)
     rel = ((got - ref).norm() / ref.norm()).item()
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()

@@ -10,12 +10,19 @@ from __future__ import annotations
 
 
 def tiles(
-    bm: int, bn: int, warps: int, stages: int, prefetch: bool = True, pack: bool = False
+    bm: int,
+    bn: int,
+    warps: int,
+    stages: int,
+    prefetch: bool = True,
+    pack: bool = False,
+    tma: bool = False,
 ) -> dict:
     """One candidate; ``pack`` adds ``GQA_PACK: True`` (the G query heads of a KV head packed
     into the tile's BLOCK_M rows, BLOCK_M // G tokens each; the kernel falls back to unpacked
     where G or BLOCK_M // G does not allow it). Unpacked candidates carry no ``GQA_PACK`` key, as
-    the configuration without a table row has none."""
+    the configuration without a table row has none. ``tma`` adds ``KV_TMA: True`` (K/V tiles
+    through tensor descriptors; the cache's pages must hold whole ``BLOCK_N`` tiles)."""
     cfg = {
         "BLOCK_M": bm,
         "BLOCK_N": bn,
@@ -25,6 +32,8 @@ def tiles(
     }
     if pack:
         cfg["GQA_PACK"] = True
+    if tma:
+        cfg["KV_TMA"] = True
     return cfg
 
 
@@ -59,6 +68,28 @@ SPLIT_CONFIGS = [
     tiles(64, 128, 4, 2, pack=True),
     tiles(64, 64, 4, 3, pack=True),
 ]
+
+#: the ``KV_TMA`` path's candidates (``--block-size`` 64 or more, Hopper): the first is its
+#: default without a table row (``kernels.prefill_attention._default_tma_config``); from the
+#: design study ``bench/prefill_variants.py`` (BLOCK_N 64 with 4 warps led on the H200)
+TMA_UNSPLIT_CONFIGS = [
+    tiles(128, 64, 4, 3, tma=True),
+    tiles(128, 64, 4, 4, tma=True),
+    tiles(128, 64, 4, 2, tma=True),
+    tiles(128, 64, 8, 3, tma=True),
+    tiles(128, 128, 8, 3, tma=True),
+    tiles(128, 128, 8, 2, tma=True),
+    tiles(64, 64, 4, 3, tma=True),
+    tiles(128, 64, 4, 3, tma=True, pack=True),
+]
+TMA_SPLIT_CONFIGS = [
+    tiles(128, 64, 4, 3, tma=True),
+    tiles(128, 128, 8, 3, tma=True),
+    tiles(64, 64, 4, 3, tma=True),
+    tiles(64, 64, 4, 4, tma=True),
+]
+TINY_TMA_UNSPLIT_CONFIGS = [tiles(32, 16, 4, 1, tma=True), tiles(32, 32, 4, 1, tma=True)]
+TINY_TMA_SPLIT_CONFIGS = [tiles(32, 16, 4, 1, tma=True)]
 
 #: split policies (table keys of the split row): programs resident per SM in the wave model, and
 #: the most splits; MAX_SPLITS 1 is the split mode off

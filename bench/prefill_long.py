@@ -61,12 +61,17 @@ from bench.prefill_configs import (  # noqa: E402
     SPLIT_COUNTS,
     TINY_SPLIT_CONFIGS,
     TINY_SPLIT_COUNTS,
+    TINY_TMA_SPLIT_CONFIGS,
+    TINY_TMA_UNSPLIT_CONFIGS,
     TINY_UNSPLIT_CONFIGS,
+    TMA_SPLIT_CONFIGS,
+    TMA_UNSPLIT_CONFIGS,
     UNSPLIT_CONFIGS,
 )
 from kernels.configs import device_name, table_path  # noqa: E402
 from kernels.prefill_attention import (  # noqa: E402
     _default_config,
+    kv_tma_available,
     prefill_attention,
     prefill_config,
     prefill_tiling,
@@ -218,7 +223,8 @@ def ours_fns(sh: Shape, cfg: dict, splits: int, scratch: Scratch) -> list:
                 st["out"],
                 st["q"].shape[-1] ** -0.5,
                 True,
-                config=cfg,
+                # explicit path: a pointer-gather candidate on pages that admit KV_TMA
+                config={"KV_TMA": False, **cfg},
                 skip_decode_rows=True,
                 num_splits=splits,
                 partial_out=po,
@@ -353,6 +359,7 @@ def key(cfg: dict) -> str:
         f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
         f"{' pf' if cfg.get('BT_PREFETCH') else ''}"
         f"{' gqa' if cfg.get('GQA_PACK') else ''}"
+        f"{' tma' if cfg.get('KV_TMA') else ''}"
     )
 
 
@@ -364,6 +371,13 @@ def main() -> int:
     ap.add_argument("--out", default="/tmp/prefill_long")
     ap.add_argument("--budget-s", type=float, default=240.0, help="wall-clock bound of the run")
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter: small shapes and tiles")
+    ap.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="tokens per KV block of the paged cache; where it holds whole K/V tiles of the "
+        "KV_TMA candidates (Hopper), the sweep times those and writes the tma_* table rows",
+    )
     ap.add_argument("--reps", type=int, default=10, help="graph replays per timing (median)")
     ap.add_argument("--compile-threads", type=int, default=8, help="0: compile while timing")
     ap.add_argument(
@@ -397,6 +411,8 @@ def main() -> int:
         num_sms, gpu = props.multi_processor_count, props.name
     else:
         num_sms, gpu = 8, "cpu (TRITON_INTERPRET=1)"
+    global BLOCK_SIZE
+    BLOCK_SIZE = args.block_size
     unsplit = TINY_UNSPLIT_CONFIGS if args.tiny else UNSPLIT_CONFIGS
     split_cfgs = TINY_SPLIT_CONFIGS if args.tiny else SPLIT_CONFIGS
     counts = TINY_SPLIT_COUNTS if args.tiny else SPLIT_COUNTS
@@ -406,17 +422,38 @@ def main() -> int:
             f"bench/prefill_configs.py's first entry {unsplit[0]} is not today's {today}"
         )
     today = unsplit[0]
+    # the KV_TMA path: its candidates, and its default as the sweep's baseline ("today" stays
+    # the pointer gather's tiles, timed on the same cache for comparison)
+    tma_unsplit = TINY_TMA_UNSPLIT_CONFIGS if args.tiny else TMA_UNSPLIT_CONFIGS
+    tma = kv_tma_available(device) and BLOCK_SIZE % tma_unsplit[0]["BLOCK_N"] == 0
+    base = today
+    if tma:
+        unsplit = tma_unsplit
+        split_cfgs = TINY_TMA_SPLIT_CONFIGS if args.tiny else TMA_SPLIT_CONFIGS
+        base = unsplit[0]
     prompts, chunks = shapes(args.tiny)
     print(f"# {gpu}, {num_sms} SMs; torch {torch.__version__}, triton {triton.__version__}")
-    print(f"# Hq={hq} Hkv={hkv} D={d} bf16, block {BLOCK_SIZE}; sweep={args.sweep}", flush=True)
+    print(
+        f"# Hq={hq} Hkv={hkv} D={d} bf16, block {BLOCK_SIZE}, KV_TMA {tma}; sweep={args.sweep}",
+        flush=True,
+    )
 
-    # the engine's current choice (installed table), timed in every run
-    cur_causal = prefill_config(d, torch.bfloat16, device, True)
-    cur_split = prefill_config(d, torch.bfloat16, device, True, split=True)
+    # the engine's current choice (installed table) for this page size, timed in every run
+    page = BLOCK_SIZE if device.type == "cuda" else None
+    cur_causal = prefill_config(d, torch.bfloat16, device, True, page_size=page)
+    cur_split = prefill_config(d, torch.bfloat16, device, True, split=True, page_size=page)
 
     def current_splits(sh: Shape) -> int:
         return prefill_num_splits(
-            sh.tokens, hq, d, torch.bfloat16, device, sh.keys, num_sms, num_kv_heads=hkv
+            sh.tokens,
+            hq,
+            d,
+            torch.bfloat16,
+            device,
+            sh.keys,
+            num_sms,
+            num_kv_heads=hkv,
+            page_size=page,
         )
 
     def packed(cfg: dict, pack: bool = True) -> dict:
@@ -429,7 +466,7 @@ def main() -> int:
         s = splits_for(sh, cfg, cfg, hq, hkv, num_sms)
         return (cfg, s) if s > 1 else (packed(cur_causal, pack), 1)
 
-    variants = [(today, 1), (cur_causal, 1), (cur_split, 2)]
+    variants = [(today, 1), (base, 1), (cur_causal, 1), (cur_split, 2)]
     if args.gqa_ab:
         variants += [
             (packed(c, p), s) for c, s in ((cur_causal, 1), (cur_split, 2)) for p in (False, True)
@@ -477,6 +514,8 @@ def main() -> int:
                 f"  {sh.name:<22} {'SDPA':<22} {'':9} {r.ms:8.3f} ms {tf:6.1f} TFLOP/s", flush=True
             )
         run(sh, today, 1, "(today)")
+        if tma:
+            run(sh, base, 1, "(KV_TMA default)")
         s_cur = current_splits(sh)
         run(sh, cur_causal if s_cur == 1 else cur_split, s_cur, "(installed table)")
         if args.gqa_ab:  # the same launches with the G heads of a KV head packed (unpacked above)
@@ -509,8 +548,13 @@ def main() -> int:
     chosen_causal, chosen_split, chosen_policy = cur_causal, cur_split, None
     if args.sweep:
         chosen_causal, chosen_split, chosen_policy, table_rows = select(
-            prompts, chunks, unsplit, split_cfgs, res, hq, hkv, d, num_sms, today, cur_split
+            prompts, chunks, unsplit, split_cfgs, res, hq, hkv, d, num_sms, base, cur_split
         )
+        if tma:  # the KV_TMA path's rows, beside the pointer gather's
+            table_rows = {
+                e: {f"tma_{mode}": row for mode, row in rows.items()}
+                for e, rows in table_rows.items()
+            }
 
     def ours(sh: Shape) -> tuple[dict, int]:
         if chosen_policy is None:
@@ -623,7 +667,8 @@ def main() -> int:
         name = device_name(device) if device.type == "cuda" else "cpu-interpreter"
         path = table_path(KERNEL, name)
         old = json.loads(path.read_text()) if path.exists() else {}
-        old.update(table_rows)
+        for entry, rows in table_rows.items():  # merge per entry: other rows stay
+            old.setdefault(entry, {}).update(rows)
         text = json.dumps(old, indent=1, sort_keys=True) + "\n"
         (out_dir / path.name).write_text(text)
         print(f"wrote {out_dir / path.name}")
