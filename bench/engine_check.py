@@ -2,7 +2,8 @@
 
 Usage (on the GPU): ``python bench/engine_check.py [--ckpt DIR] [--block-size N]`` (Qwen3-0.6B
 architecture, random bf16 weights; ``--block-size``: the production engine's tokens per KV block,
-the reference keeps 16). Prints relative errors; exits non-zero when a check fails.
+default the engine's CUDA default; the reference keeps 16). Prints relative errors; exits
+non-zero when a check fails.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from bench.common import random_qwen3_checkpoint
-from engine.core.config import EngineConfig
+from engine.core.config import DEFAULT_CUDA_BLOCK_SIZE, EngineConfig
 from engine.core.request import SamplingParams
 from engine.worker.build import build_engine
 from tests.engine_helpers import logits_for
@@ -90,7 +91,9 @@ def batch1_latency(eng, prompt, trials: int) -> tuple[float, float]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", default="/tmp/qwen3-0.6b-random")
-    ap.add_argument("--block-size", type=int, default=16, help="the production engine's")
+    ap.add_argument(
+        "--block-size", type=int, default=DEFAULT_CUDA_BLOCK_SIZE, help="the production engine's"
+    )
     args = ap.parse_args()
     ckpt = str(random_qwen3_checkpoint(args.ckpt))
     gen = torch.Generator().manual_seed(0)

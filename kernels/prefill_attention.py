@@ -778,7 +778,8 @@ def prefill_config(
     of the entry over the measured TMA default (:func:`_default_tma_config`) are used instead,
     with ``KV_TMA: True`` -- provided ``page_size`` is a multiple of their ``BLOCK_N`` (a K/V
     tile then lies in one page); otherwise the pointer-gather rows above. Without
-    ``page_size`` (or on the CPU) the pointer path's rows, and no ``KV_TMA`` key.
+    ``page_size`` the pointer path's rows, and no ``KV_TMA`` key. Under the interpreter (CPU)
+    the 32 x 32 tiles take the TMA path where ``page_size`` is a multiple of 32, as the GPU would.
 
     Args:
         head_dim: D; dtype: q's dtype; device: q's device (CPU means the Triton interpreter);
@@ -811,6 +812,10 @@ def prefill_config(
         for mode in modes:
             row = entry.get(mode) or {}
             cfg.update({k: row[k] for k in PREFILL_TABLE_KEYS if k in row})
+    elif page_size is not None and page_size % cfg["BLOCK_N"] == 0 and kv_tma_available(device):
+        # the interpreter takes the TMA path where the GPU would (pages of whole tiles), so the
+        # CPU tests of the backend and engine cover it
+        cfg["KV_TMA"] = True
     if split:
         policy = dict(_SPLIT_POLICY)
         if device.type != "cuda":

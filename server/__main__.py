@@ -164,7 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest prompt + completion in tokens; unset: the model's limit, "
         "capped by the KV cache",
     )
-    a("--block-size", type=int, default=_env("block_size", 16), help="tokens per KV-cache block")
+    a(
+        "--block-size",
+        type=int,
+        default=_env("block_size"),
+        help="tokens per KV-cache block (the prefix cache shares whole blocks); unset: 128 on "
+        "CUDA (whole tiles of the prefill kernel's TMA loads), 16 on the CPU",
+    )
     a(
         "--num-kv-blocks",
         type=int,

@@ -171,3 +171,10 @@ def test_prefill_config_selects_kv_tma_by_page(monkeypatch):
     assert "KV_TMA" not in prefill_config(128, torch.float32, cuda, True, page_size=128)
     monkeypatch.setattr(pa, "kv_tma_available", lambda device: False)
     assert "KV_TMA" not in prefill_config(128, torch.bfloat16, cuda, True, page_size=128)
+
+
+def test_interpreter_takes_the_tma_path_on_whole_tile_pages():
+    cpu = torch.device("cpu")
+    assert prefill_config(64, torch.float32, cpu, True, page_size=64)["KV_TMA"] is True
+    assert "KV_TMA" not in prefill_config(64, torch.float32, cpu, True, page_size=16)
+    assert "KV_TMA" not in prefill_config(64, torch.float32, cpu, True)
