@@ -147,7 +147,7 @@ TINY_GEMV = [(32, 4, 1)]
 #: the M buckets of the mode
 VARIANT_MS = (1, DECODE_M)
 #: candidates per (shape, M) at most in the mode (stage A + stage B)
-VARIANT_MAX_CANDIDATES = 64
+VARIANT_MAX_CANDIDATES = 76
 #: the plain tensor-core product with ``scale_ahead``: (block_n, num_warps, num_stages) x split-K
 AHEAD_TILES = [(64, 4, 4), (128, 4, 4), (128, 8, 4)]
 AHEAD_SPLITS = (1, 4)
@@ -161,7 +161,7 @@ VARIANT_FMA_SPLITS = (2, 4)
 #: the block-diagonal operand (``x_groups``) at M = 1: (block_n, num_warps, num_stages,
 #: x_groups, block_k), each at the splits of XG_SPLITS a launch really makes differently (at
 #: least K / 128 / x_groups); with ``prefetch`` the tiles of XG1_PREFETCH too
-XG1_TILES = [(64, 4, 4, 16, 128), (128, 4, 4, 16, 128), (128, 8, 4, 16, 128),
+XG1_TILES = [(64, 4, 4, 16, 128), (64, 4, 6, 16, 128), (128, 4, 4, 16, 128), (128, 8, 4, 16, 128),
              (64, 4, 4, 32, 256), (128, 4, 3, 32, 256), (64, 4, 3, 32, 512),
              (256, 8, 3, 16, 128)]  # fmt: skip
 XG1_PREFETCH = [(128, 4, 4, 16, 128), (64, 4, 4, 32, 256)]

@@ -686,12 +686,17 @@ def _fp8_gemv_bd_kernel(
         w_ptrs += BLOCK_K
 
     # column c: xs[c] * ws[n // 128, group of c] (columns of no group of this program are zero)
-    sw = tl.load(
-        ws_ptr + (rn_c // SCALE_N)[:, None] * stride_wsn + g_abs[None, :] * stride_wsk,
-        mask=(g_abs < kb_hi)[None, :],
-        other=0.0,
-    )
-    acc = acc * sw * xs[None, :]
+    g_ok = g_abs < kb_hi
+    if BLOCK_N <= SCALE_N:  # the tile lies in one weight-scale row: one scale per column
+        ws_row = ws_ptr + ((pid_n * BLOCK_N) // SCALE_N) * stride_wsn
+        acc = acc * (tl.load(ws_row + g_abs * stride_wsk, mask=g_ok, other=0.0) * xs)[None, :]
+    else:
+        sw = tl.load(
+            ws_ptr + (rn_c // SCALE_N)[:, None] * stride_wsn + g_abs[None, :] * stride_wsk,
+            mask=g_ok[None, :],
+            other=0.0,
+        )
+        acc = acc * sw * xs[None, :]
     if GROUPS > 1:
         acc = tl.sum(tl.reshape(acc, (BLOCK_N, GROUPS, BLOCK_M)), axis=1)
 
