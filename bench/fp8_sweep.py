@@ -722,9 +722,19 @@ def family(cfg: dict) -> str:
     if cfg.get("x_groups"):
         return "x_groups prefetch" if cfg.get("prefetch") else "x_groups"
     if cfg["fma"]:
-        return "fma bit_cvt" if cfg.get("bit_cvt") else "fma block_k" if cfg.get(
-            "block_k", 128) != 128 else "fma"  # fmt: skip
+        if cfg.get("bit_cvt"):
+            return "fma bit_cvt"
+        return "fma block_k" if cfg.get("block_k", FP8_BLOCK[1]) != FP8_BLOCK[1] else "fma"
     return "dot scale_ahead" if cfg.get("scale_ahead") else "dot"
+
+
+def _table_err(row: dict) -> float | None:
+    """The relative error of the table's choice as timed in ``row`` (None: not timed)."""
+    today = row.get("table")
+    if not today:
+        return None
+    same = (a for a in row["all"] if all(a.get(f) == v for f, v in today.items()))
+    return next((a["err"] for a in same), None)
 
 
 def family_rows(rows) -> list[dict]:
@@ -736,11 +746,7 @@ def family_rows(rows) -> list[dict]:
     for m in sorted({r["m"] for r in rows}):
         at = [r for r in rows if r["m"] == m]
         lines: dict[str, list] = {"bf16 F.linear": [(r["bf16_us"], r["bf16_err"]) for r in at]}
-        lines["table today"] = [
-            (r.get("table_us"), next((a["err"] for a in r["all"] if r.get("table")
-                                      and {f: a[f] for f in r["table"]} == r["table"]), None))
-            for r in at
-        ]  # fmt: skip
+        lines["table today"] = [(r.get("table_us"), _table_err(r)) for r in at]
         for fam in FAMILIES:
             best = []
             for r in at:
