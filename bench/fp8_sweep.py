@@ -162,7 +162,7 @@ VARIANT_FMA_SPLITS = (2, 4)
 #: x_groups, block_k), each at the splits of XG_SPLITS a launch really makes differently (at
 #: least K / 128 / x_groups); with ``prefetch`` the tiles of XG1_PREFETCH too
 XG1_TILES = [(64, 4, 4, 16, 128), (64, 4, 6, 16, 128), (128, 4, 4, 16, 128), (128, 8, 4, 16, 128),
-             (64, 4, 4, 32, 256), (128, 4, 3, 32, 256), (64, 4, 3, 32, 512),
+             (64, 4, 4, 32, 256), (128, 4, 3, 32, 256), (64, 4, 3, 16, 512),
              (256, 8, 3, 16, 128)]  # fmt: skip
 XG1_PREFETCH = [(128, 4, 4, 16, 128), (64, 4, 4, 32, 256)]
 XG_SPLITS = (1, 2, 4, 8)
