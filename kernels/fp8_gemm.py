@@ -634,15 +634,19 @@ def _fp8_gemv_bd_kernel(
 
     Before the loop the activations of all the program's groups are loaded as one
     ``[BLOCK_K, COLS]`` tile (row ``k`` holds input ``k % 128`` of the column's group: the
-    ``BLOCK_K / 128`` groups of an iteration see the same quantized values) and quantized
-    along the rows (``_quant_tile``, bit-identical to ``fp8_group_quant``); an iteration then
-    selects its groups' columns from the register tile (``tl.where`` on the codes' bits).
-    ``PREFETCH``: first an L2 prefetch of the program's first four weight tiles
-    (:func:`kernels.pdl.prefetch_l2`, after the PDL wait), so their fetch overlaps the
-    activations' load and quantization. ``EVEN_K``: ``K % BLOCK_K == 0`` (else loads past K
-    are masked; a split's groups are a multiple of ``BLOCK_K / 128``, so only the last split
-    reaches past K)."""
+    ``BLOCK_K / 128`` groups of an iteration see the same quantized values), quantized along
+    the rows (``_quant_tile``, bit-identical to ``fp8_group_quant``), and every iteration
+    selects its groups' columns from the register tile (``tl.where`` on the codes' bits). A
+    tile of at most 4,096 activations (``BLOCK_K * COLS``: the batch-1 tiles of 16-32 columns)
+    is quantized in the loop's first iteration, so that the pipeline's first weight copies,
+    which Triton issues just before the loop, are in flight while it waits for the
+    activations; a larger one before the loop (kept live through the loop, the loaded tile
+    took up to 255 registers a thread and spilled for sm_90). ``PREFETCH``: first an L2
+    prefetch of the program's first four weight tiles (:func:`kernels.pdl.prefetch_l2`, after
+    the PDL wait). ``EVEN_K``: ``K % BLOCK_K == 0`` (else loads past K are masked; a split's
+    groups are a multiple of ``BLOCK_K / 128``, so only the last split reaches past K)."""
     COLS: tl.constexpr = BLOCK_M * GROUPS
+    LATE_QUANT: tl.constexpr = BLOCK_K * COLS <= 4096
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -670,12 +674,19 @@ def _fp8_gemv_bd_kernel(
     xt = tl.load(
         x_ptr + c_row[None, :] * stride_xm + kx, mask=col_ok[None, :] & (kx < K), other=0.0
     )
-    xq, xs = _quant_tile(xt.to(tl.float32), 0, EMULATE_CAST)
-    codes = xq.to(tl.int8, bitcast=True)
     k_grp = rk // GROUP_K
+    if LATE_QUANT:
+        codes = tl.zeros((BLOCK_K, COLS), dtype=tl.int8)
+        xs = tl.zeros((COLS,), dtype=tl.float32)
+    else:
+        xq, xs = _quant_tile(xt.to(tl.float32), 0, EMULATE_CAST)
+        codes = xq.to(tl.int8, bitcast=True)
 
     acc = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
     for kb in range(kb_lo, kb_hi, BLOCK_K // GROUP_K):
+        if LATE_QUANT and kb == kb_lo:  # after the pipeline's first weight copies are issued
+            xq, xs = _quant_tile(xt.to(tl.float32), 0, EMULATE_CAST)
+            codes = xq.to(tl.int8, bitcast=True)
         if EVEN_K:
             wt = tl.load(w_ptrs)
         else:
