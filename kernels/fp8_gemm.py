@@ -496,7 +496,8 @@ def _fp8_bits_to_f16(w):
     Marlin FP8 path shifts the same bits, then multiplies by 2^8; here the 2^8 goes into the
     caller's scale)."""
     b = w.to(tl.uint8, bitcast=True).to(tl.uint16)
-    return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return h.to(tl.uint16).to(tl.float16, bitcast=True)  # 16 bits whatever the constants promote to
 
 
 @triton.jit(do_not_specialize=["KB_PER_SPLIT"])
@@ -692,7 +693,7 @@ def _fp8_gemv_bd_kernel(
         else:
             wt = tl.load(w_ptrs, mask=(kb * GROUP_K + rk < K)[None, :], other=0.0)
         pick = c_grp[None, :] == (kb - kb_lo + k_grp)[:, None]
-        b = tl.where(pick, codes, 0).to(tl.float8e4nv, bitcast=True)
+        b = tl.where(pick, codes, tl.zeros_like(codes)).to(tl.float8e4nv, bitcast=True)
         acc = tl.dot(wt, b, acc)
         w_ptrs += BLOCK_K
 
