@@ -728,6 +728,11 @@ def family(cfg: dict) -> str:
     return "dot scale_ahead" if cfg.get("scale_ahead") else "dot"
 
 
+def _config_of(timing: dict) -> dict:
+    """The configuration fields of one entry of a row's ``all`` (its timing keys dropped)."""
+    return {f: timing[f] for f in Fp8Config.__dataclass_fields__ if f in timing}
+
+
 def _table_err(row: dict) -> float | None:
     """The relative error of the table's choice as timed in ``row`` (None: not timed)."""
     today = row.get("table")
@@ -747,15 +752,19 @@ def family_rows(rows) -> list[dict]:
         at = [r for r in rows if r["m"] == m]
         lines: dict[str, list] = {"bf16 F.linear": [(r["bf16_us"], r["bf16_err"]) for r in at]}
         lines["table today"] = [(r.get("table_us"), _table_err(r)) for r in at]
+        picks: dict[str, list] = {}
         for fam in FAMILIES:
-            best = []
+            best, picks[fam] = [], []
             for r in at:
                 ok = [a for a in r["all"] if a["us"] is not None and family(a) == fam]
                 a = min(ok, key=lambda a: a["us"]) if ok else None
                 best.append((a["us"], a["err"]) if a else (None, None))
+                picks[fam].append(_config_of(a) if a else None)
             if any(us is not None for us, _ in best):
                 lines[fam] = best
         lines["best"] = [(r.get("fp8_us"), r.get("err")) for r in at]
+        picks["table today"] = [r.get("table") for r in at]
+        picks["best"] = [r.get("best") for r in at]
         bf16 = sum(r["bf16_us"] for r in at)
         bf16_bytes = sum(2 * r["n"] * r["k"] for r in at)
         fp8_bytes = sum(r["n"] * r["k"] + 4 * -(-r["n"] // 128) * -(-r["k"] // 128) for r in at)
@@ -769,6 +778,7 @@ def family_rows(rows) -> list[dict]:
                 "tbs": None if total is None else (
                     (bf16_bytes if name.startswith("bf16") else fp8_bytes) / (total * 1e-6) / 1e12),
                 "ratio": None if total is None else total / bf16,
+                "configs": picks.get(name, [None] * len(at)),
             })  # fmt: skip
     return out
 
@@ -788,12 +798,11 @@ def print_families(rows) -> None:
             log(f"| {f['line']} | " + " | ".join(_f(u) for u in f["us"])
                 + f" | {_f(f['sum_us'])} | {_f(f['tbs'], '.2f')} | {_f(f['ratio'], '.3f')} "
                 f"| {_f(f['err'], '.1e')} |")  # fmt: skip
-    log("\nbest configuration per shape and M, and the table's choice today:")
-    for r in rows:
-        best = cfg_str(Fp8Config(**r["best"])) if "best" in r else "-"
-        today = cfg_str(Fp8Config(**r["table"])) if r.get("table") else "-"
-        log(f"  {r['shape']} M={r['m']}: best {best} {_f(r.get('fp8_us'))} us; today {today} "
-            f"{_f(r.get('table_us'))} us")  # fmt: skip
+        log(f"M = {m}: the configuration behind each line, per shape")
+        for f in fr:
+            if any(f["configs"]):
+                names = [cfg_str(Fp8Config(**c)) if c else "-" for c in f["configs"]]
+                log(f"  {f['line']}: " + "; ".join(f"{s} {c}" for s, c in zip(shapes, names)))
 
 
 def check_written(rows, device) -> None:
