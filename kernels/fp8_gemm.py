@@ -492,9 +492,11 @@ def _fp8_bits_to_f16(w):
     by 15 - 7 = 8 and both have subnormals below their exponent field 1 (2^-6 * 0.mmm in e4m3,
     2^-14 * 0.mmm in float16), so normals, subnormals and signed zeros all map to the value
     times 2^-8; the e4m3 NaN code 0x7F would become a finite 1.875 (weights hold no NaN). The
-    exponent-bias trick of weight-only dequantizers on GPUs without an FP8 conversion (vLLM's
-    Marlin FP8 path shifts the same bits, then multiplies by 2^8; here the 2^8 goes into the
-    caller's scale)."""
+    exponent-bias trick of vLLM's Marlin FP8 dequantization (``dequant<half2, kFE4M3fn>`` in
+    ``csrc/quantization/marlin/dequant.h``: ``(q & 0x80008000) | ((q & 0x7F007F00) >> 1)``, two
+    codes a 32-bit operation, its ``skip_flop`` variant leaving the 2^8 to the scale as here);
+    Triton has no 32-bit-word view of a float8 tile, so this costs about three 16-bit integer
+    operations a code against half a ``cvt.rn.f16x2.e4m3x2``."""
     b = w.to(tl.uint8, bitcast=True).to(tl.uint16)
     h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
     return h.to(tl.uint16).to(tl.float16, bitcast=True)  # 16 bits whatever the constants promote to
