@@ -4,7 +4,7 @@ option, as ``kernels/fp8_gemm.py``'s launchers launch them.
 
 Usage (no GPU needed; not under ``TRITON_INTERPRET``)::
 
-    python3 bench/fp8_compile_check.py [--quick] [--arch 90]
+    python3 bench/fp8_compile_check.py [--quick | --gemv-variants] [--arch 90]
 
 The launchers run on ``meta`` tensors with their kernels swapped for recorders, so each launch's
 arguments are exactly what the launcher passes; Triton's own specialization of those arguments
@@ -37,13 +37,20 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+import bench.fp8_sweep as sweep  # noqa: E402
 import kernels.fp8_gemm as fg  # noqa: E402
 import kernels.pdl as pdl_module  # noqa: E402
 from bench.fp8_sweep import SHAPES, SMEM_LIMIT, cfg_str, compile_key, compile_set  # noqa: E402
 from bench.pdl_ptx import pdl_order_error  # noqa: E402
 from kernels.fp8_configs import M_BUCKETS, Fp8Config, default_fp8_config  # noqa: E402
 
-KERNELS = ("_fp8_gemm_kernel", "_fp8_gemv_kernel", "_group_quant_kernel")
+KERNELS = (
+    "_fp8_gemm_kernel",
+    "_fp8_gemv_kernel",
+    "_group_quant_kernel",
+    "_fp8_gemv_bd_kernel",
+    "_fp8_gemv_fma_kernel",
+)
 
 
 class _Recorder:
@@ -100,7 +107,7 @@ def specialization(fn, args, kwargs) -> tuple[dict, dict, dict, dict]:
     bound = dict(zip(fn.arg_names, args)) | kwargs
     signature, constexprs, attrs = {}, {}, {}
     for i, p in enumerate(fn.params):
-        v = bound[p.name]
+        v = bound[p.name] if p.name in bound else p.default  # a constexpr left at its default
         if p.is_constexpr:
             signature[p.name], constexprs[(i,)] = "constexpr", v
             continue
@@ -137,30 +144,67 @@ def ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
     return (int(regs.group(1)) if regs else None, int(spill.group(1)) if spill else None)
 
 
+def variant_set() -> list[Fp8Config]:
+    """The configurations of ``bench/fp8_sweep.py --gemv-variants`` (one per compile key)."""
+    with variants_mode():
+        return compile_set(SHAPES, sweep.VARIANT_MS)
+
+
+@contextmanager
+def variants_mode():
+    """``bench.fp8_sweep``'s candidates as with --gemv-variants inside the block."""
+    saved = sweep.GEMV_VARIANTS["on"]
+    sweep.GEMV_VARIANTS["on"] = True
+    try:
+        yield
+    finally:
+        sweep.GEMV_VARIANTS["on"] = saved
+
+
 def warm_mismatches() -> list[str]:
     """Configurations of the sweep whose warm-up launch (``bench.fp8_sweep.WARM_SHAPE``) the
     JIT would specialize differently from a timed shape and M (the timing process would then
-    compile it again itself): the GEMM, small-M and quantization kernels."""
+    compile it again itself): the GEMM, small-M and quantization kernels. The default mode's
+    configurations at every shape and bucket they may be timed at; --gemv-variants' (whose
+    split counts are those of one shape) at their own shape, against the configuration the
+    warm-up compiles for their compile key."""
     from bench.fp8_sweep import WARM_MS, WARM_SHAPE
 
-    main_kernels = KERNELS[:3]
+    main_kernels = KERNELS
 
     def keys(cfg, m, n, k):
         return [specialization(f, a, kw) for f, _, a, kw in launches_of(cfg, m, n, k)
                 if f.__name__ in main_kernels]  # fmt: skip
 
-    bad = []
-    for cfg in compile_set(SHAPES, M_BUCKETS):
+    def warm(cfg):
         _, wn, wk = WARM_SHAPE
-        warm = [
+        return [
             keys(cfg, wm, wn, wk) for wm in WARM_MS if not (cfg.kind == "gemv" and wm > cfg.block_m)
         ]
+
+    bad = []
+    for cfg in compile_set(SHAPES, M_BUCKETS):
+        warm_keys = warm(cfg)
         for name, n, k in SHAPES:
             for m in M_BUCKETS:
                 if cfg.kind == "gemv" and m > cfg.block_m or cfg.split_k > 1 and m > 256:
                     continue  # never timed there (bench.fp8_sweep.stage_a, variants)
-                if keys(cfg, m, n, k) not in warm:
+                if keys(cfg, m, n, k) not in warm_keys:
                     bad.append(f"{cfg_str(cfg)} at {name} M={m}")
+    with variants_mode():
+        compiled = {compile_key(c): c for c in compile_set(SHAPES, sweep.VARIANT_MS)}
+        warm_of: dict = {}
+        for name, n, k in SHAPES:
+            for m in sweep.VARIANT_MS:
+                first = sweep.stage_a(m, n, k)
+                for cfg in dict.fromkeys(
+                    first + [v for c in first for v in sweep.variants(m, n, k, c)]
+                ):
+                    rep = compiled[compile_key(cfg)]
+                    if rep not in warm_of:
+                        warm_of[rep] = warm(rep)
+                    if keys(cfg, m, n, k) not in warm_of[rep]:
+                        bad.append(f"{cfg_str(cfg)} at {name} M={m} (--gemv-variants)")
     return bad
 
 
@@ -173,6 +217,10 @@ def quick_set() -> list[Fp8Config]:
         Fp8Config("gemm", 128, 256, 8, 3),
         Fp8Config("gemv", 64, 64, 4, 4, split_k=4),
         Fp8Config("gemv", 1, 32, 4, 1, split_k=2, fma=True),
+        Fp8Config("gemv", 1, 16, 4, 1, split_k=2, fma=True, block_k=512, bit_cvt=True),
+        Fp8Config("gemv", 1, 128, 4, 4, split_k=2, x_groups=16, prefetch=True),
+        Fp8Config("gemv", 16, 64, 4, 4, split_k=4, x_groups=4, block_k=256),
+        Fp8Config("gemv", 16, 128, 8, 4, split_k=4, scale_ahead=True),
     }
     return sorted(out, key=cfg_str)
 
@@ -180,6 +228,10 @@ def quick_set() -> list[Fp8Config]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--gemv-variants", action="store_true",
+        help="the configurations of bench/fp8_sweep.py --gemv-variants (M = 1 and 16)",
+    )  # fmt: skip
     ap.add_argument("--arch", type=int, default=90)
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -191,7 +243,11 @@ def main() -> int:
     if not bad:
         print("warm-up launches specialize as the timed ones")
     builtin = {default_fp8_config(m, n, k) for _, n, k in SHAPES for m in (1, 16, *M_BUCKETS)}
-    cfgs = quick_set() if args.quick else compile_set(SHAPES, M_BUCKETS)
+    cfgs = (
+        quick_set() if args.quick
+        else variant_set() if args.gemv_variants
+        else compile_set(SHAPES, M_BUCKETS)
+    )  # fmt: skip
     cfgs = sorted(set(cfgs) | builtin, key=cfg_str)
     print(f"{len(cfgs)} configurations for sm_{args.arch}, triton {triton.__version__}")
     print(
@@ -203,11 +259,15 @@ def main() -> int:
         # the small-M tiles are timed at M = 1 too (the batch-1 bucket), which the JIT
         # specializes apart; fma runs one row only
         small = cfg.kind == "gemv" and cfg.block_m <= 16
-        ms = (1,) if cfg.fma else (16, 1) if small else (16,)
+        ms = tuple(m for m in (16, 1) if m <= cfg.block_m) if small else (16,)
         launches = [(m, launch) for m in ms for launch in launches_of(cfg, m)]
         for m, (fn, _grid, a, kw) in launches:
             t = time.perf_counter()
-            key = (fn.__name__, compile_key(cfg) if fn.__name__ in KERNELS[:2] else repr(kw), m)
+            key = (
+                fn.__name__,
+                compile_key(cfg) if fn.__name__ != "_group_quant_kernel" else repr(kw),
+                m,
+            )
             if key in seen:
                 continue
             seen.add(key)

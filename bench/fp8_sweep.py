@@ -7,6 +7,7 @@ Usage (one H200, from the repository root)::
     python3 bench/fp8_sweep.py --out $OUT [--write-table] [--budget-s 230] [--compile-budget-s 90]
         [--ms 1 16]   # only these M buckets; --write-table keeps the table's other buckets
     python3 bench/fp8_sweep.py --tiny --out /tmp/x   # CPU, Triton interpreter: the script's logic
+    python3 bench/fp8_sweep.py --gemv-variants --out $OUT [--write-table]   # see below
 
 Shapes (N, K): qkv 4096->6144, o 4096->4096, gate_up 4096->24576, down 12288->4096; M = each
 table bucket (``kernels.fp8_configs.M_BUCKETS``, the largest M a bucket serves).
@@ -32,6 +33,14 @@ table bucket (``kernels.fp8_configs.M_BUCKETS``, the largest M a bucket serves).
    from M = 1024, where the product is compute bound) that no weight is still in L2 from the
    last call, as in a model whose layers each read their own weights; the same for bf16
    ``F.linear``. A configuration that fails to compile or to match is never picked.
+
+``--gemv-variants`` (about a minute on the H200; default budgets 140 s, compile 50 s): M = 1 and 16
+only, stage A replaced by :func:`variant_candidates` -- the table's choice today, the built-in
+tiles, the plain small-M tiles and each option of ``kernels.fp8_gemm.fp8_gemv`` (``x_groups``
+with ``block_k`` and ``prefetch``, ``scale_ahead``, ``fma`` with ``block_k`` and ``bit_cvt``),
+split counts as launched -- and after the usual table one per M with the fastest configuration
+of each option family per shape, their sum, TB/s and the sum's ratio to bf16's
+(:func:`print_families`). ``--tiny`` runs it on the CPU as well.
 
 Prints a markdown table (shape, M, best configuration, FP8 us, the built-in configuration's us,
 bf16 us, FP8 / bf16 time, TFLOP/s, relative error) and the phases' wall times; writes all
@@ -67,6 +76,7 @@ from kernels.fp8_configs import (  # noqa: E402
     Fp8Config,
     default_fp8_config,
     fp8_config,
+    gemv_k_split,
     parse_table_entry,
 )
 from kernels.fp8_cublas import cublas_block_fp8_supported  # noqa: E402
@@ -132,6 +142,47 @@ GROUPS = (1, 8, 16, 32, 64)
 TINY_TILES = [(16, 32, 4, 1), (32, 64, 4, 1)]
 TINY_GEMV = [(32, 4, 1)]
 
+# --gemv-variants: the small-M kernel's options (kernels/fp8_gemm.py, ``fp8_gemv``) against what
+# the table runs today, at M = 1 and 16 (the candidates replace stage A's there)
+#: the M buckets of the mode
+VARIANT_MS = (1, DECODE_M)
+#: candidates per (shape, M) at most in the mode (stage A + stage B)
+VARIANT_MAX_CANDIDATES = 76
+#: the plain tensor-core product with ``scale_ahead``: (block_n, num_warps, num_stages) x split-K
+AHEAD_TILES = [(64, 4, 4), (128, 4, 4), (128, 8, 4)]
+AHEAD_SPLITS = (1, 4)
+#: the one-row CUDA-core product as it is (three of FMA_TILES) ...
+VARIANT_FMA_TILES = [(16, 2, 1), (32, 4, 1), (64, 4, 1)]
+#: ... and with ``block_k`` inputs an iteration: (block_n, num_warps, num_stages, block_k)
+FMA_K_TILES = [(16, 2, 1, 512), (16, 4, 1, 512), (32, 4, 1, 256), (32, 4, 3, 256)]
+#: ``bit_cvt`` (float8 -> float16 by shifts) on these of them
+BIT_CVT_TILES = [(16, 4, 1, 512)]
+VARIANT_FMA_SPLITS = (2, 4)
+#: the block-diagonal operand (``x_groups``) at M = 1: (block_n, num_warps, num_stages,
+#: x_groups, block_k), each at the splits of XG_SPLITS a launch really makes differently (at
+#: least K / 128 / x_groups); with ``prefetch`` the tiles of XG1_PREFETCH too
+XG1_TILES = [(64, 4, 4, 16, 128), (64, 4, 6, 16, 128), (128, 4, 4, 16, 128), (128, 8, 4, 16, 128),
+             (64, 4, 4, 32, 256), (128, 4, 3, 32, 256), (64, 4, 3, 16, 512),
+             (256, 8, 3, 16, 128)]  # fmt: skip
+XG1_PREFETCH = [(128, 4, 4, 16, 128), (64, 4, 4, 32, 256)]
+XG_SPLITS = (1, 2, 4, 8)
+#: the same at the decode bucket (block_m 16: 2..8 groups in 32..128 columns)
+XG16_TILES = [(64, 4, 4, 4, 128), (128, 8, 4, 4, 128), (64, 4, 4, 8, 128), (128, 8, 3, 4, 256)]
+XG16_SPLITS = (1, 2)
+#: the decode bucket's plain tiles in the mode (five of DECODE_GEMV_TILES)
+VARIANT_DECODE_TILES = [(64, 4, 4), (128, 4, 4), (128, 8, 4), (64, 8, 4), (256, 8, 3)]
+#: the mode under --tiny (the interpreter, one small shape): one tile of each option
+TINY_VARIANTS = [
+    Fp8Config("gemv", 1, 32, 4, 1, split_k=1, x_groups=16),
+    Fp8Config("gemv", 1, 32, 4, 1, split_k=2, x_groups=16, block_k=256, prefetch=True),
+    Fp8Config("gemv", 1, 16, 4, 1, split_k=2, fma=True, block_k=256),
+    Fp8Config("gemv", 1, 16, 4, 1, split_k=1, fma=True, block_k=512, bit_cvt=True),
+    Fp8Config("gemv", 16, 32, 4, 1, split_k=2, scale_ahead=True),
+    Fp8Config("gemv", 16, 32, 4, 1, split_k=1, x_groups=2, block_k=256),
+]
+#: whether stage A and B make the mode's candidates (set by ``main`` from --gemv-variants)
+GEMV_VARIANTS = {"on": False}
+
 
 def log(msg: str = "") -> None:
     print(msg, flush=True)
@@ -143,6 +194,9 @@ def smem_bytes(cfg: Fp8Config) -> int:
     tiles (activations in bf16 where the kernel quantizes them itself)."""
     bk = FP8_BLOCK[1]
     if cfg.kind == "gemv":
+        bk = cfg.block_k
+        if cfg.x_groups:  # weight tiles, and one [block_k, block_m * x_groups] float8 operand
+            return cfg.num_stages * cfg.block_n * bk + bk * cfg.block_m * cfg.x_groups
         return cfg.num_stages * (cfg.block_n * bk + bk * cfg.block_m * 2)  # fma: <= this
     a_bytes = 2 if cfg.fuse_quant else 1
     extra = cfg.block_m * bk if cfg.fuse_quant else 0  # the quantized tile for the MMA
@@ -169,7 +223,10 @@ def stage_a(m: int, n: int, k: int, tiny: bool = False) -> list[Fp8Config]:
     (with and without fused quantization for M = 17..512, only fused at decode sizes, split-K
     per :func:`auto_split`), and for M <= 64 the fused small-M kernel (more tiles and splits
     at decode sizes); at M = 1 (:func:`batch1_candidates`) the small-M kernel only, with its
-    CUDA-core variant."""
+    CUDA-core variant. With --gemv-variants (``GEMV_VARIANTS``) at M = 1 and 16: the mode's
+    candidates (:func:`variant_candidates`)."""
+    if GEMV_VARIANTS["on"] and m in VARIANT_MS:
+        return variant_candidates(m, n, k, tiny)
     if m == 1:
         return batch1_candidates(n, k, tiny)
     out = [default_fp8_config(m, n, k)]
@@ -213,25 +270,83 @@ def batch1_candidates(n: int, k: int, tiny: bool = False) -> list[Fp8Config]:
     return [c for c in dict.fromkeys(out) if _fits(1, c)]
 
 
-def _splits_used(k: int, split_k: int) -> int:
-    """The number of K splits a launch makes of ``split_k`` (no split empty)."""
-    kb = triton.cdiv(k, FP8_BLOCK[1])
-    return triton.cdiv(kb, triton.cdiv(kb, max(1, min(split_k, kb))))
+def table_choice(m: int, n: int, k: int) -> Fp8Config | None:
+    """What ``fp8_linear`` runs for ``[M, K] x [K, N]`` on this GPU today (its table entry, or
+    the built-in tiles); None without a GPU. A "cublas" entry is returned as such."""
+    if not torch.cuda.is_available():
+        return None
+    return fp8_config(m, n, k, device=torch.device("cuda"), dtype=torch.bfloat16)
+
+
+def as_launched(k: int, cfg: Fp8Config) -> Fp8Config:
+    """``cfg`` with the split count its launch really makes over ``K`` (a small-M launch may
+    make fewer splits than asked, none empty, or with ``x_groups`` more): equal launches get
+    equal configurations, and ``split_k > 1`` says whether the kernel is compiled for splits
+    (:func:`compile_key`)."""
+    if cfg.kind != "gemv":
+        return cfg
+    return replace(cfg, split_k=gemv_k_split(k, cfg)[0])
+
+
+def variant_candidates(m: int, n: int, k: int, tiny: bool = False) -> list[Fp8Config]:
+    """--gemv-variants' candidates at M = 1 or 16: the table's choice today, the built-in
+    configuration, the plain small-M kernel's tiles, and its options (``scale_ahead``;
+    at M = 1 ``fma`` with ``block_k`` and ``bit_cvt``; ``x_groups``, with ``prefetch`` at
+    M = 1). Every one fits the shared memory; split counts as launched (:func:`as_launched`),
+    so no two candidates launch alike."""
+    out = [default_fp8_config(m, n, k)]
+    today = table_choice(m, n, k)
+    if today is not None and today.kind != "cublas":
+        out.append(today)
+    if tiny:
+        out += [c for c in TINY_VARIANTS if (m == 1) == (c.block_m == 1)]
+        out.append(Fp8Config("gemv", 16, 32, 4, 1, split_k=2))
+    elif m == 1:
+        for (bn, w, st), sp in ((t, s) for t in BATCH1_DOT_TILES for s in BATCH1_DOT_SPLITS):
+            out.append(Fp8Config("gemv", 16, bn, w, st, split_k=sp))
+        for (bn, w, st), sp in ((t, s) for t in AHEAD_TILES for s in AHEAD_SPLITS):
+            out.append(Fp8Config("gemv", 16, bn, w, st, split_k=sp, scale_ahead=True))
+        for (bn, w, st), sp in ((t, s) for t in VARIANT_FMA_TILES for s in VARIANT_FMA_SPLITS):
+            out.append(Fp8Config("gemv", 1, bn, w, st, split_k=sp, fma=True))
+        for (bn, w, st, bk), sp in ((t, s) for t in FMA_K_TILES for s in VARIANT_FMA_SPLITS):
+            out.append(Fp8Config("gemv", 1, bn, w, st, split_k=sp, fma=True, block_k=bk))
+        for (bn, w, st, bk), sp in ((t, s) for t in BIT_CVT_TILES for s in VARIANT_FMA_SPLITS):
+            cfg = Fp8Config("gemv", 1, bn, w, st, split_k=sp, fma=True, block_k=bk)
+            out.append(replace(cfg, bit_cvt=True))
+        tiles = [(t, False) for t in XG1_TILES] + [(t, True) for t in XG1_PREFETCH]
+        for ((bn, w, st, g, bk), pf), sp in ((t, s) for t in tiles for s in XG_SPLITS):
+            out.append(Fp8Config("gemv", 1, bn, w, st, sp, x_groups=g, block_k=bk, prefetch=pf))
+    else:
+        for (bn, w, st), sp in ((t, s) for t in VARIANT_DECODE_TILES for s in DECODE_GEMV_SPLITS):
+            out.append(Fp8Config("gemv", 16, bn, w, st, split_k=sp))
+        for (bn, w, st), sp in ((t, s) for t in AHEAD_TILES for s in AHEAD_SPLITS):
+            out.append(Fp8Config("gemv", 16, bn, w, st, split_k=sp, scale_ahead=True))
+        for (bn, w, st, g, bk), sp in ((t, s) for t in XG16_TILES for s in XG16_SPLITS):
+            out.append(Fp8Config("gemv", 16, bn, w, st, split_k=sp, x_groups=g, block_k=bk))
+    out = [out[0]] + [as_launched(k, c) for c in out[1:]]
+    return [c for c in dict.fromkeys(out) if _fits(m, c)]
+
+
+def _splits_used(k: int, cfg: Fp8Config) -> int:
+    """The number of K splits a launch of ``cfg`` makes over ``K`` (no split empty;
+    ``kernels.fp8_configs.gemv_k_split``, which is the GEMM's split too)."""
+    return gemv_k_split(k, cfg)[0]
 
 
 def variants(m: int, n: int, k: int, cfg: Fp8Config) -> list[Fp8Config]:
     """Neighbours of a good configuration: other split-K (M <= 256; only splits the launch
     would really make differently), GROUP_M (more than one M tile), the fusion flipped (gemm);
-    for the fused small-M kernel, other splits."""
+    for the fused small-M kernel, other splits (with --gemv-variants counted as launched)."""
     if cfg.kind == "cublas":
         return []  # cuBLASLt chooses its own tiles
     splits = (1, 2, 3, 4, 6, 8, 12, 16) if cfg.kind == "gemv" else SPLITS if m <= 256 else ()
-    seen = {_splits_used(k, cfg.split_k)}
+    seen = {_splits_used(k, cfg)}
     out = []
     for s in splits:
-        if _splits_used(k, s) not in seen:
-            seen.add(_splits_used(k, s))
-            out.append(replace(cfg, split_k=s))
+        v = replace(cfg, split_k=s)
+        if _splits_used(k, v) not in seen:
+            seen.add(_splits_used(k, v))
+            out.append(as_launched(k, v) if GEMV_VARIANTS["on"] else v)
     if cfg.kind == "gemm":
         if triton.cdiv(m, cfg.block_m) > 1:
             out += [replace(cfg, group_m=g) for g in GROUPS if g != cfg.group_m]
@@ -252,11 +367,12 @@ def stage_b(
 
 
 def compile_key(cfg: Fp8Config) -> tuple:
-    """What makes Triton compile another kernel: tiles, warps, stages, the fused quantization
-    and whether there are splits (GROUP_M and the split count are run-time arguments of the
-    GEMM; the gemv's reduction kernel is small)."""
+    """What makes Triton compile another kernel: tiles, warps, stages, the fused quantization,
+    the small-M kernel's options and whether there are splits (GROUP_M and the split count are
+    run-time arguments of the GEMM; the gemv's reduction kernel is small)."""
     return (cfg.kind, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-            cfg.fuse_quant, cfg.fma, cfg.split_k > 1)  # fmt: skip
+            cfg.fuse_quant, cfg.fma, cfg.split_k > 1, cfg.block_k, cfg.x_groups,
+            cfg.scale_ahead, cfg.prefetch, cfg.bit_cvt)  # fmt: skip
 
 
 def compile_set(shapes, ms, tiny: bool = False) -> list[Fp8Config]:
@@ -397,13 +513,22 @@ def cublas_probe(shapes) -> bool:
 
 
 def cfg_str(cfg: Fp8Config) -> str:
-    """``gemm 64x128 w4 s4 g8 split1 fused`` / ``gemv 1x16 w2 s1 split4 fma``: kind, tiles,
-    warps, stages, GROUP_M, split-K, options."""
+    """``gemm 64x128 w4 s4 g8 split1 fused`` / ``gemv 1x16 w2 s1 split4 fma`` / ``gemv 1x128
+    w4 s4 split2 bk256 xg16 prefetch``: kind, tiles, warps, stages, GROUP_M, split-K, options
+    (``bk``: block_k, ``xg``: x_groups, ``ahead``: scale_ahead, ``bitcvt``: bit_cvt)."""
     if cfg.kind == "cublas":
         return "cublas (cuBLASLt block-scaled)"
     tiles = f"{cfg.kind} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
     if cfg.kind == "gemv":
-        return f"{tiles} split{cfg.split_k}{' fma' if cfg.fma else ''}"
+        opts = [
+            " fma" if cfg.fma else "",
+            f" bk{cfg.block_k}" if cfg.block_k != FP8_BLOCK[1] else "",
+            f" xg{cfg.x_groups}" if cfg.x_groups else "",
+            " ahead" if cfg.scale_ahead else "",
+            " prefetch" if cfg.prefetch else "",
+            " bitcvt" if cfg.bit_cvt else "",
+        ]
+        return f"{tiles} split{cfg.split_k}{''.join(opts)}"
     return f"{tiles} g{cfg.group_m} split{cfg.split_k}{' fused' if cfg.fuse_quant else ''}"
 
 
@@ -479,7 +604,8 @@ def sweep_shape(name, n, k, ms, device, compiled, deadline, tiny) -> list[dict]:
             timed[CUBLAS_CONFIG] = check_and_time(CUBLAS_CONFIG, x, ref, wqs, wss, device, None)
         ranked = sorted((c for c in timed if timed[c][0] is not None), key=lambda c: timed[c][0])
         if time.perf_counter() < share:
-            room = max(0, MAX_CANDIDATES - len(timed))
+            cap = VARIANT_MAX_CANDIDATES if GEMV_VARIANTS["on"] else MAX_CANDIDATES
+            room = max(0, cap - len(timed))
             for cfg in stage_b(m, n, k, ranked, set(timed), room):
                 timed[cfg] = check_and_time(cfg, x, ref, wqs, wss, device, compiled)
         ok = {c: v for c, v in timed.items() if v[0] is not None}
@@ -489,6 +615,10 @@ def sweep_shape(name, n, k, ms, device, compiled, deadline, tiny) -> list[dict]:
                "tried": len(timed), "passed": len(ok),
                "all": [{**asdict(c), "us": v[0], "err": v[1], "rejected": v[2]}
                        for c, v in timed.items()]}  # fmt: skip
+        today = table_choice(m, n, k) if GEMV_VARIANTS["on"] and not tiny else None
+        if today is not None:  # what fp8_linear runs today, as stage A timed it
+            today = today if today.kind == "cublas" else as_launched(k, today)
+            row.update(table=asdict(today), table_us=timed.get(today, (None,))[0])
         if ok:
             best = min(ok, key=lambda c: ok[c][0])
             row.update(best=asdict(best), fp8_us=ok[best][0], err=ok[best][1])
@@ -580,6 +710,101 @@ def print_targets(rows) -> None:
             log(f"M={r['m']} {r['shape']}: FP8 {verdict} than bf16 ({speedup:.2f}x)")
 
 
+#: --gemv-variants' option families, in the order printed
+FAMILIES = ("dot", "dot scale_ahead", "fma", "fma block_k", "fma bit_cvt", "x_groups",
+            "x_groups prefetch", "gemm")  # fmt: skip
+
+
+def family(cfg: dict) -> str:
+    """The option family of a configuration (an ``asdict`` of :class:`Fp8Config`)."""
+    if cfg["kind"] != "gemv":
+        return cfg["kind"]
+    if cfg.get("x_groups"):
+        return "x_groups prefetch" if cfg.get("prefetch") else "x_groups"
+    if cfg["fma"]:
+        if cfg.get("bit_cvt"):
+            return "fma bit_cvt"
+        return "fma block_k" if cfg.get("block_k", FP8_BLOCK[1]) != FP8_BLOCK[1] else "fma"
+    return "dot scale_ahead" if cfg.get("scale_ahead") else "dot"
+
+
+def _config_of(timing: dict) -> dict:
+    """The configuration fields of one entry of a row's ``all`` (its timing keys dropped)."""
+    return {f: timing[f] for f in Fp8Config.__dataclass_fields__ if f in timing}
+
+
+def _table_err(row: dict) -> float | None:
+    """The relative error of the table's choice as timed in ``row`` (None: not timed)."""
+    today = row.get("table")
+    if not today:
+        return None
+    same = (a for a in row["all"] if all(a.get(f) == v for f, v in today.items()))
+    return next((a["err"] for a in same), None)
+
+
+def family_rows(rows) -> list[dict]:
+    """Per M of ``rows`` and per line -- bf16 (``F.linear``), the table's choice today, each
+    option family's fastest passed configuration, the best of all -- the us of each shape, the
+    sum over the shapes (None where a shape has none), the weights' TB/s over that sum, the
+    sum's ratio to bf16's and the largest relative error of the configurations summed."""
+    out = []
+    for m in sorted({r["m"] for r in rows}):
+        at = [r for r in rows if r["m"] == m]
+        lines: dict[str, list] = {"bf16 F.linear": [(r["bf16_us"], r["bf16_err"]) for r in at]}
+        lines["table today"] = [(r.get("table_us"), _table_err(r)) for r in at]
+        picks: dict[str, list] = {}
+        for fam in FAMILIES:
+            best, picks[fam] = [], []
+            for r in at:
+                ok = [a for a in r["all"] if a["us"] is not None and family(a) == fam]
+                a = min(ok, key=lambda a: a["us"]) if ok else None
+                best.append((a["us"], a["err"]) if a else (None, None))
+                picks[fam].append(_config_of(a) if a else None)
+            if any(us is not None for us, _ in best):
+                lines[fam] = best
+        lines["best"] = [(r.get("fp8_us"), r.get("err")) for r in at]
+        picks["table today"] = [r.get("table") for r in at]
+        picks["best"] = [r.get("best") for r in at]
+        bf16 = sum(r["bf16_us"] for r in at)
+        bf16_bytes = sum(2 * r["n"] * r["k"] for r in at)
+        fp8_bytes = sum(r["n"] * r["k"] + 4 * -(-r["n"] // 128) * -(-r["k"] // 128) for r in at)
+        for name, vals in lines.items():
+            us = [v[0] for v in vals]
+            total = None if any(u is None for u in us) else sum(us)
+            errs = [v[1] for v in vals if v[1] is not None]
+            out.append({
+                "m": m, "line": name, "shapes": [r["shape"] for r in at], "us": us,
+                "sum_us": total, "err": max(errs) if errs else None,
+                "tbs": None if total is None else (
+                    (bf16_bytes if name.startswith("bf16") else fp8_bytes) / (total * 1e-6) / 1e12),
+                "ratio": None if total is None else total / bf16,
+                "configs": picks.get(name, [None] * len(at)),
+            })  # fmt: skip
+    return out
+
+
+def print_families(rows) -> None:
+    """--gemv-variants' table: per M, a line per option family (its fastest configuration per
+    shape), the table's choice today, bf16, the best; us per shape, summed, TB/s, FP8 / bf16
+    (the issue's target: <= 0.65 summed), relative error."""
+    for m in sorted({r["m"] for r in rows}):
+        fr = [f for f in family_rows(rows) if f["m"] == m]
+        shapes = fr[0]["shapes"]
+        log(f"\nM = {m}: fastest of each option family per shape (us), CUDA-graph timed, weights "
+            "not in L2")  # fmt: skip
+        log("| line | " + " | ".join(shapes) + " | sum us | TB/s | sum / bf16 | max rel err |")
+        log("|---" * (len(shapes) + 5) + "|")
+        for f in fr:
+            log(f"| {f['line']} | " + " | ".join(_f(u) for u in f["us"])
+                + f" | {_f(f['sum_us'])} | {_f(f['tbs'], '.2f')} | {_f(f['ratio'], '.3f')} "
+                f"| {_f(f['err'], '.1e')} |")  # fmt: skip
+        log(f"M = {m}: the configuration behind each line, per shape")
+        for f in fr:
+            if any(f["configs"]):
+                names = [cfg_str(Fp8Config(**c)) if c else "-" for c in f["configs"]]
+                log(f"  {f['line']}: " + "; ".join(f"{s} {c}" for s, c in zip(shapes, names)))
+
+
 def check_written(rows, device) -> None:
     """Reads the written table back through ``fp8_config``: each row's M gets its best
     configuration."""
@@ -601,8 +826,18 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp")
     ap.add_argument("--write-table", action="store_true")
-    ap.add_argument("--budget-s", type=float, default=230.0, help="wall time after the imports")
-    ap.add_argument("--compile-budget-s", type=float, default=90.0)
+    ap.add_argument(
+        "--budget-s", type=float, default=None,
+        help="wall time after the imports (default 230; 140 with --gemv-variants)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--compile-budget-s", type=float, default=None, help="default 90; 50 with --gemv-variants"
+    )
+    ap.add_argument(
+        "--gemv-variants", action="store_true",
+        help="M = 1 and 16 only (or those of --ms): the small-M kernel's options against the "
+        "table's choice today and bf16; prints a table per option family",
+    )  # fmt: skip
     ap.add_argument("--workers", type=int, default=0, help="compile processes (0: CPUs - 2)")
     ap.add_argument("--shapes", nargs="*", default=[s[0] for s in SHAPES])
     ap.add_argument("--tiny", action="store_true", help="CPU, interpreter, one small shape")
@@ -614,6 +849,15 @@ def main() -> int:
     args = ap.parse_args()
     if args.ms and not set(args.ms) <= set(M_BUCKETS):
         ap.error(f"--ms takes buckets of {list(M_BUCKETS)}")
+    if args.gemv_variants:
+        if args.ms and not set(args.ms) <= set(VARIANT_MS):
+            ap.error(f"--gemv-variants takes --ms of {list(VARIANT_MS)}")
+        args.ms = list(args.ms or VARIANT_MS)  # --write-table keeps the other buckets
+        GEMV_VARIANTS["on"] = True
+    if args.budget_s is None:
+        args.budget_s = 140.0 if args.gemv_variants else 230.0
+    if args.compile_budget_s is None:
+        args.compile_budget_s = 50.0 if args.gemv_variants else 90.0
     t0 = time.perf_counter()
     deadline = t0 + args.budget_s - 10  # room to write the results
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -624,7 +868,13 @@ def main() -> int:
         log("--write-table needs the GPU the table is for")
         return 2
     shapes = TINY_SHAPES if args.tiny else [s for s in SHAPES if s[0] in args.shapes]
-    ms = TINY_MS if args.tiny else tuple(args.ms or M_BUCKETS)
+    ms = (
+        tuple(args.ms)
+        if args.gemv_variants
+        else TINY_MS
+        if args.tiny
+        else tuple(args.ms or M_BUCKETS)
+    )
     cfgs = compile_set(shapes, ms, args.tiny)
     workers = args.workers or max(1, min(len(cfgs), (os.cpu_count() or 4) - 2, 14))
     log(f"{len(cfgs)} kernels to compile in {workers} processes (budget {args.compile_budget_s} s)")
@@ -633,7 +883,9 @@ def main() -> int:
     compile_s = time.perf_counter() - tc
     n_ok = sum(e is None for e in compiled.values())
     log(f"compiled {n_ok} ok, {len(compiled) - n_ok} failed, in {compile_s:.1f} s")
-    CUBLAS["ok"] = cublas_block_fp8_supported(device) and cublas_probe(shapes)
+    # cuBLASLt is timed from M = CUBLAS_MIN_M only: no probe (a child process) below
+    cublas_ms = max(ms) >= CUBLAS_MIN_M
+    CUBLAS["ok"] = cublas_ms and cublas_block_fp8_supported(device) and cublas_probe(shapes)
     from kernels.configs import table_path
 
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -654,6 +906,8 @@ def main() -> int:
     sweep_s = time.perf_counter() - tc - compile_s
     print_table(rows)
     print_targets(rows)
+    if args.gemv_variants:
+        print_families(rows)
     if args.write_table:
         path.write_text(blob)
         log(f"wrote {path}")

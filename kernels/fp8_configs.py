@@ -53,6 +53,12 @@ M_BUCKETS = (1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 #: 16-column tile)
 FMA_MAX_M = 1
 
+#: K elements one iteration of the small-M kernel may take (``Fp8Config.block_k``)
+GEMV_BLOCK_KS = (128, 256, 512)
+#: columns of the block-diagonal activation operand (``block_m * x_groups``): at least the
+#: smallest tensor-core tile Triton takes, at most what keeps the accumulator in registers
+X_COLS = (16, 128)
+
 #: number of SMs the split heuristic aims at (H200: 132)
 _TARGET_SMS = 132
 
@@ -79,6 +85,24 @@ class Fp8Config:
     instead of the FP8 tensor-core dot, for ``block_m <= FMA_MAX_M`` rows and ``block_n <=
     128``. ``kind`` "cublas": cuBLASLt's block-scaled GEMM
     (:mod:`kernels.fp8_cublas`, sm_90); its tile fields are unused (:data:`CUBLAS_CONFIG`).
+
+    Options of the small-M kernel (all off by default, which is the kernel the tables measured
+    before they existed; ``kernels.fp8_gemm.fp8_gemv`` documents each):
+
+    * ``block_k`` (128, 256 or 512): K elements a loop iteration takes, one to four 128-wide
+      scale groups; above 128 only with ``fma`` or ``x_groups``.
+    * ``x_groups`` (0: off; else a power of two with ``16 <= block_m * x_groups <= 128``): the
+      block-diagonal activation operand -- the activations of ``x_groups`` K groups are
+      quantized once before the loop into the columns of one MMA operand, the loop only
+      accumulates tensor-core products, the scales are applied once after it. ``block_m`` may
+      be 1 (batch 1). A program takes at most ``x_groups`` K groups, so the launch makes at
+      least ``ceil(K / 128 / x_groups)`` splits whatever ``split_k`` says (:func:`gemv_k_split`).
+    * ``scale_ahead`` (the tensor-core product without ``x_groups``): the next K block's weight
+      scales are loaded one iteration early.
+    * ``prefetch`` (``x_groups`` only): an L2 prefetch of the program's first four weight tiles
+      before the activations are quantized.
+    * ``bit_cvt`` (``fma`` only): float8 -> float16 by bit shifts instead of the conversion
+      instruction.
     """
 
     kind: str
@@ -90,6 +114,11 @@ class Fp8Config:
     group_m: int = 8
     fuse_quant: bool = False
     fma: bool = False
+    block_k: int = 128
+    x_groups: int = 0
+    scale_ahead: bool = False
+    prefetch: bool = False
+    bit_cvt: bool = False
 
 
 #: the configuration of the cuBLASLt kind (no tiles of ours to choose)
@@ -110,6 +139,21 @@ def _gemv_split(n: int, k: int, block_n: int) -> int:
     tiles = triton.cdiv(n, block_n)
     kb = triton.cdiv(k, FP8_BLOCK[1])
     return max(1, min(triton.cdiv(3 * _TARGET_SMS, tiles), kb // 4 or 1))
+
+
+def gemv_k_split(k: int, cfg: Fp8Config) -> tuple[int, int]:
+    """(splits, 128-wide K groups per split) of a small-M launch of ``cfg`` over ``K``: at most
+    ``split_k`` splits, none empty, each a multiple of ``block_k / 128`` groups (an iteration's);
+    with ``x_groups`` at most that many groups a split, so possibly more splits than
+    ``split_k``. The tiled GEMM's split (``block_k`` 128, no ``x_groups``) is the same
+    formula."""
+    kb = triton.cdiv(k, FP8_BLOCK[1])
+    step = cfg.block_k // FP8_BLOCK[1]
+    split = max(1, min(cfg.split_k, kb))
+    per = triton.cdiv(triton.cdiv(kb, split), step) * step
+    if cfg.x_groups:
+        per = min(per, cfg.x_groups)  # a multiple of step (parse_table_entry checks it)
+    return triton.cdiv(kb, per), per
 
 
 def default_fp8_config(m: int, n: int, k: int, kind: str | None = None) -> Fp8Config:
@@ -184,7 +228,7 @@ def parse_table_entry(row: object, bucket: int, where: str = "fp8_gemm table") -
         if name not in row:
             continue
         v = row[name]
-        want = {"kind": str, "fuse_quant": bool, "fma": bool}.get(name, int)
+        want = {"kind": str}.get(name, int if names[name].type in (int, "int") else bool)
         if type(v) is not want:  # bool is an int subclass: exact types only
             raise ValueError(f"{at}: {name} must be {want.__name__}, got {v!r}")
         values[name] = v
@@ -198,8 +242,12 @@ def parse_table_entry(row: object, bucket: int, where: str = "fp8_gemm table") -
                 f"fma is a gemv option for block_m a power of two in 1..{FMA_MAX_M} and block_n "
                 f"<= 128 (one weight-scale block), got {cfg.kind} {cfg.block_m}x{cfg.block_n}"
             )
+    elif cfg.x_groups:
+        if not _pow2(cfg.block_m, 1, 16):
+            problems.append(f"x_groups takes block_m a power of two in 1..16, got {cfg.block_m}")
     elif not _pow2(cfg.block_m, 16, 256):
         problems.append(f"block_m {cfg.block_m} is not a power of two in 16..256")
+    problems += gemv_option_problems(cfg)
     if not _pow2(cfg.block_n, 16, 256):
         problems.append(f"block_n {cfg.block_n} is not a power of two in 16..256")
     if cfg.num_warps not in (2, 4, 8):
@@ -218,6 +266,36 @@ def parse_table_entry(row: object, bucket: int, where: str = "fp8_gemm table") -
     if problems:
         raise ValueError(f"{at}: " + "; ".join(problems))
     return cfg
+
+
+def gemv_option_problems(cfg: Fp8Config) -> list[str]:
+    """What is wrong with the small-M kernel's options of ``cfg`` (:class:`Fp8Config`)."""
+    out = []
+    gemv_dot = cfg.kind == "gemv" and not cfg.fma
+    if cfg.block_k not in GEMV_BLOCK_KS:
+        out.append(f"block_k {cfg.block_k} is not one of {GEMV_BLOCK_KS}")
+    elif cfg.block_k != FP8_BLOCK[1] and not (cfg.fma or cfg.x_groups):
+        out.append(f"block_k {cfg.block_k} needs fma or x_groups (the other kernels take 128)")
+    if cfg.x_groups:
+        cols = cfg.block_m * cfg.x_groups
+        if not gemv_dot:
+            out.append("x_groups is an option of the gemv's tensor-core product (not fma)")
+        elif not _pow2(cfg.x_groups, 1, X_COLS[1]) or not X_COLS[0] <= cols <= X_COLS[1]:
+            out.append(
+                f"x_groups {cfg.x_groups} must be a power of two with block_m * x_groups in "
+                f"{X_COLS[0]}..{X_COLS[1]}, got {cols}"
+            )
+        elif cfg.block_k // FP8_BLOCK[1] > cfg.x_groups:
+            out.append(f"block_k {cfg.block_k} spans more than x_groups {cfg.x_groups} groups")
+    elif cfg.x_groups < 0:
+        out.append(f"x_groups {cfg.x_groups} is negative")
+    if cfg.scale_ahead and not (gemv_dot and not cfg.x_groups):
+        out.append("scale_ahead is an option of the gemv's tensor-core product without x_groups")
+    if cfg.prefetch and not cfg.x_groups:
+        out.append("prefetch is an option of x_groups")
+    if cfg.bit_cvt and not (cfg.kind == "gemv" and cfg.fma):
+        out.append("bit_cvt is an option of the gemv's fma product")
+    return out
 
 
 @cache

@@ -50,10 +50,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_configs import FP8_BLOCK, Fp8Config, fp8_config, split_k_fits
+from kernels.fp8_configs import (
+    FP8_BLOCK,
+    Fp8Config,
+    fp8_config,
+    gemv_k_split,
+    gemv_option_problems,
+    split_k_fits,
+)
 from kernels.gemv import NUM_COUNTERS, _gemv_epilogue, gemv_counters
 from kernels.interpreter import interpreting as _interpreting
-from kernels.pdl import pdl_kwargs, pdl_wait
+from kernels.pdl import pdl_kwargs, pdl_wait, prefetch_l2
 
 FP8_MAX = 448.0
 FP8_AMAX_EPS = 1e-10
@@ -406,6 +413,7 @@ def _fp8_gemv_kernel(
     EMULATE_CAST: tl.constexpr,
     FMA: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    SCALE_AHEAD: tl.constexpr = False,
 ):
     """Program ``(n tile, k split)``: ``acc [BLOCK_N, BLOCK_M] = sum_kb W_tile x^T`` over its K
     blocks, each activation group quantized here; with ``SPLIT`` the last-arriving split of an
@@ -418,7 +426,9 @@ def _fp8_gemv_kernel(
     ``PDL``: a programmatic dependent launch (:mod:`kernels.pdl`), without the bf16 GEMV's
     weight prefetch: on the H200's Qwen3-8B-shape FP8 decode step a prefetch of the first four
     K tiles cost 3,565 -> 3,688 us per step, of whole slices 4,613 (docs/benchmarks.md,
-    2026-12-02)."""
+    2026-12-02). ``SCALE_AHEAD`` (the dot only): the weight scales of K block ``kb + 1`` are
+    loaded in iteration ``kb`` (Triton's pipeliner streams the tiles but leaves this small load
+    in the iteration, where it waits on L2 between the MMA and the scaling); same result."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -440,6 +450,8 @@ def _fp8_gemv_kernel(
         # fp32 multiply-add into a [BLOCK_N, BLOCK_K] accumulator, reduced over K once at the end
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         ws_tile = ws_ptr + (pid_n * BLOCK_N // SCALE_N) * stride_wsn
+    if SCALE_AHEAD:
+        sw_next = tl.load(ws_ptrs + kb_lo * stride_wsk)
     for kb in range(kb_lo, kb_hi):
         if EVEN_K:
             xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
@@ -453,6 +465,10 @@ def _fp8_gemv_kernel(
             scale = tl.sum(xs, axis=0) * tl.load(ws_tile + kb * stride_wsk)
             xr = tl.sum(xq.to(tl.float32), axis=1) * scale  # the row (a sum over the size-1 axis)
             acc2 += wt.to(tl.float32) * xr[None, :]
+        elif SCALE_AHEAD:
+            sw = sw_next
+            sw_next = tl.load(ws_ptrs + tl.minimum(kb + 1, kb_hi - 1) * stride_wsk)
+            acc += tl.dot(wt, xq) * sw[:, None] * xs[None, :]
         else:
             sw = tl.load(ws_ptrs + kb * stride_wsk)
             acc += tl.dot(wt, xq) * sw[:, None] * xs[None, :]
@@ -463,6 +479,241 @@ def _fp8_gemv_kernel(
 
     # kernels/gemv.py's epilogue: stored directly, or with splits the last-arriving split of
     # the N tile sums the partials in split order (deterministic) and resets its counter
+    _gemv_epilogue(
+        acc, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, stride_om, pid_n, pid_k,
+        rn, rn_c, rm, m_ok, tl.num_programs(1), BLOCK_N, BLOCK_M, SPLIT, HAS_BIAS,
+    )  # fmt: skip
+
+
+@triton.jit
+def _fp8_bits_to_f16(w):
+    """float8e4nv ``w`` -> float16 holding exactly ``w * 2^-8``, by bit shifts: the sign to bit
+    15, the 7 magnitude bits ``eeeemmm`` to bits 13..7. e4m3 and float16 differ in exponent bias
+    by 15 - 7 = 8 and both have subnormals below their exponent field 1 (2^-6 * 0.mmm in e4m3,
+    2^-14 * 0.mmm in float16), so normals, subnormals and signed zeros all map to the value
+    times 2^-8; the e4m3 NaN code 0x7F would become a finite 1.875 (weights hold no NaN). The
+    exponent-bias trick of vLLM's Marlin FP8 dequantization (``dequant<half2, kFE4M3fn>`` in
+    ``csrc/quantization/marlin/dequant.h``: ``(q & 0x80008000) | ((q & 0x7F007F00) >> 1)``, two
+    codes a 32-bit operation, its ``skip_flop`` variant leaving the 2^8 to the scale as here);
+    Triton has no 32-bit-word view of a float8 tile, so this costs about three 16-bit integer
+    operations a code against half a ``cvt.rn.f16x2.e4m3x2``."""
+    b = w.to(tl.uint8, bitcast=True).to(tl.uint16)
+    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return h.to(tl.uint16).to(tl.float16, bitcast=True)  # 16 bits whatever the constants promote to
+
+
+@triton.jit(do_not_specialize=["KB_PER_SPLIT"])
+def _fp8_gemv_fma_kernel(
+    x_ptr,
+    w_ptr,
+    ws_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    counter_ptr,
+    N,
+    K,
+    KB_PER_SPLIT,
+    stride_wn,
+    stride_wsn,
+    stride_wsk,
+    stride_om,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EMULATE_CAST: tl.constexpr,
+    BIT_CVT: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """One row (``M = 1``) on the CUDA cores, ``BLOCK_K = G * 128`` inputs an iteration:
+    program ``(n tile, k split)`` loads a ``[BLOCK_N, BLOCK_K]`` float8 weight tile (each row
+    ``BLOCK_K`` contiguous bytes; 16-byte loads, ``G`` of them a thread in flight where
+    :func:`_fp8_gemv_kernel`'s ``FMA`` has one) and the row's ``[G, 128]`` activations,
+    quantizes the ``G`` groups with one reduction, folds each group's two scales into the
+    quantized row (``xq * (xs * ws)``; ``BLOCK_N <= 128``: one weight-scale block row) and adds
+    ``w * row`` into a ``[BLOCK_N, BLOCK_K]`` float32 accumulator reduced once at the end; the
+    epilogue is :func:`kernels.gemv._gemv_epilogue`'s (serial split-K). ``BIT_CVT``: weights
+    converted by :func:`_fp8_bits_to_f16` (integer shifts, ``w * 2^-8``; the ``2^8`` goes into
+    the row's scale, a power of two, so the products are bit-identical) instead of the
+    ``cvt.f16x2.e4m3x2`` conversion instruction. A split's K groups are a multiple of ``G``
+    (:func:`kernels.fp8_configs.gemv_k_split`); ``EVEN_K``: ``K % BLOCK_K == 0``, else loads
+    past K are masked (only the last split reaches them)."""
+    G: tl.constexpr = BLOCK_K // GROUP_K
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_c = (rn % N).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    rg = tl.arange(0, G)
+    rj = tl.arange(0, GROUP_K)
+    kb_lo = pid_k * KB_PER_SPLIT
+    kb_hi = tl.minimum(kb_lo + KB_PER_SPLIT, tl.cdiv(K, GROUP_K))
+    x_ptrs = x_ptr + kb_lo * GROUP_K + rg[:, None] * GROUP_K + rj[None, :]
+    w_ptrs = w_ptr + rn_c[:, None] * stride_wn + (kb_lo * GROUP_K + rk)[None, :]
+    ws_row = ws_ptr + (pid_n * BLOCK_N // SCALE_N) * stride_wsn
+    pdl_wait(PDL)
+
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for kb in range(kb_lo, kb_hi, G):
+        g = kb + rg
+        if EVEN_K:
+            wt = tl.load(w_ptrs)
+            xt = tl.load(x_ptrs)
+            sw = tl.load(ws_row + g * stride_wsk)
+        else:
+            wt = tl.load(w_ptrs, mask=(kb * GROUP_K + rk < K)[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=g[:, None] * GROUP_K + rj[None, :] < K, other=0.0)
+            sw = tl.load(ws_row + g * stride_wsk, mask=g * GROUP_K < K, other=0.0)
+        xq, xs = _quant_tile(xt.to(tl.float32), 1, EMULATE_CAST)  # [G, 128] groups, [G] scales
+        scale = xs * sw
+        if BIT_CVT:
+            scale = scale * 256.0  # the 2^-8 of the converted weights
+            wf = _fp8_bits_to_f16(wt).to(tl.float32)
+        else:
+            wf = wt.to(tl.float32)
+        row = tl.reshape(xq.to(tl.float32) * scale[:, None], (BLOCK_K,))
+        acc2 += wf * row[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc = tl.sum(acc2, axis=1)[:, None]
+
+    rm = tl.arange(0, 1)
+    _gemv_epilogue(
+        acc, bias_ptr, out_ptr, part_ptr, counter_ptr, 1, N, stride_om, pid_n, pid_k,
+        rn, rn_c, rm, rm < 1, tl.num_programs(1), BLOCK_N, 1, SPLIT, HAS_BIAS,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["KB_PER_SPLIT"])
+def _fp8_gemv_bd_kernel(
+    x_ptr,
+    w_ptr,
+    ws_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    counter_ptr,
+    M,
+    N,
+    K,
+    KB_PER_SPLIT,
+    stride_xm,
+    stride_wn,
+    stride_wsn,
+    stride_wsk,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUPS: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EMULATE_CAST: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+):
+    """The block-diagonal activation operand: program ``(n tile, k split)`` owns at most
+    ``GROUPS`` 128-wide K groups (the launcher's split guarantees it) and computes
+    ``acc [BLOCK_N, COLS] = sum_j W_j B_j`` with ``COLS = BLOCK_M * GROUPS`` and ``B_j`` the
+    ``[BLOCK_K, COLS]`` float8 operand that holds group ``j``'s quantized rows in columns
+    ``j * BLOCK_M ..`` and zeros elsewhere: column ``c`` of the accumulator is the unscaled
+    product of row ``c % BLOCK_M`` over group ``c // BLOCK_M`` alone, so the loop is a plain
+    accumulating tensor-core GEMM (one ``tl.dot(w, b, acc)`` an iteration: no reduction, no
+    division, no scale load and no wait for the MMA's result inside it, which the per-block
+    scaling of :func:`_fp8_gemv_kernel` needs every 128 inputs), and the scales
+    ``xs[c] * ws[n // 128, group]`` multiply the columns once after it, which are then summed
+    per row (``[BLOCK_N, GROUPS, BLOCK_M] -> [BLOCK_N, BLOCK_M]``). The same arithmetic as
+    DeepSeek-V3's per-128 promotion: each group's product is summed by the tensor cores alone
+    and scaled in float32. At ``M = 1`` the operand's 16 columns, padding in the plain kernel,
+    carry 16 groups; the MMA work per weight byte is ``COLS`` columns, free while the product
+    is bandwidth bound.
+
+    Before the loop the activations of all the program's groups are loaded as one
+    ``[BLOCK_K, COLS]`` tile (row ``k`` holds input ``k % 128`` of the column's group: the
+    ``BLOCK_K / 128`` groups of an iteration see the same quantized values), quantized along
+    the rows (``_quant_tile``, bit-identical to ``fp8_group_quant``), and every iteration
+    selects its groups' columns from the register tile (``tl.where`` on the codes' bits). A
+    tile of at most 4,096 activations (``BLOCK_K * COLS``: the batch-1 tiles of 16-32 columns)
+    is quantized in the loop's first iteration, so that the pipeline's first weight copies,
+    which Triton issues just before the loop, are in flight while it waits for the
+    activations; a larger one before the loop (kept live through the loop, the loaded tile
+    took up to 255 registers a thread and spilled for sm_90). ``PREFETCH``: first an L2
+    prefetch of the program's first four weight tiles (:func:`kernels.pdl.prefetch_l2`, after
+    the PDL wait). ``EVEN_K``: ``K % BLOCK_K == 0`` (else loads past K are masked; a split's
+    groups are a multiple of ``BLOCK_K / 128``, so only the last split reaches past K)."""
+    COLS: tl.constexpr = BLOCK_M * GROUPS
+    LATE_QUANT: tl.constexpr = BLOCK_K * COLS <= 4096
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_c = (rn % N).to(tl.int64)
+    rm = tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    rk = tl.arange(0, BLOCK_K)
+    rc = tl.arange(0, COLS)
+    c_grp = rc // BLOCK_M  # the group (relative to the program's first) of each column
+    c_row = rc % BLOCK_M  # and its activation row
+    kb_lo = pid_k * KB_PER_SPLIT
+    kb_hi = tl.minimum(kb_lo + KB_PER_SPLIT, tl.cdiv(K, GROUP_K))
+    w_ptrs = w_ptr + rn_c[:, None] * stride_wn + (kb_lo * GROUP_K + rk)[None, :]
+    pdl_wait(PDL)
+    if PREFETCH:  # 128 float8 weights: one 128-byte line
+        prefetch_l2(
+            w_ptr, rn_c, stride_wn, kb_lo * GROUP_K, tl.minimum(kb_hi * GROUP_K, K), GROUP_K,
+            BLOCK_K // GROUP_K,
+        )  # fmt: skip
+
+    # the program's activations, quantized once: [BLOCK_K, COLS] codes and [COLS] scales
+    g_abs = kb_lo + c_grp
+    col_ok = (c_row < M) & (g_abs < kb_hi)
+    kx = g_abs[None, :] * GROUP_K + (rk % GROUP_K)[:, None]
+    xt = tl.load(
+        x_ptr + c_row[None, :] * stride_xm + kx, mask=col_ok[None, :] & (kx < K), other=0.0
+    )
+    k_grp = rk // GROUP_K
+    if LATE_QUANT:
+        codes = tl.zeros((BLOCK_K, COLS), dtype=tl.int8)
+        xs = tl.zeros((COLS,), dtype=tl.float32)
+    else:
+        xq, xs = _quant_tile(xt.to(tl.float32), 0, EMULATE_CAST)
+        codes = xq.to(tl.int8, bitcast=True)
+
+    acc = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    for kb in range(kb_lo, kb_hi, BLOCK_K // GROUP_K):
+        if LATE_QUANT and kb == kb_lo:  # after the pipeline's first weight copies are issued
+            xq, xs = _quant_tile(xt.to(tl.float32), 0, EMULATE_CAST)
+            codes = xq.to(tl.int8, bitcast=True)
+        if EVEN_K:
+            wt = tl.load(w_ptrs)
+        else:
+            wt = tl.load(w_ptrs, mask=(kb * GROUP_K + rk < K)[None, :], other=0.0)
+        pick = c_grp[None, :] == (kb - kb_lo + k_grp)[:, None]
+        b = tl.where(pick, codes, tl.zeros_like(codes)).to(tl.float8e4nv, bitcast=True)
+        acc = tl.dot(wt, b, acc)
+        w_ptrs += BLOCK_K
+
+    # column c: xs[c] * ws[n // 128, group of c] (columns of no group of this program are zero)
+    g_ok = g_abs < kb_hi
+    if BLOCK_N <= SCALE_N:  # the tile lies in one weight-scale row: one scale per column
+        ws_row = ws_ptr + ((pid_n * BLOCK_N) // SCALE_N) * stride_wsn
+        acc = acc * (tl.load(ws_row + g_abs * stride_wsk, mask=g_ok, other=0.0) * xs)[None, :]
+    else:
+        sw = tl.load(
+            ws_ptr + (rn_c // SCALE_N)[:, None] * stride_wsn + g_abs[None, :] * stride_wsk,
+            mask=g_ok[None, :],
+            other=0.0,
+        )
+        acc = acc * sw * xs[None, :]
+    if GROUPS > 1:
+        acc = tl.sum(tl.reshape(acc, (BLOCK_N, GROUPS, BLOCK_M)), axis=1)
+
     _gemv_epilogue(
         acc, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, stride_om, pid_n, pid_k,
         rn, rn_c, rm, m_ok, tl.num_programs(1), BLOCK_N, BLOCK_M, SPLIT, HAS_BIAS,
@@ -488,9 +739,22 @@ def fp8_gemv(
     Returns:
         ``out``.
 
+    Options of ``config`` (:class:`kernels.fp8_configs.Fp8Config`; off by default):
+
+    * ``x_groups``: :func:`_fp8_gemv_bd_kernel`, the block-diagonal activation operand (the
+      activations of up to ``x_groups`` K groups quantized once, the loop only accumulating
+      tensor-core products, scaled once after it; ``block_m`` may be 1). At least
+      ``ceil(K / 128 / x_groups)`` splits (:func:`kernels.fp8_configs.gemv_k_split`);
+      ``block_k`` inputs an iteration; ``prefetch``: the first weight tiles asked of L2 first.
+    * ``fma`` with ``block_k`` above 128 or ``bit_cvt``: :func:`_fp8_gemv_fma_kernel`, the
+      one-row CUDA-core product taking ``block_k`` inputs (up to four scale groups) an
+      iteration; ``bit_cvt``: float8 -> float16 by shifts.
+    * ``scale_ahead`` (the plain tensor-core product): weight scales loaded an iteration early.
+
     Raises:
         ValueError: more rows than the configuration's ``block_m``; an ``fma`` configuration
-            with ``block_m`` other than 1 or a ``block_n`` not dividing 128.
+            with ``block_m`` other than 1 or a ``block_n`` not dividing 128; options the
+            kernels do not take together (``kernels.fp8_configs.parse_table_entry``'s checks).
     """
     m, k = x.shape
     n = w.shape[0]
@@ -504,10 +768,40 @@ def fp8_gemv(
             f"the fma product takes block_m 1 and a block_n dividing {FP8_BLOCK[0]}, got "
             f"{cfg.block_m}x{cfg.block_n}"
         )
-    split, per_split = _k_splits(triton.cdiv(k, FP8_BLOCK[1]), cfg.split_k)
+    problems = gemv_option_problems(cfg)
+    if problems:
+        raise ValueError(f"fp8_gemv configuration {cfg}: " + "; ".join(problems))
+    split, per_split = gemv_k_split(k, cfg)
     part, counters = _split_k_scratch(m, n, cfg, split, triton.cdiv(n, cfg.block_n), out)
     pdl = pdl_kwargs(x.device)
-    _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+    grid = (triton.cdiv(n, cfg.block_n), split)
+    scratch = (bias if bias is not None else ws, out, part, counters)
+    common = dict(
+        SCALE_N=FP8_BLOCK[0],
+        SPLIT=split > 1,
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % cfg.block_k == 0,
+        EMULATE_CAST=_interpreting(),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **pdl,
+    )
+    if cfg.x_groups:
+        _fp8_gemv_bd_kernel[grid](
+            x, w, ws, *scratch, m, n, k, per_split, x.stride(0), w.stride(0), ws.stride(0),
+            ws.stride(1), out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUPS=cfg.x_groups, GROUP_K=FP8_BLOCK[1],
+            PREFETCH=cfg.prefetch and not _interpreting(), **common,
+        )  # fmt: skip
+        return out
+    if cfg.fma and (cfg.block_k != FP8_BLOCK[1] or cfg.bit_cvt):
+        _fp8_gemv_fma_kernel[grid](
+            x, w, ws, *scratch, n, k, per_split, w.stride(0), ws.stride(0), ws.stride(1),
+            out.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_K=FP8_BLOCK[1],
+            BIT_CVT=cfg.bit_cvt, **common,
+        )  # fmt: skip
+        return out
+    _fp8_gemv_kernel[grid](
         x,
         w,
         ws,
@@ -536,6 +830,7 @@ def fp8_gemv(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl,
+        **({"SCALE_AHEAD": True} if cfg.scale_ahead else {}),
     )
     return out
 

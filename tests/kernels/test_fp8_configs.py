@@ -82,6 +82,31 @@ def test_batch_one_bucket_takes_the_cuda_core_product(table):
     assert fc.table_fallback(DEVICE, 4096, 4096, 1) is None  # not a cublas entry
 
 
+def test_small_m_options_parse_and_default_off(table):
+    """The small-M kernel's options (block_k, x_groups, scale_ahead, prefetch, bit_cvt) are
+    read from a table entry; an entry without them (every table written before they existed)
+    is the configuration it was."""
+    bd = {**ROW_GEMV, "block_m": 1, "block_n": 128, "x_groups": 16, "block_k": 256,
+          "prefetch": True}  # fmt: skip
+    fma = {**ROW_GEMV, "block_m": 1, "block_n": 16, "fma": True, "block_k": 512, "bit_cvt": True}
+    ahead = {**ROW_GEMV, "block_m": 16, "scale_ahead": True}
+    table({"4096,4096": {"1": bd, "16": ahead}, "6144,4096": {"1": fma, "16": ROW_GEMV}})
+    assert fp8_table_config(DEVICE, 1, 4096, 4096) == Fp8Config(
+        "gemv", 1, 128, 4, 4, split_k=6, block_k=256, x_groups=16, prefetch=True
+    )
+    assert fp8_table_config(DEVICE, 1, 6144, 4096) == Fp8Config(
+        "gemv", 1, 16, 4, 4, split_k=6, fma=True, block_k=512, bit_cvt=True
+    )
+    assert fp8_table_config(DEVICE, 9, 4096, 4096) == Fp8Config(
+        "gemv", 16, 64, 4, 4, split_k=6, scale_ahead=True
+    )
+    old = fp8_table_config(DEVICE, 16, 6144, 4096)
+    assert old == Fp8Config("gemv", 64, 64, 4, 4, split_k=6)
+    assert (old.block_k, old.x_groups, old.scale_ahead, old.prefetch, old.bit_cvt) == (
+        128, 0, False, False, False,
+    )  # fmt: skip
+
+
 def test_batch_one_without_its_entry_takes_the_decode_buckets_cublas_fallback(table, monkeypatch):
     """No "1" entry and a "cublas" "16" entry whose load-time probe failed: M = 1 runs that
     entry's recorded Triton fallback, as M = 16 does."""
@@ -156,6 +181,17 @@ def test_builtin_tiles_are_unchanged():
         ({**ROW_GEMV, "block_m": 1, "block_n": 256, "fma": True}, "and block_n <= 128"),
         ({**ROW_GEMM, "block_m": 2, "fma": True}, "fma is a gemv option"),
         ({**ROW_GEMV, "block_m": 2}, "block_m 2 is not a power of two in 16..256"),
+        ({**ROW_GEMV, "block_k": 256}, "block_k 256 needs fma or x_groups"),
+        ({**ROW_GEMV, "block_k": 1024, "x_groups": 2}, "block_k 1024 is not one of"),
+        ({**ROW_GEMV, "x_groups": 3}, "x_groups 3 must be a power of two"),
+        ({**ROW_GEMV, "x_groups": 4}, r"block_m \* x_groups in 16..128, got 256"),
+        ({**ROW_GEMV, "block_m": 32, "x_groups": 2}, "x_groups takes block_m a power of two"),
+        ({**ROW_GEMM, "x_groups": 1}, "x_groups is an option of the gemv's tensor-core"),
+        ({**ROW_GEMV, "prefetch": True}, "prefetch is an option of x_groups"),
+        ({**ROW_GEMV, "scale_ahead": 1}, "scale_ahead must be bool"),
+        ({**ROW_GEMV, "x_groups": True}, "x_groups must be int"),
+        ({**ROW_GEMM, "scale_ahead": True}, "scale_ahead is an option of the gemv's tensor-core"),
+        ({**ROW_GEMV, "bit_cvt": True}, "bit_cvt is an option of the gemv's fma product"),
         ([16, 64], "expected an object of tile fields, got list"),
     ],
 )

@@ -12,11 +12,16 @@ the reference) and the speed on the H200.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels.fp8_gemm import (
     Fp8Config,
+    _fp8_bits_to_f16,
     _interpreting,
     fp8_config,
     fp8_gemm,
@@ -141,6 +146,133 @@ def test_gemv_fma_refuses_what_it_cannot_run():
     for bm, bn in ((2, 32), (1, 256)):
         with pytest.raises(ValueError, match="the fma product takes block_m 1"):
             fp8_gemv(_x(1, 128), w, ws, None, out[:1], Fp8Config("gemv", bm, bn, 4, 1, fma=True))
+
+
+#: the block-diagonal operand (``x_groups``): (m, block_m, block_n, x_groups, block_k, split_k,
+#: n, k). K = 300: three groups, the last one partial; 640: five (an odd count against two
+#: groups an iteration); 2200: 18 groups, more than 16 a program, so at least two splits
+#: whatever split_k says; block_n 256 spans two weight-scale rows; N tails everywhere
+X_GROUPS_CASES = [
+    (1, 1, 32, 16, 128, 1, 200, 300),
+    (1, 1, 32, 16, 256, 2, 136, 640),
+    (1, 1, 16, 32, 512, 1, 200, 300),
+    (1, 1, 32, 16, 128, 1, 72, 2200),
+    (5, 16, 32, 2, 256, 1, 136, 640),
+    (3, 4, 32, 8, 128, 3, 200, 300),
+    (2, 2, 256, 8, 128, 2, 300, 640),
+]
+
+
+@pytest.mark.parametrize("m, bm, bn, groups, bk, split_k, n, k", X_GROUPS_CASES)
+def test_gemv_x_groups_matches_reference_and_the_dot(m, bm, bn, groups, bk, split_k, n, k):
+    """The block-diagonal activation operand (``x_groups``): rows, groups, splits and tails as
+    the cases say, bias; equal to the reference and, up to fp32 rounding, to the plain
+    tensor-core kernel; split-K counters left zero. On the GPU each group's column also takes
+    the FP8 tensor cores' (zero) products of the other groups' iterations, whose accumulation
+    precision PTX leaves open: a looser bound there (a wrong kernel is off by 1e-1 or more)."""
+    w, ws = _weights(n, k, seed=13)
+    x = _x(m, k, seed=14)
+    bias = torch.randn(n, device=DEVICE)
+    cfg = Fp8Config("gemv", bm, bn, 4, 1, split_k, block_k=bk, x_groups=groups)
+    out = torch.empty(m, n, device=DEVICE)
+    fp8_gemv(x, w, ws, bias, out, cfg)
+    tol = 1e-6 if _interpreting() else 1e-4
+    assert _rel(out, fp8_linear_ref(x, w, ws, bias)) < tol
+    dot = torch.empty_like(out)
+    fp8_gemv(x, w, ws, bias, dot, Fp8Config("gemv", 16, bn, 4, 1, split_k))
+    assert _rel(out, dot) < tol
+    assert int(gemv_counters(torch.device(DEVICE)).abs().sum()) == 0
+
+
+def test_gemv_x_groups_splits_so_that_a_program_takes_at_most_its_groups():
+    """``gemv_k_split``: at most ``x_groups`` groups a split (more splits than asked where
+    needed), each a multiple of an iteration's groups; the plain kernels' split unchanged."""
+    from kernels.fp8_configs import gemv_k_split
+
+    plain = Fp8Config("gemv", 16, 64, 4, 4, split_k=6)
+    assert gemv_k_split(4096, plain) == (6, 6)  # 32 groups: 6 splits of 6 (the last 2)
+    assert gemv_k_split(384, plain) == (3, 1)  # never an empty split
+    bd = Fp8Config("gemv", 1, 128, 4, 4, split_k=1, x_groups=16)
+    assert gemv_k_split(4096, bd) == (2, 16)
+    assert gemv_k_split(12288, bd) == (6, 16)
+    assert gemv_k_split(12288, replace(bd, split_k=8)) == (8, 12)
+    assert gemv_k_split(640, replace(bd, block_k=256, split_k=2)) == (2, 4)
+    assert gemv_k_split(640, replace(plain, fma=True, block_m=1, block_n=16, block_k=512)) == (
+        2, 4,
+    )  # fmt: skip
+
+
+@triton.jit
+def _convert_codes(src, dst):
+    r = tl.arange(0, 256)
+    tl.store(dst + r, _fp8_bits_to_f16(tl.load(src + r)))
+
+
+@pytest.mark.parametrize("bk", [256, 512])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("n, k", [(200, 300), (136, 1024)])
+def test_gemv_fma_block_k_matches_reference_and_bit_cvt_is_exact(bk, split_k, n, k):
+    """The one-row CUDA-core product with ``block_k`` inputs an iteration: equal to the
+    reference; with ``bit_cvt`` (float8 -> float16 by shifts, 2^8 folded into the scale) the
+    same bits as with the conversion instruction."""
+    w, ws = _weights(n, k, seed=15)
+    x = _x(1, k, seed=16)
+    bias = torch.randn(n, device=DEVICE)
+    cfg = Fp8Config("gemv", 1, 16, 4, 1, split_k, fma=True, block_k=bk)
+    out = torch.empty(1, n, device=DEVICE)
+    fp8_gemv(x, w, ws, bias, out, cfg)
+    assert _rel(out, fp8_linear_ref(x, w, ws, bias)) < 1e-6
+    bits = torch.empty_like(out)
+    fp8_gemv(x, w, ws, bias, bits, replace(cfg, bit_cvt=True))
+    assert torch.equal(bits, out)
+    assert int(gemv_counters(torch.device(DEVICE)).abs().sum()) == 0
+
+
+def test_fp8_bits_to_f16_is_exact_for_every_code():
+    """Every float8_e4m3fn code but the two NaNs -- zeros of both signs, the 14 subnormals,
+    normals up to 448 -- becomes exactly its value times 2^-8 in float16."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(DEVICE)
+    out = torch.empty(256, dtype=torch.float16, device=DEVICE)
+    _convert_codes[(1,)](codes, out)
+    finite = ~torch.isnan(codes.float())
+    assert int(finite.sum()) == 254
+    want = codes.float() * 2.0**-8
+    assert torch.equal(out.float()[finite], want[finite])
+    assert torch.equal(out[finite].view(torch.int16) < 0, codes[finite].view(torch.int8) < 0)
+
+
+@pytest.mark.parametrize("m, split_k", [(1, 1), (3, 3), (16, 2)])
+def test_gemv_scale_ahead_gives_the_same_bits(m, split_k):
+    """``scale_ahead`` (the next block's weight scales loaded an iteration early) changes when
+    a value is loaded, not the arithmetic."""
+    w, ws = _weights(200, 640, seed=17)
+    x = _x(m, 640, seed=18)
+    cfg = Fp8Config("gemv", 16, 32, 4, 1, split_k)
+    a = torch.empty(m, 200, device=DEVICE)
+    b = torch.empty_like(a)
+    fp8_gemv(x, w, ws, None, a, cfg)
+    fp8_gemv(x, w, ws, None, b, replace(cfg, scale_ahead=True))
+    assert torch.equal(a, b)
+    assert _rel(a, fp8_linear_ref(x, w, ws)) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        (Fp8Config("gemv", 16, 32, 4, 1, block_k=256), "block_k 256 needs fma or x_groups"),
+        (Fp8Config("gemv", 1, 32, 4, 1, x_groups=8), "block_m \\* x_groups in 16..128, got 8"),
+        (Fp8Config("gemv", 1, 32, 4, 1, x_groups=16, block_k=384), "block_k 384 is not one of"),
+        (Fp8Config("gemv", 16, 32, 4, 1, x_groups=1, block_k=256), "spans more than x_groups"),
+        (Fp8Config("gemv", 1, 32, 4, 1, fma=True, x_groups=16), "x_groups is an option of"),
+        (Fp8Config("gemv", 16, 32, 4, 1, prefetch=True), "prefetch is an option of x_groups"),
+        (Fp8Config("gemv", 16, 32, 4, 1, bit_cvt=True), "bit_cvt is an option of the gemv's fma"),
+        (Fp8Config("gemv", 16, 32, 4, 1, x_groups=2, scale_ahead=True), "scale_ahead is an"),
+    ],
+)
+def test_gemv_refuses_options_it_cannot_run(cfg, match):
+    w, ws = _weights(64, 256)
+    with pytest.raises(ValueError, match=match):
+        fp8_gemv(_x(1, 256), w, ws, None, torch.empty(1, 64, device=DEVICE), cfg)
 
 
 @pytest.mark.parametrize("m", [1, 33, 70])
