@@ -201,7 +201,12 @@ def engine_row(args, device, ckpt: Path, quantization: str | None) -> dict:
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (64 if args.tiny else 1024,), generator=gen).tolist()
     res["ttft_1024_ms"], res["tpot_ms"] = batch1_latency(eng, prompt, trials=3)
-    n = 4 if args.tiny else 256
+    if args.offline_seqs == 0:  # batch-1 latency only
+        res["offline_tok_s"] = float("nan")
+        del eng
+        free_gpu()
+        return res
+    n = 4 if args.tiny else args.offline_seqs
     lens = 128 if args.tiny else 1024
     prompts, out_lens = nano_vllm_workload(n, max_input_len=lens, max_output_len=lens)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in out_lens]
@@ -250,6 +255,12 @@ def main() -> int:
     ap.add_argument("--out", default="/tmp")
     ap.add_argument("--stages", nargs="+", default=["kernels", "engine", "serve"])
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument(
+        "--offline-seqs",
+        type=int,
+        default=256,
+        help="requests of the engine stage's offline run (0: batch-1 latency only)",
+    )
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--tokenizer-from", default=str(REPO / ".benchassets/tokenizer"))
     args = ap.parse_args()
