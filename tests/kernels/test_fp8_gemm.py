@@ -169,14 +169,17 @@ def test_gemv_x_groups_matches_reference_and_the_dot(m, bm, bn, groups, bk, spli
     the cases say, bias; equal to the reference and, up to fp32 rounding, to the plain
     tensor-core kernel; split-K counters left zero. On the GPU each group's column also takes
     the FP8 tensor cores' (zero) products of the other groups' iterations, whose accumulation
-    precision PTX leaves open: a looser bound there (a wrong kernel is off by 1e-1 or more)."""
+    precision PTX leaves open (DeepSeek-V3's report, section 3.3.2, measured about 14 retained
+    bits in Hopper's FP8 MMA accumulation): a looser bound there, 5e-4 (the H200 gave 1.43e-4 on
+    the last case on 2026-12-04; the FP8 quantization itself is off by ~1.7e-3 from bf16, and a
+    wrong kernel by 1e-1 or more)."""
     w, ws = _weights(n, k, seed=13)
     x = _x(m, k, seed=14)
     bias = torch.randn(n, device=DEVICE)
     cfg = Fp8Config("gemv", bm, bn, 4, 1, split_k, block_k=bk, x_groups=groups)
     out = torch.empty(m, n, device=DEVICE)
     fp8_gemv(x, w, ws, bias, out, cfg)
-    tol = 1e-6 if _interpreting() else 1e-4
+    tol = 1e-6 if _interpreting() else 5e-4
     assert _rel(out, fp8_linear_ref(x, w, ws, bias)) < tol
     dot = torch.empty_like(out)
     fp8_gemv(x, w, ws, bias, dot, Fp8Config("gemv", 16, bn, 4, 1, split_k))
