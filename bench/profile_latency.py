@@ -42,6 +42,7 @@ def main() -> None:
             device="cuda",
             dtype=torch.bfloat16,
             max_model_len=4096,
+            block_size=16,  # the block count below is sized for 16-token blocks
             num_kv_blocks=4096,
             max_num_seqs=64,
             enable_prefix_caching=False,

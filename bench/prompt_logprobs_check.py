@@ -41,6 +41,7 @@ def make_engine(ckpt: str, dtype: str, device: str):
             device=device,
             dtype=dtype,
             max_model_len=8192,
+            block_size=16,  # the block count below is sized for 16-token blocks
             num_kv_blocks=2048,
             max_num_seqs=32,
             max_num_batched_tokens=512,

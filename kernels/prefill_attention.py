@@ -814,7 +814,7 @@ def prefill_config(
             cfg.update({k: row[k] for k in PREFILL_TABLE_KEYS if k in row})
     elif page_size is not None and page_size % cfg["BLOCK_N"] == 0 and kv_tma_available(device):
         # the interpreter takes the TMA path where the GPU would (pages of whole tiles), so the
-        # CPU tests of the backend and engine cover it
+        # CPU tests of the kernel and of the Triton backend at such pages cover it
         cfg["KV_TMA"] = True
     if split:
         policy = dict(_SPLIT_POLICY)
@@ -825,6 +825,16 @@ def prefill_config(
         for key in _SPLIT_POLICY:
             cfg.pop(key, None)
     return cfg
+
+
+def _kv_tma_fits(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the caches' layout admits the ``KV_TMA`` descriptors: contiguous (viewed as
+    ``[blocks * page, H_kv * D]``) and within the descriptors' int32 row coordinates."""
+    return (
+        k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and k_cache.shape[0] * k_cache.shape[1] < 2**31
+    )
 
 
 def _check_kv_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> None:
@@ -840,8 +850,8 @@ def _check_kv_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) ->
         raise ValueError(
             f"KV_TMA needs pages of a multiple of BLOCK_N={block_n} tokens, got {page_size}"
         )
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("KV_TMA needs contiguous k_cache / v_cache")
+    if not _kv_tma_fits(k_cache, v_cache):
+        raise ValueError("KV_TMA needs contiguous k_cache / v_cache of fewer than 2**31 rows")
 
 
 def _check_split_scratch(
@@ -1006,6 +1016,10 @@ def prefill_attention(
         cfg.update(config)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     kv_tma = bool(cfg.get("KV_TMA", False))
+    if kv_tma and not (config and config.get("KV_TMA")) and not _kv_tma_fits(k_cache, v_cache):
+        # chosen by the tables from the page size alone: strided caches keep the pointer gather
+        # (only an explicit config={"KV_TMA": True} is an error there)
+        kv_tma = False
     if kv_tma:
         _check_kv_tma(k_cache, v_cache, block_n)
         k_desc = TensorDescriptor.from_tensor(k_cache.view(-1, hkv * d), [block_n, d])

@@ -175,8 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-kv-blocks",
         type=int,
         default=_env("num_kv_blocks"),
-        help="KV-cache blocks to allocate; unset: from the KV-cache budget in GiB "
-        "or from free GPU memory",
+        help="KV-cache blocks of --block-size tokens to allocate (128-token blocks by default on "
+        "CUDA: a count sized for 16-token blocks takes 8x the memory there); unset: from the "
+        "KV-cache budget in GiB or from free GPU memory",
     )
     a(
         "--kv-cache-memory-gb",

@@ -140,15 +140,18 @@ def _cu(q_lens):
         ([50, 1], [0, 40], 14, [1, 0], 2, 2, 128, torch.float32, False),
     ],
 )
+@pytest.mark.parametrize("page", [16, 64], ids=["page16", "page64-kv-tma"])
 def test_prefill_padding_matches_unpadded(
-    device, q_lens, ctx_lens, pad_tokens, pad_seq_lens, hq, hkv, d, dtype, causal
+    device, q_lens, ctx_lens, pad_tokens, pad_seq_lens, hq, hkv, d, dtype, causal, page
 ):
     """Rows past cu_seqlens_q[B] and sequences with q_len 0 (the padding of a CUDA graph captured
-    at a bucketed T and B) change no real row and leave their own rows of ``out`` untouched."""
+    at a bucketed T and B) change no real row and leave their own rows of ``out`` untouched;
+    page64: pages of whole key tiles, where the interpreter (like the GPU) takes the KV_TMA
+    loads."""
     seed = int.from_bytes(os.urandom(4), "little")
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
-    k_cache, v_cache, block_tables = make_paged(seq_lens, hkv, d, 16, dtype, g)
+    k_cache, v_cache, block_tables = make_paged(seq_lens, hkv, d, page, dtype, g)
     t = sum(q_lens)
     q = torch.randn(t, hq, d, generator=g).to(dtype)
     cu, sl = _cu(q_lens), torch.tensor(seq_lens, dtype=torch.int32)

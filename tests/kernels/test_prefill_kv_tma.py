@@ -178,3 +178,67 @@ def test_interpreter_takes_the_tma_path_on_whole_tile_pages():
     assert prefill_config(64, torch.float32, cpu, True, page_size=64)["KV_TMA"] is True
     assert "KV_TMA" not in prefill_config(64, torch.float32, cpu, True, page_size=16)
     assert "KV_TMA" not in prefill_config(64, torch.float32, cpu, True)
+
+
+def test_tables_choice_falls_back_on_a_strided_cache(device):
+    """A TMA path chosen by the page size alone runs the pointer gather on a cache that is not
+    contiguous (here: every other KV head of a wider cache); an explicit KV_TMA is refused."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    seq_lens, q_lens, hq, d = [70, 40], [30, 40], 4, 64
+    k_wide, v_wide, block_tables = make_paged(seq_lens, 4, d, 32, torch.float32, g)
+    k_cache, v_cache = k_wide[:, :, ::2], v_wide[:, :, ::2]  # H_kv 2, strided
+    q = torch.randn(sum(q_lens), hq, d, generator=g)
+    cu, sl = _cu(q_lens), torch.tensor(seq_lens, dtype=torch.int32)
+    ref = torch.empty(q.shape)
+    prefill_attention_ref(q, k_cache, v_cache, block_tables, cu, sl, ref, d**-0.5, True)
+    args = [t.to(device) for t in (q, k_cache, v_cache, block_tables, cu, sl)]
+    out = torch.full(q.shape, float("nan"), device=device)
+    prefill_attention(*args, out, d**-0.5, True)  # the interpreter's choice: KV_TMA at page 32
+    assert rel_err(out.cpu(), ref) <= TOL[torch.float32]
+    with pytest.raises(ValueError, match="contiguous"):
+        prefill_attention(*args, out, d**-0.5, True, config={**TILES, "KV_TMA": True})
+
+
+def test_block_table_exactly_as_wide_as_the_sequence(device):
+    """Block tables of exactly cdiv(seq_len, page) columns (as the engine gathers them): the
+    block-id prefetch must not read past the row (its load is masked at the key range's end)."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    seq_lens, q_lens, hq, hkv, d, page = [96, 64], [40, 64], 4, 2, 64, 32
+    k_cache, v_cache, wide = make_paged(seq_lens, hkv, d, page, torch.float32, g)
+    # one table row per sequence, no spare columns; the next sequence's row follows directly
+    block_tables = wide[:, : max(-(-n // page) for n in seq_lens)].contiguous()
+    q = torch.randn(sum(q_lens), hq, d, generator=g)
+    cu, sl = _cu(q_lens), torch.tensor(seq_lens, dtype=torch.int32)
+    ref = torch.empty(q.shape)
+    prefill_attention_ref(q, k_cache, v_cache, block_tables, cu, sl, ref, d**-0.5, False)
+    out = torch.full(q.shape, float("nan"), device=device)
+    prefill_attention(
+        *[t.to(device) for t in (q, k_cache, v_cache, block_tables, cu, sl)],
+        out,
+        d**-0.5,
+        False,
+        config={**TILES, "KV_TMA": True},
+    )
+    assert torch.isfinite(out).all() and rel_err(out.cpu(), ref) <= TOL[torch.float32]
+
+
+def test_split_count_uses_the_launch_tiles(monkeypatch):
+    """prefill_num_splits with the cache's page size sees the tiles the launch will run (the
+    tma_split row here has BLOCK_M 32, so more query tiles, so fewer splits than the pointer
+    row's BLOCK_M 128 would give)."""
+    import kernels.prefill_split as ps
+
+    table = {
+        "bfloat16,128": {
+            "split": {"BLOCK_M": 128, "BLOCK_N": 64},
+            "tma_split": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4},
+        }
+    }
+    monkeypatch.setattr(pa, "kernel_table", lambda kernel, name: table)
+    monkeypatch.setattr(pa, "device_name", lambda device: "Fake GPU")
+    monkeypatch.setattr(pa, "kv_tma_available", lambda device: True)
+    cuda = torch.device("cuda")
+    args = (512, 16, 128, torch.bfloat16, cuda, 32768, 132)
+    pointer = ps.prefill_num_splits(*args, num_kv_heads=8, page_size=16)
+    tma = ps.prefill_num_splits(*args, num_kv_heads=8, page_size=128)
+    assert tma < pointer, (tma, pointer)

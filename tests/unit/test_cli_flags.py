@@ -154,3 +154,28 @@ def test_a_bad_flag_is_one_line_on_stderr(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--max-num-seqs" in err and "out of range" in err
+
+
+def test_block_size_defaults_by_device(monkeypatch, capsys):
+    """Unset, --block-size is the engine's device default: 128-token blocks on CUDA (whole
+    tiles of the prefill kernel's TMA loads), 16 on the CPU; a value is kept; 0 is refused."""
+    from engine.core.config import DEFAULT_CUDA_BLOCK_SIZE, EngineConfig
+
+    args = build_parser().parse_args([])
+    assert args.block_size is None
+    assert EngineConfig(model="m", device="cuda", block_size=args.block_size).block_size == 128
+    assert DEFAULT_CUDA_BLOCK_SIZE == 128
+    assert EngineConfig(model="m", device="cuda:1").block_size == 128
+    assert EngineConfig(model="m", device="cpu").block_size == 16
+    monkeypatch.setenv("QWEN_SERVE_BLOCK_SIZE", "32")
+    assert (
+        EngineConfig(
+            model="m", device="cuda", block_size=build_parser().parse_args([]).block_size
+        ).block_size
+        == 32
+    )
+    with pytest.raises(ValueError, match="block_size"):
+        EngineConfig(model="m", block_size=0)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--block-size", "0"])
+    assert "--block-size" in capsys.readouterr().err
