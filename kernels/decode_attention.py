@@ -13,16 +13,6 @@ Each split writes its normalised partial output and its log-sum-exp; stage 2 mer
 with weights ``exp(lse_s - max lse)``. With one split, stage 1 writes ``out`` directly and stage 2
 is skipped.
 
-Fused reduction (``FUSED_REDUCE``, the default; ``QWEN_SERVE_DECODE_FUSED_REDUCE=0`` or the
-config key turns it off): no second launch. Each stage-1 program writes its partial, then
-increments the arrival counter of its (sequence, KV head) (``atomic_add``, acquire-release, GPU
-scope, after a CTA barrier so every thread's partial is ordered before it); the program that
-arrives last merges the ``num_splits`` partials of the group's query heads in split order (the
-result does not depend on arrival order), writes ``out`` and sets the counter back to zero, so
-the next launch and every CUDA-graph replay start from zero -- CUTLASS's serial split-K
-semaphore, as :mod:`kernels.gemv`'s split-K does. A decode step at batch 1 then launches one
-attention kernel per layer instead of two.
-
 Mixed steps (``cu_seqlens_q`` given, constexpr ``VARLEN``): ``q``/``out`` are the packed
 ``[T, H_q, D]`` tensors of a step that also carries prompt chunks; each program of both stages
 reads ``cu_seqlens_q[b]``, ``cu_seqlens_q[b + 1]`` and returns at once unless sequence ``b`` has
@@ -39,7 +29,6 @@ import triton.language as tl
 
 from kernels.pdl import pdl_kwargs, pdl_wait
 from kernels.prefill_attention import _paged_attn_tile
-from kernels.switches import env_switch
 
 __all__ = [
     "decode_attention",
@@ -51,26 +40,6 @@ __all__ = [
 ]
 
 _LOG2E = 1.4426950408889634
-#: the process-wide switch of the fused reduction (``QWEN_SERVE_DECODE_FUSED_REDUCE``, default
-#: on), read once; a launch's ``config={"FUSED_REDUCE": ...}`` overrides it
-FUSED_REDUCE_SWITCH = env_switch("QWEN_SERVE_DECODE_FUSED_REDUCE")
-#: arrival counters per device: (sequence slot, KV head) pairs of one launch
-NUM_REDUCE_COUNTERS = 1 << 16
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def reduce_counters(device: torch.device) -> torch.Tensor:
-    """The device's ``[NUM_REDUCE_COUNTERS]`` int32 arrival counters of the fused reduction
-    (zeroed at first use; every launch leaves them zero; launches on one stream are ordered, and
-    a programmatic dependent launch waits for its predecessor before touching them). Made outside
-    inference mode so a caller outside it may reset them (``zero_()`` after a failed launch)."""
-    device = torch.device(device)
-    buf = _COUNTERS.get(device)
-    if buf is None:
-        with torch.inference_mode(False):
-            buf = torch.zeros(NUM_REDUCE_COUNTERS, dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
 
 
 @triton.jit
@@ -79,59 +48,6 @@ def _packed_row(cu_q_ptr, seq):
     count."""
     start = tl.load(cu_q_ptr + seq)
     return start.to(tl.int64), tl.load(cu_q_ptr + seq + 1) - start
-
-
-@triton.jit
-def _merge_splits(
-    out_ptr,
-    po_ptr,
-    plse_ptr,
-    seq64,
-    row64,
-    heads,
-    g_ok,
-    num_splits,
-    stride_ob,
-    stride_oh,
-    stride_od,
-    stride_pob,
-    stride_poh,
-    stride_pos,
-    stride_plb,
-    stride_plh,
-    BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """The fused reduction of the last-arriving split: ``out[row, h] = sum_s w_s po[s] / sum_s
-    w_s`` with ``w_s = 2^(lse_s - max lse)`` for the query heads ``heads`` (``[BLOCK_G]``, valid
-    where ``g_ok``) of one KV head, splits in order; the partials are read past L1 (``.cg``:
-    other programs wrote them)."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    lse_base = plse_ptr + seq64 * stride_plb + heads * stride_plh
-    lse_all = tl.load(
-        lse_base[:, None] + offs_s[None, :],
-        mask=g_ok[:, None] & (offs_s[None, :] < num_splits),
-        other=float("-inf"),
-        cache_modifier=".cg",
-    )
-    m = tl.where(g_ok, tl.max(lse_all, 1), 0.0)
-    po_base = po_ptr + seq64 * stride_pob + heads[:, None] * stride_poh + offs_d[None, :]
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-    w_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
-    for s in range(0, num_splits):
-        lse = tl.load(lse_base + s, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
-        w = tl.math.exp2(lse - m)  # 0 for an empty split (lse = -inf)
-        po = tl.load(po_base + s * stride_pos, mask=g_ok[:, None], other=0.0, cache_modifier=".cg")
-        acc += po * w[:, None]
-        w_sum += w
-    o = acc / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
-    tl.store(
-        out_ptr + row64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
-        o.to(out_ptr.dtype.element_ty),
-        mask=g_ok[:, None],
-    )
 
 
 # min_split_keys is not specialized: a new value never compiles another variant
@@ -143,7 +59,6 @@ def _decode_split_kernel(
     out_ptr,
     po_ptr,
     plse_ptr,
-    counter_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     cu_q_ptr,
@@ -180,8 +95,6 @@ def _decode_split_kernel(
     UPCAST: tl.constexpr,
     BT_PREFETCH: tl.constexpr,
     VARLEN: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr = False,
-    BLOCK_S: tl.constexpr = 16,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)  # programmatic dependent launch (kernels.pdl): q and this step's k/v are new
@@ -292,33 +205,6 @@ def _decode_split_kernel(
         )
         tl.store(po_ptrs, acc, mask=g_ok[:, None])
         tl.store(plse_ptr + seq64 * stride_plb + heads * stride_plh + split, lse, mask=g_ok)
-        if FUSED_REDUCE:
-            tl.debug_barrier()  # every thread's partial is written before the arrival below
-            count_ptr = counter_ptr + seq64 * tl.num_programs(0) + kv_head
-            arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                _merge_splits(
-                    out_ptr,
-                    po_ptr,
-                    plse_ptr,
-                    seq64,
-                    row64,
-                    heads,
-                    g_ok,
-                    num_splits,
-                    stride_ob,
-                    stride_oh,
-                    stride_od,
-                    stride_pob,
-                    stride_poh,
-                    stride_pos,
-                    stride_plb,
-                    stride_plh,
-                    BLOCK_G,
-                    HEAD_DIM,
-                    BLOCK_S,
-                )
-                tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
     else:
         o_ptrs = (
             out_ptr + row64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
@@ -548,9 +434,7 @@ def decode_attention(
             partial_lse: float32 ``[B, H_q, S]`` (log2-domain log-sum-exp), last dim contiguous.
             Scratch from :func:`decode_scratch`; unused when ``num_splits == 1``.
         num_splits: host int >= 1, e.g. from :func:`choose_num_splits`; sizes the grid.
-        config: optional stage-1 tile override ``{BLOCK_N, num_warps, num_stages}`` (benchmarks),
-            and ``FUSED_REDUCE`` (bool): the split merge in stage 1's last-arriving program
-            instead of a second launch (default: ``QWEN_SERVE_DECODE_FUSED_REDUCE``, on).
+        config: optional stage-1 tile override ``{BLOCK_N, num_warps, num_stages}`` (benchmarks).
         cu_seqlens_q: optional int32 ``[B + 1]`` on q's device, non-decreasing, with
             ``cu_seqlens_q[B] <= T`` (not checked: it lives on the device).
         min_split_keys: host int >= 0, fewest keys of one split (rounded up to the tile,
@@ -566,8 +450,7 @@ def decode_attention(
         ValueError: on inconsistent shapes, dtypes, devices, strides, ``num_splits < 1`` or
             ``min_split_keys < 0``.
 
-    Grid: ``(H_kv, B, num_splits)`` and, without the fused reduction, ``(H_q, B)`` for the
-    reduction launch, from shapes and the host
+    Grid: ``(H_kv, B, num_splits)`` and ``(H_q, B)`` for the reduction, from shapes and the host
     int ``num_splits`` only (with ``cu_seqlens_q``, skipped sequences' programs return at once),
     so a launch can be captured in a CUDA graph at a padded ``T`` and ``B``.
 
@@ -649,10 +532,6 @@ def decode_attention(
         cfg.update(config)
     group = hq // hkv
     split = num_splits > 1
-    fused = split and bool(cfg.get("FUSED_REDUCE", FUSED_REDUCE_SWITCH))
-    if fused and b * hkv > NUM_REDUCE_COUNTERS:
-        fused = False  # more (sequence, KV head) groups than counters: the reduce launch
-    counters = reduce_counters(q.device) if fused else seq_lens  # placeholder when unused
     block_n = cfg["BLOCK_N"]
     min_keys = -(-min_split_keys // block_n) * block_n
     cu_q = cu_seqlens_q if varlen else seq_lens  # unused placeholder without VARLEN
@@ -664,7 +543,6 @@ def decode_attention(
         out,
         partial_out,
         partial_lse,
-        counters,
         block_tables,
         seq_lens,
         cu_q,
@@ -701,13 +579,11 @@ def decode_attention(
         UPCAST=upcast,
         BT_PREFETCH=bool(cfg.get("BT_PREFETCH", False)),
         VARLEN=varlen,
-        FUSED_REDUCE=fused,
-        BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl,
     )
-    if split and not fused:
+    if split:
         _decode_reduce_kernel[(hq, b)](
             out,
             partial_out,
