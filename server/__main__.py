@@ -110,6 +110,23 @@ class _EnvCheckedParser(argparse.ArgumentParser):
         device = getattr(ns, "device", None)
         if device is not None and not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
             self.error(f"argument --device: invalid device {device!r} (auto, cpu, cuda or cuda:N)")
+        backend = getattr(ns, "attention_backend", None)
+        if device is not None and (device.startswith("cuda") or backend == "triton"):
+            # asked for CUDA or the Triton kernels: refuse here what the engine would only
+            # report after start-up (torch imported only for these flags)
+            cuda = _cuda_available()
+            if device.startswith("cuda") and not cuda:
+                self.error(
+                    f"argument --device: {device} asked for, but torch sees no CUDA device "
+                    "(a CPU build of torch, or no GPU visible); use --device cpu or auto"
+                )
+            on_cpu = device == "cpu" or (device == "auto" and not cuda)
+            if backend == "triton" and on_cpu and not _triton_interpreting():
+                self.error(
+                    "argument --attention-backend: triton needs a CUDA device (or "
+                    "TRITON_INTERPRET=1, the kernels' slow CPU interpreter, for tests); the CPU "
+                    "serves with the torch backend (leave the flag unset)"
+                )
         model = getattr(ns, "model", None)
         if model is not None and not os.path.isdir(model):
             if os.path.isfile(model):
@@ -126,6 +143,20 @@ class _EnvCheckedParser(argparse.ArgumentParser):
                     "(hub names are not downloaded), or leave it unset for the embedded model"
                 )
         return ns, extra
+
+
+def _cuda_available() -> bool:
+    """Whether torch sees a CUDA device (imports torch: asked only for CUDA / Triton flags)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _triton_interpreting() -> bool:
+    """TRITON_INTERPRET on, as ``kernels.interpreter`` reads it."""
+    from kernels.interpreter import interpreting
+
+    return interpreting()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -339,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--load-format",
         default=_env("load_format", "auto"),
         choices=["auto", "dummy"],
-        help="auto: the checkpoint's safetensors weights; dummy: random weights drawn on the "
+        help="auto: the checkpoint's weights (safetensors, or the GGUF file given as --model); "
+        "dummy: random weights drawn on the "
         "device from --seed, built from config.json alone (for benchmarking model shapes "
         "without their weights; the outputs are meaningless)",
     )
@@ -419,7 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--h11-max-incomplete-event-size",
         type=int,
         default=_env("h11_max_incomplete_event_size", 16384),
-        help="largest request line + headers in bytes; larger ones get 400 (uvicorn's)",
+        help="largest request line + headers still incomplete after a read, in bytes (h11's "
+        "bound: headers that arrive whole in one read are not limited by it); past it, 400",
     )
     return p
 

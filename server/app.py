@@ -47,7 +47,10 @@ class BodySizeLimit:
                     break
         if too_big:
             resp = JSONResponse(
-                error_body(413, f"request body exceeds {self.max_bytes} bytes"), status_code=413
+                error_body(
+                    413, f"request body exceeds {self.max_bytes} bytes", code="request_too_large"
+                ),
+                status_code=413,
             )
             return await resp(scope, receive, send)
 

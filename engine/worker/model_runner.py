@@ -134,6 +134,14 @@ class ModelRunner:
             config.max_model_len or model_config.max_position_embeddings,
             model_config.max_position_embeddings,
         )
+        if config.max_model_len and config.max_model_len > max_len:
+            log.warning(
+                "max_model_len %d asked for, but the checkpoint's max_position_embeddings is "
+                "%d: serving %d tokens",
+                config.max_model_len,
+                max_len,
+                max_len,
+            )
 
         compile_mode = config.compile_mode or ("ops" if cuda else "none")
         self.backend_name = config.attention_backend or default_backend_name(self.device.type)

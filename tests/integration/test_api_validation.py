@@ -438,6 +438,7 @@ def test_oversized_body_is_413(server):
         timeout=60,
     )
     assert r.status_code == 413 and set(r.json()["error"]) == ERROR_KEYS
+    assert r.json()["error"]["code"] == "request_too_large"
 
     def chunks():
         for i in range(0, len(big), 1 << 16):

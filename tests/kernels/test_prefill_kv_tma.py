@@ -191,7 +191,10 @@ def test_tables_choice_falls_back_on_a_strided_cache(device):
     cu, sl = _cu(q_lens), torch.tensor(seq_lens, dtype=torch.int32)
     ref = torch.empty(q.shape)
     prefill_attention_ref(q, k_cache, v_cache, block_tables, cu, sl, ref, d**-0.5, True)
-    args = [t.to(device) for t in (q, k_cache, v_cache, block_tables, cu, sl)]
+    # sliced on the device: a copy of the strided view to another device would be contiguous
+    k_dev, v_dev = k_wide.to(device)[:, :, ::2], v_wide.to(device)[:, :, ::2]
+    assert not k_dev.is_contiguous()
+    args = [q.to(device), k_dev, v_dev] + [t.to(device) for t in (block_tables, cu, sl)]
     out = torch.full(q.shape, float("nan"), device=device)
     prefill_attention(*args, out, d**-0.5, True)  # the interpreter's choice: KV_TMA at page 32
     assert rel_err(out.cpu(), ref) <= TOL[torch.float32]

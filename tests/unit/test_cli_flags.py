@@ -179,3 +179,28 @@ def test_block_size_defaults_by_device(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--block-size", "0"])
     assert "--block-size" in capsys.readouterr().err
+
+
+def test_cuda_and_triton_flags_refused_where_they_cannot_run(monkeypatch, capsys):
+    """--device cuda without a CUDA device, and --attention-backend triton on the CPU without
+    the interpreter, are start-up errors naming the flag (they used to start and then fail
+    every request with a 500, or end in a traceback)."""
+    import server.__main__ as cli
+
+    monkeypatch.setattr(cli, "_cuda_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for argv, flag in (
+        (["--device", "cuda"], "--device"),
+        (["--device", "cuda:1"], "--device"),
+        (["--device", "cpu", "--attention-backend", "triton"], "--attention-backend"),
+        (["--attention-backend", "triton"], "--attention-backend"),  # auto resolves to the CPU
+    ):
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args(argv)
+        assert exc.value.code == 2
+        assert f"argument {flag}" in capsys.readouterr().err
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter: allowed (tests)
+    assert build_parser().parse_args(["--attention-backend", "triton"]).attention_backend
+    monkeypatch.setattr(cli, "_cuda_available", lambda: True)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert build_parser().parse_args(["--device", "cuda", "--attention-backend", "triton"])
