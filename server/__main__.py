@@ -457,11 +457,45 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: QWEN_SERVE_* variables read outside the flags: the cache folder, the kernel switches
+#: (kernels/pdl.py, engine/layers/kernel_switches.py), the test, bench and load-test hooks
+_OTHER_ENV = frozenset(
+    ENV_PREFIX + name
+    for name in (
+        "CACHE",
+        "PDL",
+        "FUSED_QK_ROPE",
+        "SMALL_M_GEMV",
+        "FUSED_NORM_GEMV",
+        "FUSED_SWIGLU_GEMV",
+        "REAL_CHECKPOINT",
+        "REAL_GGUF",
+        "TRACE_FILE",
+        "MODEL_NAME",  # the locustfile's (tests/load), beside the server in docker/compose.yaml
+    )
+)
+
+
+def unknown_env(parser: argparse.ArgumentParser, environ=os.environ) -> list[str]:
+    """The ``QWEN_SERVE_*`` variables set in ``environ`` that no flag and no switch reads (a
+    misspelt ``QWEN_SERVE_BLOK_SIZE`` would otherwise be ignored in silence), sorted."""
+    known = {ENV_PREFIX + a.dest.upper() for a in parser._actions} | _OTHER_ENV
+    return sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    unknown = unknown_env(parser)
+    if unknown:
+        log.warning(
+            "ignored: %s (no flag reads them; `python -m server --help` lists the flags, each "
+            "also read from QWEN_SERVE_<FLAG>)",
+            ", ".join(unknown),
+        )
     from server.app import create_app
     from server.factory import build_context, engine_config, run_worker_rank_if_any
 

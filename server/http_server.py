@@ -100,7 +100,17 @@ class GracefulServer(uvicorn.Server):
         """The signal handler (run by Python in the main thread, between two bytecodes of
         whatever runs there, so it only sets flags and hands work to the loop)."""
         if self.on_graceful_timeout is None or not self.should_exit or self._loop is None:
+            first = self.on_graceful_timeout is not None and not self.should_exit
             super().handle_exit(sig, frame)
+            if first and self._loop is not None:  # uvicorn's own line says CTRL+C force-quits
+                self._loop.call_soon_threadsafe(
+                    log.info,
+                    "shutting down: in-flight requests get %s; a second signal (Ctrl-C) ends "
+                    "them at once, a third forces the quit",
+                    "until they finish"
+                    if self.graceful_timeout is None
+                    else f"{self.graceful_timeout:g} s (--graceful-timeout)",
+                )
             return
         self._signals_in_shutdown += 1
         if self._signals_in_shutdown == 1:  # (nothing to do if the timeout ended them already)

@@ -204,3 +204,18 @@ def test_cuda_and_triton_flags_refused_where_they_cannot_run(monkeypatch, capsys
     monkeypatch.setattr(cli, "_cuda_available", lambda: True)
     monkeypatch.delenv("TRITON_INTERPRET")
     assert build_parser().parse_args(["--device", "cuda", "--attention-backend", "triton"])
+
+
+def test_misspelt_env_variables_are_reported():
+    """QWEN_SERVE_* names that no flag or switch reads are listed (main() logs a warning)."""
+    from server.__main__ import unknown_env
+
+    env = {
+        "QWEN_SERVE_BLOK_SIZE": "99",
+        "QWEN_SERVE_BLOCK_SIZE": "16",
+        "QWEN_SERVE_PDL": "0",
+        "QWEN_SERVE_CACHE": "/tmp/x",
+        "QWEN_SERVE_NO_PREFIX_CACHING": "1",
+        "OTHER": "1",
+    }
+    assert unknown_env(build_parser(), env) == ["QWEN_SERVE_BLOK_SIZE"]
