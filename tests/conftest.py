@@ -10,6 +10,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels run on the CPU under t
 import pytest
 import torch
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two xdist workers on the 2-core machine: one torch thread each, or their
+    # OpenMP pools (two threads each) would spin-wait for each other's cores
+    torch.set_num_threads(1)
+
 
 def tiny_hf_model(
     model_type: str, seed: int, tie: bool, head_dim: int = 32, random_norms: bool = False
