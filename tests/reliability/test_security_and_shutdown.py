@@ -135,6 +135,7 @@ def _stream_until_done(base: str, max_tokens: int, out: dict) -> None:
     out["ended_at"] = time.monotonic()
 
 
+@pytest.mark.serial  # the listener must be closed 0.5 s after SIGTERM: run alone
 def test_sigterm_lets_in_flight_requests_finish():
     srv = ServerProcess("--max-model-len", "512", "--graceful-timeout", "60").wait_ready()
     out = {"started": threading.Event()}
