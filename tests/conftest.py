@@ -34,9 +34,11 @@ LONGEST_FIRST = (
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test`'s parallel run, ``--dist loadfile``, which hands out
-    whole modules in collection order): the modules of :data:`LONGEST_FIRST` first, every
-    other test in pytest's order (after its grouping by parametrized session fixtures)."""
+    """Under pytest-xdist (`make test`'s parallel run: ``--dist loadfile
+    --no-loadscope-reorder`` hands out whole modules in collection order, where xdist would
+    otherwise start with the modules of the most tests): the modules of :data:`LONGEST_FIRST`
+    first, every other test in pytest's order (after its grouping by parametrized session
+    fixtures)."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
