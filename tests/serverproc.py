@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 #: the ports :func:`free_port` hands out: 20000-31999, below Linux's ephemeral range (32768 and
 #: up), so no outgoing connection can take one between the check here and the server's bind;
-#: split into one block per pytest-xdist worker, so parallel workers never pick the same port
+#: split into one block per pytest-xdist worker (up to 6, then the blocks repeat), so parallel
+#: workers never pick the same port
 PORT_BASE = 20000
 PORTS_PER_WORKER = 2000
 MAX_WORKERS = 6
