@@ -33,9 +33,14 @@ serve: install
 	$(VPY) -m server --host $(HOST) --port $(PORT) $(ARGS)
 
 # Lint (ruff, rules and line length in pyproject.toml), then the whole test suite (kernels
-# under the Triton interpreter, real HTTP, load test).
+# under the Triton interpreter, real HTTP, load test): first every test not marked serial on
+# two pytest-xdist workers (a module's tests stay on one worker, so a module's server starts
+# once; modules are handed out in collection order, the longest first: tests/conftest.py),
+# then the serial ones (load, latency, soak, port binding) alone. Each run stops at its first
+# failure, and a failed first run skips the second.
 test: lint
-	TRITON_INTERPRET=1 $(VPY) -m pytest -q -x tests
+	TRITON_INTERPRET=1 $(VPY) -m pytest -q -x -n 2 --dist loadfile --no-loadscope-reorder -m "not serial" tests
+	TRITON_INTERPRET=1 $(VPY) -m pytest -q -x -m serial tests
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -10,6 +10,40 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels run on the CPU under t
 import pytest
 import torch
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two xdist workers on the 2-core machine: one torch thread each, or their
+    # OpenMP pools (two threads each) would spin-wait for each other's cores
+    torch.set_num_threads(1)
+
+#: the modules of `make test`'s parallel run that take longest (40-100 s each on the 2-core
+#: machine, 2026-12), longest first: under xdist they are handed out first, so that neither
+#: worker is left running one of them alone at the end (only the run time depends on this list)
+LONGEST_FIRST = (
+    "tests/reliability/test_security_and_shutdown.py",
+    "tests/reliability/test_fuzz.py",
+    "tests/integration/test_structured_outputs.py",
+    "tests/unit/test_tensor_parallel.py",
+    "tests/kernels/test_prefill_gqa_pack.py",
+    "tests/kernels/test_fp8_gemm.py",
+    "tests/integration/test_api_sampling.py",
+    "tests/integration/test_prometheus.py",
+    "tests/kernels/test_triton_backend.py",
+    "tests/unit/test_model_compile.py",
+)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test`'s parallel run: ``--dist loadfile
+    --no-loadscope-reorder`` hands out whole modules in collection order, where xdist would
+    otherwise start with the modules of the most tests): the modules of :data:`LONGEST_FIRST`
+    first, every other test in pytest's order (after its grouping by parametrized session
+    fixtures)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
 
 def tiny_hf_model(
     model_type: str, seed: int, tie: bool, head_dim: int = 32, random_norms: bool = False

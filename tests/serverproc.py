@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -16,10 +17,31 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 
 
+#: the ports :func:`free_port` hands out: 20000-31999, below Linux's ephemeral range (32768 and
+#: up), so no outgoing connection can take one between the check here and the server's bind;
+#: split into one block per pytest-xdist worker (up to 6, then the blocks repeat), so parallel
+#: workers never pick the same port
+PORT_BASE = 20000
+PORTS_PER_WORKER = 2000
+MAX_WORKERS = 6
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, from this process's block of :data:`PORT_BASE` and up (the
+    block of pytest-xdist worker ``gwN``; the first one outside xdist)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) % MAX_WORKERS if worker[2:].isdigit() else 0
+    first = PORT_BASE + index * PORTS_PER_WORKER
+    rng = random.Random()  # not the tests' seeded global generator
+    for _ in range(200):
+        port = rng.randrange(first, first + PORTS_PER_WORKER)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}-{first + PORTS_PER_WORKER - 1}")
 
 
 class ServerProcess:

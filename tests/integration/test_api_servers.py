@@ -29,6 +29,10 @@ import pytest
 from tests.metricsutil import num_kv_blocks, scrape
 from tests.serverproc import ServerProcess, wait_gone
 
+# port binding (a second server on a taken port), connection caps and a 5 s exit bound: run
+# alone
+pytestmark = pytest.mark.serial
+
 P = "qwen_serve:"
 
 

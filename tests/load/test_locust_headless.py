@@ -24,6 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serverproc import ServerProcess
 
+# a load test of fixed duration (its request counts depend on the CPU it gets): run alone
+pytestmark = pytest.mark.serial
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
 

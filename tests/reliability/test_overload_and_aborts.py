@@ -13,6 +13,9 @@ import pytest
 from tests.metricsutil import num_kv_blocks, scrape, total_requests
 from tests.serverproc import ServerProcess
 
+# 200-stream and 100-abort storms, and a rejection timed under load: run alone
+pytestmark = pytest.mark.serial
+
 # ~40-token prompts + 12 tokens need 4 blocks of 16: 40 blocks hold about 10 requests
 NUM_BLOCKS = 40
 

@@ -16,6 +16,10 @@ import pytest
 
 from tests.serverproc import ServerProcess
 
+# it compares request latencies with and without the slow sockets, and the sockets' drop times
+# with the read deadlines: run alone (`make test`'s second, serial run)
+pytestmark = pytest.mark.serial
+
 HEADER_TIMEOUT = 2.0
 BODY_TIMEOUT = 3.0
 CAP = 256

@@ -13,6 +13,9 @@ import pytest
 from tests.metricsutil import num_kv_blocks, scrape
 from tests.serverproc import ServerProcess
 
+# a fixed-duration soak measuring the server's resident memory: run alone
+pytestmark = pytest.mark.serial
+
 DURATION_S = 120
 WARMUP_S = 30
 CONCURRENCY = 8
