@@ -39,7 +39,12 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from bench.prefill_configs import SPLIT_CONFIGS, UNSPLIT_CONFIGS  # noqa: E402
+from bench.prefill_configs import (  # noqa: E402
+    SPLIT_CONFIGS,
+    TMA_SPLIT_CONFIGS,
+    TMA_UNSPLIT_CONFIGS,
+    UNSPLIT_CONFIGS,
+)
 from kernels.prefill_attention import (  # noqa: E402
     MERGE_M,
     MERGE_WARPS,
@@ -89,6 +94,12 @@ def specialize(fn, constexprs: dict) -> tuple[dict, dict, dict]:
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
+        elif name in ("k_desc", "v_desc"):  # host descriptors (KV_TMA), else the caches again
+            if constexprs.get("KV_TMA"):
+                sig[name] = f"tensordesc<bf16[{constexprs['BLOCK_N']}, {constexprs['HEAD_DIM']}]>"
+            else:
+                sig[name] = "*bf16"
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif name.endswith("_ptr"):
             sig[name] = "*bf16" if name in BF16_PTRS else "*fp32" if name in FP32_PTRS else "*i32"
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -147,6 +158,9 @@ def jobs(quick: bool) -> list[tuple[str, object, dict, dict]]:
     seen = set()
     lists = [(UNSPLIT_CONFIGS[:1] if quick else UNSPLIT_CONFIGS, False)]
     lists.append((SPLIT_CONFIGS[:1] if quick else SPLIT_CONFIGS, True))
+    # the KV_TMA candidates, on 128-token pages (the engine's CUDA default)
+    lists.append((TMA_UNSPLIT_CONFIGS[:1] if quick else TMA_UNSPLIT_CONFIGS, False))
+    lists.append((TMA_SPLIT_CONFIGS[:1] if quick else TMA_SPLIT_CONFIGS, True))
     for configs, split in lists:
         for cfg in configs:
             # (G, packed): unpacked at Qwen3-0.6B's G = 2; packed candidates at G = 2 and 4
@@ -160,7 +174,7 @@ def jobs(quick: bool) -> list[tuple[str, object, dict, dict]]:
                     "HEAD_DIM": 128,
                     "BLOCK_M": cfg["BLOCK_M"],
                     "BLOCK_N": cfg["BLOCK_N"],
-                    "PAGE_SIZE": 16,
+                    "PAGE_SIZE": 128 if cfg.get("KV_TMA") else 16,
                     "CAUSAL": True,
                     "DOT_PREC": "tf32",
                     "UPCAST": False,
@@ -168,6 +182,7 @@ def jobs(quick: bool) -> list[tuple[str, object, dict, dict]]:
                     "SKIP_DECODE": skip,
                     "SPLIT": split,
                     "GQA_PACK": pack,
+                    "KV_TMA": bool(cfg.get("KV_TMA")),
                 }
                 opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
                 name = f"{'split' if split else 'single'} {cfg} G={num_groups} skip_decode={skip}"
