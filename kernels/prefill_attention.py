@@ -92,6 +92,26 @@ def _interpreter_upcast(q: torch.Tensor) -> bool:
 
 
 @triton.jit
+def _online_softmax_step(qk, acc, l_i, m_i, k_pos, kv_ok, q_pos, qk_scale, MASK, CAUSAL):
+    """One key tile's online-softmax update (FlashAttention-2, base 2): scores ``qk``
+    ``[rows, BLOCK_N]`` masked where ``MASK`` (keys ``k_pos`` past ``seq_len``, i.e. not
+    ``kv_ok``, and with ``CAUSAL`` keys after the row's position ``q_pos``), the running max and
+    sum advanced and ``acc`` rescaled. Returns ``(p, acc, l_i, m_ij)``; the caller adds
+    ``p @ V`` to ``acc`` and takes ``m_ij`` as its new running max."""
+    if MASK:
+        ok = kv_ok[None, :]
+        if CAUSAL:
+            ok = ok & (k_pos[None, :] <= q_pos[:, None])
+        qk = tl.where(ok, qk, float("-inf"))
+    m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+    alpha = tl.math.exp2(m_i - m_ij)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    return p, acc, l_i, m_ij
+
+
+@triton.jit
 def _paged_attn_tile_tma(
     acc,
     l_i,
@@ -139,18 +159,11 @@ def _paged_attn_tile_tma(
         if UPCAST:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        if MASK:
-            k_pos = start_n + offs_n
-            kv_ok = k_pos < seq_len
-            ok = kv_ok[None, :]
-            if CAUSAL:
-                ok = ok & (k_pos[None, :] <= q_pos[:, None])
-            qk = tl.where(ok, qk, float("-inf"))
-        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
-        alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        k_pos = start_n + offs_n
+        kv_ok = k_pos < seq_len  # used where MASK (constexpr); dead code otherwise
+        p, acc, l_i, m_ij = _online_softmax_step(
+            qk, acc, l_i, m_i, k_pos, kv_ok, q_pos, qk_scale, MASK, CAUSAL
+        )
         v = v_desc.load([row, kv_col])
         if MASK:
             v = tl.where(kv_ok[:, None], v, 0.0)
@@ -200,8 +213,7 @@ def _paged_attn_tile(
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k_pos = start_n + offs_n
-        if MASK:
-            kv_ok = k_pos < seq_len
+        kv_ok = k_pos < seq_len  # used where MASK (constexpr); dead code otherwise
         if BT_PREFETCH:
             blk = blk_next
             nxt = k_pos + BLOCK_N
@@ -222,16 +234,9 @@ def _paged_attn_tile(
         if UPCAST:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        if MASK:
-            ok = kv_ok[None, :]
-            if CAUSAL:
-                ok = ok & (k_pos[None, :] <= q_pos[:, None])
-            qk = tl.where(ok, qk, float("-inf"))
-        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
-        alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        p, acc, l_i, m_ij = _online_softmax_step(
+            qk, acc, l_i, m_i, k_pos, kv_ok, q_pos, qk_scale, MASK, CAUSAL
+        )
         if MASK:
             v = tl.load(v_ptrs, mask=kv_ok[:, None], other=0.0)
         else:
@@ -240,6 +245,32 @@ def _paged_attn_tile(
             v = v.to(tl.float32)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _paged_attn_range(
+    acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_col, bt_row_ptr,
+    lo, hi, seq_len, q_pos, qk_scale,
+    stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASK: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    BT_PREFETCH: tl.constexpr, KV_TMA: tl.constexpr,
+):  # fmt: skip
+    """Keys ``lo .. hi`` of the prefill kernel through :func:`_paged_attn_tile_tma` (``KV_TMA``:
+    the descriptors, column ``kv_col``) or :func:`_paged_attn_tile` (the pointer gather from
+    ``k_base`` / ``v_base`` with the cache strides); the other path's arguments are unused."""
+    if KV_TMA:
+        acc, l_i, m_i = _paged_attn_tile_tma(
+            acc, l_i, m_i, q, k_desc, v_desc, kv_col, bt_row_ptr, lo, hi, seq_len, q_pos,
+            qk_scale, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASK, CAUSAL, DOT_PREC, UPCAST, BT_PREFETCH,
+        )  # fmt: skip
+    else:
+        acc, l_i, m_i = _paged_attn_tile(
+            acc, l_i, m_i, q, k_base, v_base, bt_row_ptr, lo, hi, seq_len, q_pos, qk_scale,
+            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, MASK, CAUSAL, DOT_PREC, UPCAST, BT_PREFETCH,
+        )  # fmt: skip
     return acc, l_i, m_i
 
 
@@ -434,112 +465,20 @@ def _prefill_kernel(
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if KV_TMA:
-        kv_col = kv_head * HEAD_DIM
-        # unmasked keys lo .. full_end, then the masked ones mask_lo .. end
-        acc, l_i, m_i = _paged_attn_tile_tma(
-            acc,
-            l_i,
-            m_i,
-            q,
-            k_desc,
-            v_desc,
-            kv_col,
-            bt_row_ptr,
-            lo,
-            full_end,
-            seq_len,
-            q_pos,
-            qk_scale,
-            BLOCK_N,
-            HEAD_DIM,
-            PAGE_SIZE,
-            False,
-            CAUSAL,
-            DOT_PREC,
-            UPCAST,
-            BT_PREFETCH,
-        )
-        acc, l_i, m_i = _paged_attn_tile_tma(
-            acc,
-            l_i,
-            m_i,
-            q,
-            k_desc,
-            v_desc,
-            kv_col,
-            bt_row_ptr,
-            mask_lo,
-            end,
-            seq_len,
-            q_pos,
-            qk_scale,
-            BLOCK_N,
-            HEAD_DIM,
-            PAGE_SIZE,
-            True,
-            CAUSAL,
-            DOT_PREC,
-            UPCAST,
-            False,
-        )
-    else:
-        acc, l_i, m_i = _paged_attn_tile(
-            acc,
-            l_i,
-            m_i,
-            q,
-            k_base,
-            v_base,
-            bt_row_ptr,
-            lo,
-            full_end,
-            seq_len,
-            q_pos,
-            qk_scale,
-            stride_kb,
-            stride_kt,
-            stride_kd,
-            stride_vb,
-            stride_vt,
-            stride_vd,
-            BLOCK_N,
-            HEAD_DIM,
-            PAGE_SIZE,
-            False,
-            CAUSAL,
-            DOT_PREC,
-            UPCAST,
-            BT_PREFETCH,
-        )
-        acc, l_i, m_i = _paged_attn_tile(
-            acc,
-            l_i,
-            m_i,
-            q,
-            k_base,
-            v_base,
-            bt_row_ptr,
-            mask_lo,
-            end,
-            seq_len,
-            q_pos,
-            qk_scale,
-            stride_kb,
-            stride_kt,
-            stride_kd,
-            stride_vb,
-            stride_vt,
-            stride_vd,
-            BLOCK_N,
-            HEAD_DIM,
-            PAGE_SIZE,
-            True,
-            CAUSAL,
-            DOT_PREC,
-            UPCAST,
-            False,
-        )
+    # unmasked keys lo .. full_end, then the masked ones mask_lo .. end (block-id prefetch on
+    # the long unmasked run only)
+    acc, l_i, m_i = _paged_attn_range(
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_head * HEAD_DIM, bt_row_ptr,
+        lo, full_end, seq_len, q_pos, qk_scale,
+        stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, CAUSAL, DOT_PREC, UPCAST, BT_PREFETCH, KV_TMA,
+    )  # fmt: skip
+    acc, l_i, m_i = _paged_attn_range(
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_head * HEAD_DIM, bt_row_ptr,
+        mask_lo, end, seq_len, q_pos, qk_scale,
+        stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, CAUSAL, DOT_PREC, UPCAST, False, KV_TMA,
+    )  # fmt: skip
     has = l_i > 0.0  # a split may hold no key a row can see (rows above the diagonal)
     acc = acc / tl.where(has, l_i, 1.0)[:, None]
     o_ptrs = (
