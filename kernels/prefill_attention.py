@@ -657,16 +657,23 @@ def _default_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> 
     return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "BT_PREFETCH": True}
 
 
+_TMA_CAPABLE: dict[int, bool] = {}
+
+
 def kv_tma_available(device: torch.device) -> bool:
     """Whether the ``KV_TMA`` loads can run on ``device``: a CUDA GPU of compute capability 9.0
     or newer (Hopper's tensor memory accelerator) with Triton's host tensor descriptors, or the
-    CPU interpreter (tests). Host-side, no device work."""
+    CPU interpreter (tests). Host-side, cached per device index (every launch asks)."""
     if TensorDescriptor is None:
         return False
     device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device)[0] >= 9
-    return device.type == "cpu"
+    if device.type != "cuda":
+        return device.type == "cpu"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _TMA_CAPABLE.get(index)
+    if ok is None:
+        ok = _TMA_CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return ok
 
 
 def _default_tma_config(head_dim: int, dtype: torch.dtype) -> dict | None:
