@@ -5,16 +5,28 @@ from __future__ import annotations
 
 import os
 
+#: every variable read through :func:`env_switch` (the server names the QWEN_SERVE_* variables
+#: that neither a flag nor one of these reads)
+SWITCH_NAMES = (
+    "QWEN_SERVE_PDL",
+    "QWEN_SERVE_FUSED_QK_ROPE",
+    "QWEN_SERVE_SMALL_M_GEMV",
+    "QWEN_SERVE_FUSED_NORM_GEMV",
+    "QWEN_SERVE_FUSED_SWIGLU_GEMV",
+)
+
 
 def env_switch(name: str) -> bool:
-    """The boolean environment variable ``name``, on when unset.
+    """The boolean environment variable ``name`` (one of :data:`SWITCH_NAMES`), on when unset.
 
     Returns:
         True for 1/true/yes/on, False for 0/false/no/off (any case, surrounding spaces ignored).
 
     Raises:
-        ValueError: any other value, naming the variable.
+        ValueError: any other value, naming the variable; a name not in :data:`SWITCH_NAMES`.
     """
+    if name not in SWITCH_NAMES:
+        raise ValueError(f"{name} is not a registered switch (kernels.switches.SWITCH_NAMES)")
     value = os.environ.get(name, "1").strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True

@@ -10,6 +10,7 @@ import re
 import sys
 
 from engine.core.config import DEFAULT_MAX_PREFILL_ATTENTION_WITH_DECODES
+from kernels.switches import SWITCH_NAMES
 from server.http_server import listen_socket, make_server
 
 log = logging.getLogger("server")
@@ -457,17 +458,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-#: QWEN_SERVE_* variables read outside the flags: the cache folder, the kernel switches
-#: (kernels/pdl.py, engine/layers/kernel_switches.py), the test, bench and load-test hooks
-_OTHER_ENV = frozenset(
+#: QWEN_SERVE_* variables read outside the flags: the kernel switches
+#: (kernels.switches.SWITCH_NAMES), the cache folder, the test, bench and load-test hooks
+_OTHER_ENV = frozenset(SWITCH_NAMES) | frozenset(
     ENV_PREFIX + name
     for name in (
         "CACHE",
-        "PDL",
-        "FUSED_QK_ROPE",
-        "SMALL_M_GEMV",
-        "FUSED_NORM_GEMV",
-        "FUSED_SWIGLU_GEMV",
         "REAL_CHECKPOINT",
         "REAL_GGUF",
         "TRACE_FILE",

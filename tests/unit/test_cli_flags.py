@@ -219,3 +219,8 @@ def test_misspelt_env_variables_are_reported():
         "OTHER": "1",
     }
     assert unknown_env(build_parser(), env) == ["QWEN_SERVE_BLOK_SIZE"]
+    from kernels.switches import SWITCH_NAMES, env_switch
+
+    assert unknown_env(build_parser(), dict.fromkeys(SWITCH_NAMES, "1")) == []
+    with pytest.raises(ValueError, match="not a registered switch"):
+        env_switch("QWEN_SERVE_NOT_A_SWITCH")
