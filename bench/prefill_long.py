@@ -85,7 +85,6 @@ from kernels.prefill_split import (  # noqa: E402
 )
 
 TOL = 1e-2  # bf16 output against the fp32 reference
-BLOCK_SIZE = 16
 KERNEL = "prefill_attention"
 
 
@@ -129,7 +128,7 @@ def shapes(tiny: bool) -> tuple[list[Shape], list[Shape]]:
 
 
 # ----------------------------------------------------------------------------- inputs
-def make_inputs(sh: Shape, hq: int, hkv: int, d: int, device, g) -> None:
+def make_inputs(sh: Shape, hq: int, hkv: int, d: int, block_size: int, device, g) -> None:
     """Input copies (paged K/V, q, NaN-initialised out) and the dense SDPA operands into
     ``sh.data``; enough copies on a GPU that their KV exceeds the 50 MB L2 (at most 4)."""
     kv_bytes = 2 * sh.batch * sh.keys * hkv * d * 2
@@ -139,7 +138,7 @@ def make_inputs(sh: Shape, hq: int, hkv: int, d: int, device, g) -> None:
     sl = torch.full((sh.batch,), sh.keys, device=device, dtype=torch.int32)
     sets = []
     for _ in range(copies):
-        kc, vc, bt = paged_kv(lens, BLOCK_SIZE, torch.bfloat16, device, g, h_kv=hkv, d=d)
+        kc, vc, bt = paged_kv(lens, block_size, torch.bfloat16, device, g, h_kv=hkv, d=d)
         q = torch.randn(sh.tokens, hq, d, device=device, dtype=torch.bfloat16, generator=g)
         sets.append({"q": q, "kc": kc, "vc": vc, "bt": bt, "cu": cu, "sl": sl})
         sets[-1]["out"] = torch.empty_like(q)
@@ -310,14 +309,16 @@ def measure_sdpa(sh: Shape, hq: int, hkv: int, d: int, reps: int) -> Result:
         return Result(error=f"{type(e).__name__}: {str(e)[:160]}")
 
 
-def precompile(configs: list[tuple[dict, int]], hq: int, hkv: int, d: int, device, g, threads):
+def precompile(
+    configs: list[tuple[dict, int]], hq: int, hkv: int, d: int, block_size: int, device, g, threads
+):
     """Compile every (config, split) variant in parallel threads (Triton's compile releases the
     GIL in ptxas and much of MLIR) on a small input with the sweep shapes' specializations
     (strides, block-table width a multiple of 16), so the timing loop finds them cached."""
     if device.type != "cuda" or threads < 1:
         return
     sh = Shape("precompile", 1, 256, 1024)
-    make_inputs(sh, hq, hkv, d, device, g)
+    make_inputs(sh, hq, hkv, d, block_size, device, g)
     scratch = Scratch(hq, d, device)
 
     def run(item):
@@ -411,8 +412,7 @@ def main() -> int:
         num_sms, gpu = props.multi_processor_count, props.name
     else:
         num_sms, gpu = 8, "cpu (TRITON_INTERPRET=1)"
-    global BLOCK_SIZE
-    BLOCK_SIZE = args.block_size
+    block_size = args.block_size
     unsplit = TINY_UNSPLIT_CONFIGS if args.tiny else UNSPLIT_CONFIGS
     split_cfgs = TINY_SPLIT_CONFIGS if args.tiny else SPLIT_CONFIGS
     counts = TINY_SPLIT_COUNTS if args.tiny else SPLIT_COUNTS
@@ -425,7 +425,7 @@ def main() -> int:
     # the KV_TMA path: its candidates, and its default as the sweep's baseline ("today" stays
     # the pointer gather's tiles, timed on the same cache for comparison)
     tma_unsplit = TINY_TMA_UNSPLIT_CONFIGS if args.tiny else TMA_UNSPLIT_CONFIGS
-    tma = kv_tma_available(device) and BLOCK_SIZE % tma_unsplit[0]["BLOCK_N"] == 0
+    tma = kv_tma_available(device) and block_size % tma_unsplit[0]["BLOCK_N"] == 0
     base = today
     if tma:
         unsplit = tma_unsplit
@@ -434,12 +434,12 @@ def main() -> int:
     prompts, chunks = shapes(args.tiny)
     print(f"# {gpu}, {num_sms} SMs; torch {torch.__version__}, triton {triton.__version__}")
     print(
-        f"# Hq={hq} Hkv={hkv} D={d} bf16, block {BLOCK_SIZE}, KV_TMA {tma}; sweep={args.sweep}",
+        f"# Hq={hq} Hkv={hkv} D={d} bf16, block {block_size}, KV_TMA {tma}; sweep={args.sweep}",
         flush=True,
     )
 
     # the engine's current choice (installed table) for this page size, timed in every run
-    page = BLOCK_SIZE if device.type == "cuda" else None
+    page = block_size if device.type == "cuda" else None
     cur_causal = prefill_config(d, torch.bfloat16, device, True, page_size=page)
     cur_split = prefill_config(d, torch.bfloat16, device, True, split=True, page_size=page)
 
@@ -475,7 +475,7 @@ def main() -> int:
     if args.sweep:
         variants += [(c, 1) for c in unsplit] + [(c, 2) for c in split_cfgs]
     uniq = {json.dumps([c, s], sort_keys=True): (c, s) for c, s in variants}
-    precompile(list(uniq.values()), hq, hkv, d, device, g, args.compile_threads)
+    precompile(list(uniq.values()), hq, hkv, d, block_size, device, g, args.compile_threads)
     print(f"# compiled {len(uniq)} variants in {time.time() - t0:.0f}s", flush=True)
 
     scratch = Scratch(hq, d, device)
@@ -502,7 +502,7 @@ def main() -> int:
         return res[k]
 
     for sh in prompts + chunks:
-        make_inputs(sh, hq, hkv, d, device, g)
+        make_inputs(sh, hq, hkv, d, block_size, device, g)
         sh.data["ref"] = reference_rows(sh, hq, hkv, d, g, per_seq=32 if args.tiny else 128)
         sdpa[sh.name] = measure_sdpa(sh, hq, hkv, d, args.reps)
         r = sdpa[sh.name]
@@ -565,7 +565,7 @@ def main() -> int:
 
     lines = [
         f"Prefill attention, {gpu}, torch {torch.__version__}, triton {triton.__version__}: "
-        f"Hq={hq} Hkv={hkv} D={d} bf16, KV block {BLOCK_SIZE}, CUDA-graph timed",
+        f"Hq={hq} Hkv={hkv} D={d} bf16, KV block {block_size}, CUDA-graph timed",
         "",
         "| shape | rows | cached keys | today TFLOP/s (ms) | ours TFLOP/s (ms) | splits "
         "| ours tiles | SDPA TFLOP/s (ms) | ours / SDPA | rel err ours / SDPA |",
