@@ -10,6 +10,7 @@ import re
 import sys
 
 from engine.core.config import DEFAULT_MAX_PREFILL_ATTENTION_WITH_DECODES
+from kernels.interpreter import interpreting
 from kernels.switches import SWITCH_NAMES
 from server.http_server import listen_socket, make_server
 
@@ -122,7 +123,7 @@ class _EnvCheckedParser(argparse.ArgumentParser):
                     "(a CPU build of torch, or no GPU visible); use --device cpu or auto"
                 )
             on_cpu = device == "cpu" or (device == "auto" and not cuda)
-            if backend == "triton" and on_cpu and not _triton_interpreting():
+            if backend == "triton" and on_cpu and not interpreting():
                 self.error(
                     "argument --attention-backend: triton needs a CUDA device (or "
                     "TRITON_INTERPRET=1, the kernels' slow CPU interpreter, for tests); the CPU "
@@ -151,13 +152,6 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def _triton_interpreting() -> bool:
-    """TRITON_INTERPRET on, as ``kernels.interpreter`` reads it."""
-    from kernels.interpreter import interpreting
-
-    return interpreting()
 
 
 def build_parser() -> argparse.ArgumentParser:
