@@ -235,8 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-only-token-budget",
         type=int,
         default=_env("prefill_only_token_budget"),
-        help="token budget of a step in which nothing decodes (larger chunks for a lone long "
-        "prompt); unset: the token budget of every step",
+        help="token budget of a step in which nothing decodes (a lone long prompt in one step; "
+        "from 16k tokens its attention runs in cuDNN); unset: on CUDA the largest step whose "
+        "activations fit the memory left outside the KV cache, at most --max-model-len (the "
+        "engine's start-up log prints it), elsewhere --max-num-batched-tokens",
     )
     a(
         "--max-prefill-tokens-with-decodes",

@@ -11,16 +11,25 @@ mixed step of at most 16 sequences get the splits of a single decoding sequence 
 cap (``kernels.decode_attention.choose_mixed_splits``), so a stream decoding over a long context
 next to a prompt chunk is not read by one program per KV head. A prefill launch whose
 grid would leave most SMs idle (a short prompt chunk over a long cached prefix) runs in the
-kernel's split-KV mode, its split count chosen from host ints (``kernels.prefill_split``). Off
-CUDA it runs only under the Triton interpreter (``TRITON_INTERPRET=1``).
+kernel's split-KV mode, its split count chosen from host ints (``kernels.prefill_split``). A
+step that is one whole prompt of at least ``dense_prefill_min_tokens`` tokens with nothing cached
+before it runs its attention in cuDNN's fused kernel instead
+(:mod:`engine.attention.dense_prefill`). Off CUDA it runs only under the Triton interpreter
+(``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
+from engine.attention.dense_prefill import (
+    dense_causal_attention,
+    is_lone_fresh_prompt,
+    warm_up as warm_up_dense,
+)
 from engine.attention.metadata import AttentionMetadata
 from kernels.decode_attention import (
     choose_mixed_splits,
@@ -37,6 +46,12 @@ from kernels.prefill_split import (
     scratch_numel,
 )
 from kernels.qk_norm_rope import qk_norm_rope_store
+from kernels.switches import env_switch
+
+log = logging.getLogger(__name__)
+
+#: shortest lone fresh prompt whose attention runs in cuDNN (``dense_prefill_min_tokens``)
+DENSE_PREFILL_MIN_TOKENS = 16384
 
 
 def _check_device(q: torch.Tensor) -> None:
@@ -65,13 +80,29 @@ class TritonAttentionBackend:
             graph). Its scratch is one flat buffer per (device, heads, head_dim) of
             ``MAX_PARTIAL_ROWS`` rows, allocated on first use and shared by every launch. False
             keeps the single-pass launch (benchmarks, A/B runs).
+        dense_prefill_min_tokens: a step that is one prompt of at least this many tokens with
+            no cached prefix runs its attention through cuDNN
+            (:func:`engine.attention.dense_prefill.dense_causal_attention`) on CUDA, outside
+            graph capture; 0 = never. None = :data:`DENSE_PREFILL_MIN_TOKENS` unless
+            ``QWEN_SERVE_DENSE_PREFILL=0``. If cuDNN refuses the inputs once, the Triton kernel
+            takes every later step (logged).
     """
 
     name = "triton"
 
-    def __init__(self, split_mixed_steps: bool = True, split_prefill: bool = True) -> None:
+    def __init__(
+        self,
+        split_mixed_steps: bool = True,
+        split_prefill: bool = True,
+        dense_prefill_min_tokens: int | None = None,
+    ) -> None:
         self.split_mixed_steps = split_mixed_steps
         self.split_prefill = split_prefill
+        if dense_prefill_min_tokens is None:
+            dense_prefill_min_tokens = (
+                DENSE_PREFILL_MIN_TOKENS if env_switch("QWEN_SERVE_DENSE_PREFILL") else 0
+            )
+        self.dense_prefill_min_tokens = dense_prefill_min_tokens
         self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._prefill_scratch: dict[tuple, torch.Tensor] = {}
         self._num_sms: dict[torch.device, int] = {}
@@ -85,6 +116,50 @@ class TritonAttentionBackend:
             else:
                 self._num_sms[device] = 4  # interpreter: a few splits still exercise the reduction
         return self._num_sms[device]
+
+    def _dense_prefill(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this launch takes the cuDNN path (host checks only, no sync)."""
+        t = q.shape[0]
+        return (
+            0 < self.dense_prefill_min_tokens <= t
+            and q.device.type == "cuda"
+            and is_lone_fresh_prompt(meta, t)
+            and not torch.cuda.is_current_stream_capturing()
+        )
+
+    def warm_up_dense_prefill(
+        self,
+        max_tokens: int,
+        num_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        scale: float,
+    ) -> int:
+        """Build cuDNN's plans for the lone prompts of up to ``max_tokens`` tokens that take the
+        cuDNN path (:func:`engine.attention.dense_prefill.warm_up`), on the calling thread; the
+        engine calls it at start-up from the thread that runs its steps.
+
+        Returns:
+            The number of padded lengths built (0 when the path is off, off CUDA, or cuDNN
+            refused the shape: the path is then turned off, logged).
+        """
+        low = self.dense_prefill_min_tokens
+        if low <= 0 or device.type != "cuda" or max_tokens < low:
+            return 0
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return warm_up_dense(
+                    max_tokens, low, num_heads, head_dim, dtype, device, scale
+                )
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as exc:
+            log.warning("cuDNN prompt attention unavailable, using the Triton kernel: %s", exc)
+            self.dense_prefill_min_tokens = 0
+            return 0
 
     def scratch(
         self, batch: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device
@@ -198,6 +273,19 @@ class TritonAttentionBackend:
     ) -> torch.Tensor:
         """Attention of ``q`` over the caches (this step's k/v already stored)."""
         out = torch.empty_like(q)
+        if self._dense_prefill(q, meta):
+            try:
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    return dense_causal_attention(
+                        q, k_cache, v_cache, meta.block_tables[0], out, scale
+                    )
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError as exc:  # cuDNN refused the shape/dtype: Triton from now on
+                log.warning("cuDNN prompt attention unavailable, using the Triton kernel: %s", exc)
+                self.dense_prefill_min_tokens = 0
         num_seqs = meta.block_tables.shape[0]
         decode = meta.is_decode and q.shape[0] == num_seqs
         if decode or (self.split_mixed_steps and num_seqs > 0):

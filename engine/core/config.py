@@ -446,8 +446,13 @@ class EngineConfig:
             inter-token latency (the budget sweep in docs/benchmarks.md, third session).
             Offline batch jobs may prefer 8192 or more.
         prefill_only_token_budget: token budget of a step in which no request decodes (a lone
-            prefill takes larger chunks: fewer steps to a long prompt's first token); None =
-            ``max_num_batched_tokens``. Chunked prefill only.
+            prefill takes larger chunks: fewer steps to a long prompt's first token, and a whole
+            prompt of 16k tokens or more runs its attention in cuDNN); None = on CUDA, the
+            largest step whose activations fit the 2 GiB the runner leaves outside the KV cache,
+            at most ``max_model_len`` (``engine.worker.prefill_budget``: all of Qwen3-0.6B's
+            40,960 tokens, ~19k for Qwen3-8B; mixture-of-experts models keep
+            ``max_num_batched_tokens``), elsewhere ``max_num_batched_tokens``. Chunked prefill
+            only.
         max_prefill_tokens_with_decodes: most prompt tokens one step may carry while requests
             decode (long prefills then cannot stall the running streams); None or 0 = whatever
             the budget leaves (the default: at concurrency 256 a cap of 512 gives shorter TPOT
@@ -574,13 +579,18 @@ def resolve_quantization(model: ModelConfig, requested: str | None) -> Quantizat
 @dataclass(frozen=True)
 class CacheInfo:
     """Runtime facts decided when the model runner starts: KV blocks allocated, the usable
-    length, the KV bytes of one block (all layers, keys and values) and the model dtype name."""
+    length, the KV bytes of one block (all layers, keys and values), the model dtype name, and
+    the token budget of a step in which nothing decodes (``prefill_only_token_budget`` resolved:
+    the configured value, else on CUDA the largest step whose activations fit the memory left
+    outside the KV cache, ``engine.worker.prefill_budget``; ``max_num_batched_tokens`` without
+    chunked prefill or off CUDA)."""
 
     num_kv_blocks: int
     block_size: int
     max_model_len: int
     kv_bytes_per_block: int
     dtype: str
+    prefill_only_token_budget: int
 
 
 def read_generation_config(model_dir: str | Path) -> dict:

@@ -51,7 +51,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
             eos_token_ids=self.eos_token_ids,
-            prefill_only_token_budget=config.prefill_only_token_budget,
+            prefill_only_token_budget=info.prefill_only_token_budget,
             max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes,
             max_prefill_attention_with_decodes=config.max_prefill_attention_with_decodes,
         )
@@ -77,12 +77,15 @@ class LLMEngine:
             ranks=tuple(executor.layout),
         )
         log.info(
-            "engine ready: %s, KV cache %d blocks x %d tokens (%.2f GiB), max_model_len %d",
+            "engine ready: %s, KV cache %d blocks x %d tokens (%.2f GiB), max_model_len %d, "
+            "step budget %d tokens (%d while nothing decodes)",
             executor.description,
             info.num_kv_blocks,
             info.block_size,
             info.num_kv_blocks * info.kv_bytes_per_block / (1 << 30),
             info.max_model_len,
+            config.max_num_batched_tokens,
+            self.scheduler.prefill_only_token_budget,
         )
 
     # ---------------------------------------------------------------- requests

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.registry import default_backend_name
+from engine.attention.registry import default_backend_name, get_attention_backend
 from engine.core.config import CacheInfo, EngineConfig, ModelConfig, resolve_quantization
 from engine.core.layout import RankLayout
 from engine.core.outputs import SampleOutput
@@ -43,6 +43,7 @@ from engine.worker.device import (
     torch_dtype,
 )
 from engine.worker.parallel_state import RankContext
+from engine.worker.prefill_budget import ACTIVATION_RESERVE_BYTES, default_prefill_only_budget
 from engine.worker.prompt_logprobs import (
     DevicePromptLogprobs,
     PendingPromptLogprobs,
@@ -207,8 +208,18 @@ class ModelRunner:
                 "KV cache holds %d tokens; max_model_len lowered from %d", capacity, max_len
             )
             max_len = capacity
+        if not config.enable_chunked_prefill:
+            solo = config.max_num_batched_tokens  # a prompt is one step within the budget
+        elif config.prefill_only_token_budget:
+            solo = config.prefill_only_token_budget
+        elif cuda:
+            solo = default_prefill_only_budget(
+                mc, rank.size if rank is not None else 1, elem, max_len, config.max_num_batched_tokens
+            )
+        else:
+            solo = config.max_num_batched_tokens
         self.cache_info = CacheInfo(
-            num_blocks, config.block_size, max_len, per_block, dtype_name(self.dtype)
+            num_blocks, config.block_size, max_len, per_block, dtype_name(self.dtype), solo
         )
         self.description = (
             f"{mc.architecture} on {self.device} ({dtype_name(self.dtype)}), "
@@ -431,8 +442,22 @@ class ModelRunner:
         The dummy tokens store nothing (slot -1) and read only block 0 of the cache.
         """
         budget = self.config.max_num_batched_tokens
-        solo = max(budget, self.config.prefill_only_token_budget or 0)
+        solo = max(budget, self.cache_info.prefill_only_token_budget)
         max_len = self.cache_info.max_model_len
+        attn = self.model.model.layers[0].self_attn
+        backend = get_attention_backend(self.backend_name)
+        if hasattr(backend, "warm_up_dense_prefill"):  # cuDNN's plans for lone long prompts
+            built = backend.warm_up_dense_prefill(
+                min(solo, max_len), attn.num_heads, attn.head_dim, self.dtype, self.device,
+                attn.attn.scale,
+            )
+            if built:
+                log.info(
+                    "cuDNN attention for lone prompts of %d-%d tokens (%d padded lengths)",
+                    backend.dense_prefill_min_tokens,
+                    min(solo, max_len),
+                    built,
+                )
         for num_tokens, num_seqs in dict.fromkeys(((solo, 1), (budget, 1), (budget, 32), (97, 3))):
             num_seqs = max(1, min(num_seqs, self.config.max_num_seqs))
             num_tokens = max(
@@ -482,7 +507,7 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             # leave room for activations of the largest step
-            budget = total * cfg.gpu_memory_utilization - used - (2 << 30)
+            budget = total * cfg.gpu_memory_utilization - used - ACTIVATION_RESERVE_BYTES
         else:
             budget = 1 << 30  # 1 GiB on the CPU
         blocks = int(budget // bytes_per_block)

@@ -1,0 +1,69 @@
+"""The token budget of a step in which nothing decodes (``EngineConfig.prefill_only_token_budget``)
+when the configuration leaves it open.
+
+A lone prompt prefilled in one step instead of 1,024-token chunks reads its weights once, runs
+its GEMMs at full size and, when it is long enough, takes cuDNN's fused attention
+(:mod:`engine.attention.dense_prefill`): on the H200 a 32,000-token prompt of Qwen3-0.6B reached
+its first token in 305 ms in one step against 328 ms in 33 chunks with the Triton kernel, 273 ms
+with cuDNN (docs/benchmarks.md, 2026-12-04, session 2). Such a step never delays a decoding
+stream: the scheduler uses this budget only while nothing decodes. Its activations must fit in
+the memory the runner leaves outside the KV cache, which bounds the default.
+
+Pure arithmetic on the model's shape, no torch.
+"""
+
+from __future__ import annotations
+
+from engine.core.config import ModelConfig
+
+__all__ = ["ACTIVATION_RESERVE_BYTES", "activation_bytes_per_token", "default_prefill_only_budget"]
+
+#: bytes the runner leaves below the memory-utilization line for a step's activations
+#: (``ModelRunner._num_kv_blocks``)
+ACTIVATION_RESERVE_BYTES = 2 << 30
+
+#: headroom over the counted tensors (allocator rounding, temporaries not counted)
+SAFETY = 1.25
+
+
+def activation_bytes_per_token(mc: ModelConfig, tp_size: int, elem: int) -> int:
+    """Bytes of activations one prompt token holds at the peak of a layer, on one rank.
+
+    Counts the larger of two phases: attention (residual and normed input, the q/k/v projection,
+    q after norm and rotary, the attention output, and the cuDNN path's padded q, k and v with
+    the KV heads repeated and its output) and the MLP (residual and normed input, gate/up, the
+    activation); times :data:`SAFETY`.
+
+    Args:
+        mc: a dense model's config; tp_size: tensor-parallel ranks (heads and the intermediate
+            size are split over them); elem: bytes per activation element (2 for bf16).
+
+    Returns:
+        Bytes per token (an int > 0). Raises nothing.
+    """
+    hq = max(1, mc.num_attention_heads // tp_size)
+    hkv = max(1, mc.num_key_value_heads // tp_size)
+    d, hidden = mc.head_dim, mc.hidden_size
+    attention = 2 * hidden + (hq + 2 * hkv) * d + 2 * hq * d + 4 * hq * d + 2 * hkv * d
+    mlp = 2 * hidden + 3 * (mc.intermediate_size // tp_size)
+    return int(elem * max(attention, mlp) * SAFETY)
+
+
+def default_prefill_only_budget(
+    mc: ModelConfig, tp_size: int, elem: int, max_model_len: int, max_num_batched_tokens: int
+) -> int:
+    """The largest step whose activations fit :data:`ACTIVATION_RESERVE_BYTES`, at most
+    ``max_model_len`` and at least ``max_num_batched_tokens`` (CUDA engines; other devices keep
+    ``max_num_batched_tokens``).
+
+    Mixture-of-experts models keep ``max_num_batched_tokens``: their routed activations
+    (``top_k`` copies of each token, sorted) are not counted by
+    :func:`activation_bytes_per_token`.
+
+    Returns:
+        Tokens (an int). Raises nothing.
+    """
+    if mc.num_experts:
+        return max_num_batched_tokens
+    tokens = ACTIVATION_RESERVE_BYTES // activation_bytes_per_token(mc, tp_size, elem)
+    return max(max_num_batched_tokens, min(max_model_len, tokens))
