@@ -145,3 +145,56 @@ def test_tokenizers_encode_releases_the_gil(tok):
     gaps = [b - a for a, b in zip(inside, inside[1:])]
     # with the GIL held for a whole encode call the other thread would stall for the call's length
     assert inside and max(gaps) < 0.5 * (end - start) / 5
+
+
+def test_split_points_are_pre_token_boundaries(tok):
+    """Encoding the pieces between split points gives the whole text's ids (tiktoken's BPE on
+    the whole text, which the start-up check ties to tokenizers), for random texts cut at every
+    boundary found."""
+    import tiktoken  # noqa: F401 - the fast path's dependency
+
+    from server.prompt_encoder import _TiktokenBPE, split_points
+
+    bpe = _TiktokenBPE.from_tokenizer_json(tok.path / "tokenizer.json")
+    rng = random.Random(11)
+    checked = 0
+    for _ in range(60):
+        text = "".join(_random_text(rng) for _ in range(rng.randint(2, 12)))
+        text += tok.decode([rng.randrange(151643) for _ in range(rng.randint(1, 300))])
+        cuts = split_points(text, max(2, len(text) // 16))
+        bounds = [0, *cuts, len(text)]
+        ids = [i for a, b in zip(bounds, bounds[1:]) for i in bpe._encode_ordinary(text[a:b])]
+        assert ids == bpe._encode_ordinary(text), repr(text)
+        checked += len(cuts)
+    assert checked > 200  # the texts had boundaries to test
+
+
+def test_split_points_edge_cases():
+    from server.prompt_encoder import split_points
+
+    assert split_points("的一是不了人我在有他这中大来上国个到说们为" * 50, 4) == []
+    assert split_points("abc def", 1) == []
+    text = "word " * 1000
+    cuts = split_points(text, 4)
+    assert len(cuts) == 3 and cuts == sorted(set(cuts))
+    assert all(text[c] == " " and text[c - 1].isalpha() for c in cuts)
+
+
+def test_long_texts_encode_in_parallel_pieces(tok, monkeypatch):
+    """With small pieces and several threads, long texts (random-token decodes, mixed scripts,
+    added tokens) encode to tokenizers' ids through the threaded path."""
+    import server.prompt_encoder as pe
+
+    monkeypatch.setattr(pe, "PIECE_CHARS", 64)
+    monkeypatch.setattr(pe, "ENCODE_THREADS", 4)
+    enc = PromptEncoder(tok)
+    assert enc.backend == "tiktoken" and enc._enc._splittable
+    calls = []
+    real = enc._enc._encode_ordinary
+    enc._enc._encode_ordinary = lambda t: calls.append(t) or real(t)
+    rng = random.Random(5)
+    for _ in range(30):
+        text = "".join(_random_text(rng) for _ in range(rng.randint(20, 60)))
+        text += "<|im_end|>" + tok.decode([rng.randrange(151643) for _ in range(500)])
+        assert enc.encode(text) == tok.encode(text), repr(text)
+    assert len(calls) > 60  # texts were cut into several pieces
