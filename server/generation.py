@@ -148,7 +148,8 @@ class Generation:
         self.streams: list[RequestStream] = []
         self.finished: list[bool] = [False] * n
         self.num_tokens: list[int] = [0] * n
-        engine.limits.validate(prompt_ids)
+        if n > 1:  # refuse before any choice is queued (add_request checks each one again)
+            engine.limits.validate(prompt_ids)
         try:
             for i in range(n):
                 p = params

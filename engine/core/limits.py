@@ -55,7 +55,7 @@ class EngineLimits:
         n = len(prompt_token_ids)
         if not n:
             raise RequestRejected("the prompt is empty", "empty")
-        if any(not (0 <= t < self.vocab_size) for t in prompt_token_ids):
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise RequestRejected(
                 f"prompt token ids must be in [0, {self.vocab_size})", "invalid_token"
             )
