@@ -14,6 +14,12 @@ included). Both outputs are checked against each other and, up to 4,096 tokens, 
 float32 reference on every row; times are medians of ``triton.testing.do_bench`` (eager launches:
 the cuDNN path runs only outside CUDA graphs). Prints a markdown table of ms and TFLOP/s
 (causal: ``2 * T^2 * H_q * D`` flops).
+
+``--engine CKPT`` instead checks the path inside the engine: one lone prompt of
+``--engine-prompt`` tokens (no prefix cache), greedy, 8 tokens with their top-5 log-probabilities,
+with the cuDNN path on and then off (the process-wide backend's ``dense_prefill_min_tokens``);
+PASS when the first token's top-5 log-probabilities agree within 0.05 and every step's chosen
+token, up to the first step where they differ, is among the other run's top 5.
 """
 
 from __future__ import annotations
@@ -50,12 +56,72 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def engine_check(ckpt: str, prompt: int) -> int:
+    """The engine's first tokens with the cuDNN path on and off (see the module docstring)."""
+    import random
+    import time
+
+    from engine.attention.registry import get_attention_backend
+    from engine.core.config import EngineConfig
+    from engine.core.request import SamplingParams
+    from engine.worker.build import build_engine
+
+    engine = build_engine(
+        EngineConfig(
+            model=ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=40960,
+            enable_prefix_caching=False,
+        )
+    )
+    backend = get_attention_backend("triton")
+    on = backend.dense_prefill_min_tokens
+    print(f"prefill-only budget {engine.scheduler.prefill_only_token_budget}, cuDNN from {on}")
+    rng = random.Random(3)
+    ids = [rng.randrange(1000, 30000) for _ in range(prompt)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    runs = {}
+    for label, low in (("cuDNN", on), ("Triton", 0)):
+        backend.dense_prefill_min_tokens = low
+        steps, tokens, lps = 0, [], []
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ttft = None
+        engine.add_request(label, ids, params)
+        while engine.has_unfinished():
+            outputs, _ = engine.step()
+            steps += 1
+            for o in outputs:
+                if o.new_token_ids and ttft is None:
+                    ttft = 1e3 * (time.perf_counter() - t0)
+                tokens += o.new_token_ids
+                lps += o.logprobs
+        runs[label] = (tokens, lps)
+        print(f"{label}: TTFT {ttft:.1f} ms, {steps} steps, tokens {tokens}")
+    backend.dense_prefill_min_tokens = on
+    (ta, la), (tb, lb) = runs["cuDNN"], runs["Triton"]
+    first_a, first_b = dict(la[0][1]), dict(lb[0][1])
+    common = set(first_a) & set(first_b)
+    diff = max((abs(first_a[t] - first_b[t]) for t in common), default=float("inf"))
+    # up to the first step where the runs chose differently (their contexts differ after it)
+    same = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta) - 1)
+    in_top = all(ta[i] in dict(lb[i][1]) and tb[i] in dict(la[i][1]) for i in range(same + 1))
+    ok = diff <= 0.05 and len(common) >= 4 and in_top
+    print(f"first token top-5 |logprob diff| max {diff:.4f} over {len(common)} shared ids; "
+          f"tokens in the other run's top 5: {in_top}; same tokens: {ta == tb}")
+    print("PASS" if ok else "FAILED")
+    engine.shutdown()
+    return 0 if ok else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--cold", type=int, nargs="*", default=[4097, 8191, 30001, 30002, 31999])
+    ap.add_argument("--engine", default=None, help="checkpoint: check the path in the engine")
+    ap.add_argument("--engine-prompt", type=int, default=20000)
     args = ap.parse_args()
+    if args.engine:
+        return engine_check(args.engine, args.engine_prompt)
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     scale = D**-0.5
