@@ -34,6 +34,7 @@ _RANGES = [
     ("max_num_seqs", 1, None),
     ("max_num_batched_tokens", 1, None),
     ("prefill_only_token_budget", 1, None),
+    ("lone_prompt_min_tokens", 0, None),
     ("max_prefill_tokens_with_decodes", 0, None),
     ("max_prefill_attention_with_decodes", 0, None),
     ("max_body_bytes", 1, None),
@@ -235,10 +236,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-only-token-budget",
         type=int,
         default=_env("prefill_only_token_budget"),
-        help="token budget of a step in which nothing decodes (a lone long prompt in one step; "
-        "from 16k tokens its attention runs in cuDNN); unset: on CUDA the largest step whose "
-        "activations fit the memory left outside the KV cache, at most --max-model-len (the "
-        "engine's start-up log prints it), elsewhere --max-num-batched-tokens",
+        help="token budget of a step in which nothing decodes (larger chunks for a lone long "
+        "prompt); unset: the token budget of every step",
+    )
+    a(
+        "--lone-prompt-min-tokens",
+        type=int,
+        default=_env("lone_prompt_min_tokens"),
+        help="a prompt this long or longer on an idle engine is prefilled whole in one step (up "
+        "to the length whose activations fit outside the KV cache; the start-up log prints "
+        "it), from 16k tokens with cuDNN's attention; 0: off; unset: 16384 on CUDA, off "
+        "elsewhere",
     )
     a(
         "--max-prefill-tokens-with-decodes",

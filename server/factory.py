@@ -79,6 +79,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_only_token_budget=args.prefill_only_token_budget,
+        lone_prompt_min_tokens=args.lone_prompt_min_tokens,
         max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes or None,
         max_prefill_attention_with_decodes=args.max_prefill_attention_with_decodes or None,
         attention_backend=args.attention_backend,

@@ -78,7 +78,7 @@ ENCODE_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
 def split_points(text: str, pieces: int) -> list[int]:
-    """Offsets that cut ``text`` into about ``pieces`` parts, each at a pre-token boundary of
+    r"""Offsets that cut ``text`` into about ``pieces`` parts, each at a pre-token boundary of
     :data:`QWEN2_SPLIT_PATTERN`: before a space that follows an ASCII letter.
 
     Why that is a boundary: the match covering the letter is a letter run (``\p{L}+``, with an

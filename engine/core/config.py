@@ -46,6 +46,12 @@ DEFAULT_MAX_PREFILL_ATTENTION_WITH_DECODES = 2 * 1024 * 1024
 #: 293 -> 245 ms) at the same decode speed (docs/benchmarks.md, 2026-12-04)
 DEFAULT_CUDA_BLOCK_SIZE = 128
 
+#: ``EngineConfig.lone_prompt_min_tokens`` on CUDA when unset: from this length a prompt on an
+#: idle engine is prefilled in one step with cuDNN's attention (H200, Qwen3-0.6B, 32k tokens:
+#: first token 328 -> 280 ms engine-only; an 8k prompt in one eager step took 48.5 ms against
+#: 39.0 in nine graph steps: docs/benchmarks.md, 2026-12-04, second session)
+DEFAULT_LONE_PROMPT_MIN_TOKENS = 16384
+
 #: the one FP8 weight block the kernels take: ``[block_n, block_k]`` (DeepSeek-V3, Qwen3-FP8)
 FP8_BLOCK = (128, 128)
 
@@ -446,13 +452,16 @@ class EngineConfig:
             inter-token latency (the budget sweep in docs/benchmarks.md, third session).
             Offline batch jobs may prefer 8192 or more.
         prefill_only_token_budget: token budget of a step in which no request decodes (a lone
-            prefill takes larger chunks: fewer steps to a long prompt's first token, and a whole
-            prompt of 16k tokens or more runs its attention in cuDNN); None = on CUDA, the
-            largest step whose activations fit the 2 GiB the runner leaves outside the KV cache,
-            at most ``max_model_len`` (``engine.worker.prefill_budget``: all of Qwen3-0.6B's
-            40,960 tokens, ~19k for Qwen3-8B; mixture-of-experts models keep
-            ``max_num_batched_tokens``), elsewhere ``max_num_batched_tokens``. Chunked prefill
-            only.
+            prefill takes larger chunks: fewer steps to a long prompt's first token); None =
+            ``max_num_batched_tokens``. Chunked prefill only.
+        lone_prompt_min_tokens: a prompt of at least this many tokens arriving at an idle
+            engine (nothing running, nothing cached for it yet) is prefilled whole in one step
+            of its own, up to the largest step whose activations fit the memory the runner
+            leaves outside the KV cache (``engine.worker.prefill_budget``); from 16k tokens its
+            attention then runs in cuDNN (``engine.attention.dense_prefill``). Shorter prompts
+            keep the chunked graph steps (an eager step's host work outweighs its GPU time
+            below ~12k tokens on the H200). None = :data:`DEFAULT_LONE_PROMPT_MIN_TOKENS` on
+            CUDA, off elsewhere; 0 = off. Chunked prefill only.
         max_prefill_tokens_with_decodes: most prompt tokens one step may carry while requests
             decode (long prefills then cannot stall the running streams); None or 0 = whatever
             the budget leaves (the default: at concurrency 256 a cap of 512 gives shorter TPOT
@@ -505,6 +514,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 1024
     prefill_only_token_budget: int | None = None
+    lone_prompt_min_tokens: int | None = None
     max_prefill_tokens_with_decodes: int | None = None
     max_prefill_attention_with_decodes: int | None = DEFAULT_MAX_PREFILL_ATTENTION_WITH_DECODES
     attention_backend: str | None = None
@@ -580,17 +590,18 @@ def resolve_quantization(model: ModelConfig, requested: str | None) -> Quantizat
 class CacheInfo:
     """Runtime facts decided when the model runner starts: KV blocks allocated, the usable
     length, the KV bytes of one block (all layers, keys and values), the model dtype name, and
-    the token budget of a step in which nothing decodes (``prefill_only_token_budget`` resolved:
-    the configured value, else on CUDA the largest step whose activations fit the memory left
-    outside the KV cache, ``engine.worker.prefill_budget``; ``max_num_batched_tokens`` without
-    chunked prefill or off CUDA)."""
+    the whole-prompt steps of an idle engine: prompts of ``lone_prompt_min_tokens`` to
+    ``lone_prompt_max_tokens`` tokens (``EngineConfig.lone_prompt_min_tokens`` resolved; 0 and 0
+    when off; the maximum is the largest step whose activations fit the memory left outside the
+    KV cache, ``engine.worker.prefill_budget``)."""
 
     num_kv_blocks: int
     block_size: int
     max_model_len: int
     kv_bytes_per_block: int
     dtype: str
-    prefill_only_token_budget: int
+    lone_prompt_min_tokens: int = 0
+    lone_prompt_max_tokens: int = 0
 
 
 def read_generation_config(model_dir: str | Path) -> dict:

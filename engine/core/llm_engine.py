@@ -51,9 +51,10 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
             eos_token_ids=self.eos_token_ids,
-            prefill_only_token_budget=info.prefill_only_token_budget,
+            prefill_only_token_budget=config.prefill_only_token_budget,
             max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes,
             max_prefill_attention_with_decodes=config.max_prefill_attention_with_decodes,
+            lone_prompt_tokens=(info.lone_prompt_min_tokens, info.lone_prompt_max_tokens),
         )
         self.async_scheduling = (
             config.async_scheduling
@@ -78,7 +79,8 @@ class LLMEngine:
         )
         log.info(
             "engine ready: %s, KV cache %d blocks x %d tokens (%.2f GiB), max_model_len %d, "
-            "step budget %d tokens (%d while nothing decodes)",
+            "step budget %d tokens (%d while nothing decodes; whole prompts of %d-%d tokens on an "
+            "idle engine)",
             executor.description,
             info.num_kv_blocks,
             info.block_size,
@@ -86,6 +88,7 @@ class LLMEngine:
             info.max_model_len,
             config.max_num_batched_tokens,
             self.scheduler.prefill_only_token_budget,
+            *self.scheduler.lone_prompt_tokens,
         )
 
     # ---------------------------------------------------------------- requests

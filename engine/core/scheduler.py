@@ -108,6 +108,11 @@ class Scheduler:
             decode, so a long prefill cannot stretch every running stream's inter-token time
             (Sarathi-Serve's chunk bound, Agrawal et al. 2024); None or 0: the budget's
             remainder.
+        lone_prompt_tokens: ``(low, high)``: when nothing runs, a waiting prompt of ``low`` to
+            ``high`` tokens (prefix-cache hits included) is scheduled whole in a step of its
+            own, whatever the budgets (one large step runs the GEMMs at full size and lets the
+            attention backend take a dense kernel; ``EngineConfig.lone_prompt_min_tokens``).
+            ``(0, 0)``: never. Chunked prefill only.
         max_prefill_attention_with_decodes: most query-key pairs of prompt attention
             (:func:`~engine.core.attention_budget.causal_pairs`, summed over the step's prompt
             chunks) a step may carry while requests decode: a chunk over a long cached prefix
@@ -140,6 +145,7 @@ class Scheduler:
         prefill_only_token_budget: int | None = None,
         max_prefill_tokens_with_decodes: int | None = None,
         max_prefill_attention_with_decodes: int | None = None,
+        lone_prompt_tokens: tuple[int, int] = (0, 0),
     ):
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
@@ -151,6 +157,8 @@ class Scheduler:
             if chunked and prefill_only_token_budget
             else max_num_batched_tokens
         )
+        low, high = lone_prompt_tokens
+        self.lone_prompt_tokens = (low, high) if chunked and 0 < low <= high else (0, 0)
         cap = max_prefill_tokens_with_decodes
         if cap is not None and cap < 0:
             raise ValueError(f"max_prefill_tokens_with_decodes must be >= 0 (0: no cap), got {cap}")
@@ -268,6 +276,8 @@ class Scheduler:
             r.num_tokens_with_placeholders - r.num_computed_tokens <= 1 for r in self.running
         )
         budget = self.max_num_batched_tokens if decoding else self.prefill_only_token_budget
+        if not self.running and self.lone_prompt_tokens[1]:
+            budget = self._lone_prompt_budget(budget)
         cap = self.max_prefill_tokens_with_decodes
         prefill_left = min(budget, cap) if decoding and cap else budget
         # query-key pairs of prompt attention left to the step (None: unbounded)
@@ -370,6 +380,19 @@ class Scheduler:
             self._finished_ids[:0] = batch.finished_request_ids
             batch.finished_request_ids = []
         return batch
+
+    def _lone_prompt_budget(self, budget: int) -> int:
+        """The step budget on an idle engine: the whole first waiting prompt when its length
+        is within :attr:`lone_prompt_tokens` (so it is the step's only request), else
+        ``budget``."""
+        if not self.waiting:
+            return budget
+        req = self.waiting[0]
+        low, high = self.lone_prompt_tokens
+        n = req.num_tokens - req.num_computed_tokens
+        if req.num_output_placeholders or not low <= n <= high:
+            return budget
+        return n
 
     # ----------------------------------------------------------------- updates
     def update_after_launch(self, batch: ScheduledBatch, sample_requests: list[Request]) -> int:

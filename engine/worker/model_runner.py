@@ -26,7 +26,13 @@ import numpy as np
 import torch
 
 from engine.attention.registry import default_backend_name, get_attention_backend
-from engine.core.config import CacheInfo, EngineConfig, ModelConfig, resolve_quantization
+from engine.core.config import (
+    DEFAULT_LONE_PROMPT_MIN_TOKENS,
+    CacheInfo,
+    EngineConfig,
+    ModelConfig,
+    resolve_quantization,
+)
 from engine.core.layout import RankLayout
 from engine.core.outputs import SampleOutput
 from engine.core.request import Request, SamplingParams
@@ -43,7 +49,7 @@ from engine.worker.device import (
     torch_dtype,
 )
 from engine.worker.parallel_state import RankContext
-from engine.worker.prefill_budget import ACTIVATION_RESERVE_BYTES, default_prefill_only_budget
+from engine.worker.prefill_budget import ACTIVATION_RESERVE_BYTES, max_step_tokens
 from engine.worker.prompt_logprobs import (
     DevicePromptLogprobs,
     PendingPromptLogprobs,
@@ -208,18 +214,24 @@ class ModelRunner:
                 "KV cache holds %d tokens; max_model_len lowered from %d", capacity, max_len
             )
             max_len = capacity
-        if not config.enable_chunked_prefill:
-            solo = config.max_num_batched_tokens  # a prompt is one step within the budget
-        elif config.prefill_only_token_budget:
-            solo = config.prefill_only_token_budget
-        elif cuda:
-            solo = default_prefill_only_budget(
-                mc, rank.size if rank is not None else 1, elem, max_len, config.max_num_batched_tokens
-            )
-        else:
-            solo = config.max_num_batched_tokens
+        lone_min = config.lone_prompt_min_tokens
+        if lone_min is None:
+            lone_min = DEFAULT_LONE_PROMPT_MIN_TOKENS if cuda else 0
+        lone_max = (
+            max_step_tokens(mc, rank.size if rank is not None else 1, elem, max_len)
+            if cuda
+            else max_len
+        )
+        if not config.enable_chunked_prefill or not 0 < lone_min <= lone_max:
+            lone_min = lone_max = 0
         self.cache_info = CacheInfo(
-            num_blocks, config.block_size, max_len, per_block, dtype_name(self.dtype), solo
+            num_blocks,
+            config.block_size,
+            max_len,
+            per_block,
+            dtype_name(self.dtype),
+            lone_min,
+            lone_max,
         )
         self.description = (
             f"{mc.architecture} on {self.device} ({dtype_name(self.dtype)}), "
@@ -245,6 +257,10 @@ class ModelRunner:
         self._memory = MemoryStats(self.device)
         self.graphs = None
         self.prefill_graphs = None
+        # before anything is compiled: torch.compile guards on the thread count, so a change
+        # after the warm-up recompiled every compiled function in the first eager step (0.9 s)
+        if cuda and limit_host_threads():
+            log.info("torch CPU threads set to 1 for the GPU engine (OMP_NUM_THREADS overrides)")
         if cuda:
             self.warmup()
             torch.cuda.empty_cache()  # the graphs' private pool cannot reuse the allocator's cache
@@ -277,8 +293,6 @@ class ModelRunner:
                 pool=self.prefill_graphs.pool if self.prefill_graphs is not None else None,
             )
             self.graphs.capture()
-        if cuda and limit_host_threads():
-            log.info("torch CPU threads set to 1 for the GPU engine (OMP_NUM_THREADS overrides)")
 
     # ------------------------------------------------------------- executor API
     def memory_stats(self) -> dict[str, int]:
@@ -442,7 +456,9 @@ class ModelRunner:
         The dummy tokens store nothing (slot -1) and read only block 0 of the cache.
         """
         budget = self.config.max_num_batched_tokens
-        solo = max(budget, self.cache_info.prefill_only_token_budget)
+        solo = max(
+            budget, self.config.prefill_only_token_budget or 0, self.cache_info.lone_prompt_max_tokens
+        )
         max_len = self.cache_info.max_model_len
         attn = self.model.model.layers[0].self_attn
         backend = get_attention_backend(self.backend_name)

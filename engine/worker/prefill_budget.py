@@ -1,13 +1,12 @@
-"""The token budget of a step in which nothing decodes (``EngineConfig.prefill_only_token_budget``)
-when the configuration leaves it open.
+"""How long a whole-prompt step may be (``EngineConfig.lone_prompt_min_tokens``).
 
-A lone prompt prefilled in one step instead of 1,024-token chunks reads its weights once, runs
-its GEMMs at full size and, when it is long enough, takes cuDNN's fused attention
+A long prompt on an idle engine prefilled in one step instead of 1,024-token chunks runs its
+GEMMs at full size and, from 16k tokens, takes cuDNN's fused attention
 (:mod:`engine.attention.dense_prefill`): on the H200 a 32,000-token prompt of Qwen3-0.6B reached
-its first token in 305 ms in one step against 328 ms in 33 chunks with the Triton kernel, 273 ms
-with cuDNN (docs/benchmarks.md, 2026-12-04, session 2). Such a step never delays a decoding
-stream: the scheduler uses this budget only while nothing decodes. Its activations must fit in
-the memory the runner leaves outside the KV cache, which bounds the default.
+its first token in 305 ms in one step against 328 ms in 33 chunks with the Triton kernel, 280 ms
+with cuDNN (docs/benchmarks.md, 2026-12-04, second session). Such a step never delays a decoding
+stream: the scheduler takes it only when nothing runs. Its activations must fit in the memory
+the runner leaves outside the KV cache, which bounds its length.
 
 Pure arithmetic on the model's shape, no torch.
 """
@@ -16,7 +15,7 @@ from __future__ import annotations
 
 from engine.core.config import ModelConfig
 
-__all__ = ["ACTIVATION_RESERVE_BYTES", "activation_bytes_per_token", "default_prefill_only_budget"]
+__all__ = ["ACTIVATION_RESERVE_BYTES", "activation_bytes_per_token", "max_step_tokens"]
 
 #: bytes the runner leaves below the memory-utilization line for a step's activations
 #: (``ModelRunner._num_kv_blocks``)
@@ -49,21 +48,20 @@ def activation_bytes_per_token(mc: ModelConfig, tp_size: int, elem: int) -> int:
     return int(elem * max(attention, mlp) * SAFETY)
 
 
-def default_prefill_only_budget(
-    mc: ModelConfig, tp_size: int, elem: int, max_model_len: int, max_num_batched_tokens: int
-) -> int:
-    """The largest step whose activations fit :data:`ACTIVATION_RESERVE_BYTES`, at most
-    ``max_model_len`` and at least ``max_num_batched_tokens`` (CUDA engines; other devices keep
-    ``max_num_batched_tokens``).
+def max_step_tokens(mc: ModelConfig, tp_size: int, elem: int, max_model_len: int) -> int:
+    """The most tokens of a whole-prompt step whose activations fit
+    :data:`ACTIVATION_RESERVE_BYTES`, at most ``max_model_len``.
 
-    Mixture-of-experts models keep ``max_num_batched_tokens``: their routed activations
+    Mixture-of-experts models get 0 (no whole-prompt steps): their routed activations
     (``top_k`` copies of each token, sorted) are not counted by
     :func:`activation_bytes_per_token`.
 
+    Args:
+        mc, tp_size, elem: as :func:`activation_bytes_per_token`; max_model_len: the cap.
+
     Returns:
-        Tokens (an int). Raises nothing.
+        Tokens (an int >= 0). Raises nothing.
     """
     if mc.num_experts:
-        return max_num_batched_tokens
-    tokens = ACTIVATION_RESERVE_BYTES // activation_bytes_per_token(mc, tp_size, elem)
-    return max(max_num_batched_tokens, min(max_model_len, tokens))
+        return 0
+    return min(max_model_len, ACTIVATION_RESERVE_BYTES // activation_bytes_per_token(mc, tp_size, elem))

@@ -1,0 +1,167 @@
+"""Whole-prompt steps on an idle engine (``EngineConfig.lone_prompt_min_tokens``): the length
+bound from the activations (``engine.worker.prefill_budget``), the scheduler's rule, and greedy
+outputs equal to the chunked schedule's with every KV block back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.core.config import EngineConfig, ModelConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.worker.build import build_engine
+from engine.worker.prefill_budget import (
+    ACTIVATION_RESERVE_BYTES,
+    activation_bytes_per_token,
+    max_step_tokens,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+QWEN3_8B = dict(
+    hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_hidden_layers=36
+)
+
+
+def _cfg(**kw) -> ModelConfig:
+    base = dict(
+        architecture="Qwen3ForCausalLM",
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        qk_norm=True,
+        dtype="bfloat16",
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def test_bytes_per_token_counts_the_larger_phase():
+    # Qwen3-0.6B: attention phase 2*1024 + 32*128 + 2*16*128 + 4*16*128 + 2*8*128 = 20,480
+    assert activation_bytes_per_token(_cfg(), 1, 2) == int(2 * 20480 * 1.25)
+    # Qwen3-8B: the MLP phase (2*4096 + 3*12288 = 45,056) is larger
+    big = _cfg(**QWEN3_8B)
+    assert activation_bytes_per_token(big, 1, 2) == int(2 * 45056 * 1.25)
+    # tensor parallel: each rank holds its share of the heads and the intermediate size
+    assert activation_bytes_per_token(big, 2, 2) < activation_bytes_per_token(big, 1, 2)
+
+
+def test_max_step_tokens():
+    assert max_step_tokens(_cfg(), 1, 2, 40960) == 40960  # Qwen3-0.6B: the whole model length
+    assert max_step_tokens(_cfg(), 1, 2, 8192) == 8192
+    big = _cfg(**QWEN3_8B)
+    tokens = max_step_tokens(big, 1, 2, 40960)
+    assert tokens == ACTIVATION_RESERVE_BYTES // activation_bytes_per_token(big, 1, 2)
+    assert 15_000 < tokens < 25_000
+    assert max_step_tokens(big, 2, 2, 40960) > tokens
+    moe = _cfg(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)
+    assert max_step_tokens(moe, 1, 2, 40960) == 0
+
+
+def _req(rid, n, rng, max_tokens=4):
+    return Request(rid, [rng.randrange(1000) for _ in range(n)], SamplingParams(max_tokens=max_tokens), 1 << 20)
+
+
+def test_scheduler_takes_a_lone_prompt_whole():
+    rng = random.Random(0)
+
+    def sched():
+        kv = KVCacheManager(200, 8, enable_prefix_caching=False)
+        return Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=32, lone_prompt_tokens=(100, 400))
+
+    s = sched()
+    a, b = _req("a", 300, rng), _req("b", 50, rng)
+    s.add_request(a)
+    s.add_request(b)
+    batch = s.schedule()
+    assert [r.request_id for r in batch.requests] == ["a"] and batch.num_new_tokens == [300]
+    # a prompt outside the range is chunked as before
+    for n in (99, 401):
+        s = sched()
+        s.add_request(_req("c", n, rng))
+        assert s.schedule().num_new_tokens == [32]
+    # the rule needs an idle engine: with a request running, the budget holds
+    s = sched()
+    s.add_request(_req("d", 20, rng))
+    s.schedule()
+    s.add_request(_req("e", 300, rng))
+    assert sum(s.schedule().num_new_tokens) <= 32
+    # off: (0, 0), or without chunked prefill
+    kv = KVCacheManager(200, 8, enable_prefix_caching=False)
+    s = Scheduler(kv, 8, 32, enable_chunked_prefill=False, lone_prompt_tokens=(100, 400))
+    assert s.lone_prompt_tokens == (0, 0)
+
+
+def _engine(path, **kw):
+    cfg = dict(model=path, block_size=8, num_kv_blocks=60, max_num_seqs=6, max_num_batched_tokens=48)
+    cfg.update(kw)
+    return build_engine(EngineConfig(**cfg), eos_token_ids=frozenset())
+
+
+def _run(engine, prompts, arrivals):
+    """Greedy outputs; ``arrivals[i]``: the step before which prompt i is added."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    out = {i: [] for i in range(len(prompts))}
+    step = 0
+    pending = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    while pending or engine.has_unfinished():
+        while pending and arrivals[pending[0]] <= step:
+            i = pending.pop(0)
+            engine.add_request(str(i), prompts[i], params)
+        outputs, _ = engine.step()
+        for o in outputs:
+            out[int(o.request_id)] += o.new_token_ids
+        step += 1
+    return out
+
+
+def test_runner_resolves_the_range_and_outputs_match(tiny_checkpoint):
+    """On the CPU the rule is off unless configured; configured, a long prompt on the idle
+    engine runs in one step and every request's greedy tokens equal the chunked schedule's,
+    with every KV block back in the pool."""
+    path, _ = tiny_checkpoint
+    gen = torch.Generator().manual_seed(4)
+    lens = [150, 30, 200, 12, 90]
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in lens]
+    arrivals = [0, 1, 30, 31, 31]  # a long prompt alone, then again after the engine idles
+    results = []
+    for kw in ({}, {"lone_prompt_min_tokens": 100}):
+        engine = _engine(path, **kw)
+        try:
+            info = engine.cache_info
+            if kw:
+                assert info.lone_prompt_min_tokens == 100
+                assert info.lone_prompt_max_tokens == info.max_model_len
+                assert engine.scheduler.lone_prompt_tokens == (100, info.max_model_len)
+            else:
+                assert (info.lone_prompt_min_tokens, info.lone_prompt_max_tokens) == (0, 0)
+            steps = []
+            real = engine.scheduler.schedule
+
+            def spy():
+                batch = real()
+                steps.append(list(batch.num_new_tokens))
+                return batch
+
+            engine.scheduler.schedule = spy
+            results.append(_run(engine, prompts, arrivals))
+            assert engine.kv_cache_manager.num_free_blocks == 60
+            whole = [150] in steps or [200] in steps
+            assert whole == bool(kw), steps[:6]
+        finally:
+            engine.shutdown()
+    assert results[0] == results[1]
