@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a prompt this long or longer on an idle engine is prefilled whole in one step (up "
         "to the length whose activations fit outside the KV cache; the start-up log prints "
         "it), from 16k tokens with cuDNN's attention; 0: off; unset: 16384 on CUDA, off "
-        "elsewhere",
+        "elsewhere (on the CPU one large step is slower than chunks)",
     )
     a(
         "--max-prefill-tokens-with-decodes",

@@ -70,9 +70,11 @@ class Completions:
         prompts = await self._prompts(req)
         if len(prompts) * req.n > 64:
             raise APIError(400, "at most 64 choices (prompts x n) per request", "prompt")
-        gens: list[Generation] = []
+        # every prompt is checked before any is queued: a bad later prompt must not leave the
+        # earlier ones started and aborted (counted in the metrics as aborts)
+        checked = []
         try:
-            for i, ids in enumerate(prompts):
+            for ids in prompts:
                 if not ids:
                     raise APIError(400, "prompt must not be empty", "prompt")
                 ctx.check_prompt_length(len(ids), "prompt")
@@ -88,6 +90,13 @@ class Completions:
                     prompt_param="prompt",
                 )
                 params.structured_output = spec
+                ctx.engine.limits.validate(ids)
+                checked.append((ids, params))
+        except RequestRejected as exc:
+            raise rejected(exc, "prompt") from None
+        gens: list[Generation] = []
+        try:
+            for i, (ids, params) in enumerate(checked):
                 gens.append(
                     Generation(
                         ctx.engine,

@@ -537,6 +537,9 @@ class EngineConfig:
             object.__setattr__(self, "block_size", default)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        lone = self.lone_prompt_min_tokens
+        if lone is not None and (not isinstance(lone, int) or lone < 0):
+            raise ValueError(f"lone_prompt_min_tokens must be an int >= 0 (0: off), got {lone!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.tensor_parallel_size < 1:

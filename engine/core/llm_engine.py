@@ -79,8 +79,7 @@ class LLMEngine:
         )
         log.info(
             "engine ready: %s, KV cache %d blocks x %d tokens (%.2f GiB), max_model_len %d, "
-            "step budget %d tokens (%d while nothing decodes; whole prompts of %d-%d tokens on an "
-            "idle engine)",
+            "step budget %d tokens (%d while nothing decodes; %s)",
             executor.description,
             info.num_kv_blocks,
             info.block_size,
@@ -88,7 +87,9 @@ class LLMEngine:
             info.max_model_len,
             config.max_num_batched_tokens,
             self.scheduler.prefill_only_token_budget,
-            *self.scheduler.lone_prompt_tokens,
+            "whole prompts of %d-%d tokens on an idle engine" % self.scheduler.lone_prompt_tokens
+            if self.scheduler.lone_prompt_tokens[1]
+            else "no whole-prompt steps",
         )
 
     # ---------------------------------------------------------------- requests

@@ -222,6 +222,14 @@ class ModelRunner:
             if cuda
             else max_len
         )
+        if lone_min > lone_max > 0 and config.lone_prompt_min_tokens:
+            log.warning(
+                "lone_prompt_min_tokens %d is above the longest whole-prompt step (%d tokens: "
+                "max_model_len, or the activations the memory outside the KV cache holds): "
+                "no whole-prompt steps",
+                lone_min,
+                lone_max,
+            )
         if not config.enable_chunked_prefill or not 0 < lone_min <= lone_max:
             lone_min = lone_max = 0
         self.cache_info = CacheInfo(

@@ -102,3 +102,24 @@ def test_metrics_match_what_was_sent(fresh_server):
     assert _delta(m2, m1, P + "e2e_request_latency_seconds_count") == 1
     assert m2[P + "num_free_kv_blocks"] == 64
     assert _delta(m2, m1, P + "generation_tokens_total") < 300
+
+
+@pytest.mark.parametrize(
+    "prompts",
+    [[[1, 2, 3], [4, 5], [999999999]], [[1, 2], [5] * 600], [[7, 8], []]],
+    ids=["bad-token-id", "too-long", "empty"],
+)
+def test_a_bad_prompt_in_a_list_queues_none(fresh_server, prompts):
+    """A list of prompts with a bad one after good ones is refused before any is queued: a 400
+    naming ``prompt``, and no request counted (none started, none aborted)."""
+    base = fresh_server.base_url
+    m0 = _settle(base)
+    r = httpx.post(base + "/v1/completions", json={"prompt": prompts, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    m1 = _settle(base)
+    for key in (
+        "request_success_total{finished_reason=abort}",
+        "e2e_request_latency_seconds_count",
+        "prompt_tokens_total",
+    ):
+        assert _delta(m1, m0, P + key) == 0, key

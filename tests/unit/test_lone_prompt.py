@@ -165,3 +165,9 @@ def test_runner_resolves_the_range_and_outputs_match(tiny_checkpoint):
         finally:
             engine.shutdown()
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "16"])
+def test_config_refuses_bad_values(bad):
+    with pytest.raises(ValueError, match="lone_prompt_min_tokens"):
+        EngineConfig(model="m", lone_prompt_min_tokens=bad)
