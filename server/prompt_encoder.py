@@ -178,7 +178,12 @@ class _TiktokenBPE:
         self._added = added
         self._nfc = nfc
         self._splittable = splittable and ENCODE_THREADS > 1
-        self._pool: ThreadPoolExecutor | None = None
+        # threads start on first use; one pool shared by the callers' threads
+        self._pool = (
+            ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="prompt-encode")
+            if self._splittable
+            else None
+        )
         alternation = "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True))
         self._split = re.compile(alternation) if added else None
 
@@ -282,8 +287,6 @@ class _TiktokenBPE:
         cuts = split_points(text, pieces) if self._splittable and pieces > 1 else []
         if not cuts:
             return self._encode_ordinary(text)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="prompt-encode")
         bounds = [0, *cuts, len(text)]
         parts = self._pool.map(
             self._encode_ordinary, (text[a:b] for a, b in itertools.pairwise(bounds))

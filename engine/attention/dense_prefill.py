@@ -1,12 +1,14 @@
 """Prompt attention of a lone prompt with no cached prefix, through cuDNN's fused attention.
 
-When a step holds one whole prompt and nothing else (a lone long prompt under the prefill-only
-token budget, ``EngineConfig.prefill_only_token_budget``), its attention is plain causal
+When a step holds one whole prompt and nothing else (the scheduler's whole-prompt step on an
+idle engine, ``EngineConfig.lone_prompt_min_tokens``), its attention is plain causal
 self-attention over the step's own keys: no paged prefix, no bottom-right offset. On the H200,
 cuDNN's fused attention (reached through ``torch.nn.functional.scaled_dot_product_attention``)
-runs that shape at 566-591 TFLOP/s where the Triton prefill kernel reaches 482-497
-(docs/benchmarks.md, 2026-12-04: Triton 3.6 does not express FlashAttention-3's overlap of
-softmax with the tensor-core work; Shah et al., "FlashAttention-3", 2024). Every other prefill
+runs that shape at 566-591 TFLOP/s where the Triton prefill kernel reaches 482-497; with this
+module's gather, GQA repeat and padding the path takes 0.88-0.96x the Triton kernel's time at
+16-32k tokens and is slower at 8k (docs/benchmarks.md, 2026-12-04, both sessions: Triton 3.6 does
+not express FlashAttention-3's overlap of softmax with the tensor-core work; Shah et al.,
+"FlashAttention-3", 2024). Every other prefill
 launch (chunks over cached keys, several sequences, CUDA graphs) keeps the Triton kernel, which
 is faster than SDPA on chunks over a cached prefix.
 

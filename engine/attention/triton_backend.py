@@ -54,6 +54,15 @@ log = logging.getLogger(__name__)
 DENSE_PREFILL_MIN_TOKENS = 16384
 
 
+def _cudnn_refused(exc: RuntimeError) -> bool:
+    """Whether SDPA refused the inputs under ``sdpa_kernel([CUDNN_ATTENTION])`` ("No available
+    kernel", cuDNN's own "cuDNN ... not supported" errors) rather than failing on the device."""
+    text = str(exc)
+    return not isinstance(exc, torch.OutOfMemoryError) and (
+        "No available kernel" in text or ("cudnn" in text.lower() and "CUDA error" not in text)
+    )
+
+
 def _check_device(q: torch.Tensor) -> None:
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the triton backend needs a CUDA device or TRITON_INTERPRET=1")
@@ -154,9 +163,9 @@ class TritonAttentionBackend:
                 return warm_up_dense(
                     max_tokens, low, num_heads, head_dim, dtype, device, scale
                 )
-        except torch.OutOfMemoryError:
-            raise
         except RuntimeError as exc:
+            if not _cudnn_refused(exc):
+                raise
             log.warning("cuDNN prompt attention unavailable, using the Triton kernel: %s", exc)
             self.dense_prefill_min_tokens = 0
             return 0
@@ -281,9 +290,9 @@ class TritonAttentionBackend:
                     return dense_causal_attention(
                         q, k_cache, v_cache, meta.block_tables[0], out, scale
                     )
-            except torch.OutOfMemoryError:
-                raise
-            except RuntimeError as exc:  # cuDNN refused the shape/dtype: Triton from now on
+            except RuntimeError as exc:
+                if not _cudnn_refused(exc):  # OOM, a CUDA error: not ours to hide
+                    raise
                 log.warning("cuDNN prompt attention unavailable, using the Triton kernel: %s", exc)
                 self.dense_prefill_min_tokens = 0
         num_seqs = meta.block_tables.shape[0]

@@ -455,9 +455,10 @@ class EngineConfig:
             prefill takes larger chunks: fewer steps to a long prompt's first token); None =
             ``max_num_batched_tokens``. Chunked prefill only.
         lone_prompt_min_tokens: a prompt of at least this many tokens arriving at an idle
-            engine (nothing running, nothing cached for it yet) is prefilled whole in one step
-            of its own, up to the largest step whose activations fit the memory the runner
-            leaves outside the KV cache (``engine.worker.prefill_budget``); from 16k tokens its
+            engine (nothing running, nothing of it in the prefix cache) is prefilled whole in one
+            step of its own, up to the largest step whose activations fit the memory left after
+            the KV cache and the CUDA graphs (``engine.worker.prefill_budget``; measured at
+            start-up, where one step of that length runs); from 16k tokens its
             attention then runs in cuDNN (``engine.attention.dense_prefill``). Shorter prompts
             keep the chunked graph steps (an eager step's host work outweighs its GPU time
             below ~12k tokens on the H200). None = :data:`DEFAULT_LONE_PROMPT_MIN_TOKENS` on
@@ -595,8 +596,8 @@ class CacheInfo:
     length, the KV bytes of one block (all layers, keys and values), the model dtype name, and
     the whole-prompt steps of an idle engine: prompts of ``lone_prompt_min_tokens`` to
     ``lone_prompt_max_tokens`` tokens (``EngineConfig.lone_prompt_min_tokens`` resolved; 0 and 0
-    when off; the maximum is the largest step whose activations fit the memory left outside the
-    KV cache, ``engine.worker.prefill_budget``)."""
+    when off; on CUDA the maximum is the largest step whose activations fit the memory left
+    after the KV cache and the CUDA graphs, ``engine.worker.prefill_budget``)."""
 
     num_kv_blocks: int
     block_size: int

@@ -108,9 +108,9 @@ class Scheduler:
             decode, so a long prefill cannot stretch every running stream's inter-token time
             (Sarathi-Serve's chunk bound, Agrawal et al. 2024); None or 0: the budget's
             remainder.
-        lone_prompt_tokens: ``(low, high)``: when nothing runs, a waiting prompt of ``low`` to
-            ``high`` tokens (prefix-cache hits included) is scheduled whole in a step of its
-            own, whatever the budgets (one large step runs the GEMMs at full size and lets the
+        lone_prompt_tokens: ``(low, high)``: when nothing runs and the first waiting request
+            is a prompt of ``low`` to ``high`` tokens with no prefix-cache hit, the step's budget
+            is at least that prompt (one large step runs the GEMMs at full size and lets the
             attention backend take a dense kernel; ``EngineConfig.lone_prompt_min_tokens``).
             ``(0, 0)``: never. Chunked prefill only.
         max_prefill_attention_with_decodes: most query-key pairs of prompt attention
@@ -382,15 +382,22 @@ class Scheduler:
         return batch
 
     def _lone_prompt_budget(self, budget: int) -> int:
-        """The step budget on an idle engine: the whole first waiting prompt when its length
-        is within :attr:`lone_prompt_tokens` (so it is the step's only request), else
-        ``budget``."""
+        """The step budget on an idle engine: at least the whole first waiting prompt when its
+        length is within :attr:`lone_prompt_tokens` and nothing of it is cached (with the
+        default budgets it is then the step's only request), else ``budget``.
+
+        A prompt with a prefix-cache hit (a follow-up turn) keeps the budget: its chunk over
+        the cached prefix is short work, and the hit's tokens must not become room for other
+        prompts in one large step.
+        """
         if not self.waiting:
             return budget
         req = self.waiting[0]
         low, high = self.lone_prompt_tokens
         n = req.num_tokens - req.num_computed_tokens
-        if req.num_output_placeholders or not low <= n <= high:
+        if req.num_output_placeholders or not low <= n <= high or n <= budget:
+            return budget
+        if self.kv_cache_manager.get_computed_blocks(req)[1]:
             return budget
         return n
 

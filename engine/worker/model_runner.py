@@ -217,29 +217,17 @@ class ModelRunner:
         lone_min = config.lone_prompt_min_tokens
         if lone_min is None:
             lone_min = DEFAULT_LONE_PROMPT_MIN_TOKENS if cuda else 0
-        lone_max = (
-            max_step_tokens(mc, rank.size if rank is not None else 1, elem, max_len)
-            if cuda
-            else max_len
-        )
-        if lone_min > lone_max > 0 and config.lone_prompt_min_tokens:
-            log.warning(
-                "lone_prompt_min_tokens %d is above the longest whole-prompt step (%d tokens: "
-                "max_model_len, or the activations the memory outside the KV cache holds): "
-                "no whole-prompt steps",
-                lone_min,
-                lone_max,
-            )
-        if not config.enable_chunked_prefill or not 0 < lone_min <= lone_max:
-            lone_min = lone_max = 0
+        if not config.enable_chunked_prefill:
+            lone_min = 0
+        # on CUDA the longest whole-prompt step is set after the graphs are captured, from the
+        # memory they leave (_resolve_lone_prompts)
         self.cache_info = CacheInfo(
             num_blocks,
             config.block_size,
             max_len,
             per_block,
             dtype_name(self.dtype),
-            lone_min,
-            lone_max,
+            *self._check_lone_range(lone_min, max_len),
         )
         self.description = (
             f"{mc.architecture} on {self.device} ({dtype_name(self.dtype)}), "
@@ -301,6 +289,66 @@ class ModelRunner:
                 pool=self.prefill_graphs.pool if self.prefill_graphs is not None else None,
             )
             self.graphs.capture()
+        if cuda and lone_min:
+            self._resolve_lone_prompts(lone_min, rank.size if rank is not None else 1, elem)
+
+    def _check_lone_range(self, lone_min: int, lone_max: int) -> tuple[int, int]:
+        """``(lone_min, lone_max)``, or ``(0, 0)`` (logged when configured) when empty."""
+        if 0 < lone_min <= lone_max:
+            return lone_min, lone_max
+        if lone_min > lone_max and self.config.lone_prompt_min_tokens:
+            log.warning(
+                "lone_prompt_min_tokens %d is above the longest whole-prompt step (%d tokens: "
+                "max_model_len, or the activations the memory outside the KV cache and the "
+                "CUDA graphs holds): no whole-prompt steps",
+                lone_min,
+                lone_max,
+            )
+        return 0, 0
+
+    @torch.inference_mode()
+    def _resolve_lone_prompts(self, lone_min: int, tp_size: int, elem: int) -> None:
+        """The longest whole-prompt step, from the memory left after the KV cache and the CUDA
+        graphs (below ``gpu_memory_utilization``; with an explicit KV cache size, what is free
+        less 512 MiB): cuDNN's plans for its lengths are built and one step of that length is
+        run (a step that would not fit fails here, not in serving: then no whole-prompt
+        steps). Sets ``cache_info``'s range."""
+        cfg, info = self.config, self.cache_info
+        free, total = torch.cuda.mem_get_info(self.device)
+        if cfg.num_kv_blocks is None and cfg.kv_cache_memory_gb is None:
+            memory = total * cfg.gpu_memory_utilization - (total - free)
+        else:
+            memory = free - (512 << 20)
+        lone_max = max_step_tokens(self.model_config, tp_size, elem, info.max_model_len, memory)
+        lone_min, lone_max = self._check_lone_range(lone_min, lone_max)
+        if lone_max:
+            attn = self.model.model.layers[0].self_attn
+            backend = get_attention_backend(self.backend_name)
+            if hasattr(backend, "warm_up_dense_prefill"):  # cuDNN's plans for these lengths
+                built = backend.warm_up_dense_prefill(
+                    lone_max, attn.num_heads, attn.head_dim, self.dtype, self.device,
+                    attn.attn.scale,
+                )
+                if built:
+                    log.info(
+                        "cuDNN attention for lone prompts of %d-%d tokens (%d padded lengths)",
+                        backend.dense_prefill_min_tokens,
+                        lone_max,
+                        built,
+                    )
+            try:
+                self.warmup(((lone_max, 1),))
+            except torch.OutOfMemoryError:
+                log.warning(
+                    "a whole-prompt step of %d tokens does not fit in GPU memory: no "
+                    "whole-prompt steps",
+                    lone_max,
+                )
+                lone_min = lone_max = 0
+            torch.cuda.empty_cache()
+        self.cache_info = dataclasses.replace(
+            info, lone_prompt_min_tokens=lone_min, lone_prompt_max_tokens=lone_max
+        )
 
     # ------------------------------------------------------------- executor API
     def memory_stats(self) -> dict[str, int]:
@@ -456,33 +504,24 @@ class ModelRunner:
         return self.model(step.input_ids, step.positions, self.kv_caches, step.attention_metadata())
 
     @torch.inference_mode()
-    def warmup(self) -> None:
+    def warmup(self, shapes: tuple[tuple[int, int], ...] | None = None) -> None:
         """Run dummy prefill steps of the shapes serving will see, so that kernel compilation
         (Triton JIT specialisations, torch.compile) happens at start-up and not in the first
         requests' time to first token (vLLM runs a dummy batch at start-up the same way).
 
+        Args:
+            shapes: ``(tokens, sequences)`` of the steps; None: the step budgets' shapes.
+
         The dummy tokens store nothing (slot -1) and read only block 0 of the cache.
         """
         budget = self.config.max_num_batched_tokens
-        solo = max(
-            budget, self.config.prefill_only_token_budget or 0, self.cache_info.lone_prompt_max_tokens
-        )
+        solo = max(budget, self.config.prefill_only_token_budget or 0)
         max_len = self.cache_info.max_model_len
-        attn = self.model.model.layers[0].self_attn
-        backend = get_attention_backend(self.backend_name)
-        if hasattr(backend, "warm_up_dense_prefill"):  # cuDNN's plans for lone long prompts
-            built = backend.warm_up_dense_prefill(
-                min(solo, max_len), attn.num_heads, attn.head_dim, self.dtype, self.device,
-                attn.attn.scale,
-            )
-            if built:
-                log.info(
-                    "cuDNN attention for lone prompts of %d-%d tokens (%d padded lengths)",
-                    backend.dense_prefill_min_tokens,
-                    min(solo, max_len),
-                    built,
-                )
-        for num_tokens, num_seqs in dict.fromkeys(((solo, 1), (budget, 1), (budget, 32), (97, 3))):
+        if shapes is None:
+            shapes = ((solo, 1), (budget, 1), (budget, 32), (97, 3))
+        else:
+            solo = max(t for t, _ in shapes)
+        for num_tokens, num_seqs in dict.fromkeys(shapes):
             num_seqs = max(1, min(num_seqs, self.config.max_num_seqs))
             num_tokens = max(
                 1, min(num_tokens, solo, num_seqs * max_len)

@@ -48,20 +48,29 @@ def activation_bytes_per_token(mc: ModelConfig, tp_size: int, elem: int) -> int:
     return int(elem * max(attention, mlp) * SAFETY)
 
 
-def max_step_tokens(mc: ModelConfig, tp_size: int, elem: int, max_model_len: int) -> int:
-    """The most tokens of a whole-prompt step whose activations fit
-    :data:`ACTIVATION_RESERVE_BYTES`, at most ``max_model_len``.
+def max_step_tokens(
+    mc: ModelConfig,
+    tp_size: int,
+    elem: int,
+    max_model_len: int,
+    memory_bytes: int = ACTIVATION_RESERVE_BYTES,
+) -> int:
+    """The most tokens of a whole-prompt step whose activations fit ``memory_bytes``, at most
+    ``max_model_len``.
 
     Mixture-of-experts models get 0 (no whole-prompt steps): their routed activations
     (``top_k`` copies of each token, sorted) are not counted by
     :func:`activation_bytes_per_token`.
 
     Args:
-        mc, tp_size, elem: as :func:`activation_bytes_per_token`; max_model_len: the cap.
+        mc, tp_size, elem: as :func:`activation_bytes_per_token`; max_model_len: the cap;
+        memory_bytes: the memory the step may use (the runner measures what is left after the
+            KV cache and the CUDA graphs).
 
     Returns:
         Tokens (an int >= 0). Raises nothing.
     """
     if mc.num_experts:
         return 0
-    return min(max_model_len, ACTIVATION_RESERVE_BYTES // activation_bytes_per_token(mc, tp_size, elem))
+    per_token = activation_bytes_per_token(mc, tp_size, elem)
+    return max(0, min(max_model_len, int(memory_bytes) // per_token))

@@ -107,3 +107,14 @@ def test_switch_off(monkeypatch):
     assert TritonAttentionBackend().dense_prefill_min_tokens == 0
     monkeypatch.setenv("QWEN_SERVE_DENSE_PREFILL", "1")
     assert TritonAttentionBackend().dense_prefill_min_tokens > 0
+
+
+def test_only_a_cudnn_refusal_falls_back():
+    """A refusal turns the path off; out-of-memory and device errors propagate."""
+    from engine.attention.triton_backend import _cudnn_refused
+
+    assert _cudnn_refused(RuntimeError("No available kernel. Aborting execution."))
+    assert _cudnn_refused(RuntimeError("cuDNN Frontend error: [cudnn_frontend] No valid engine"))
+    assert not _cudnn_refused(torch.OutOfMemoryError("CUDA out of memory. cudnn workspace"))
+    assert not _cudnn_refused(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not _cudnn_refused(RuntimeError("shape mismatch"))

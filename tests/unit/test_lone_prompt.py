@@ -171,3 +171,38 @@ def test_runner_resolves_the_range_and_outputs_match(tiny_checkpoint):
 def test_config_refuses_bad_values(bad):
     with pytest.raises(ValueError, match="lone_prompt_min_tokens"):
         EngineConfig(model="m", lone_prompt_min_tokens=bad)
+
+
+def test_prefix_hit_keeps_the_budget():
+    """A follow-up turn whose prefix is cached is chunked as before, and its hit does not make
+    room for other prompts in a large step."""
+    rng = random.Random(1)
+    kv = KVCacheManager(400, 8, enable_prefix_caching=True)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=32, lone_prompt_tokens=(100, 1000))
+    first = _req("t1", 300, rng, max_tokens=1)
+    s.add_request(first)
+    batch = s.schedule()
+    assert batch.num_new_tokens == [300]  # a fresh prompt: whole
+    s.update_after_launch(batch, [first])
+    from engine.core.outputs import SampleOutput
+
+    s.update_from_output([first], SampleOutput([5], [None]))
+    assert not s.running
+    follow = Request("t2", first.prompt_token_ids + [5] + [rng.randrange(1000) for _ in range(40)],
+                     SamplingParams(max_tokens=2), 1 << 20)
+    s.add_request(follow)
+    for i in range(3):
+        s.add_request(_req(f"o{i}", 200, rng))
+    batch = s.schedule()
+    assert sum(batch.num_new_tokens) <= 32, list(zip([r.request_id for r in batch.requests], batch.num_new_tokens))
+
+
+def test_larger_budget_is_kept():
+    """With a step budget above the prompt, the rule changes nothing (others may join)."""
+    rng = random.Random(2)
+    kv = KVCacheManager(400, 8, enable_prefix_caching=False)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=32, prefill_only_token_budget=600,
+                  lone_prompt_tokens=(100, 1000))
+    s.add_request(_req("a", 300, rng))
+    s.add_request(_req("b", 200, rng))
+    assert s.schedule().num_new_tokens == [300, 200]

@@ -196,5 +196,6 @@ def test_long_texts_encode_in_parallel_pieces(tok, monkeypatch):
     for _ in range(30):
         text = "".join(_random_text(rng) for _ in range(rng.randint(20, 60)))
         text += "<|im_end|>" + tok.decode([rng.randrange(151643) for _ in range(500)])
+        calls.clear()
         assert enc.encode(text) == tok.encode(text), repr(text)
-    assert len(calls) > 60  # texts were cut into several pieces
+        assert len(calls) > 4  # two segments around <|im_end|>, each cut into pieces
