@@ -320,6 +320,8 @@ class ModelRunner:
         else:
             memory = free - (512 << 20)
         lone_max = max_step_tokens(self.model_config, tp_size, elem, info.max_model_len, memory)
+        if self.rank is not None:  # every rank runs the same steps
+            lone_max = self.rank.min_across_ranks(lone_max)
         lone_min, lone_max = self._check_lone_range(lone_min, lone_max)
         if lone_max:
             attn = self.model.model.layers[0].self_attn

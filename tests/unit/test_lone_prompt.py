@@ -206,3 +206,50 @@ def test_larger_budget_is_kept():
     s.add_request(_req("a", 300, rng))
     s.add_request(_req("b", 200, rng))
     assert s.schedule().num_new_tokens == [300, 200]
+
+
+def test_longest_step_from_the_memory_left(tiny_checkpoint, monkeypatch):
+    """The CUDA start-up step that sets the longest whole-prompt step, run on the CPU with the
+    device's memory query replaced: the range follows the memory left (below the utilization
+    line, or what is free less 512 MiB with an explicit KV cache size), one step of that length
+    runs, and too little memory or a step that does not fit turns the rule off."""
+    import dataclasses
+
+    path, _ = tiny_checkpoint
+    engine = _engine(path, lone_prompt_min_tokens=64)
+    try:
+        runner = engine.executor
+        per_token = activation_bytes_per_token(runner.model_config, 1, 4)
+        gib = 1 << 30
+
+        def memory(free, total=100 * gib):
+            monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+
+        ran = []
+        real = runner.warmup
+        monkeypatch.setattr(runner, "warmup", lambda shapes=None: ran.append(shapes) or real(shapes))
+
+        def resolved():
+            runner._resolve_lone_prompts(64, 1, 4)
+            info = runner.cache_info
+            return info.lone_prompt_min_tokens, info.lone_prompt_max_tokens
+
+        memory((512 << 20) + 200 * per_token)  # explicit KV cache size (num_kv_blocks=60)
+        assert resolved() == (64, 200) and ran == [((200, 1),)]
+        memory((512 << 20) + 10 * per_token)  # less than the minimum: off
+        assert resolved() == (0, 0)
+        # utilization 0.85 of 100 GiB, 15 GiB + 300 tokens' worth free: 300
+        monkeypatch.setattr(runner, "config", dataclasses.replace(runner.config, num_kv_blocks=None))
+        memory(15 * gib + 300 * per_token)
+        assert resolved() == (64, 300)
+        memory(15 * gib + 10**5 * per_token)  # capped by max_model_len
+        assert resolved() == (64, runner.cache_info.max_model_len)
+
+        def oom(shapes=None):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+        monkeypatch.setattr(runner, "warmup", oom)  # the start-up step does not fit: off
+        memory(15 * gib + 300 * per_token)
+        assert resolved() == (0, 0)
+    finally:
+        engine.shutdown()
