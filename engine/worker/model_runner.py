@@ -314,6 +314,7 @@ class ModelRunner:
         run (a step that would not fit fails here, not in serving: then no whole-prompt
         steps). Sets ``cache_info``'s range."""
         cfg, info = self.config, self.cache_info
+        torch.cuda.empty_cache()  # blocks the allocator keeps from the capture count as used
         free, total = torch.cuda.mem_get_info(self.device)
         if cfg.num_kv_blocks is None and cfg.kv_cache_memory_gb is None:
             memory = total * cfg.gpu_memory_utilization - (total - free)
