@@ -68,7 +68,10 @@ def engine_check(ckpt: str, prompt: int) -> int:
 
     engine = build_engine(
         EngineConfig(
-            model=ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=40960,
+            model=ckpt,
+            device="cuda",
+            dtype=torch.bfloat16,
+            max_model_len=40960,
             enable_prefix_caching=False,
         )
     )
@@ -105,8 +108,10 @@ def engine_check(ckpt: str, prompt: int) -> int:
     same = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta) - 1)
     in_top = all(ta[i] in dict(lb[i][1]) and tb[i] in dict(la[i][1]) for i in range(same + 1))
     ok = diff <= 0.05 and len(common) >= 4 and in_top
-    print(f"first token top-5 |logprob diff| max {diff:.4f} over {len(common)} shared ids; "
-          f"tokens in the other run's top 5: {in_top}; same tokens: {ta == tb}")
+    print(
+        f"first token top-5 |logprob diff| max {diff:.4f} over {len(common)} shared ids; "
+        f"tokens in the other run's top 5: {in_top}; same tokens: {ta == tb}"
+    )
     print("PASS" if ok else "FAILED")
     engine.shutdown()
     return 0 if ok else 1
@@ -127,8 +132,10 @@ def main() -> int:
     scale = D**-0.5
     triton_b = TritonAttentionBackend(dense_prefill_min_tokens=0)
     dense_b = TritonAttentionBackend(dense_prefill_min_tokens=1)
-    print("| T | Triton ms | TFLOP/s | cuDNN path ms | TFLOP/s | cuDNN / Triton time | rel err "
-          "(paths) | rel err vs fp32 (Triton, cuDNN) |")
+    print(
+        "| T | Triton ms | TFLOP/s | cuDNN path ms | TFLOP/s | cuDNN / Triton time | rel err "
+        "(paths) | rel err vs fp32 (Triton, cuDNN) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     failed = False
     for t in args.tokens:
@@ -146,10 +153,14 @@ def main() -> int:
         outs, ms = [], []
         for b in (triton_b, dense_b):
             outs.append(b._attend(q, k_cache, v_cache, meta, scale))
-            ms.append(triton.testing.do_bench(
-                lambda b=b: b._attend(q, k_cache, v_cache, meta, scale), warmup=10, rep=100,
-                return_mode="median",
-            ))
+            ms.append(
+                triton.testing.do_bench(
+                    lambda b=b, args=(q, k_cache, v_cache, meta, scale): b._attend(*args),
+                    warmup=10,
+                    rep=100,
+                    return_mode="median",
+                )
+            )
         if dense_b.dense_prefill_min_tokens == 0:
             print("cuDNN path refused (see the warning); stopping")
             return 1
@@ -164,8 +175,10 @@ def main() -> int:
         failed |= err > 2e-2 or not torch.isfinite(outs[1]).all().item()
         flops = 2 * t * t * HQ * D
         tf = [flops / (m * 1e-3) / 1e12 for m in ms]
-        print(f"| {t} | {ms[0]:.3f} | {tf[0]:.0f} | {ms[1]:.3f} | {tf[1]:.0f} | "
-              f"{ms[1] / ms[0]:.2f} | {err:.2e} | {ref_err} |")
+        print(
+            f"| {t} | {ms[0]:.3f} | {tf[0]:.0f} | {ms[1]:.3f} | {tf[1]:.0f} | "
+            f"{ms[1] / ms[0]:.2f} | {err:.2e} | {ref_err} |"
+        )
         del k_cache, v_cache, outs
         torch.cuda.empty_cache()
     # cuDNN builds an execution plan per shape: the first call at a new length pays for it

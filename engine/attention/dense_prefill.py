@@ -25,7 +25,13 @@ import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
 
-__all__ = ["DENSE_BUCKET", "dense_causal_attention", "is_lone_fresh_prompt", "padded_length", "warm_up"]
+__all__ = [
+    "DENSE_BUCKET",
+    "dense_causal_attention",
+    "is_lone_fresh_prompt",
+    "padded_length",
+    "warm_up",
+]
 
 #: prompt lengths are padded to a multiple of this many tokens (:func:`padded_length`)
 DENSE_BUCKET = 2048
@@ -142,7 +148,9 @@ def warm_up(
     Raises:
         RuntimeError: cuDNN refuses the shape (the caller then keeps the Triton kernel).
     """
-    lengths = range(padded_length(min_tokens, bucket), padded_length(max_tokens, bucket) + 1, bucket)
+    lengths = range(
+        padded_length(min_tokens, bucket), padded_length(max_tokens, bucket) + 1, bucket
+    )
     for t_pad in lengths:
         x = torch.zeros(1, t_pad, num_heads, head_dim, dtype=dtype, device=device).transpose(1, 2)
         F.scaled_dot_product_attention(x, x, x, is_causal=True, scale=scale)

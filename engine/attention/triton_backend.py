@@ -28,6 +28,8 @@ import torch
 from engine.attention.dense_prefill import (
     dense_causal_attention,
     is_lone_fresh_prompt,
+)
+from engine.attention.dense_prefill import (
     warm_up as warm_up_dense,
 )
 from engine.attention.metadata import AttentionMetadata
@@ -54,12 +56,24 @@ log = logging.getLogger(__name__)
 DENSE_PREFILL_MIN_TOKENS = 16384
 
 
+#: what SDPA or cuDNN says when it will not take the inputs (a refusal, not a failure)
+_REFUSALS = (
+    "No available kernel",
+    "CUDNN_STATUS_NOT_SUPPORTED",
+    "No execution plans",
+    "No valid engine",
+    "not supported",
+)
+
+
 def _cudnn_refused(exc: RuntimeError) -> bool:
-    """Whether SDPA refused the inputs under ``sdpa_kernel([CUDNN_ATTENTION])`` ("No available
-    kernel", cuDNN's own "cuDNN ... not supported" errors) rather than failing on the device."""
+    """Whether SDPA refused the inputs under ``sdpa_kernel([CUDNN_ATTENTION])`` rather than
+    failing (out of memory, a CUDA error, cuDNN's execution or allocation failures)."""
     text = str(exc)
-    return not isinstance(exc, torch.OutOfMemoryError) and (
-        "No available kernel" in text or ("cudnn" in text.lower() and "CUDA error" not in text)
+    return (
+        not isinstance(exc, torch.OutOfMemoryError)
+        and "CUDA error" not in text
+        and any(r in text for r in _REFUSALS)
     )
 
 
@@ -160,9 +174,7 @@ class TritonAttentionBackend:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                return warm_up_dense(
-                    max_tokens, low, num_heads, head_dim, dtype, device, scale
-                )
+                return warm_up_dense(max_tokens, low, num_heads, head_dim, dtype, device, scale)
         except RuntimeError as exc:
             if not _cudnn_refused(exc):
                 raise

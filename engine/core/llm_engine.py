@@ -87,7 +87,9 @@ class LLMEngine:
             info.max_model_len,
             config.max_num_batched_tokens,
             self.scheduler.prefill_only_token_budget,
-            "whole prompts of %d-%d tokens on an idle engine" % self.scheduler.lone_prompt_tokens
+            "whole prompts of {}-{} tokens on an idle engine".format(
+                *self.scheduler.lone_prompt_tokens
+            )
             if self.scheduler.lone_prompt_tokens[1]
             else "no whole-prompt steps",
         )

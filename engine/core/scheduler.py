@@ -109,10 +109,10 @@ class Scheduler:
             (Sarathi-Serve's chunk bound, Agrawal et al. 2024); None or 0: the budget's
             remainder.
         lone_prompt_tokens: ``(low, high)``: when nothing runs and the first waiting request
-            is a prompt of ``low`` to ``high`` tokens with no prefix-cache hit, the step's budget
-            is at least that prompt (one large step runs the GEMMs at full size and lets the
-            attention backend take a dense kernel; ``EngineConfig.lone_prompt_min_tokens``).
-            ``(0, 0)``: never. Chunked prefill only.
+            has ``low`` to ``high`` tokens to compute past its prefix-cache hit, the step's
+            budget is at least those tokens (one large step runs the GEMMs at full size and, with
+            no hit, lets the attention backend take a dense kernel;
+            ``EngineConfig.lone_prompt_min_tokens``). ``(0, 0)``: never. Chunked prefill only.
         max_prefill_attention_with_decodes: most query-key pairs of prompt attention
             (:func:`~engine.core.attention_budget.causal_pairs`, summed over the step's prompt
             chunks) a step may carry while requests decode: a chunk over a long cached prefix
@@ -382,24 +382,21 @@ class Scheduler:
         return batch
 
     def _lone_prompt_budget(self, budget: int) -> int:
-        """The step budget on an idle engine: at least the whole first waiting prompt when its
-        length is within :attr:`lone_prompt_tokens` and nothing of it is cached (with the
-        default budgets it is then the step's only request), else ``budget``.
-
-        A prompt with a prefix-cache hit (a follow-up turn) keeps the budget: its chunk over
-        the cached prefix is short work, and the hit's tokens must not become room for other
-        prompts in one large step.
-        """
+        """The step budget on an idle engine: at least the tokens the first waiting request
+        has to compute past its prefix-cache hit, when they are within
+        :attr:`lone_prompt_tokens` (with the default budgets it is then the step's only
+        request: exactly those tokens, so a hit never becomes room for other prompts), else
+        ``budget``. A follow-up turn over a cached conversation has few tokens left and keeps
+        the budget."""
         if not self.waiting:
             return budget
         req = self.waiting[0]
         low, high = self.lone_prompt_tokens
         n = req.num_tokens - req.num_computed_tokens
-        if req.num_output_placeholders or not low <= n <= high or n <= budget:
+        if req.num_output_placeholders or n < low or n <= budget:
             return budget
-        if self.kv_cache_manager.get_computed_blocks(req)[1]:
-            return budget
-        return n
+        n -= self.kv_cache_manager.get_computed_blocks(req)[1]
+        return n if low <= n <= high and n > budget else budget
 
     # ----------------------------------------------------------------- updates
     def update_after_launch(self, batch: ScheduledBatch, sample_requests: list[Request]) -> int:

@@ -49,7 +49,11 @@ from engine.worker.device import (
     torch_dtype,
 )
 from engine.worker.parallel_state import RankContext
-from engine.worker.prefill_budget import ACTIVATION_RESERVE_BYTES, max_step_tokens
+from engine.worker.prefill_budget import (
+    ACTIVATION_RESERVE_BYTES,
+    STEP_RESERVE_BYTES,
+    max_step_tokens,
+)
 from engine.worker.prompt_logprobs import (
     DevicePromptLogprobs,
     PendingPromptLogprobs,
@@ -306,6 +310,24 @@ class ModelRunner:
             )
         return 0, 0
 
+    def _warm_up_dense_prefill(self, max_tokens: int) -> None:
+        """cuDNN's plans for the lone prompts of up to ``max_tokens`` tokens that take the
+        attention backend's cuDNN path (built on this thread; none when the path is off)."""
+        attn = self.model.model.layers[0].self_attn
+        backend = get_attention_backend(self.backend_name)
+        if not hasattr(backend, "warm_up_dense_prefill"):
+            return
+        built = backend.warm_up_dense_prefill(
+            max_tokens, attn.num_heads, attn.head_dim, self.dtype, self.device, attn.attn.scale
+        )
+        if built:
+            log.info(
+                "cuDNN attention for lone prompts of %d-%d tokens (%d padded lengths)",
+                backend.dense_prefill_min_tokens,
+                max_tokens,
+                built,
+            )
+
     @torch.inference_mode()
     def _resolve_lone_prompts(self, lone_min: int, tp_size: int, elem: int) -> None:
         """The longest whole-prompt step, from the memory left after the KV cache and the CUDA
@@ -325,23 +347,13 @@ class ModelRunner:
             lone_max = self.rank.min_across_ranks(lone_max)
         lone_min, lone_max = self._check_lone_range(lone_min, lone_max)
         if lone_max:
-            attn = self.model.model.layers[0].self_attn
-            backend = get_attention_backend(self.backend_name)
-            if hasattr(backend, "warm_up_dense_prefill"):  # cuDNN's plans for these lengths
-                built = backend.warm_up_dense_prefill(
-                    lone_max, attn.num_heads, attn.head_dim, self.dtype, self.device,
-                    attn.attn.scale,
-                )
-                if built:
-                    log.info(
-                        "cuDNN attention for lone prompts of %d-%d tokens (%d padded lengths)",
-                        backend.dense_prefill_min_tokens,
-                        lone_max,
-                        built,
-                    )
             try:
+                self._warm_up_dense_prefill(lone_max)
                 self.warmup(((lone_max, 1),))
             except torch.OutOfMemoryError:
+                if self.rank is not None:
+                    # the other ranks may be inside the step's collectives: fail the start-up
+                    raise
                 log.warning(
                     "a whole-prompt step of %d tokens does not fit in GPU memory: no "
                     "whole-prompt steps",
@@ -522,6 +534,8 @@ class ModelRunner:
         max_len = self.cache_info.max_model_len
         if shapes is None:
             shapes = ((solo, 1), (budget, 1), (budget, 32), (97, 3))
+            if self.device.type == "cuda":  # a lone prompt within the budgets may take cuDNN
+                self._warm_up_dense_prefill(min(solo, max_len))
         else:
             solo = max(t for t, _ in shapes)
         for num_tokens, num_seqs in dict.fromkeys(shapes):
@@ -572,8 +586,14 @@ class ModelRunner:
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
-            # leave room for activations of the largest step
-            budget = total * cfg.gpu_memory_utilization - used - ACTIVATION_RESERVE_BYTES
+            # leave room for the graphs and the activations of the largest step
+            whole_prompts = (
+                cfg.enable_chunked_prefill
+                and cfg.lone_prompt_min_tokens != 0
+                and not self.model_config.num_experts
+            )
+            reserve = ACTIVATION_RESERVE_BYTES if whole_prompts else STEP_RESERVE_BYTES
+            budget = total * cfg.gpu_memory_utilization - used - reserve
         else:
             budget = 1 << 30  # 1 GiB on the CPU
         blocks = int(budget // bytes_per_block)

@@ -15,13 +15,20 @@ from __future__ import annotations
 
 from engine.core.config import ModelConfig
 
-__all__ = ["ACTIVATION_RESERVE_BYTES", "activation_bytes_per_token", "max_step_tokens"]
+__all__ = [
+    "ACTIVATION_RESERVE_BYTES",
+    "STEP_RESERVE_BYTES",
+    "activation_bytes_per_token",
+    "max_step_tokens",
+]
 
 #: bytes the runner leaves below the memory-utilization line for the CUDA graphs' pools and a
-#: step's activations (``ModelRunner._num_kv_blocks``): 3 GiB, so that after the graphs (a few
-#: hundred MB) a whole 40,960-token prompt of Qwen3-0.6B still fits the estimate below (2 GiB
-#: until 2026-12-04)
+#: step's activations (``ModelRunner._num_kv_blocks``) where whole-prompt steps can run: 3 GiB,
+#: so that after the graphs (a few hundred MB) a whole 40,960-token prompt of Qwen3-0.6B still
+#: fits the estimate below
 ACTIVATION_RESERVE_BYTES = 3 << 30
+#: the same where they cannot (rule off, no chunked prefill, mixture-of-experts models)
+STEP_RESERVE_BYTES = 2 << 30
 
 #: headroom over the counted tensors (allocator rounding, temporaries not counted)
 SAFETY = 1.25

@@ -118,3 +118,5 @@ def test_only_a_cudnn_refusal_falls_back():
     assert not _cudnn_refused(torch.OutOfMemoryError("CUDA out of memory. cudnn workspace"))
     assert not _cudnn_refused(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert not _cudnn_refused(RuntimeError("shape mismatch"))
+    assert not _cudnn_refused(RuntimeError("cuDNN error: CUDNN_STATUS_EXECUTION_FAILED"))
+    assert _cudnn_refused(RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED"))

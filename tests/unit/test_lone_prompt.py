@@ -73,7 +73,9 @@ def test_max_step_tokens():
 
 
 def _req(rid, n, rng, max_tokens=4):
-    return Request(rid, [rng.randrange(1000) for _ in range(n)], SamplingParams(max_tokens=max_tokens), 1 << 20)
+    return Request(
+        rid, [rng.randrange(1000) for _ in range(n)], SamplingParams(max_tokens=max_tokens), 1 << 20
+    )
 
 
 def test_scheduler_takes_a_lone_prompt_whole():
@@ -81,7 +83,9 @@ def test_scheduler_takes_a_lone_prompt_whole():
 
     def sched():
         kv = KVCacheManager(200, 8, enable_prefix_caching=False)
-        return Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=32, lone_prompt_tokens=(100, 400))
+        return Scheduler(
+            kv, max_num_seqs=8, max_num_batched_tokens=32, lone_prompt_tokens=(100, 400)
+        )
 
     s = sched()
     a, b = _req("a", 300, rng), _req("b", 50, rng)
@@ -107,7 +111,9 @@ def test_scheduler_takes_a_lone_prompt_whole():
 
 
 def _engine(path, **kw):
-    cfg = dict(model=path, block_size=8, num_kv_blocks=60, max_num_seqs=6, max_num_batched_tokens=48)
+    cfg = dict(
+        model=path, block_size=8, num_kv_blocks=60, max_num_seqs=6, max_num_batched_tokens=48
+    )
     cfg.update(kw)
     return build_engine(EngineConfig(**cfg), eos_token_ids=frozenset())
 
@@ -152,7 +158,7 @@ def test_runner_resolves_the_range_and_outputs_match(tiny_checkpoint):
             steps = []
             real = engine.scheduler.schedule
 
-            def spy():
+            def spy(real=real, steps=steps):
                 batch = real()
                 steps.append(list(batch.num_new_tokens))
                 return batch
@@ -188,21 +194,32 @@ def test_prefix_hit_keeps_the_budget():
 
     s.update_from_output([first], SampleOutput([5], [None]))
     assert not s.running
-    follow = Request("t2", first.prompt_token_ids + [5] + [rng.randrange(1000) for _ in range(40)],
-                     SamplingParams(max_tokens=2), 1 << 20)
+    follow = Request(
+        "t2",
+        first.prompt_token_ids + [5] + [rng.randrange(1000) for _ in range(40)],
+        SamplingParams(max_tokens=2),
+        1 << 20,
+    )
     s.add_request(follow)
     for i in range(3):
         s.add_request(_req(f"o{i}", 200, rng))
     batch = s.schedule()
-    assert sum(batch.num_new_tokens) <= 32, list(zip([r.request_id for r in batch.requests], batch.num_new_tokens))
+    assert sum(batch.num_new_tokens) <= 32, list(
+        zip([r.request_id for r in batch.requests], batch.num_new_tokens)
+    )
 
 
 def test_larger_budget_is_kept():
     """With a step budget above the prompt, the rule changes nothing (others may join)."""
     rng = random.Random(2)
     kv = KVCacheManager(400, 8, enable_prefix_caching=False)
-    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=32, prefill_only_token_budget=600,
-                  lone_prompt_tokens=(100, 1000))
+    s = Scheduler(
+        kv,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        prefill_only_token_budget=600,
+        lone_prompt_tokens=(100, 1000),
+    )
     s.add_request(_req("a", 300, rng))
     s.add_request(_req("b", 200, rng))
     assert s.schedule().num_new_tokens == [300, 200]
@@ -227,7 +244,9 @@ def test_longest_step_from_the_memory_left(tiny_checkpoint, monkeypatch):
 
         ran = []
         real = runner.warmup
-        monkeypatch.setattr(runner, "warmup", lambda shapes=None: ran.append(shapes) or real(shapes))
+        monkeypatch.setattr(
+            runner, "warmup", lambda shapes=None: ran.append(shapes) or real(shapes)
+        )
 
         def resolved():
             runner._resolve_lone_prompts(64, 1, 4)
@@ -239,7 +258,9 @@ def test_longest_step_from_the_memory_left(tiny_checkpoint, monkeypatch):
         memory((512 << 20) + 10 * per_token)  # less than the minimum: off
         assert resolved() == (0, 0)
         # utilization 0.85 of 100 GiB, 15 GiB + 300 tokens' worth free: 300
-        monkeypatch.setattr(runner, "config", dataclasses.replace(runner.config, num_kv_blocks=None))
+        monkeypatch.setattr(
+            runner, "config", dataclasses.replace(runner.config, num_kv_blocks=None)
+        )
         memory(15 * gib + 300 * per_token)
         assert resolved() == (64, 300)
         memory(15 * gib + 10**5 * per_token)  # capped by max_model_len
@@ -253,3 +274,30 @@ def test_longest_step_from_the_memory_left(tiny_checkpoint, monkeypatch):
         assert resolved() == (0, 0)
     finally:
         engine.shutdown()
+
+
+def test_long_remainder_after_a_short_hit_is_whole_and_alone():
+    """A prompt sharing a short cached prefix with a long uncached rest: the step holds exactly
+    that rest, and no other waiting prompt."""
+    rng = random.Random(3)
+    kv = KVCacheManager(400, 8, enable_prefix_caching=True)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=32, lone_prompt_tokens=(100, 1000))
+    from engine.core.outputs import SampleOutput
+
+    first = _req("t1", 40, rng, max_tokens=1)
+    s.add_request(first)
+    while s.running or s.waiting:  # the 40-token prompt runs in 32 + 8
+        batch = s.schedule()
+        sample = [
+            r
+            for r, n in zip(batch.requests, batch.num_new_tokens)
+            if r.num_computed_tokens + n == r.num_tokens
+        ]
+        s.update_after_launch(batch, sample)
+        s.update_from_output(sample, SampleOutput([5] * len(sample), [None] * len(sample)))
+    tokens = first.prompt_token_ids[:32] + [rng.randrange(1000) for _ in range(250)]
+    s.add_request(Request("t2", tokens, SamplingParams(max_tokens=2), 1 << 20))
+    s.add_request(_req("o", 50, rng))
+    batch = s.schedule()
+    assert [r.request_id for r in batch.requests] == ["t2"]
+    assert batch.num_new_tokens == [250] and batch.requests[0].num_computed_tokens == 32
