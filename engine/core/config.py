@@ -454,9 +454,9 @@ class EngineConfig:
         prefill_only_token_budget: token budget of a step in which no request decodes (a lone
             prefill takes larger chunks: fewer steps to a long prompt's first token); None =
             ``max_num_batched_tokens``. Chunked prefill only.
-        lone_prompt_min_tokens: a prompt of at least this many tokens arriving at an idle
-            engine (nothing running, nothing of it in the prefix cache) is prefilled whole in one
-            step of its own, up to the largest step whose activations fit the memory left after
+        lone_prompt_min_tokens: a prompt with at least this many tokens to compute past its
+            prefix-cache hit, arriving at an idle engine (nothing running), is prefilled whole in
+            one step of its own, up to the largest step whose activations fit the memory left after
             the KV cache and the CUDA graphs (``engine.worker.prefill_budget``; measured at
             start-up, where one step of that length runs); from 16k tokens its
             attention then runs in cuDNN (``engine.attention.dense_prefill``). Shorter prompts
