@@ -25,13 +25,8 @@ import os
 
 import torch
 
-from engine.attention.dense_prefill import (
-    dense_causal_attention,
-    is_lone_fresh_prompt,
-)
-from engine.attention.dense_prefill import (
-    warm_up as warm_up_dense,
-)
+from engine.attention.dense_prefill import dense_causal_attention, is_lone_fresh_prompt
+from engine.attention.dense_prefill import warm_up as warm_up_dense
 from engine.attention.metadata import AttentionMetadata
 from kernels.decode_attention import (
     choose_mixed_splits,
@@ -170,17 +165,26 @@ class TritonAttentionBackend:
         low = self.dense_prefill_min_tokens
         if low <= 0 or device.type != "cuda" or max_tokens < low:
             return 0
-        try:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
+        built = self._cudnn(
+            warm_up_dense, max_tokens, low, num_heads, head_dim, dtype, device, scale
+        )
+        return built or 0
 
+    def _cudnn(self, fn, *args):
+        """``fn(*args)`` with SDPA restricted to cuDNN; None when cuDNN refuses the inputs, which
+        turns the cuDNN path off for the process (logged). Other errors (out of memory, a CUDA
+        error, cuDNN's execution failures) propagate."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        try:
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                return warm_up_dense(max_tokens, low, num_heads, head_dim, dtype, device, scale)
+                return fn(*args)
         except RuntimeError as exc:
             if not _cudnn_refused(exc):
                 raise
             log.warning("cuDNN prompt attention unavailable, using the Triton kernel: %s", exc)
             self.dense_prefill_min_tokens = 0
-            return 0
+            return None
 
     def scratch(
         self, batch: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device
@@ -295,18 +299,11 @@ class TritonAttentionBackend:
         """Attention of ``q`` over the caches (this step's k/v already stored)."""
         out = torch.empty_like(q)
         if self._dense_prefill(q, meta):
-            try:
-                from torch.nn.attention import SDPBackend, sdpa_kernel
-
-                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                    return dense_causal_attention(
-                        q, k_cache, v_cache, meta.block_tables[0], out, scale
-                    )
-            except RuntimeError as exc:
-                if not _cudnn_refused(exc):  # OOM, a CUDA error: not ours to hide
-                    raise
-                log.warning("cuDNN prompt attention unavailable, using the Triton kernel: %s", exc)
-                self.dense_prefill_min_tokens = 0
+            done = self._cudnn(
+                dense_causal_attention, q, k_cache, v_cache, meta.block_tables[0], out, scale
+            )
+            if done is not None:
+                return done
         num_seqs = meta.block_tables.shape[0]
         decode = meta.is_decode and q.shape[0] == num_seqs
         if decode or (self.split_mixed_steps and num_seqs > 0):

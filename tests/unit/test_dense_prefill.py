@@ -120,3 +120,19 @@ def test_only_a_cudnn_refusal_falls_back():
     assert not _cudnn_refused(RuntimeError("shape mismatch"))
     assert not _cudnn_refused(RuntimeError("cuDNN error: CUDNN_STATUS_EXECUTION_FAILED"))
     assert _cudnn_refused(RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED"))
+
+
+def test_refusal_turns_the_path_off_and_failures_propagate():
+    b = TritonAttentionBackend(dense_prefill_min_tokens=16)
+
+    def refuse():
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    def oom():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    assert b._cudnn(lambda x: x + 1, 1) == 2 and b.dense_prefill_min_tokens == 16
+    with pytest.raises(torch.OutOfMemoryError):
+        b._cudnn(oom)
+    assert b.dense_prefill_min_tokens == 16
+    assert b._cudnn(refuse) is None and b.dense_prefill_min_tokens == 0
