@@ -223,15 +223,15 @@ class ModelRunner:
             lone_min = DEFAULT_LONE_PROMPT_MIN_TOKENS if cuda else 0
         if not config.enable_chunked_prefill:
             lone_min = 0
-        # on CUDA the longest whole-prompt step is set after the graphs are captured, from the
-        # memory they leave (_resolve_lone_prompts)
+        # on CUDA the range is set after the graphs are captured, from the memory they leave
+        # (_resolve_lone_prompts); until then no whole-prompt steps
         self.cache_info = CacheInfo(
             num_blocks,
             config.block_size,
             max_len,
             per_block,
             dtype_name(self.dtype),
-            *self._check_lone_range(lone_min, max_len),
+            *((0, 0) if cuda else self._check_lone_range(lone_min, max_len)),
         )
         self.description = (
             f"{mc.architecture} on {self.device} ({dtype_name(self.dtype)}), "
