@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,6 +53,23 @@ def reference(q, k, v, scale):
     return (s.softmax(-1) @ vf).transpose(0, 1)
 
 
+def lone_prompt(t: int, block_size: int, dev, g):
+    """``(q, k_cache, v_cache, block_table, meta)`` of a step that is one whole ``t``-token
+    prompt: random bf16 q and paged K/V under a shuffled block table."""
+    k_cache, v_cache, bt = paged_kv([t], block_size, torch.bfloat16, dev, g, HKV, D)
+    q = torch.randn(t, HQ, D, device=dev, dtype=torch.bfloat16, generator=g)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=dev),
+        block_tables=bt,
+        seq_lens=torch.tensor([t], dtype=torch.int32, device=dev),
+        cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32, device=dev),
+        max_query_len=t,
+        max_seq_len=t,
+        is_decode=False,
+    )
+    return q, k_cache, v_cache, bt, meta
+
+
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -59,7 +77,6 @@ def rel(a, b):
 def engine_check(ckpt: str, prompt: int) -> int:
     """The engine's first tokens with the cuDNN path on and off (see the module docstring)."""
     import random
-    import time
 
     from engine.attention.registry import get_attention_backend
     from engine.core.config import EngineConfig
@@ -139,17 +156,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|")
     failed = False
     for t in args.tokens:
-        k_cache, v_cache, bt = paged_kv([t], args.block_size, torch.bfloat16, dev, g, HKV, D)
-        q = torch.randn(t, HQ, D, device=dev, dtype=torch.bfloat16, generator=g)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=dev),
-            block_tables=bt,
-            seq_lens=torch.tensor([t], dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32, device=dev),
-            max_query_len=t,
-            max_seq_len=t,
-            is_decode=False,
-        )
+        q, k_cache, v_cache, bt, meta = lone_prompt(t, args.block_size, dev, g)
         outs, ms = [], []
         for b in (triton_b, dense_b):
             outs.append(b._attend(q, k_cache, v_cache, meta, scale))
@@ -185,20 +192,8 @@ def main() -> int:
     print()
     print("| new T | first cuDNN call ms | second ms | first Triton call ms | second ms |")
     print("|---|---|---|---|---|")
-    import time
-
     for t in args.cold:
-        k_cache, v_cache, bt = paged_kv([t], args.block_size, torch.bfloat16, dev, g, HKV, D)
-        q = torch.randn(t, HQ, D, device=dev, dtype=torch.bfloat16, generator=g)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=dev),
-            block_tables=bt,
-            seq_lens=torch.tensor([t], dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32, device=dev),
-            max_query_len=t,
-            max_seq_len=t,
-            is_decode=False,
-        )
+        q, k_cache, v_cache, bt, meta = lone_prompt(t, args.block_size, dev, g)
         row = []
         for b in (dense_b, triton_b):
             for _ in range(2):

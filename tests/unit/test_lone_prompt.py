@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from bench.common import QWEN3_06B
 from engine.core.config import EngineConfig, ModelConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, SamplingParams
@@ -28,23 +29,14 @@ QWEN3_8B = dict(
 
 
 def _cfg(**kw) -> ModelConfig:
+    """Qwen3-0.6B's config (``bench.common.QWEN3_06B``) with ``kw`` changed."""
     base = dict(
         architecture="Qwen3ForCausalLM",
         model_type="qwen3",
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-6,
-        rope_theta=1e6,
-        max_position_embeddings=40960,
-        tie_word_embeddings=True,
         attention_bias=False,
         qk_norm=True,
         dtype="bfloat16",
+        **QWEN3_06B,
     )
     base.update(kw)
     return ModelConfig(**base)
