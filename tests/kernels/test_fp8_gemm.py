@@ -322,7 +322,8 @@ def test_gemm_options_match_reference(bm, bn, group_m, split_k, fuse, m, n, k):
 
 def test_gemm_split_k_is_deterministic_and_fused_quant_is_exact():
     """Split-K twice on the same counters gives the same bits (stale counts would misroute the
-    reduction); the fused quantization gives what fp8_group_quant + the GEMM give."""
+    reduction) and the unsplit result within bf16 rounding; the fused quantization gives what
+    fp8_group_quant + the GEMM give."""
     n, k, m = 96, 512, 40
     w, ws = _weights(n, k, seed=8)
     x = _x(m, k, seed=9, dtype=torch.bfloat16)
@@ -332,7 +333,10 @@ def test_gemm_split_k_is_deterministic_and_fused_quant_is_exact():
     fused = Fp8Config("gemm", 16, 32, 4, 1, group_m=2, fuse_quant=True)
     plain = Fp8Config("gemm", 16, 32, 4, 1, group_m=2)
     assert _rel(fp8_linear(x, w, ws, config=fused), fp8_linear(x, w, ws, config=plain)) < 1e-6
-    assert _rel(a, fp8_linear(x, w, ws, config=plain)) < 1e-6
+    # split-K adds its float32 partials in another order than one program does, so a bf16
+    # output may differ in its last bit (one bf16 ulp is 2**-8 relative; the interpreter's
+    # float32 dot itself rounds differently on different CPUs); a misrouted reduction is O(1)
+    assert _rel(a, fp8_linear(x, w, ws, config=plain)) < 2**-8
 
 
 def test_gemm_split_k_refuses_more_tiles_than_counters():
