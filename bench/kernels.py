@@ -4,13 +4,15 @@ One command on a CUDA GPU (the lent H200) checks every kernel against the torch 
 optionally sweeps tile configurations and split counts, and prints one table per section:
 
     python3 bench/kernels.py [--quick] [--sweep] [--only {all,prefill,decode,mixed}] [--out DIR]
+                             [--block-size N]
 
 * prefill TFLOP/s (causal and non-causal; Hq=16, Hkv=8, D=128, bf16; (batch, S) in (16, 1024),
-  (4, 4096), (1, 16384)) for the paged kernel (block size 16, random block table), next to
+  (4, 4096), (1, 16384)) for the paged kernel (``--block-size`` tokens per page, default the
+  engine's 128 on CUDA; random block table), next to
   ``torch.nn.functional.scaled_dot_product_attention`` on the same keys/values gathered into
   contiguous tensors (``enable_gqa=True``); FLOPs = 4 * B * S^2 * Hq * D, halved when causal;
 * decode effective bandwidth (bytes of K and V read / time) at (batch, context) in (1, 4096),
-  (64, 4096), (256, 1024), (32, 16384), block size 16, next to dense SDPA decode on contiguous
+  (64, 4096), (256, 1024), (32, 16384), the same pages, next to dense SDPA decode on contiguous
   KV; timed as CUDA-graph replays cycling over enough copies of the inputs to exceed the L2;
 * mixed steps (``--only mixed``): one layer's attention of decode rows plus one prompt chunk, as
   the prefill kernel for every row against the split-KV decode kernel on the decode rows
@@ -45,6 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch.nn.functional as F
 import triton
 
+from engine.core.config import DEFAULT_CUDA_BLOCK_SIZE
 from kernels.decode_attention import (
     choose_num_splits,
     decode_attention,
@@ -191,7 +194,7 @@ def check_correctness(device, g) -> list[tuple[str, float, float]]:
 
 
 # ----------------------------------------------------------------------------- prefill
-def prefill_inputs(batch, s, device, g, block_size=16):
+def prefill_inputs(batch, s, device, g, block_size):
     lens = [s] * batch
     kc, vc, bt = paged_kv(lens, block_size, torch.bfloat16, device, g)
     q = torch.randn(batch * s, HQ, D, device=device, dtype=torch.bfloat16, generator=g)
@@ -287,11 +290,11 @@ PREFILL_CONFIGS = [
 ]
 
 
-def sweep_prefill(device, g, quick):
+def sweep_prefill(device, g, quick, block_size):
     """Best paged-kernel config per causal mode at (4, 4096); returns
     {("paged", causal): config}."""
     b, s = (1, 256) if quick else (4, 4096)
-    inp = prefill_inputs(b, s, device, g)
+    inp = prefill_inputs(b, s, device, g, block_size)
     best = {}
     for causal in (True, False):
         flops = 4 * b * s * s * HQ * D * (0.5 if causal else 1.0)
@@ -312,11 +315,11 @@ def sweep_prefill(device, g, quick):
     return best
 
 
-def run_prefill(device, g, quick, best):
+def run_prefill(device, g, quick, best, block_size):
     shapes = [(2, 128), (1, 256)] if quick else [(16, 1024), (4, 4096), (1, 16384)]
     rows = []
     for b, s in shapes:
-        inp = prefill_inputs(b, s, device, g)
+        inp = prefill_inputs(b, s, device, g, block_size)
         for causal in (True, False):
             paged, sdpa = prefill_fns(inp, causal, best.get(("paged", causal)))
             flops = 4 * b * s * s * HQ * D * (0.5 if causal else 1.0)
@@ -346,7 +349,7 @@ DECODE_CONFIGS = [
 ]
 
 
-def decode_setup(b, ctx, device, g, block_size=16, min_bytes=256 << 20):
+def decode_setup(b, ctx, device, g, block_size, min_bytes=256 << 20):
     kv_bytes = 2 * b * ctx * HKV * D * 2
     copies = max(1, min(32, triton.cdiv(min_bytes, kv_bytes))) if torch.cuda.is_available() else 1
     sets = []
@@ -398,13 +401,13 @@ def dense_decode_sets(sets, ctx):
     return dsets
 
 
-def sweep_decode(device, g, quick, num_sms):
+def sweep_decode(device, g, quick, num_sms, block_size):
     """Best stage-1 config over (64, 4096) unsplit and (1, 4096) split; returns the config."""
     shapes = [(2, 256)] if quick else [(64, 4096), (1, 4096)]
     scores = {}
     configs = DECODE_CONFIGS[:2] if quick else DECODE_CONFIGS
     for b, ctx in shapes:
-        sets, kv_bytes = decode_setup(b, ctx, device, g)
+        sets, kv_bytes = decode_setup(b, ctx, device, g, block_size)
         ns = choose_num_splits(b, HKV, ctx, num_sms)
         for i, cfg in enumerate(configs):
             try:
@@ -421,11 +424,11 @@ def sweep_decode(device, g, quick, num_sms):
     return configs[best]
 
 
-def run_decode(device, g, quick, num_sms, cfg, sweep_splits):
+def run_decode(device, g, quick, num_sms, cfg, sweep_splits, block_size):
     shapes = [(1, 256), (4, 100)] if quick else [(1, 4096), (64, 4096), (256, 1024), (32, 16384)]
     rows = []
     for b, ctx in shapes:
-        sets, kv_bytes = decode_setup(b, ctx, device, g)
+        sets, kv_bytes = decode_setup(b, ctx, device, g, block_size)
         # correctness of this exact shape against the fp32 reference (first copy)
         st = sets[0]
         ref = torch.empty(st["q"].shape, device=device)
@@ -499,7 +502,7 @@ MIXED_SHAPES = [
 MIXED_SHAPES_QUICK = [(3, 40, 40), (0, 40, 24)]
 
 
-def mixed_setup(n_dec, ctx, chunk, device, g, block_size=16, min_bytes=256 << 20):
+def mixed_setup(n_dec, ctx, chunk, device, g, block_size, min_bytes=256 << 20):
     """Copies of one mixed step's attention inputs (enough to exceed the L2 on a GPU)."""
     lens, q_lens = [ctx + 1] * n_dec + [chunk], [1] * n_dec + [chunk]
     kv_bytes = 2 * sum(lens) * HKV * D * 2
@@ -544,11 +547,11 @@ def mixed_fns(sets, num_splits):
     return old, new
 
 
-def run_mixed(device, g, quick, num_sms):
+def run_mixed(device, g, quick, num_sms, block_size):
     """One layer's attention of a mixed step, timed both ways (CUDA-graph replays on a GPU)."""
     rows = []
     for n_dec, ctx, chunk in MIXED_SHAPES_QUICK if quick else MIXED_SHAPES:
-        sets, max_len = mixed_setup(n_dec, ctx, chunk, device, g)
+        sets, max_len = mixed_setup(n_dec, ctx, chunk, device, g, block_size)
         ns = choose_num_splits(n_dec + 1, HKV, max_len, num_sms)
         old, new = mixed_fns(sets, ns)
         st = sets[0]
@@ -582,11 +585,11 @@ def run_mixed(device, g, quick, num_sms):
 
 
 # ----------------------------------------------------------------------------- memory
-def run_memory(device, g, quick, best):
+def run_memory(device, g, quick, best, block_size):
     shapes = [256, 512] if quick else [1024, 4096, 16384, 65536]
     rows = []
     for s in shapes:
-        inp = prefill_inputs(1, s, device, g)
+        inp = prefill_inputs(1, s, device, g, block_size)
         del inp["kd"], inp["vd"]
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -632,6 +635,15 @@ def main() -> int:
     )
     ap.add_argument("--out", default=None, help="directory for bench.json and bench.log")
     ap.add_argument(
+        "--block-size",
+        type=int,
+        default=DEFAULT_CUDA_BLOCK_SIZE,
+        help=(
+            "tokens per KV page of the timed paged caches (default: the engine's on CUDA, "
+            f"{DEFAULT_CUDA_BLOCK_SIZE}; the tables before 2026-12-05 used 16)"
+        ),
+    )
+    ap.add_argument(
         "--only",
         choices=["all", "prefill", "decode", "mixed"],
         default="all",
@@ -649,9 +661,17 @@ def main() -> int:
         num_sms, gpu = props.multi_processor_count, props.name
     else:
         num_sms, gpu = 4, "cpu (TRITON_INTERPRET=1)"
-    log(f"# {gpu}, {num_sms} SMs; torch {torch.__version__}, triton {triton.__version__}")
+    log(
+        f"# {gpu}, {num_sms} SMs; torch {torch.__version__}, triton {triton.__version__}; "
+        f"KV pages of {args.block_size} tokens"
+    )
     t0 = time.time()
-    result: dict = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__}
+    result: dict = {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "block_size": args.block_size,
+    }
     failed = False
 
     log("## correctness (rel err vs fp32 torch reference, NaN-poisoned outputs)")
@@ -666,11 +686,11 @@ def main() -> int:
     if args.sweep:
         log(f"## sweep ({time.time() - t0:.0f}s)")
         try:
-            best = sweep_prefill(device, g, args.quick)
+            best = sweep_prefill(device, g, args.quick, args.block_size)
         except Exception:
             log(traceback.format_exc())
         try:
-            dcfg = sweep_decode(device, g, args.quick, num_sms)
+            dcfg = sweep_decode(device, g, args.quick, num_sms, args.block_size)
         except Exception:
             log(traceback.format_exc())
     default_p = {"paged": prefill_config(D, torch.bfloat16, device, True)}
@@ -683,16 +703,16 @@ def main() -> int:
     pre, dec, mix, mem = [], [], [], []
     if args.only in ("all", "prefill"):
         log(f"## prefill ({time.time() - t0:.0f}s)")
-        pre = run_prefill(device, g, args.quick, best)
+        pre = run_prefill(device, g, args.quick, best, args.block_size)
     if args.only in ("all", "decode"):
         log(f"## decode ({time.time() - t0:.0f}s)")
-        dec = run_decode(device, g, args.quick, num_sms, dcfg, args.sweep)
+        dec = run_decode(device, g, args.quick, num_sms, dcfg, args.sweep, args.block_size)
     if args.only in ("all", "mixed"):
         log(f"## mixed steps ({time.time() - t0:.0f}s)")
-        mix = run_mixed(device, g, args.quick, num_sms)
+        mix = run_mixed(device, g, args.quick, num_sms, args.block_size)
     if args.only == "all":
         log(f"## memory ({time.time() - t0:.0f}s)")
-        mem = run_memory(device, g, args.quick, best)
+        mem = run_memory(device, g, args.quick, best, args.block_size)
     result.update(prefill=pre, decode=dec, mixed=mix, memory=mem)
 
     for r in pre + dec:
@@ -704,7 +724,7 @@ def main() -> int:
     lines = []
     lines.append(
         f"Kernels bench: {gpu}, torch {torch.__version__}, triton {triton.__version__}, bf16, "
-        f"Hq={HQ} Hkv={HKV} D={D}"
+        f"Hq={HQ} Hkv={HKV} D={D}, KV pages of {args.block_size} tokens"
     )
     lines.append("")
     lines.append(
@@ -721,7 +741,7 @@ def main() -> int:
         )
     lines.append("")
     lines.append(
-        "| decode (block 16, CUDA graph) | B | context | splits | Triton paged TB/s | us "
+        "| decode (CUDA graph) | B | context | splits | Triton paged TB/s | us "
         "| SDPA dense TB/s | us | ratio | "
         "eager TB/s Triton / SDPA | rel err Triton / SDPA |"
     )

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # The runs docs/benchmarks.md lists as pending (issues 18, 19, 20), against the previous main.
 # Usage (on the GPU): OLD=.basetree bash bench/pending_ab.sh [stages...]
-#   (default "tests check fp8 ab", ~9 minutes; "lc" alone fills a second call)
-#   tests: the GPU kernel tests (real Triton; the cuBLASLt FP8 path's correctness test on sm_90)
-#   check: bench/engine_check.py, engine correctness against torch attention run eagerly
-#   fp8:   bench/fp8_sweep.py --write-table, the FP8 tiles with the cuBLASLt block-scaled kind
-#          timed too (the table comes back in $OUT; commit it if the run is good)
-#   ab:    bench/ab_trees.py, offline, batch-1 TTFT/TPOT (engine only), serving at c=1/64
-#   lc:    bench/long_context.py, this tree, default and the 256-token cap (chunks now split)
-#   fp8ab: bench/fp8.py --stages kernels engine in $OLD, then here (after "fp8" wrote the table)
+#   (default "tests dense decode ab", ~9 minutes; "lc" alone fills a second call)
+#   tests:  the GPU kernel tests (real Triton; the cuBLASLt FP8 path's correctness test on sm_90,
+#           the strided-cache KV_TMA refusal, the cuDNN lone-prompt path)
+#   check:  bench/engine_check.py, engine correctness against torch attention run eagerly
+#   dense:  bench/dense_prefill.py --engine (cuDNN on and off for one long prompt) and the
+#           start-up line of the server (the whole-prompt range measured after the graphs)
+#   decode: bench/kernels.py --only decode with the engine's 128-token pages, then 16
+#   fp8:    bench/fp8_sweep.py --write-table, the FP8 tiles with the cuBLASLt block-scaled kind
+#           timed too (the table comes back in $OUT; commit it if the run is good)
+#   ab:     bench/ab_trees.py, offline, batch-1 TTFT/TPOT (engine only), serving at c=64/256
+#   lc:     bench/long_context.py, $OLD and this tree, 1k / 8k / 32k prompts at c=1 and 8
+#   fp8ab:  bench/fp8.py --stages kernels engine in $OLD, then here (after "fp8" wrote the table)
 # Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD.
 set -u
 OLD=${OLD:-.basetree}
@@ -16,25 +20,36 @@ source "$(dirname "$0")/gpu_env.sh"
 T0=$SECONDS
 stamp() { echo "== $1 at $((SECONDS - T0)) s"; }
 left() { local l=$(( ${BUDGET_S:-575} - (SECONDS - T0) )); echo $(( l < $1 ? l : $1 )); }
-for stage in ${@:-tests check fp8 ab}; do
+for stage in ${@:-tests dense decode ab}; do
   case $stage in
     tests) TRITON_INTERPRET=0 timeout "$(left 120)" python3 -m pytest -q -p no:cacheprovider \
              tests/kernels/test_fp8_gemm.py tests/kernels/test_fp8_configs.py \
-             tests/kernels/test_prefill_split.py \
-             tests/kernels/test_triton_backend.py 2>&1 | tail -6 | tee "$OUT/gpu_tests.txt" ;;
+             tests/kernels/test_prefill_split.py tests/kernels/test_prefill_kv_tma.py \
+             tests/kernels/test_triton_backend.py tests/unit/test_dense_prefill.py 2>&1 \
+             | tail -6 | tee "$OUT/gpu_tests.txt" ;;
+    dense) timeout "$(left 150)" python3 bench/dense_prefill.py --engine $CKPT 2>&1 | grep -v Warning \
+             > "$OUT/dense.txt"; tail -12 "$OUT/dense.txt"
+           (timeout "$(left 120)" python3 -m server --model $CKPT --port 8011 --log-level info \
+             > "$OUT/startup.log" 2>&1 &)
+           for _ in $(seq 110); do grep -q "whole prompts\|no whole-prompt" "$OUT/startup.log" && break; sleep 1; done
+           grep -i "whole.prompt\|cudnn\|ready" "$OUT/startup.log" | tail -4
+           pkill -f "server --model $CKPT --port 8011"; sleep 3 ;;
+    decode) for bs in 128 16; do
+             timeout "$(left 120)" python3 bench/kernels.py --only decode --block-size $bs \
+               --out "$OUT/decode_$bs" 2>&1 | grep -v Warning | grep "^| \|correctness" | tail -6
+           done ;;
     check) timeout "$(left 110)" python3 bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning \
              | tee "$OUT/check.txt" | tail -8 ;;
     fp8)   timeout "$(left 200)" python3 bench/fp8_sweep.py --out "$OUT" --write-table --budget-s 140 \
              --compile-budget-s 60 2>&1 | grep -v Warning > "$OUT/fp8_sweep.log"
            cp kernels/configs/fp8_gemm_*.json "$OUT/" 2>/dev/null
            grep "cublas\|M=4096\|summed\|wall time\| 16 | \| 1 | " "$OUT/fp8_sweep.log" | tail -24 ;;
-    ab)    timeout "$(left 260)" python3 bench/ab_trees.py --old "$OLD" --repeats 2 --serve-conc 1 64 \
+    ab)    timeout "$(left 260)" python3 bench/ab_trees.py --old "$OLD" --repeats 2 --serve-conc 64 256 \
              --out /tmp/ab 2>&1 | grep -v "Writing\|Warning" > "$OUT/ab_trees.txt"
            tail -16 "$OUT/ab_trees.txt" ;;
     lc)    timeout "$(left 560)" python3 bench/long_context.py --tokenizer-from .benchassets/tokenizer \
-             --trees . --skip-hf --out "$OUT/lc" --variants "default=" \
-             "budgets=--prefill-only-token-budget 8192 --max-prefill-tokens-with-decodes 256" 2>&1 \
-             | grep -v "Warn\|Writing" > "$OUT/lc.log"; grep "^|" "$OUT/lc.log" | tail -14 ;;
+             --trees "$OLD" . --skip-hf --out "$OUT/lc" --variants "default=--log-level info" 2>&1 \
+             | grep -v "Warn\|Writing" > "$OUT/lc.log"; grep "^|" "$OUT/lc.log" | tail -16 ;;
     fp8ab) for tree in "$OLD" .; do
              name=$([ "$tree" = . ] && echo new || echo old)
              (cd "$tree" && timeout "$(left 150)" python3 bench/fp8.py --out "$OUT/fp8_$name" \
@@ -42,7 +57,7 @@ for stage in ${@:-tests check fp8 ab}; do
                | grep -v "Warning\|Writing" > "$OUT/fp8_$name.log")
              echo "-- fp8.py in $name ($tree)"; grep "^|\|summed" "$OUT/fp8_$name.log" | tail -32
            done ;;
-    *)     echo "unknown stage $stage (tests check fp8 ab lc fp8ab)"; exit 2 ;;
+    *)     echo "unknown stage $stage (tests check dense decode fp8 ab lc fp8ab)"; exit 2 ;;
   esac
   stamp "$stage"
 done
