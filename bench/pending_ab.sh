@@ -7,7 +7,8 @@
 #   check:  bench/engine_check.py, engine correctness against torch attention run eagerly
 #   dense:  bench/dense_prefill.py --engine (cuDNN on and off for one long prompt) and the
 #           start-up line of the server (the whole-prompt range measured after the graphs)
-#   decode: bench/kernels.py --only decode with the engine's 128-token pages, then 16
+#   decode: bench/kernels.py --only decode with the engine's 128-token pages, then 16, then
+#           with the fused split merge; bench/decode_profile.py at batch 1 and 64, merge off/on
 #   fp8:    bench/fp8_sweep.py --write-table, the FP8 tiles with the cuBLASLt block-scaled kind
 #           timed too (the table comes back in $OUT; commit it if the run is good)
 #   ab:     bench/ab_trees.py, offline, batch-1 TTFT/TPOT (engine only), serving at c=64/256
@@ -37,6 +38,14 @@ for stage in ${@:-tests dense decode ab}; do
     decode) for bs in 128 16; do
              timeout "$(left 120)" python3 bench/kernels.py --only decode --block-size $bs \
                --out "$OUT/decode_$bs" 2>&1 | grep -v Warning | grep "^| \|correctness" | tail -6
+           done
+           echo "-- the fused split merge (QWEN_SERVE_DECODE_FUSED_REDUCE=1), 128-token pages"
+           QWEN_SERVE_DECODE_FUSED_REDUCE=1 timeout "$(left 120)" python3 bench/kernels.py \
+             --only decode --out "$OUT/decode_fused" 2>&1 | grep -v Warning | grep "^| \|correctness" | tail -6
+           for fused in 0 1; do
+             QWEN_SERVE_DECODE_FUSED_REDUCE=$fused timeout "$(left 70)" python3 bench/decode_profile.py \
+               --tree . --ckpt $CKPT --batch 1 64 --top 6 --label "fused-merge=$fused" 2>&1 \
+               | grep -v Warning | grep -E '^\||"tpot_ms"' | cut -c1-400 | head -20
            done ;;
     check) timeout "$(left 110)" python3 bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning \
              | tee "$OUT/check.txt" | tail -8 ;;

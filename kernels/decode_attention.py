@@ -13,6 +13,18 @@ Each split writes its normalised partial output and its log-sum-exp; stage 2 mer
 with weights ``exp(lse_s - max lse)``. With one split, stage 1 writes ``out`` directly and stage 2
 is skipped.
 
+Fused merge (``FUSED_REDUCE``; off by default until measured on the GPU,
+``QWEN_SERVE_DECODE_FUSED_REDUCE=1`` or the config key turns it on): no second launch. Each
+stage-1 program writes its partial, then, after a CTA barrier, increments the arrival counter of
+its (sequence, KV head) with an acquire-release atomic at GPU scope; the program that arrives
+last merges the partials of its group's query heads and sets the counter back to zero, so every
+launch and CUDA-graph replay starts from zero (CUTLASS's serial split-K semaphore, as
+:mod:`kernels.gemv`'s split-K). The merge is stage 2's own code (:func:`_merge_splits`): each
+query head's ``[splits, D]`` partials and ``[splits]`` log-sum-exps in one vectorized load past
+L1, so the result does not depend on the arrival order. (A first version that read the splits
+one after another was slower than the second launch on the H200: docs/benchmarks.md,
+2026-12-04.)
+
 Mixed steps (``cu_seqlens_q`` given, constexpr ``VARLEN``): ``q``/``out`` are the packed
 ``[T, H_q, D]`` tensors of a step that also carries prompt chunks; each program of both stages
 reads ``cu_seqlens_q[b]``, ``cu_seqlens_q[b + 1]`` and returns at once unless sequence ``b`` has
@@ -29,6 +41,7 @@ import triton.language as tl
 
 from kernels.pdl import pdl_kwargs, pdl_wait
 from kernels.prefill_attention import _paged_attn_tile
+from kernels.switches import env_switch
 
 __all__ = [
     "decode_attention",
@@ -36,10 +49,33 @@ __all__ = [
     "choose_num_splits",
     "choose_mixed_splits",
     "decode_config",
+    "reduce_counters",
     "MIXED_FEW_SLOTS",
 ]
 
 _LOG2E = 1.4426950408889634
+#: arrival counters of the fused merge per device: one per (sequence, KV head) of a launch
+NUM_REDUCE_COUNTERS = 1 << 16
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+#: whether launches merge their splits in stage 1 unless ``config`` says
+#: (``QWEN_SERVE_DECODE_FUSED_REDUCE``, off when unset; read once, at import)
+FUSED_REDUCE_SWITCH = env_switch("QWEN_SERVE_DECODE_FUSED_REDUCE", default=False)
+
+
+def reduce_counters(device: torch.device | str) -> torch.Tensor:
+    """The device's ``[NUM_REDUCE_COUNTERS]`` int32 arrival counters of the fused merge (zeroed at
+    first use; every launch leaves them zero; launches on one stream are ordered, and a
+    programmatic dependent launch waits for its predecessor before touching them). Made outside
+    inference mode so a caller outside it may reset them (``zero_()`` after a failed launch)."""
+    device = torch.device(device)
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        with torch.inference_mode(False):
+            buf = torch.zeros(NUM_REDUCE_COUNTERS, dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 @triton.jit
@@ -48,6 +84,59 @@ def _packed_row(cu_q_ptr, seq):
     count."""
     start = tl.load(cu_q_ptr + seq)
     return start.to(tl.int64), tl.load(cu_q_ptr + seq + 1) - start
+
+
+@triton.jit
+def _merge_splits(
+    out_ptr,
+    po_ptr,
+    plse_ptr,
+    seq64,
+    row64,
+    head,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    CACHE: tl.constexpr,
+):
+    """``out[row64, head] = sum_s w_s po[seq64, head, s] / sum_s w_s`` with ``w_s = 2^(lse_s -
+    max lse)`` (0 for an empty split, ``lse = -inf``): one ``[BLOCK_S, HEAD_DIM]`` load of the
+    head's partials and one ``[BLOCK_S]`` load of its log-sum-exps. ``CACHE``: the loads' cache
+    modifier (``.cg`` where other programs of the same launch wrote the partials)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < num_splits
+    lse = tl.load(
+        plse_ptr + seq64 * stride_plb + head * stride_plh + offs_s,
+        mask=s_ok,
+        other=float("-inf"),
+        cache_modifier=CACHE,
+    )
+    m = tl.max(lse, 0)
+    w = tl.math.exp2(lse - m)
+    po = tl.load(
+        po_ptr
+        + seq64 * stride_pob
+        + head * stride_poh
+        + offs_s[:, None] * stride_pos
+        + offs_d[None, :],
+        mask=s_ok[:, None],
+        other=0.0,
+        cache_modifier=CACHE,
+    )
+    o = tl.sum(po * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(
+        out_ptr + row64 * stride_ob + head * stride_oh + offs_d * stride_od,
+        o.to(out_ptr.dtype.element_ty),
+    )
 
 
 # min_split_keys is not specialized: a new value never compiles another variant
@@ -59,6 +148,7 @@ def _decode_split_kernel(
     out_ptr,
     po_ptr,
     plse_ptr,
+    counter_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     cu_q_ptr,
@@ -95,6 +185,8 @@ def _decode_split_kernel(
     UPCAST: tl.constexpr,
     BT_PREFETCH: tl.constexpr,
     VARLEN: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr = False,
+    BLOCK_S: tl.constexpr = 16,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)  # programmatic dependent launch (kernels.pdl): q and this step's k/v are new
@@ -205,6 +297,33 @@ def _decode_split_kernel(
         )
         tl.store(po_ptrs, acc, mask=g_ok[:, None])
         tl.store(plse_ptr + seq64 * stride_plb + heads * stride_plh + split, lse, mask=g_ok)
+        if FUSED_REDUCE:
+            tl.debug_barrier()  # every thread's partial is written before the arrival below
+            count_ptr = counter_ptr + seq64 * tl.num_programs(0) + kv_head
+            arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:  # the last split of this (sequence, KV head)
+                for g in tl.static_range(NUM_GROUPS):
+                    _merge_splits(
+                        out_ptr,
+                        po_ptr,
+                        plse_ptr,
+                        seq64,
+                        row64,
+                        kv_head * NUM_GROUPS + g,
+                        num_splits,
+                        stride_ob,
+                        stride_oh,
+                        stride_od,
+                        stride_pob,
+                        stride_poh,
+                        stride_pos,
+                        stride_plb,
+                        stride_plh,
+                        HEAD_DIM,
+                        BLOCK_S,
+                        ".cg",
+                    )
+                tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
     else:
         o_ptrs = (
             out_ptr + row64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
@@ -240,27 +359,25 @@ def _decode_reduce_kernel(
         row, q_len = _packed_row(cu_q_ptr, seq)
         if q_len != 1:
             return
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_ok = offs_s < num_splits
-    lse = tl.load(
-        plse_ptr + seq * stride_plb + head * stride_plh + offs_s, mask=s_ok, other=float("-inf")
-    )
-    m = tl.max(lse, 0)
-    w = tl.math.exp2(lse - m)  # 0 for empty splits (lse = -inf)
-    po = tl.load(
-        po_ptr
-        + seq * stride_pob
-        + head * stride_poh
-        + offs_s[:, None] * stride_pos
-        + offs_d[None, :],
-        mask=s_ok[:, None],
-        other=0.0,
-    )
-    o = tl.sum(po * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(
-        out_ptr + row * stride_ob + head * stride_oh + offs_d * stride_od,
-        o.to(out_ptr.dtype.element_ty),
+    _merge_splits(
+        out_ptr,
+        po_ptr,
+        plse_ptr,
+        seq,
+        row,
+        head,
+        num_splits,
+        stride_ob,
+        stride_oh,
+        stride_od,
+        stride_pob,
+        stride_poh,
+        stride_pos,
+        stride_plb,
+        stride_plh,
+        HEAD_DIM,
+        BLOCK_S,
+        "",
     )
 
 
@@ -434,7 +551,10 @@ def decode_attention(
             partial_lse: float32 ``[B, H_q, S]`` (log2-domain log-sum-exp), last dim contiguous.
             Scratch from :func:`decode_scratch`; unused when ``num_splits == 1``.
         num_splits: host int >= 1, e.g. from :func:`choose_num_splits`; sizes the grid.
-        config: optional stage-1 tile override ``{BLOCK_N, num_warps, num_stages}`` (benchmarks).
+        config: optional stage-1 tile override ``{BLOCK_N, num_warps, num_stages}`` (benchmarks),
+            and ``FUSED_REDUCE`` (bool): the split merge in stage 1's last-arriving program
+            instead of a second launch (default: :data:`FUSED_REDUCE_SWITCH`, off). With more
+            than :data:`NUM_REDUCE_COUNTERS` (sequence, KV head) pairs the second launch runs.
         cu_seqlens_q: optional int32 ``[B + 1]`` on q's device, non-decreasing, with
             ``cu_seqlens_q[B] <= T`` (not checked: it lives on the device).
         min_split_keys: host int >= 0, fewest keys of one split (rounded up to the tile,
@@ -450,9 +570,10 @@ def decode_attention(
         ValueError: on inconsistent shapes, dtypes, devices, strides, ``num_splits < 1`` or
             ``min_split_keys < 0``.
 
-    Grid: ``(H_kv, B, num_splits)`` and ``(H_q, B)`` for the reduction, from shapes and the host
-    int ``num_splits`` only (with ``cu_seqlens_q``, skipped sequences' programs return at once),
-    so a launch can be captured in a CUDA graph at a padded ``T`` and ``B``.
+    Grid: ``(H_kv, B, num_splits)`` and, without the fused merge, ``(H_q, B)`` for the
+    reduction, from shapes and the host int ``num_splits`` only (with ``cu_seqlens_q``, skipped
+    sequences' programs return at once), so a launch can be captured in a CUDA graph at a
+    padded ``T`` and ``B``.
 
     Algorithm: Flash-Decoding (Dao et al. 2023 blog) with FlashAttention-2's online softmax;
     the query heads of one KV head form one tile so each KV block is read once.
@@ -532,6 +653,10 @@ def decode_attention(
         cfg.update(config)
     group = hq // hkv
     split = num_splits > 1
+    fused = bool(cfg.get("FUSED_REDUCE", FUSED_REDUCE_SWITCH))
+    fused = fused and split and b * hkv <= NUM_REDUCE_COUNTERS
+    counters = reduce_counters(q.device) if fused else seq_lens  # placeholder when unused
+    block_s = max(16, triton.next_power_of_2(num_splits))
     block_n = cfg["BLOCK_N"]
     min_keys = -(-min_split_keys // block_n) * block_n
     cu_q = cu_seqlens_q if varlen else seq_lens  # unused placeholder without VARLEN
@@ -543,6 +668,7 @@ def decode_attention(
         out,
         partial_out,
         partial_lse,
+        counters,
         block_tables,
         seq_lens,
         cu_q,
@@ -579,11 +705,13 @@ def decode_attention(
         UPCAST=upcast,
         BT_PREFETCH=bool(cfg.get("BT_PREFETCH", False)),
         VARLEN=varlen,
+        FUSED_REDUCE=fused,
+        BLOCK_S=block_s,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl,
     )
-    if split:
+    if split and not fused:
         _decode_reduce_kernel[(hq, b)](
             out,
             partial_out,
@@ -599,7 +727,7 @@ def decode_attention(
             partial_lse.stride(0),
             partial_lse.stride(1),
             HEAD_DIM=d,
-            BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
+            BLOCK_S=block_s,
             VARLEN=varlen,
             num_warps=4,
             **pdl,

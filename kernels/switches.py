@@ -14,11 +14,13 @@ SWITCH_NAMES = (
     "QWEN_SERVE_FUSED_NORM_GEMV",
     "QWEN_SERVE_FUSED_SWIGLU_GEMV",
     "QWEN_SERVE_DENSE_PREFILL",
+    "QWEN_SERVE_DECODE_FUSED_REDUCE",
 )
 
 
-def env_switch(name: str) -> bool:
-    """The boolean environment variable ``name`` (one of :data:`SWITCH_NAMES`), on when unset.
+def env_switch(name: str, default: bool = True) -> bool:
+    """The boolean environment variable ``name`` (one of :data:`SWITCH_NAMES`); ``default`` when
+    unset (on, except for switches of variants still to be measured).
 
     Returns:
         True for 1/true/yes/on, False for 0/false/no/off (any case, surrounding spaces ignored).
@@ -28,7 +30,7 @@ def env_switch(name: str) -> bool:
     """
     if name not in SWITCH_NAMES:
         raise ValueError(f"{name} is not a registered switch (kernels.switches.SWITCH_NAMES)")
-    value = os.environ.get(name, "1").strip().lower()
+    value = os.environ.get(name, "1" if default else "0").strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off"):

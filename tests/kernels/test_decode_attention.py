@@ -11,6 +11,7 @@ from kernels.decode_attention import (
     decode_attention,
     decode_config,
     decode_scratch,
+    reduce_counters,
 )
 from kernels.reference import decode_attention_ref
 
@@ -30,11 +31,13 @@ CASES = [
 
 @pytest.mark.parametrize("seq_lens,hq,hkv,d,block_size,dtype,num_splits", CASES)
 @pytest.mark.parametrize("min_split_keys", [0, 70], ids=["cut", "min70"])
+@pytest.mark.parametrize("fused", [False, True], ids=["reduce-launch", "fused-merge"])
 def test_decode_matches_reference(
-    device, seq_lens, hq, hkv, d, block_size, dtype, num_splits, min_split_keys
+    device, seq_lens, hq, hkv, d, block_size, dtype, num_splits, min_split_keys, fused
 ):
     """min70: splits of at least 70 keys (rounded up to the tile), so short sequences fill only
-    some splits and the others stay empty."""
+    some splits and the others stay empty. fused-merge: the last-arriving split merges (one
+    launch) and leaves every arrival counter at zero; reduce-launch: the second kernel."""
     seed = int.from_bytes(os.urandom(4), "little")
     g = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_tables = make_paged(seq_lens, hkv, d, block_size, dtype, g)
@@ -62,9 +65,11 @@ def test_decode_matches_reference(
         plse,
         num_splits,
         min_split_keys=min_split_keys,
+        config={"FUSED_REDUCE": fused},
     )
     assert res is out
     assert torch.isfinite(out).all(), f"unwritten or NaN output (seed={seed})"
+    assert int(reduce_counters(device).abs().sum()) == 0, "arrival counters left non-zero"
     if num_splits > 1 and min_split_keys:  # the splits a sequence fills: >= min keys each
         block_n = decode_config(d, dtype, torch.device(device))["BLOCK_N"]
         min_keys = -(-min_split_keys // block_n) * block_n
@@ -171,11 +176,13 @@ VARLEN_CASES = [
 
 @pytest.mark.parametrize("q_lens,ctx_lens,hq,hkv,d,block_size,dtype,num_splits,pad", VARLEN_CASES)
 @pytest.mark.parametrize("min_split_keys", [0, 64], ids=["cut", "min64"])
+@pytest.mark.parametrize("fused", [False, True], ids=["reduce-launch", "fused-merge"])
 def test_decode_varlen_computes_decode_rows_only(
-    device, q_lens, ctx_lens, hq, hkv, d, block_size, dtype, num_splits, pad, min_split_keys
+    device, q_lens, ctx_lens, hq, hkv, d, block_size, dtype, num_splits, pad, min_split_keys, fused
 ):
     """Mixed-step mode (cu_seqlens_q): the row cu_seqlens_q[b] of every sequence with one new token
-    matches decode_attention_ref; rows of other sequences and padding rows keep their sentinel."""
+    matches decode_attention_ref; rows of other sequences and padding rows keep their sentinel
+    (with the fused merge too: skipped sequences never arrive, so they never merge)."""
     seed = int.from_bytes(os.urandom(4), "little")
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
@@ -212,8 +219,10 @@ def test_decode_varlen_computes_decode_rows_only(
         num_splits,
         cu_seqlens_q=cu.to(device),
         min_split_keys=min_split_keys,
+        config={"FUSED_REDUCE": fused},
     )
     assert res is out
+    assert int(reduce_counters(device).abs().sum()) == 0, "arrival counters left non-zero"
     out = out.cpu()
     err = rel_err(out[rows], ref)
     assert err <= TOL[dtype], f"rel err {err:.2e} (seed={seed})"
@@ -222,3 +231,38 @@ def test_decode_varlen_computes_decode_rows_only(
     assert (out[untouched] == sentinel).all(), (
         f"rows of skipped sequences or padding written (seed={seed})"
     )
+
+
+def test_fused_merge_relaunches_bit_equal_and_matches_the_reduce_launch(device):
+    """Two launches of the fused merge on the same inputs (a CUDA graph's replays) give the same
+    bits, the second finding the counters the first left at zero; the reduce launch, which runs
+    the same merge code over the same partials, gives the same values."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    seq_lens, hq, hkv, d, splits = [90, 333, 5], 8, 2, 64, 5
+    k_cache, v_cache, block_tables = make_paged(seq_lens, hkv, d, 16, torch.float32, g)
+    b = len(seq_lens)
+    args = [
+        t.to(device) for t in (torch.randn(b, hq, d, generator=g), k_cache, v_cache, block_tables)
+    ]
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    outs = []
+    for fused in (True, True, False):
+        out = torch.full((b, hq, d), float("nan"), device=device)
+        po, plse = decode_scratch(b, hq, d, splits, device)
+        decode_attention(*args, sl, out, 0.125, po, plse, splits, config={"FUSED_REDUCE": fused})
+        outs.append(out.cpu())
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0], outs[2], rtol=1e-6, atol=1e-6)
+    assert int(reduce_counters(device).abs().sum()) == 0
+
+
+def test_fused_merge_is_off_by_default_and_its_switch_reads_the_environment(monkeypatch):
+    """Off until the GPU measures it faster (docs/benchmarks.md); the variable turns it on."""
+    from kernels import decode_attention as mod
+    from kernels.switches import env_switch
+
+    assert mod.FUSED_REDUCE_SWITCH is False or os.environ.get("QWEN_SERVE_DECODE_FUSED_REDUCE")
+    monkeypatch.delenv("QWEN_SERVE_DECODE_FUSED_REDUCE", raising=False)
+    assert env_switch("QWEN_SERVE_DECODE_FUSED_REDUCE", default=False) is False
+    monkeypatch.setenv("QWEN_SERVE_DECODE_FUSED_REDUCE", "1")
+    assert env_switch("QWEN_SERVE_DECODE_FUSED_REDUCE", default=False) is True
