@@ -69,7 +69,12 @@ class Completions:
         spec = await ctx.structured_output(grammar, param)
         prompts = await self._prompts(req)
         if len(prompts) * req.n > 64:
-            raise APIError(400, "at most 64 choices (prompts x n) per request", "prompt")
+            raise APIError(
+                400,
+                f"at most 64 choices (prompts x n) per request, got {len(prompts)} x {req.n}",
+                "n" if req.n > 1 else "prompt",
+                "invalid_value",
+            )
         # every prompt is checked before any is queued: a bad later prompt must not leave the
         # earlier ones started and aborted (counted in the metrics as aborts)
         checked = []

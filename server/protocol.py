@@ -18,6 +18,7 @@ from pydantic import (
     Field,
     StrictFloat,
     StrictInt,
+    ValidationError,
     field_validator,
     model_validator,
 )
@@ -105,7 +106,7 @@ class ChatMessage(_Lenient):
 
 
 class StreamOptions(_Lenient):
-    include_usage: bool = False
+    include_usage: bool = Field(False, strict=True)
 
 
 class FunctionDef(_Lenient):
@@ -125,6 +126,44 @@ class NamedToolChoice(_Lenient):
     function: NamedFunction
 
 
+def named_tool_choice(v):
+    """``tool_choice`` given as an object, validated as :class:`NamedToolChoice` (a before
+    validator: the union would otherwise report the string choices' error for any object).
+
+    Raises:
+        ValueError: naming what of the object is wrong.
+    """
+    if not isinstance(v, dict):
+        return v
+    try:
+        return NamedToolChoice.model_validate(v)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err.get("loc", ())) or "the object"
+        raise ValueError(
+            'a named tool choice is {"type": "function", "function": {"name": "..."}}; '
+            f"{where}: {err.get('msg', 'invalid')}"
+        ) from None
+
+
+def thinking_switch(v):
+    """``chat_template_kwargs``: ``enable_thinking``, where given, must be a JSON boolean (the
+    Qwen3 template tests ``enable_thinking is false``: the string "no" would turn thinking on).
+
+    Raises:
+        ValueError: for another type.
+    """
+    if (
+        isinstance(v, dict)
+        and "enable_thinking" in v
+        and not isinstance(v["enable_thinking"], bool)
+    ):
+        raise ValueError(
+            f"enable_thinking must be true or false, got {type(v['enable_thinking']).__name__}"
+        )
+    return v
+
+
 class ToolDef(_Lenient):
     type: Literal["function"] = "function"
     function: FunctionDef
@@ -136,7 +175,7 @@ class JsonSchemaFormat(_Lenient):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: bool | None = Field(None, strict=True)
 
 
 class ResponseFormat(_Lenient):
@@ -153,7 +192,7 @@ class StructuredOutputsParams(_Lenient):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    json_object: bool | None = None
+    json_object: bool | None = Field(None, strict=True)
 
 
 class SamplingFields(_Lenient):
@@ -257,6 +296,9 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's chat echo (prepend the last message): rejected when true
     echo: bool = Field(False, strict=True)
 
+    _tool_choice = field_validator("tool_choice", mode="before")(named_tool_choice)
+    _template_kwargs = field_validator("chat_template_kwargs")(thinking_switch)
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
@@ -278,8 +320,8 @@ class TokenizeCompletionRequest(_Lenient):
 
     model: str | None = None
     prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
+    add_special_tokens: bool = Field(True, strict=True)
+    return_token_strs: bool = Field(False, strict=True)
 
 
 class TokenizeChatRequest(_Lenient):
@@ -289,12 +331,14 @@ class TokenizeChatRequest(_Lenient):
     model: str | None = None
     messages: list[ChatMessage] = Field(..., min_length=1)
     add_generation_prompt: bool = Field(True, strict=True)
-    continue_final_message: bool = False  # not supported: rejected when true
-    add_special_tokens: bool = False
-    return_token_strs: bool = False
+    continue_final_message: bool = Field(False, strict=True)  # not supported: rejected when true
+    add_special_tokens: bool = Field(False, strict=True)
+    return_token_strs: bool = Field(False, strict=True)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDef] | None = None
     tool_choice: str | dict[str, Any] | None = None
+
+    _template_kwargs = field_validator("chat_template_kwargs")(thinking_switch)
 
 
 class DetokenizeRequest(_Lenient):

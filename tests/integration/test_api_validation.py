@@ -34,6 +34,7 @@ EXTRA_FIELDS = {
     "echo",
     "include_stop_str_in_output",
     "chat_template_kwargs",
+    "structured_outputs",
 }
 
 
@@ -188,6 +189,36 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [[5, True]]}, "prompt"),
     ("chat", {"stop_token_ids": [True]}, "stop_token_ids.0"),
     ("completions", {"logit_bias": {"5": True}}, "logit_bias.5"),
+    # nested yes/no options too
+    (
+        "chat",
+        {"stream": True, "stream_options": {"include_usage": "no"}},
+        "stream_options.include_usage",
+    ),
+    (
+        "chat",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": "yes"},
+            }
+        },
+        "response_format.json_schema.strict",
+    ),
+    ("chat", {"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object"),
+    # the Qwen3 template would read the string "no" as thinking on
+    ("chat", {"chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs"),
+    # a named tool choice without its function
+    (
+        "chat",
+        {
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function"},
+        },
+        "tool_choice",
+    ),
+    # more than 64 choices: n names it when n > 1
+    ("completions", {"prompt": ["a"] * 5, "n": 16}, "n"),
     # a tool result must name the call it answers (OpenAI answers 400)
     (
         "chat",
@@ -582,3 +613,18 @@ def test_a_taken_port_fails_start_up_before_the_model_loads(server):
     assert "Traceback" not in r.stderr and "engine ready" not in r.stderr, r.stderr[-2000:]
     assert time.monotonic() - t < 60
     assert httpx.get(server.base_url + "/health", timeout=30).status_code == 200
+
+
+def test_named_tool_choice_error_says_what_the_object_lacks(client):
+    """An object ``tool_choice`` is checked as a named choice, not reported as a bad string."""
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for choice, lacking in (
+        ({"type": "function"}, "function"),
+        ({"type": "function", "function": {}}, "function.name"),
+        ({"type": "tool", "function": {"name": "f"}}, "type"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            send(client, "chat", {"tools": tools, "tool_choice": choice})
+        err = e.value.body
+        assert err["param"] == "tool_choice"
+        assert "a named tool choice is" in err["message"] and f"{lacking}:" in err["message"], err
