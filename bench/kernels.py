@@ -8,7 +8,7 @@ optionally sweeps tile configurations and split counts, and prints one table per
 
 * prefill TFLOP/s (causal and non-causal; Hq=16, Hkv=8, D=128, bf16; (batch, S) in (16, 1024),
   (4, 4096), (1, 16384)) for the paged kernel (``--block-size`` tokens per page, default the
-  engine's 128 on CUDA; random block table), next to
+  engine's: 128 on CUDA; random block table), next to
   ``torch.nn.functional.scaled_dot_product_attention`` on the same keys/values gathered into
   contiguous tensors (``enable_gqa=True``); FLOPs = 4 * B * S^2 * Hq * D, halved when causal;
 * decode effective bandwidth (bytes of K and V read / time) at (batch, context) in (1, 4096),
@@ -637,10 +637,11 @@ def main() -> int:
     ap.add_argument(
         "--block-size",
         type=int,
-        default=DEFAULT_CUDA_BLOCK_SIZE,
+        default=None,
         help=(
-            "tokens per KV page of the timed paged caches (default: the engine's on CUDA, "
-            f"{DEFAULT_CUDA_BLOCK_SIZE}; the tables before 2026-12-05 used 16)"
+            "tokens per KV page of the timed paged caches (default: the engine's, "
+            f"{DEFAULT_CUDA_BLOCK_SIZE} on CUDA and 16 on the CPU; the GPU tables before "
+            "2026-12-05 used 16)"
         ),
     )
     ap.add_argument(
@@ -655,6 +656,8 @@ def main() -> int:
     args = ap.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.block_size is None:
+        args.block_size = DEFAULT_CUDA_BLOCK_SIZE if device.type == "cuda" else 16
     g = torch.Generator(device=device).manual_seed(int.from_bytes(os.urandom(4), "little"))
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

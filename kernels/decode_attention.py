@@ -68,10 +68,19 @@ def reduce_counters(device: torch.device | str) -> torch.Tensor:
     """The device's ``[NUM_REDUCE_COUNTERS]`` int32 arrival counters of the fused merge (zeroed at
     first use; every launch leaves them zero; launches on one stream are ordered, and a
     programmatic dependent launch waits for its predecessor before touching them). Made outside
-    inference mode so a caller outside it may reset them (``zero_()`` after a failed launch)."""
+    inference mode so a caller outside it may reset them (``zero_()`` after a failed launch).
+
+    Raises:
+        RuntimeError: asked for the first time while a CUDA graph is being captured (the zeroing
+            would only be recorded; run the launch eagerly first, as the engine's warm-up does).
+    """
     device = torch.device(device)
     buf = _COUNTERS.get(device)
     if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "decode_attention: the fused merge's counters must be made before graph capture"
+            )
         with torch.inference_mode(False):
             buf = torch.zeros(NUM_REDUCE_COUNTERS, dtype=torch.int32, device=device)
         _COUNTERS[device] = buf

@@ -181,10 +181,17 @@ def gemv_counters(device: torch.device) -> torch.Tensor:
     """The device's ``[NUM_COUNTERS]`` int32 arrival counters (zeroed at first use; every
     launch leaves them zero). Kernels on one stream share them: launches are ordered. Made
     outside inference mode even when first asked for inside it (an engine forward), so that a
-    caller outside it may still reset them in place (``zero_()`` after a failed launch)."""
+    caller outside it may still reset them in place (``zero_()`` after a failed launch).
+
+    Raises:
+        RuntimeError: asked for the first time while a CUDA graph is being captured (the zeroing
+            would only be recorded; run the launch eagerly first, as the engine's warm-up does).
+    """
     device = torch.device(device)
     buf = _COUNTERS.get(device)
     if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("gemv: the split-K counters must be made before graph capture")
         with torch.inference_mode(False):
             buf = torch.zeros(NUM_COUNTERS, dtype=torch.int32, device=device)
         _COUNTERS[device] = buf

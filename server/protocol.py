@@ -147,20 +147,16 @@ def named_tool_choice(v):
 
 
 def thinking_switch(v):
-    """``chat_template_kwargs``: ``enable_thinking``, where given, must be a JSON boolean (the
-    Qwen3 template tests ``enable_thinking is false``: the string "no" would turn thinking on).
+    """``chat_template_kwargs``: ``enable_thinking``, where given and not null, must be a JSON
+    boolean (the Qwen3 template tests ``enable_thinking is false``: the string "no" would turn
+    thinking on; null means unset, as for the template).
 
     Raises:
         ValueError: for another type.
     """
-    if (
-        isinstance(v, dict)
-        and "enable_thinking" in v
-        and not isinstance(v["enable_thinking"], bool)
-    ):
-        raise ValueError(
-            f"enable_thinking must be true or false, got {type(v['enable_thinking']).__name__}"
-        )
+    flag = v.get("enable_thinking") if isinstance(v, dict) else None
+    if flag is not None and not isinstance(flag, bool):
+        raise ValueError(f"enable_thinking must be true or false, got {type(flag).__name__}")
     return v
 
 
@@ -336,8 +332,9 @@ class TokenizeChatRequest(_Lenient):
     return_token_strs: bool = Field(False, strict=True)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDef] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
+    _tool_choice = field_validator("tool_choice", mode="before")(named_tool_choice)
     _template_kwargs = field_validator("chat_template_kwargs")(thinking_switch)
 
 

@@ -87,6 +87,22 @@ def test_tokenize_messages_counts_what_chat_completions_feeds_the_model(
     assert body["tokens"][: no_prompt["count"]] == no_prompt["tokens"]
 
 
+def test_tokenize_enable_thinking_null_is_unset_and_false_differs(server):
+    """``enable_thinking: null`` renders as if absent; ``false`` renders the empty think block."""
+    ids = {}
+    for label, kwargs in (("absent", None), ("null", {"enable_thinking": None})):
+        body = {"messages": MESSAGES, **({"chat_template_kwargs": kwargs} if kwargs else {})}
+        r = _post(server, "/tokenize", body)
+        assert r.status_code == 200, r.text
+        ids[label] = r.json()["tokens"]
+    off = _post(
+        server,
+        "/tokenize",
+        {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}},
+    ).json()["tokens"]
+    assert ids["null"] == ids["absent"] != off
+
+
 def test_detokenize_round_trip(server, hf_tok):
     ids = hf_tok("Hello <|im_end|> wörld 😀")["input_ids"]
     r = _post(server, "/detokenize", {"model": MODEL, "tokens": ids})
@@ -110,6 +126,13 @@ def test_detokenize_round_trip(server, hf_tok):
             "continue_final_message",
         ),
         ("/tokenize", "not an object", 400, None),
+        ("/tokenize", {"messages": MESSAGES, "tool_choice": "bogus"}, 400, "tool_choice"),
+        (
+            "/tokenize",
+            {"messages": MESSAGES, "tool_choice": {"type": "function"}},
+            400,
+            "tool_choice",
+        ),
         ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
         ("/tokenize", {"prompt": "x", "return_token_strs": 1}, 400, "return_token_strs"),
         (

@@ -266,3 +266,17 @@ def test_fused_merge_is_off_by_default_and_its_switch_reads_the_environment(monk
     assert env_switch("QWEN_SERVE_DECODE_FUSED_REDUCE", default=False) is False
     monkeypatch.setenv("QWEN_SERVE_DECODE_FUSED_REDUCE", "1")
     assert env_switch("QWEN_SERVE_DECODE_FUSED_REDUCE", default=False) is True
+
+
+def test_counters_are_not_first_made_inside_graph_capture(monkeypatch):
+    """Made during a capture, their zeroing would only be recorded: refused, naming why."""
+    from kernels import decode_attention as mod
+    from kernels.gemv import gemv_counters
+
+    device = torch.device("cuda", 7)  # never made here: no such tensor is created
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="before graph capture"):
+        reduce_counters(device)
+    with pytest.raises(RuntimeError, match="before graph capture"):
+        gemv_counters(device)
+    assert device not in mod._COUNTERS
