@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.arrival_counters import arrival_counters
 from kernels.pdl import pdl_kwargs, pdl_wait
 from kernels.prefill_attention import _paged_attn_tile
 from kernels.switches import env_switch
@@ -56,7 +57,6 @@ __all__ = [
 _LOG2E = 1.4426950408889634
 #: arrival counters of the fused merge per device: one per (sequence, KV head) of a launch
 NUM_REDUCE_COUNTERS = 1 << 16
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 #: whether launches merge their splits in stage 1 unless ``config`` says
@@ -65,26 +65,15 @@ FUSED_REDUCE_SWITCH = env_switch("QWEN_SERVE_DECODE_FUSED_REDUCE", default=False
 
 
 def reduce_counters(device: torch.device | str) -> torch.Tensor:
-    """The device's ``[NUM_REDUCE_COUNTERS]`` int32 arrival counters of the fused merge (zeroed at
-    first use; every launch leaves them zero; launches on one stream are ordered, and a
-    programmatic dependent launch waits for its predecessor before touching them). Made outside
-    inference mode so a caller outside it may reset them (``zero_()`` after a failed launch).
+    """The device's ``[NUM_REDUCE_COUNTERS]`` int32 arrival counters of the fused merge
+    (:func:`kernels.arrival_counters.arrival_counters`, family "decode_attention"; every launch
+    leaves them zero, and a programmatic dependent launch waits for its predecessor before
+    touching them).
 
     Raises:
-        RuntimeError: asked for the first time while a CUDA graph is being captured (the zeroing
-            would only be recorded; run the launch eagerly first, as the engine's warm-up does).
+        RuntimeError: asked for the first time during CUDA-graph capture.
     """
-    device = torch.device(device)
-    buf = _COUNTERS.get(device)
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "decode_attention: the fused merge's counters must be made before graph capture"
-            )
-        with torch.inference_mode(False):
-            buf = torch.zeros(NUM_REDUCE_COUNTERS, dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
+    return arrival_counters("decode_attention", NUM_REDUCE_COUNTERS, device)
 
 
 @triton.jit

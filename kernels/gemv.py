@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.arrival_counters import arrival_counters
 from kernels.configs import device_name, kernel_table
 from kernels.interpreter import interpreting as _interpreting
 from kernels.pdl import launch_options, pdl_enabled, pdl_wait, prefetch_l2
@@ -174,28 +175,15 @@ def _gemv_epilogue(
             tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
 def gemv_counters(device: torch.device) -> torch.Tensor:
-    """The device's ``[NUM_COUNTERS]`` int32 arrival counters (zeroed at first use; every
-    launch leaves them zero). Kernels on one stream share them: launches are ordered. Made
-    outside inference mode even when first asked for inside it (an engine forward), so that a
-    caller outside it may still reset them in place (``zero_()`` after a failed launch).
+    """The device's ``[NUM_COUNTERS]`` int32 split-K arrival counters
+    (:func:`kernels.arrival_counters.arrival_counters`, family "gemv"; every launch leaves them
+    zero; the GEMV and FP8 kernels on one stream share them).
 
     Raises:
-        RuntimeError: asked for the first time while a CUDA graph is being captured (the zeroing
-            would only be recorded; run the launch eagerly first, as the engine's warm-up does).
+        RuntimeError: asked for the first time during CUDA-graph capture.
     """
-    device = torch.device(device)
-    buf = _COUNTERS.get(device)
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("gemv: the split-K counters must be made before graph capture")
-        with torch.inference_mode(False):
-            buf = torch.zeros(NUM_COUNTERS, dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
+    return arrival_counters("gemv", NUM_COUNTERS, device)
 
 
 def triton_runs_on(device: torch.device) -> bool:
