@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.outputs import PromptLogprob
+from engine.worker.staging import copy_to_host_async
 
 #: logits computed at once (rows x vocab): 32 Mi floats, 128 MiB in float32
 SLICE_ELEMENTS = 1 << 25
@@ -81,17 +82,8 @@ class DevicePromptLogprobs:
         tensors = (self.chosen, self.ranks, self.top_logprobs, self.top_ids)
         if self.chosen.device.type != "cuda":
             return PendingPromptLogprobs(tensors, None)
-        host = []
-        for t in tensors:
-            if t is None:
-                host.append(None)
-                continue
-            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            h.copy_(t, non_blocking=True)
-            host.append(h)
-        event = torch.cuda.Event()
-        event.record()
-        return PendingPromptLogprobs(tuple(host), event)
+        host, event = copy_to_host_async(tensors)
+        return PendingPromptLogprobs(host, event)
 
 
 def score_prompt_rows(

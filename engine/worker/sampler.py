@@ -39,7 +39,7 @@ import torch
 from engine.core.outputs import SampleOutput
 from engine.core.request import Request
 from engine.worker.sampling_metadata import SamplingMetadata, SeedStream
-from engine.worker.staging import HostStaging
+from engine.worker.staging import HostStaging, copy_to_host_async
 
 _MASK64 = (1 << 64) - 1
 _U_MIN = 2.0**-24  # Gumbel noise from u in [2^-24, 1 - 2^-24]: finite logs
@@ -110,16 +110,7 @@ class DeviceSamples:
         tensors = (self.token_ids, self.chosen_logprobs, self.top_logprobs, self.top_ids)
         if self.token_ids.device.type != "cuda":
             return PendingSamples(*tensors[:1], self.logprob_k, *tensors[1:], None)
-        host = []
-        for t in tensors:
-            if t is None:
-                host.append(None)
-                continue
-            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            h.copy_(t, non_blocking=True)
-            host.append(h)
-        event = torch.cuda.Event()
-        event.record()
+        host, event = copy_to_host_async(tensors)
         return PendingSamples(host[0], self.logprob_k, host[1], host[2], host[3], event)
 
 

@@ -1,4 +1,5 @@
-"""The worker's one host-to-device path: step arrays copied through reused pinned buffers.
+"""The worker's host <-> device copies: step arrays copied through reused pinned buffers, and
+(:func:`copy_to_host_async`) step results copied back without waiting.
 
 A copy from pageable memory makes the host wait for the device; a copy from pinned memory with
 ``non_blocking=True`` only queues it. The pinned buffer may not be refilled before the copy that
@@ -164,3 +165,28 @@ def pack_offsets(sizes: list[int], itemsize: int) -> tuple[list[int], int]:
         offsets.append(pos)
         pos += -(-n // step) * step
     return offsets, max(pos, 1)
+
+
+def copy_to_host_async(
+    tensors: tuple[torch.Tensor | None, ...],
+) -> tuple[tuple[torch.Tensor | None, ...], torch.cuda.Event]:
+    """Queue non-blocking copies of CUDA ``tensors`` into fresh pinned host tensors, and a CUDA
+    event recorded after them on the current stream (wait on it before reading the copies).
+
+    Args:
+        tensors: CUDA tensors of any shape and dtype; None entries stay None.
+
+    Returns:
+        ``(host tensors in the same order, the event)``. Raises nothing of its own.
+    """
+    host: list[torch.Tensor | None] = []
+    for t in tensors:
+        if t is None:
+            host.append(None)
+            continue
+        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        h.copy_(t, non_blocking=True)
+        host.append(h)
+    event = torch.cuda.Event()
+    event.record()
+    return tuple(host), event
