@@ -631,7 +631,9 @@ def main() -> int:
         "--quick", action="store_true", help="small sizes (smoke test; CPU interpreter too)"
     )
     ap.add_argument(
-        "--sweep", action="store_true", help="sweep tile configs and split counts first"
+        "--sweep",
+        action="store_true",
+        help="sweep tile configs and split counts first (of the sections --only times)",
     )
     ap.add_argument("--out", default=None, help="directory for bench.json and bench.log")
     ap.add_argument(
@@ -686,14 +688,16 @@ def main() -> int:
 
     best: dict = {}
     dcfg = decode_config(D, torch.bfloat16, device)
-    if args.sweep:
+    if args.sweep:  # the sections --only times
         log(f"## sweep ({time.time() - t0:.0f}s)")
         try:
-            best = sweep_prefill(device, g, args.quick, args.block_size)
+            if args.only in ("all", "prefill"):
+                best = sweep_prefill(device, g, args.quick, args.block_size)
         except Exception:
             log(traceback.format_exc())
         try:
-            dcfg = sweep_decode(device, g, args.quick, num_sms, args.block_size)
+            if args.only in ("all", "decode"):
+                dcfg = sweep_decode(device, g, args.quick, num_sms, args.block_size)
         except Exception:
             log(traceback.format_exc())
     default_p = {"paged": prefill_config(D, torch.bfloat16, device, True)}

@@ -8,7 +8,8 @@
 #   check:  bench/engine_check.py, engine correctness against torch attention run eagerly
 #   dense:  bench/dense_prefill.py --engine (cuDNN on and off for one long prompt) and the
 #           start-up line of the server (the whole-prompt range measured after the graphs)
-#   decode: bench/kernels.py --only decode with the engine's 128-token pages, then 16, then
+#   decode: bench/kernels.py --only decode with the engine's 128-token pages (tiles and split
+#           counts swept: decode_config was chosen on 16-token pages), then 16, then
 #           with the fused split merge; bench/decode_profile.py at batch 1 and 64, merge off/on
 #   fp8:    bench/fp8_sweep.py --write-table, the FP8 tiles with the cuBLASLt block-scaled kind
 #           timed too (the table comes back in $OUT; commit it if the run is good)
@@ -41,9 +42,10 @@ for stage in ${@:-tests dense decode}; do
            for _ in $(seq 110); do grep -q "whole prompts\|no whole-prompt" "$OUT/startup.log" && break; sleep 1; done
            grep -i "whole.prompt\|cudnn\|ready" "$OUT/startup.log" | tail -4
            pkill -f "server --model $CKPT --port 8011"; sleep 3 ;;
-    decode) for bs in 128 16; do
-             timeout "$(left 120)" python3 bench/kernels.py --only decode --block-size $bs \
-               --out "$OUT/decode_$bs" 2>&1 | grep -v Warning | grep "^| \|correctness" | tail -6
+    decode) for bs in 128 16; do  # with 128-token pages the tiles and split counts are swept too
+             timeout "$(left 150)" python3 bench/kernels.py --only decode --block-size $bs \
+               $([ $bs = 128 ] && echo --sweep) --out "$OUT/decode_$bs" 2>&1 | grep -v Warning \
+               | grep "^| \|correctness\|configs" | tail -7
            done
            echo "-- the fused split merge (QWEN_SERVE_DECODE_FUSED_REDUCE=1), 128-token pages"
            QWEN_SERVE_DECODE_FUSED_REDUCE=1 timeout "$(left 120)" python3 bench/kernels.py \
