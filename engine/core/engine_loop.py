@@ -59,8 +59,10 @@ def run_engine_loop(
         log_interval: seconds between periodic engine log lines (0 = never).
 
     Raises:
-        Exception: a step's device error (``engine.is_fatal``), after failing every request.
+        Exception: a step's device error (``engine.is_fatal``), after failing every request;
+            what ``engine.prepare_thread`` raises, before any step.
     """
+    engine.prepare_thread()  # the device libraries' per-thread caches, for this thread
     last_log = time.monotonic()
     tokens = [0, 0]
     while True:

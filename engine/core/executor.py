@@ -63,6 +63,11 @@ class ModelExecutor(Protocol):
         reads."""
         ...
 
+    def prepare_thread(self) -> None:
+        """Called by the engine loop on its own thread before its first step: make what the
+        device libraries cache per host thread (cuDNN's attention plans) for this thread."""
+        ...
+
     def memory_stats(self) -> dict[str, int]:
         """Device memory figures for :class:`~engine.core.stats.StepStats` (bytes; {} on the
         CPU)."""

@@ -128,6 +128,11 @@ class LLMEngine:
         """Finish a request at once and free its blocks. Returns False for an unknown id."""
         return self.scheduler.abort(request_id)
 
+    def prepare_thread(self) -> None:
+        """Make the executor's per-thread caches on the calling thread, the one about to run
+        :meth:`step` (see ``ModelExecutor.prepare_thread``)."""
+        self.executor.prepare_thread()
+
     def has_unfinished(self) -> bool:
         """Requests waiting or running, or a launched step not yet applied."""
         return self.scheduler.has_work() or self._in_flight is not None

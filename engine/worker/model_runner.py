@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -130,6 +131,7 @@ class ModelRunner:
     def __init__(
         self, model_config: ModelConfig, config: EngineConfig, rank: RankContext | None = None
     ):
+        self._built_on_thread = threading.get_ident()  # where warm-up made per-thread caches
         quantization = resolve_quantization(model_config, config.quantization)
         if rank is not None and rank.tp is not None:  # the executors checked it already
             model_config.check_tensor_parallel(rank.tp.size, quantization)
@@ -366,6 +368,24 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------- executor API
+    def prepare_thread(self) -> None:
+        """Build, on the calling thread, what the device libraries cache per host thread: cuDNN's
+        attention plans for the lone prompts of the cuDNN path (torch keeps its cuDNN SDPA
+        graph cache thread-local: ``MHAGraphCache`` in ``aten/src/ATen/native/cudnn/MHA.cpp``).
+        Start-up built them on the constructing thread; an engine loop on another thread
+        (``--engine-mode thread``) would otherwise build each length on its first use (~74 ms
+        on the H200). A no-op on the constructing thread, on the CPU and without whole-prompt
+        steps. Raises nothing: a plan that cannot be built now is built on first use (logged)."""
+        lone_max = self.cache_info.lone_prompt_max_tokens
+        if threading.get_ident() == self._built_on_thread or self.device.type != "cuda":
+            return
+        if lone_max:
+            try:
+                with torch.inference_mode():
+                    self._warm_up_dense_prefill(lone_max)
+            except Exception as exc:  # noqa: BLE001 - serving goes on; plans come on first use
+                log.warning("cuDNN plans not built on the engine thread (built on use): %s", exc)
+
     def memory_stats(self) -> dict[str, int]:
         """CUDA memory of the engine's device in bytes (empty on the CPU), at most a second old
         (see :class:`~engine.worker.device.MemoryStats`)."""

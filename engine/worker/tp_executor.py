@@ -184,6 +184,11 @@ class TensorParallelExecutor:
                 f"tensor-parallel step failed after its inputs went to the other ranks: {exc}"
             ) from exc
 
+    def prepare_thread(self) -> None:
+        """Rank 0's per-thread caches on the engine loop's thread (the other ranks step on the
+        thread that built them); see :meth:`ModelRunner.prepare_thread`."""
+        self.runner.prepare_thread()
+
     def memory_stats(self) -> dict[str, int]:
         """Rank 0's device memory (see :meth:`ModelRunner.memory_stats`)."""
         return self.runner.memory_stats()

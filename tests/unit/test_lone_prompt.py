@@ -293,3 +293,68 @@ def test_long_remainder_after_a_short_hit_is_whole_and_alone():
     batch = s.schedule()
     assert [r.request_id for r in batch.requests] == ["t2"]
     assert batch.num_new_tokens == [250] and batch.requests[0].num_computed_tokens == 32
+
+
+def test_cudnn_plans_are_built_again_on_the_engine_loop_thread(tiny_checkpoint, monkeypatch):
+    """torch caches cuDNN's attention plans per host thread: an engine loop on another thread
+    than the one that built the engine (``--engine-mode thread``) builds the lone prompts' plans
+    for itself before its first step; on the building thread, on the CPU or without
+    whole-prompt steps nothing is built; a failure is logged, never raised."""
+    import dataclasses
+    import threading
+
+    from engine.core.commands import Shutdown
+    from engine.core.engine_loop import run_engine_loop
+
+    path, _ = tiny_checkpoint
+    engine = _engine(path, lone_prompt_min_tokens=64)
+    try:
+        runner = engine.executor
+        built = []
+        monkeypatch.setattr(
+            runner, "_warm_up_dense_prefill", lambda n: built.append((n, threading.get_ident()))
+        )
+
+        def loop_on_a_thread():
+            raised = []
+
+            def run():
+                try:
+                    run_engine_loop(engine, lambda timeout: [Shutdown()], lambda *a: None, 0.0)
+                except BaseException as exc:  # noqa: BLE001 - reported by the assert below
+                    raised.append(exc)
+
+            t = threading.Thread(target=run)
+            t.start()
+            t.join(30)
+            assert not t.is_alive() and raised == []
+            return t.ident
+
+        loop_on_a_thread()
+        assert built == [], "the CPU keeps no cuDNN plans"
+        monkeypatch.setattr(runner, "device", torch.device("cuda"))  # no CUDA call follows
+        monkeypatch.setattr(
+            runner,
+            "cache_info",
+            dataclasses.replace(
+                runner.cache_info, lone_prompt_min_tokens=64, lone_prompt_max_tokens=300
+            ),
+        )
+        engine.prepare_thread()  # the thread that built the engine has its plans
+        assert built == []
+        ident = loop_on_a_thread()
+        assert built == [(300, ident)]
+
+        def fail(n):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+        monkeypatch.setattr(runner, "_warm_up_dense_prefill", fail)
+        loop_on_a_thread()  # logged; the loop still ran to its shutdown
+        monkeypatch.setattr(
+            runner, "cache_info", dataclasses.replace(runner.cache_info, lone_prompt_max_tokens=0)
+        )
+        monkeypatch.setattr(runner, "_warm_up_dense_prefill", lambda n: built.append(n))
+        loop_on_a_thread()
+        assert built == [(300, ident)], "no whole-prompt steps: no plans"
+    finally:
+        engine.shutdown()
