@@ -78,6 +78,36 @@ def messages_to_dicts(req: ChatCompletionRequest) -> list[dict]:
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
+def tool_choice_shown(tc) -> str:
+    """A ``tool_choice`` as error messages name it: ``'required'`` or ``function 'f'``."""
+    return repr(tc) if isinstance(tc, str) or tc is None else f"function {tc.function.name!r}"
+
+
+def check_tool_choice(req) -> str | None:
+    """The function a request's ``tool_choice`` names (None for a string choice or none), checked
+    against its ``tools`` (chat completions and ``/tokenize``'s chat form).
+
+    Raises:
+        APIError: 400 for "required" or a named function without tools (``tool_choice``), or a
+            name that is not among the tools (``tool_choice.function.name``).
+    """
+    tc = req.tool_choice
+    if tc is None or tc in ("auto", "none"):
+        return None
+    if not req.tools:
+        raise APIError(400, f"tool_choice {tool_choice_shown(tc)} needs tools", "tool_choice")
+    if isinstance(tc, str):
+        return None
+    name = tc.function.name
+    if name not in {t.function.name for t in req.tools}:
+        raise APIError(
+            400,
+            f"tool_choice names function {name!r}, which is not among the request's tools",
+            "tool_choice.function.name",
+        )
+    return name
+
+
 def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> str:
     """Render the chat template (sandboxed jinja2) for this request.
 
@@ -136,10 +166,9 @@ class ChatCompletions:
         tools_grammar = self._tool_grammar(req)
         if tools_grammar is not None:
             if grammar is not None:
+                shown = tool_choice_shown(req.tool_choice)
                 raise APIError(
-                    400,
-                    f"tool_choice {self._tool_choice_name(req)} cannot be combined with {param}",
-                    "tool_choice",
+                    400, f"tool_choice {shown} cannot be combined with {param}", "tool_choice"
                 )
             for tool_grammar, tool_param in tool_parameters_grammars(
                 req.tools, self._named_function(req)
@@ -185,11 +214,6 @@ class ChatCompletions:
         except RequestRejected as exc:
             raise rejected(exc, "messages") from None
 
-    @staticmethod
-    def _tool_choice_name(req: ChatCompletionRequest) -> str:
-        tc = req.tool_choice
-        return repr(tc) if isinstance(tc, str) or tc is None else f"function {tc.function.name!r}"
-
     def _tool_grammar(self, req: ChatCompletionRequest) -> str | None:
         """The grammar of enforced tool calls (``tool_choice`` "required" or a named function),
         or None ("auto", "none", unset).
@@ -197,22 +221,9 @@ class ChatCompletions:
         Raises:
             APIError: 400 for "required" or a named function without tools, or an unknown name.
         """
-        tc = req.tool_choice
-        if tc is None or tc in ("auto", "none"):
+        if req.tool_choice is None or req.tool_choice in ("auto", "none"):
             return None
-        if not req.tools:
-            raise APIError(
-                400, f"tool_choice {self._tool_choice_name(req)} needs tools", "tool_choice"
-            )
-        name = None
-        if not isinstance(tc, str):
-            name = tc.function.name
-            if name not in {t.function.name for t in req.tools}:
-                raise APIError(
-                    400,
-                    f"tool_choice names function {name!r}, which is not among the request's tools",
-                    "tool_choice.function.name",
-                )
+        name = check_tool_choice(req)
         tok = self.ctx.tokenizer
         special = {tag: tag in tok.added_tokens for tag in ("<tool_call>", "</tool_call>")}
         tools = [t.model_dump(exclude_none=True) for t in req.tools]

@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from server.chat import render_prompt
+from server.chat import check_tool_choice, render_prompt
 from server.context import ServerContext
 from server.errors import APIError, body_parse_error
 from server.params import shown
@@ -85,6 +85,7 @@ class Tokenization:
                 raise APIError(
                     400, "continue_final_message is not supported", "continue_final_message"
                 )
+            check_tool_choice(req)  # as chat completions checks it
             text = render_prompt(ctx.tokenizer, req)
             param = "messages"
         else:

@@ -127,6 +127,17 @@ def test_detokenize_round_trip(server, hf_tok):
         ),
         ("/tokenize", "not an object", 400, None),
         ("/tokenize", {"messages": MESSAGES, "tool_choice": "bogus"}, 400, "tool_choice"),
+        ("/tokenize", {"messages": MESSAGES, "tool_choice": "required"}, 400, "tool_choice"),
+        (
+            "/tokenize",
+            {
+                "messages": MESSAGES,
+                "tools": TOOLS,
+                "tool_choice": {"type": "function", "function": {"name": "not_a_tool"}},
+            },
+            400,
+            "tool_choice.function.name",
+        ),
         (
             "/tokenize",
             {"messages": MESSAGES, "tool_choice": {"type": "function"}},
