@@ -217,6 +217,16 @@ BAD_REQUESTS = [
         },
         "tool_choice",
     ),
+    # an enforced tool call needs tools, and a named one a tool of that name
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    (
+        "chat",
+        {
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        "tool_choice.function.name",
+    ),
     # more than 64 choices: n names it when n > 1
     ("completions", {"prompt": ["a"] * 5, "n": 16}, "n"),
     # a tool result must name the call it answers (OpenAI answers 400)
