@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The runs docs/benchmarks.md lists as pending (issues 18, 19, 20), against the previous main.
 # Usage (on the GPU): OLD=.basetree bash bench/pending_ab.sh [stages...]
-#   (default "tests dense decode", ~8 minutes; "ab" and "lc" fill a call each; a stage is
+#   (default "tests dense", ~6 minutes; "decode", "ab" and "lc" fill a call each; a stage is
 #   skipped, saying so, when under 20 s of BUDGET_S (575) are left)
 #   tests:  the GPU kernel tests (real Triton; the cuBLASLt FP8 path's correctness test on sm_90,
 #           the strided-cache KV_TMA refusal, the cuDNN lone-prompt path)
@@ -10,7 +10,8 @@
 #           start-up line of the server (the whole-prompt range measured after the graphs)
 #   decode: bench/kernels.py --only decode with the engine's 128-token pages (tiles and split
 #           counts swept: decode_config was chosen on 16-token pages), then 16, then
-#           with the fused split merge; bench/decode_profile.py at batch 1 and 64, merge off/on
+#           with the fused split merge; bench/decode_profile.py at batch 1 and 64 with the
+#           fused merge and the q/k norm + rotary decode prologue off/on; engine_check with both
 #   fp8:    bench/fp8_sweep.py --write-table, the FP8 tiles with the cuBLASLt block-scaled kind
 #           timed too (the table comes back in $OUT; commit it if the run is good)
 #   ab:     bench/ab_trees.py, offline, batch-1 TTFT/TPOT (engine only), serving at c=64/256
@@ -25,7 +26,7 @@ stamp() { echo "== $1 at $((SECONDS - T0)) s"; }
 # seconds for the next command: at most $1 and what the budget has left (at least 1: `timeout 0`
 # would mean no limit)
 left() { local l=$(( ${BUDGET_S:-575} - (SECONDS - T0) )); l=$(( l < $1 ? l : $1 )); echo $(( l < 1 ? 1 : l )); }
-for stage in ${@:-tests dense decode}; do
+for stage in ${@:-tests dense}; do
   if (( ${BUDGET_S:-575} - (SECONDS - T0) < 20 )); then
     echo "== $stage skipped: under 20 s of the ${BUDGET_S:-575} s budget left"; continue
   fi
@@ -33,7 +34,8 @@ for stage in ${@:-tests dense decode}; do
     tests) TRITON_INTERPRET=0 timeout "$(left 120)" python3 -m pytest -q -p no:cacheprovider \
              tests/kernels/test_fp8_gemm.py tests/kernels/test_fp8_configs.py \
              tests/kernels/test_prefill_split.py tests/kernels/test_prefill_kv_tma.py \
-             tests/kernels/test_triton_backend.py tests/unit/test_dense_prefill.py 2>&1 \
+             tests/kernels/test_triton_backend.py tests/kernels/test_decode_attention.py \
+             tests/unit/test_dense_prefill.py 2>&1 \
              | tail -6 | tee "$OUT/gpu_tests.txt" ;;
     dense) timeout "$(left 150)" python3 bench/dense_prefill.py --engine $CKPT 2>&1 | grep -v Warning \
              > "$OUT/dense.txt"; tail -12 "$OUT/dense.txt"
@@ -50,11 +52,14 @@ for stage in ${@:-tests dense decode}; do
            echo "-- the fused split merge (QWEN_SERVE_DECODE_FUSED_REDUCE=1), 128-token pages"
            QWEN_SERVE_DECODE_FUSED_REDUCE=1 timeout "$(left 120)" python3 bench/kernels.py \
              --only decode --out "$OUT/decode_fused" 2>&1 | grep -v Warning | grep "^| \|correctness" | tail -6
-           for fused in 0 1; do
-             QWEN_SERVE_DECODE_FUSED_REDUCE=$fused timeout "$(left 70)" python3 bench/decode_profile.py \
-               --tree . --ckpt $CKPT --batch 1 64 --top 6 --label "fused-merge=$fused" 2>&1 \
+           for v in 00 10 01 11; do  # (fused merge, q/k norm + rotary in the decode prologue)
+             QWEN_SERVE_DECODE_FUSED_REDUCE=${v:0:1} QWEN_SERVE_DECODE_FUSED_QK_ROPE=${v:1:1} \
+               timeout "$(left 70)" python3 bench/decode_profile.py --tree . --ckpt $CKPT \
+               --batch 1 64 --top 6 --label "merge=${v:0:1} qk_rope=${v:1:1}" 2>&1 \
                | grep -v Warning | grep -E '^\||"tpot_ms"' | cut -c1-400 | head -20
-           done ;;
+           done
+           QWEN_SERVE_DECODE_FUSED_REDUCE=1 QWEN_SERVE_DECODE_FUSED_QK_ROPE=1 timeout "$(left 110)" \
+             python3 bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning | tail -4 ;;
     check) timeout "$(left 110)" python3 bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning \
              | tee "$OUT/check.txt" | tail -8 ;;
     fp8)   timeout "$(left 200)" python3 bench/fp8_sweep.py --out "$OUT" --write-table --budget-s 140 \

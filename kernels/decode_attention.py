@@ -25,6 +25,16 @@ L1, so the result does not depend on the arrival order. (A first version that re
 one after another was slower than the second launch on the H200: docs/benchmarks.md,
 2026-12-04.)
 
+Fused q/k prologue (``qk_rope``, constexpr ``FUSED_QK``; pure decode only; the engine uses it
+when ``QWEN_SERVE_DECODE_FUSED_QK_ROPE=1``, off by default until measured): ``q`` is the raw
+projection; each program normalizes (Qwen3's per-head RMSNorm) and rotates its group's query
+rows in registers (:func:`kernels.qk_norm_rope.norm_rope_rows`), and the program whose split
+holds the new token (position ``seq_len - 1``) does the same for that token's key and stores
+key and value into the token's cache slot before its loop reads them back (a CTA barrier
+orders the store and the loads; no other program reads that position). A decode layer then
+needs no launch of :func:`kernels.qk_norm_rope.qk_norm_rope_store` (FlashInfer applies rotary
+inside its decode kernel likewise: ``pos_encoding_mode``).
+
 Mixed steps (``cu_seqlens_q`` given, constexpr ``VARLEN``): ``q``/``out`` are the packed
 ``[T, H_q, D]`` tensors of a step that also carries prompt chunks; each program of both stages
 reads ``cu_seqlens_q[b]``, ``cu_seqlens_q[b + 1]`` and returns at once unless sequence ``b`` has
@@ -35,6 +45,8 @@ only torch and triton.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -42,6 +54,7 @@ import triton.language as tl
 from kernels.arrival_counters import arrival_counters
 from kernels.pdl import pdl_kwargs, pdl_wait
 from kernels.prefill_attention import _paged_attn_tile
+from kernels.qk_norm_rope import norm_rope_rows
 from kernels.switches import env_switch
 
 __all__ = [
@@ -51,6 +64,7 @@ __all__ = [
     "choose_mixed_splits",
     "decode_config",
     "reduce_counters",
+    "QKRope",
     "MIXED_FEW_SLOTS",
 ]
 
@@ -150,6 +164,24 @@ def _decode_split_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     cu_q_ptr,
+    new_k_ptr,
+    new_v_ptr,
+    slot_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    stride_nkt,
+    stride_nkh,
+    stride_nkd,
+    stride_nvt,
+    stride_nvh,
+    stride_nvd,
+    stride_cos_t,
+    stride_cos_d,
+    stride_sin_t,
+    stride_sin_d,
+    eps,
     qk_scale,
     num_splits,
     min_split_keys,
@@ -185,6 +217,8 @@ def _decode_split_kernel(
     VARLEN: tl.constexpr,
     FUSED_REDUCE: tl.constexpr = False,
     BLOCK_S: tl.constexpr = 16,
+    FUSED_QK: tl.constexpr = False,
+    HAS_NORM: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)  # programmatic dependent launch (kernels.pdl): q and this step's k/v are new
@@ -210,11 +244,30 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     g_ok = offs_g < NUM_GROUPS
     heads = kv_head * NUM_GROUPS + offs_g
-    q = tl.load(
-        q_ptr + row64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=g_ok[:, None],
-        other=0.0,
-    )
+    if FUSED_QK:  # raw projections: q's RMSNorm and rotary here (the new k/v: below)
+        cos_row = cos_ptr + row64 * stride_cos_t
+        sin_row = sin_ptr + row64 * stride_sin_t
+        q = norm_rope_rows(
+            q_ptr + row64 * stride_qb,
+            heads,
+            g_ok,
+            stride_qh,
+            stride_qd,
+            q_w_ptr,
+            cos_row,
+            sin_row,
+            stride_cos_d,
+            stride_sin_d,
+            eps,
+            HEAD_DIM,
+            HAS_NORM,
+        )
+    else:
+        q = tl.load(
+            q_ptr + row64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+            mask=g_ok[:, None],
+            other=0.0,
+        )
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
@@ -223,6 +276,46 @@ def _decode_split_kernel(
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     bt_row_ptr = block_tables_ptr + seq64 * stride_bt
+    if FUSED_QK:
+        # the split holding the new token (position seq_len - 1) normalizes and rotates its k
+        # and stores k and v into the token's slot (a negative slot: padding, nothing stored),
+        # then reads them back through the cache like every other key (a CTA barrier orders
+        # its own store and loads); no other program reads that position
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
+        last = seq_len - 1
+        if (slot >= 0) & (last >= start) & (last < end):
+            one = offs_g < 1  # row 0 of a [BLOCK_G, D] tile holds this KV head's row
+            kv_rows = kv_head + offs_g * 0
+            k_new = norm_rope_rows(
+                new_k_ptr + row64 * stride_nkt,
+                kv_rows,
+                one,
+                stride_nkh,
+                stride_nkd,
+                k_w_ptr,
+                cos_row,
+                sin_row,
+                stride_cos_d,
+                stride_sin_d,
+                eps,
+                HEAD_DIM,
+                HAS_NORM,
+            )
+            v_new = tl.load(
+                new_v_ptr
+                + row64 * stride_nvt
+                + kv_rows[:, None] * stride_nvh
+                + offs_d[None, :] * stride_nvd,
+                mask=one[:, None],
+                other=0.0,
+            )
+            page = slot // PAGE_SIZE
+            within = slot % PAGE_SIZE
+            k_dst = k_base + page * stride_kb + within * stride_kt + offs_d[None, :] * stride_kd
+            v_dst = v_base + page * stride_vb + within * stride_vt + offs_d[None, :] * stride_vd
+            tl.store(k_dst + offs_g[:, None] * 0, k_new, mask=one[:, None])
+            tl.store(v_dst + offs_g[:, None] * 0, v_new, mask=one[:, None])
+        tl.debug_barrier()
     full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
     # full tiles without masks, then the masked tail tile (same online-softmax step as prefill)
     acc, l_i, m_i = _paged_attn_tile(
@@ -490,6 +583,80 @@ def choose_mixed_splits(
     return max(1, min(one, max_programs // per_split)), MIXED_MIN_SPLIT_KEYS
 
 
+@dataclass(frozen=True)
+class QKRope:
+    """What :func:`decode_attention` needs to take the raw projections of a pure decode step
+    (the fused prologue: ``kernels.qk_norm_rope.qk_norm_rope_store``'s work in the attention
+    launch).
+
+    Attributes:
+        k, v: ``[B, H_kv, D]`` this step's key and value projections (any strides; k before its
+            norm and rotary).
+        slot_mapping: int64 or int32 ``[B]`` cache slots of the new tokens (negative: padding,
+            nothing stored).
+        cos, sin: ``[B, D]`` or ``[B, 1, D]`` rotary rows of the tokens' positions.
+        q_weight, k_weight: ``[D]`` RMSNorm weights (Qwen3), or both None (Qwen2).
+        eps: RMSNorm epsilon.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    slot_mapping: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float
+
+
+def _rope_rows(x: torch.Tensor, b: int, d: int, name: str) -> tuple[int, int]:
+    """(token stride, dim stride) of a ``[B, D]`` or ``[B, 1, D]`` rotary table."""
+    if x.dim() == 3 and x.shape[1] == 1:
+        x = x[:, 0]
+    if x.dim() != 2 or tuple(x.shape) != (b, d):
+        raise ValueError(f"{name} must be [B={b}, D={d}] or [B, 1, D], got {tuple(x.shape)}")
+    return x.stride(0), x.stride(1)
+
+
+def _check_qk_rope(r: QKRope, q: torch.Tensor, hkv: int) -> tuple:
+    """The launch arguments of the fused prologue (pointers, strides, eps, HAS_NORM).
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit ``q`` and the cache.
+    """
+    b, _, d = q.shape
+    if r.k.shape != (b, hkv, d) or r.v.shape != (b, hkv, d):
+        raise ValueError(f"qk_rope k/v must be [B={b}, H_kv={hkv}, D={d}]")
+    if r.slot_mapping.shape != (b,) or r.slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"qk_rope slot_mapping must be int32/int64 [B={b}]")
+    cos_strides = _rope_rows(r.cos, b, d, "qk_rope cos")
+    sin_strides = _rope_rows(r.sin, b, d, "qk_rope sin")
+    if (r.q_weight is None) != (r.k_weight is None):
+        raise ValueError("qk_rope q_weight and k_weight must both be given or both be None")
+    has_norm = r.q_weight is not None
+    tensors = [r.k, r.v, r.cos, r.sin] + ([r.q_weight, r.k_weight] if has_norm else [])
+    if has_norm and (r.q_weight.shape != (d,) or r.k_weight.shape != (d,)):
+        raise ValueError(f"qk_rope norm weights must be [D={d}]")
+    if any(t.dtype != q.dtype for t in tensors):
+        raise ValueError("qk_rope tensors must have q's dtype")
+    if any(t.device != q.device for t in [*tensors, r.slot_mapping]):
+        raise ValueError("qk_rope tensors must be on q's device")
+    return (
+        r.k,
+        r.v,
+        r.slot_mapping,
+        r.cos,
+        r.sin,
+        r.q_weight if has_norm else r.k,  # unused pointers without the norm
+        r.k_weight if has_norm else r.k,
+        *r.k.stride(),
+        *r.v.stride(),
+        *cos_strides,
+        *sin_strides,
+        float(r.eps),
+    ), has_norm
+
+
 def decode_scratch(
     batch: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -525,6 +692,7 @@ def decode_attention(
     config: dict | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
     min_split_keys: int = 0,
+    qk_rope: QKRope | None = None,
 ) -> torch.Tensor:
     """Paged decode attention, one query token per sequence, split-KV (Triton).
 
@@ -560,6 +728,12 @@ def decode_attention(
             ``num_splits`` splits and the others are empty, so a grid sized for a long context
             does not cut short sequences into one-tile splits. 0: every sequence is cut into
             ``num_splits`` parts (at least one tile each).
+        qk_rope: pure decode only (no ``cu_seqlens_q``): ``q`` is then the raw projection, and
+            the launch also does ``kernels.qk_norm_rope.qk_norm_rope_store``'s work -- q and the
+            new k RMS-normalized and rotated, k and v stored into their slots (the program whose
+            split holds position ``seq_lens[b] - 1`` stores them before reading the cache) --
+            so that a decode layer needs one launch less; the result equals that kernel followed
+            by this one. The new token must be the last of each sequence.
 
     Returns:
         ``out``.
@@ -641,6 +815,13 @@ def decode_attention(
     }
     if devs != {q.device}:
         raise ValueError("all tensors must be on q's device")
+    if qk_rope is not None and varlen:
+        raise ValueError("qk_rope is for pure decode launches (no cu_seqlens_q)")
+    rope_args, has_norm = (
+        _check_qk_rope(qk_rope, q, k_cache.shape[2])
+        if qk_rope is not None
+        else ((q, q, seq_lens, q, q, q, q, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0), False)
+    )
     if b == 0 or t == 0:
         return out
     # Triton's CPU interpreter multiplies bf16 as raw uint16 in tl.dot: compute 16-bit in fp32
@@ -670,6 +851,7 @@ def decode_attention(
         block_tables,
         seq_lens,
         cu_q,
+        *rope_args,
         float(scale) * _LOG2E,
         num_splits,
         min_keys,
@@ -705,6 +887,8 @@ def decode_attention(
         VARLEN=varlen,
         FUSED_REDUCE=fused,
         BLOCK_S=block_s,
+        FUSED_QK=qk_rope is not None,
+        HAS_NORM=has_norm,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl,

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from kernels.pdl import pdl_kwargs, pdl_wait
 
-__all__ = ["qk_norm_rope_store"]
+__all__ = ["qk_norm_rope_store", "norm_rope_rows"]
 
 
 @triton.jit
@@ -62,6 +62,52 @@ def _norm_rope_tile(
     o1 = (x1f * c1).to(dtype).to(tl.float32) - (x2f * s1).to(dtype).to(tl.float32)
     o2 = (x2f * c2).to(dtype).to(tl.float32) + (x1f * s2).to(dtype).to(tl.float32)
     return o1.to(dtype), o2.to(dtype)
+
+
+@triton.jit
+def norm_rope_rows(
+    x_ptr,
+    offs_h,
+    h_mask,
+    stride_h,
+    stride_d,
+    w_ptr,
+    cos_row,
+    sin_row,
+    stride_cos_d,
+    stride_sin_d,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    """Rows ``offs_h`` (``[BLOCK]``, valid where ``h_mask``) of one token's ``[H, D]`` slice at
+    ``x_ptr``, RMS-normalized (HAS_NORM, weight ``w_ptr [D]``) and rotated with the token's
+    ``cos_row`` / ``sin_row`` (``[D]``): ``[BLOCK, HEAD_DIM]`` in the input dtype (0 in masked
+    rows), for a consumer that wants whole rows (the fused decode prologue). Each element's
+    rotate-half partner (``d +- D/2``) is loaded beside it; the roundings to the input dtype are
+    :func:`_norm_rope_tile`'s, so both match the reference composition. ``HEAD_DIM``: a power of
+    two."""
+    half: tl.constexpr = HEAD_DIM // 2
+    offs_d = tl.arange(0, HEAD_DIM)
+    partner = (offs_d + half) % HEAD_DIM
+    base = x_ptr + offs_h[:, None] * stride_h
+    mask = h_mask[:, None]
+    x = tl.load(base + offs_d[None, :] * stride_d, mask=mask, other=0.0)
+    dtype = x.dtype
+    xf = x.to(tl.float32)
+    xpf = tl.load(base + partner[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        w = tl.load(w_ptr + offs_d).to(tl.float32)[None, :]
+        wp = tl.load(w_ptr + partner).to(tl.float32)[None, :]
+        r = tl.rsqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)[:, None]
+        xf = (w * (xf * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        xpf = (wp * (xpf * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    c = tl.load(cos_row + offs_d * stride_cos_d).to(tl.float32)[None, :]
+    sn = tl.load(sin_row + offs_d * stride_sin_d).to(tl.float32)[None, :]
+    a = (xf * c).to(dtype).to(tl.float32)
+    b = (xpf * sn).to(dtype).to(tl.float32)
+    # rotate-half: the first half takes x1 cos - x2 sin, the second x2 cos + x1 sin
+    return tl.where(offs_d[None, :] < half, a - b, a + b).to(dtype)
 
 
 @triton.jit

@@ -29,6 +29,7 @@ from engine.attention.dense_prefill import dense_causal_attention, is_lone_fresh
 from engine.attention.dense_prefill import warm_up as warm_up_dense
 from engine.attention.metadata import AttentionMetadata
 from kernels.decode_attention import (
+    QKRope,
     choose_mixed_splits,
     choose_num_splits,
     decode_attention,
@@ -104,6 +105,11 @@ class TritonAttentionBackend:
             graph capture; 0 = never. None = :data:`DENSE_PREFILL_MIN_TOKENS` unless
             ``QWEN_SERVE_DENSE_PREFILL=0``. If cuDNN refuses the inputs once, the Triton kernel
             takes every later step (logged).
+        fused_decode_qk_rope: in pure decode steps, :meth:`forward_qk_rope` leaves the q/k
+            norm, rotary and k/v store to the decode launch's prologue
+            (``decode_attention(..., qk_rope=...)``: one launch per layer less). None = the
+            ``QWEN_SERVE_DECODE_FUSED_QK_ROPE`` switch, off when unset (until the GPU measures
+            it).
     """
 
     name = "triton"
@@ -113,8 +119,12 @@ class TritonAttentionBackend:
         split_mixed_steps: bool = True,
         split_prefill: bool = True,
         dense_prefill_min_tokens: int | None = None,
+        fused_decode_qk_rope: bool | None = None,
     ) -> None:
         self.split_mixed_steps = split_mixed_steps
+        if fused_decode_qk_rope is None:
+            fused_decode_qk_rope = env_switch("QWEN_SERVE_DECODE_FUSED_QK_ROPE", default=False)
+        self.fused_decode_qk_rope = fused_decode_qk_rope
         self.split_prefill = split_prefill
         if dense_prefill_min_tokens is None:
             dense_prefill_min_tokens = (
@@ -283,10 +293,56 @@ class TritonAttentionBackend:
                 raises (shapes, dtypes).
         """
         _check_device(q)
+        if self.fused_decode_qk_rope and self._pure_decode(q, meta):
+            rope = QKRope(k, v, meta.slot_mapping, cos, sin, q_weight, k_weight, eps)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q is a strided view
+            return self._decode(q, k_cache, v_cache, meta, scale, out, rope)
         q = qk_norm_rope_store(
             q, k, v, k_cache, v_cache, meta.slot_mapping, cos, sin, q_weight, k_weight, eps
         )
         return self._attend(q, k_cache, v_cache, meta, scale)
+
+    @staticmethod
+    def _pure_decode(q: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """One new token per sequence (the decode launch alone computes the step)."""
+        return meta.is_decode and q.shape[0] == meta.block_tables.shape[0]
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+        qk_rope: QKRope | None = None,
+    ) -> torch.Tensor:
+        """The split-KV decode launch: every row of a pure decode step, or (a mixed step) the
+        rows of sequences with one new token."""
+        num_seqs = meta.block_tables.shape[0]
+        decode = self._pure_decode(q, meta)
+        _, num_heads, head_dim = q.shape
+        args = (num_seqs, k_cache.shape[2], meta.max_seq_len, self._sm_count(q.device))
+        if decode:
+            splits, min_keys = choose_num_splits(*args), 0
+        else:
+            splits, min_keys = choose_mixed_splits(*args)
+        po, plse = self.scratch(num_seqs, num_heads, head_dim, splits, q.device)
+        return decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            out,
+            scale,
+            po,
+            plse,
+            splits,
+            cu_seqlens_q=None if decode else meta.cu_seqlens_q,
+            min_split_keys=min_keys,
+            qk_rope=qk_rope,
+        )
 
     def _attend(
         self,
@@ -305,31 +361,11 @@ class TritonAttentionBackend:
             if done is not None:
                 return done
         num_seqs = meta.block_tables.shape[0]
-        decode = meta.is_decode and q.shape[0] == num_seqs
+        decode = self._pure_decode(q, meta)
         if decode or (self.split_mixed_steps and num_seqs > 0):
             # pure decode: one row per sequence; mixed step: the rows of sequences with one new
             # token (row cu_seqlens_q[b]), the others left to the prefill launch below
-            _, num_heads, head_dim = q.shape
-            args = (num_seqs, k_cache.shape[2], meta.max_seq_len, self._sm_count(q.device))
-            if decode:
-                splits, min_keys = choose_num_splits(*args), 0
-            else:
-                splits, min_keys = choose_mixed_splits(*args)
-            po, plse = self.scratch(num_seqs, num_heads, head_dim, splits, q.device)
-            decode_attention(
-                q,
-                k_cache,
-                v_cache,
-                meta.block_tables,
-                meta.seq_lens,
-                out,
-                scale,
-                po,
-                plse,
-                splits,
-                cu_seqlens_q=None if decode else meta.cu_seqlens_q,
-                min_split_keys=min_keys,
-            )
+            self._decode(q, k_cache, v_cache, meta, scale, out)
             if decode:
                 return out
         splits, po, plse = self.prefill_splits(q, meta, k_cache.shape[2], k_cache.shape[1])

@@ -280,3 +280,103 @@ def test_counters_are_not_first_made_inside_graph_capture(monkeypatch):
     with pytest.raises(RuntimeError, match="before a CUDA graph is captured"):
         gemv_counters(device)
     assert not [key for key in mod._BUFFERS if key[1] == device]
+
+
+QK_ROPE_CASES = [
+    # seq_lens, Hq, Hkv, D, block_size, dtype, num_splits, norm
+    ([300, 17, 1], 16, 8, 128, 32, torch.bfloat16, 4, True),
+    ([513, 40], 8, 2, 64, 16, torch.float32, 7, True),
+    ([64, 200, 5, 33], 4, 4, 64, 16, torch.float16, 3, False),  # Qwen2: no q/k norm
+    ([129], 8, 1, 128, 128, torch.bfloat16, 1, True),  # one split: it stores and reads back
+]
+
+
+@pytest.mark.parametrize("seq_lens,hq,hkv,d,block_size,dtype,num_splits,norm", QK_ROPE_CASES)
+@pytest.mark.parametrize("fused_merge", [False, True], ids=["reduce-launch", "fused-merge"])
+def test_decode_with_the_qk_rope_prologue_equals_the_two_launches(
+    device, seq_lens, hq, hkv, d, block_size, dtype, num_splits, norm, fused_merge
+):
+    """The fused prologue (raw q/k/v in, norm + rotary + the new token's k/v store done by the
+    attention launch) against qk_norm_rope_store followed by decode_attention: the same caches
+    (every slot; a padding row stores nothing) and the output within the dtype's tolerance of
+    the reference composition (rms_norm -> rope -> store -> decode_attention_ref)."""
+    from kernels.decode_attention import QKRope
+    from kernels.qk_norm_rope import qk_norm_rope_store
+    from kernels.reference import qk_norm_rope_store_ref
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    # the caches hold every position but the new last one (written by the step)
+    k_cache, v_cache, block_tables = make_paged(seq_lens, hkv, d, block_size, dtype, g)
+    b = len(seq_lens)
+    width = (hq + 2 * hkv) * d
+    qkv = torch.randn(b, width + 8, generator=g).to(dtype)[:, :width]
+    q, k, v = (x.view(b, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    slots = torch.tensor(
+        [
+            int(block_tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+            for i, n in enumerate(seq_lens)
+        ]
+    )
+    if b > 2:
+        slots[1] = -1  # a padding row of a graph: computed, nothing stored
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.outer(torch.tensor(seq_lens).float() - 1, inv_freq).repeat(1, 2)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    q_w = (1 + 0.3 * torch.randn(d, generator=g)).to(dtype) if norm else None
+    k_w = (1 + 0.3 * torch.randn(d, generator=g)).to(dtype) if norm else None
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    scale = d**-0.5
+
+    # reference: the composition in torch, then decode_attention_ref
+    kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
+    q_ref = qk_norm_rope_store_ref(q, k, v, kc_ref, vc_ref, slots, cos, sin, q_w, k_w, 1e-6)
+    ref = torch.empty(b, hq, d)
+    decode_attention_ref(
+        q_ref.float(), kc_ref.float(), vc_ref.float(), block_tables, sl, ref, scale
+    )
+
+    def on(x):
+        return None if x is None else x.to(device)
+
+    cfg = {"FUSED_REDUCE": fused_merge}
+    outs, caches = [], []
+    for fused in (False, True):
+        kc, vc = k_cache.clone().to(device), v_cache.clone().to(device)  # a copy on the CPU too
+        qd, kd, vd = on(q), on(k), on(v)
+        out = torch.full((b, hq, d), float("nan"), dtype=dtype, device=device)
+        po, plse = decode_scratch(b, hq, d, num_splits, device)
+        args = (kc, vc, on(block_tables), on(sl), out, scale, po, plse, num_splits)
+        if fused:
+            rope = QKRope(kd, vd, on(slots), on(cos), on(sin), on(q_w), on(k_w), 1e-6)
+            decode_attention(qd, *args, config=cfg, qk_rope=rope)
+        else:
+            qr = qk_norm_rope_store(
+                qd, kd, vd, kc, vc, on(slots), on(cos), on(sin), on(q_w), on(k_w)
+            )
+            decode_attention(qr, *args, config=cfg)
+        outs.append(out.cpu())
+        caches.append((kc.cpu(), vc.cpu()))
+    # (make_paged poisons the slots past each sequence with NaN: equal as NaN)
+    same = dict(rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(caches[1][1], caches[0][1], **same, msg=f"v cache, seed={seed}")
+    torch.testing.assert_close(caches[1][1], vc_ref, **same, msg=f"v cache, seed={seed}")
+    # k: the rows the step wrote within a few ulps of both (the mean square's float32 sum runs
+    # in another order), every other slot untouched
+    written = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for sl_ in slots[slots >= 0].tolist():
+        written[sl_ // block_size, sl_ % block_size] = True
+    torch.testing.assert_close(
+        caches[1][0][~written], k_cache[~written], **same, msg=f"k cache, seed={seed}"
+    )
+    tol = dict(rtol=4 * torch.finfo(dtype).eps, atol=4 * torch.finfo(dtype).eps)
+    for other in (caches[0][0], kc_ref):
+        torch.testing.assert_close(caches[1][0][written], other[written], **tol)
+    for out in outs:
+        assert torch.isfinite(out).all()
+        err = rel_err(out, ref)
+        # both paths round q and k to the dtype after the norm and rotary as the reference does,
+        # but the interpreter's bf16 cast truncates (up to ~3e-2 of q alone:
+        # tests/kernels/test_qk_norm_rope.py), which the attention output carries
+        assert err <= TOL[dtype] * 3, f"rel err {err:.2e} (seed={seed})"
+    assert rel_err(outs[1], outs[0]) <= TOL[dtype], f"fused vs two launches (seed={seed})"

@@ -170,10 +170,12 @@ def test_triton_backend_mixed_step_matches_reference(
 
 
 @pytest.mark.parametrize("norm", [True, False], ids=["qwen3", "qwen2"])
-def test_forward_qk_rope_matches_torch_backend(device, norm):
+@pytest.mark.parametrize("fused_decode", [False, True], ids=["store-launch", "decode-prologue"])
+def test_forward_qk_rope_matches_torch_backend(device, norm, fused_decode, monkeypatch):
     """forward_qk_rope (one Triton launch for q/k norm, rotary and the store) against the torch
     backend's reference composition over prefill chunks and decode steps, q/k/v strided views
-    of one projection output; and the fused torch path equals the unfused one step for step."""
+    of one projection output; and the fused torch path equals the unfused one step for step.
+    decode-prologue: the pure decode steps do that work in the decode launch itself."""
     seed = int.from_bytes(os.urandom(4), "little")
     g = torch.Generator().manual_seed(seed)
     hq, hkv, d, bs, num_blocks = 8, 2, 64, 16, 24
@@ -184,8 +186,19 @@ def test_forward_qk_rope_matches_torch_backend(device, norm):
     k_cache, v_cache = ref_k.clone().to(device), ref_v.clone().to(device)
     q_w, k_w = 1 + 0.3 * torch.randn(d, generator=g), 1 + 0.3 * torch.randn(d, generator=g)
     weights = (q_w, k_w) if norm else (None, None)
-    torch_be, triton_be = TorchAttentionBackend(), TritonAttentionBackend()
+    torch_be = TorchAttentionBackend()
+    triton_be = TritonAttentionBackend(fused_decode_qk_rope=fused_decode)
     steps = [([0, 0], [20, 33]), ([20, 33], [17, 1]), ([37, 34], [1, 1]), ([38, 35], [1, 1])]
+    calls = []  # per decode launch: did it take the raw projections?
+    import engine.attention.triton_backend as tb
+
+    real = tb.decode_attention
+
+    def counted(*a, **kw):
+        calls.append(kw.get("qk_rope") is not None)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tb, "decode_attention", counted)
     for ctx_lens, q_lens in steps:
         t = sum(q_lens)
         qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
@@ -224,6 +237,8 @@ def test_forward_qk_rope_matches_torch_backend(device, norm):
         assert err <= 1e-5, f"step {ctx_lens}+{q_lens}: rel err {err:.2e} (seed={seed})"
         torch.testing.assert_close(k_cache.cpu(), ref_k, rtol=1e-5, atol=1e-5)
         assert torch.equal(v_cache.cpu(), ref_v)
+    # prefill, mixed (its decode rows), then two pure decode steps
+    assert calls == [False, False, fused_decode, fused_decode]
 
 
 def test_triton_backend_split_prefill_over_long_prefix(device):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.attention.registry import get_attention_backend
 from engine.core.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.worker.build import build_engine
@@ -117,3 +118,42 @@ def test_generation_equal_with_and_without_prefix_cache(tiny_checkpoint, async_s
     )  # two full shared blocks reused by three requests
     assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
     eng.kv_cache_manager.check_integrity()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["separate-launches", "fused-decode"])
+def test_triton_decode_steps_match_transformers(tiny_checkpoint, monkeypatch, fused):
+    """Greedy decoding through the Triton kernels (interpreter): the decode steps' q/k norm +
+    rotary + k/v store and the split merge either in their own launches or fused into the decode
+    launch (``QWEN_SERVE_DECODE_FUSED_QK_ROPE`` / ``_REDUCE``): ids equal HF generate."""
+    import kernels.decode_attention as da
+
+    monkeypatch.setattr(da, "FUSED_REDUCE_SWITCH", fused)
+    path, hf = tiny_checkpoint
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 384, (n,), generator=gen).tolist() for n in (5, 23, 40)]
+    eng = _engine(path, attention_backend="triton", enable_prefix_caching=False)
+    # the process-wide backend read its switch when first made: set it on the instance
+    monkeypatch.setattr(get_attention_backend("triton"), "fused_decode_qk_rope", fused)
+    calls = []
+    real = da.decode_attention
+
+    def counted(*a, **kw):
+        calls.append(kw.get("qk_rope") is not None)
+        return real(*a, **kw)
+
+    import engine.attention.triton_backend as tb
+
+    monkeypatch.setattr(tb, "decode_attention", counted)
+    outs = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=6,
+                min_new_tokens=6,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()
+        assert out == ref
+    assert calls and any(calls) is fused, "the decode steps took the other path"
