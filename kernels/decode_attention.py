@@ -635,8 +635,8 @@ def _check_qk_rope(r: QKRope, q: torch.Tensor, hkv: int) -> tuple:
         raise ValueError("qk_rope q_weight and k_weight must both be given or both be None")
     has_norm = r.q_weight is not None
     tensors = [r.k, r.v, r.cos, r.sin] + ([r.q_weight, r.k_weight] if has_norm else [])
-    if has_norm and (r.q_weight.shape != (d,) or r.k_weight.shape != (d,)):
-        raise ValueError(f"qk_rope norm weights must be [D={d}]")
+    if has_norm and any(w.shape != (d,) or w.stride(0) != 1 for w in (r.q_weight, r.k_weight)):
+        raise ValueError(f"qk_rope norm weights must be contiguous [D={d}]")
     if any(t.dtype != q.dtype for t in tensors):
         raise ValueError("qk_rope tensors must have q's dtype")
     if any(t.device != q.device for t in [*tensors, r.slot_mapping]):
@@ -733,7 +733,8 @@ def decode_attention(
             new k RMS-normalized and rotated, k and v stored into their slots (the program whose
             split holds position ``seq_lens[b] - 1`` stores them before reading the cache) --
             so that a decode layer needs one launch less; the result equals that kernel followed
-            by this one. The new token must be the last of each sequence.
+            by this one up to the float32 order of the mean square (an ulp of the dtype at
+            most). The new token must be the last of each sequence.
 
     Returns:
         ``out``.

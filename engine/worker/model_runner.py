@@ -369,9 +369,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------- executor API
     def prepare_thread(self) -> None:
-        """Build, on the calling thread, what the device libraries cache per host thread: cuDNN's
-        attention plans for the lone prompts of the cuDNN path (torch keeps its cuDNN SDPA
-        graph cache thread-local: ``MHAGraphCache`` in ``aten/src/ATen/native/cudnn/MHA.cpp``).
+        """Build, on the calling thread, what the device libraries cache per host thread: a cuBLAS
+        handle and workspace (one small product), and cuDNN's attention plans for the lone
+        prompts of the cuDNN path (torch keeps its cuDNN SDPA graph cache thread-local:
+        ``MHAGraphCache`` in ``aten/src/ATen/native/cudnn/MHA.cpp``).
         Start-up built them on the constructing thread; an engine loop on another thread
         (``--engine-mode thread``) would otherwise build each length on its first use (~74 ms
         on the H200). A no-op on the constructing thread, on the CPU and without whole-prompt
@@ -379,12 +380,15 @@ class ModelRunner:
         lone_max = self.cache_info.lone_prompt_max_tokens
         if threading.get_ident() == self._built_on_thread or self.device.type != "cuda":
             return
-        if lone_max:
-            try:
-                with torch.inference_mode():
+        try:
+            with torch.inference_mode():
+                # cuBLAS(Lt) handles and workspaces are per thread as well: one small product
+                a = torch.ones(16, 16, dtype=self.dtype, device=self.device)
+                torch.matmul(a, a)
+                if lone_max:
                     self._warm_up_dense_prefill(lone_max)
-            except Exception as exc:  # noqa: BLE001 - serving goes on; plans come on first use
-                log.warning("cuDNN plans not built on the engine thread (built on use): %s", exc)
+        except Exception as exc:  # noqa: BLE001 - serving goes on; they come on first use
+            log.warning("per-thread device caches not built on the engine thread: %s", exc)
 
     def memory_stats(self) -> dict[str, int]:
         """CUDA memory of the engine's device in bytes (empty on the CPU), at most a second old

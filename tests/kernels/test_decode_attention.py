@@ -254,6 +254,14 @@ def test_fused_merge_relaunches_bit_equal_and_matches_the_reduce_launch(device):
     assert torch.equal(outs[0], outs[1])
     torch.testing.assert_close(outs[0], outs[2], rtol=1e-6, atol=1e-6)
     assert int(reduce_counters(device).abs().sum()) == 0
+    if torch.device(device).type == "cpu":  # the other arrival order: the same bits
+        with pytest.MonkeyPatch.context() as mp:
+            _splits_in_reverse(mp)
+            out = torch.full((b, hq, d), float("nan"), device=device)
+            po, plse = decode_scratch(b, hq, d, 5, device)
+            decode_attention(*args, sl, out, 0.125, po, plse, 5, config={"FUSED_REDUCE": True})
+        assert torch.equal(out.cpu(), outs[0])
+        assert int(reduce_counters(device).abs().sum()) == 0
 
 
 def test_fused_merge_is_off_by_default_and_its_switch_reads_the_environment(monkeypatch):
@@ -291,15 +299,49 @@ QK_ROPE_CASES = [
 ]
 
 
+def _splits_in_reverse(monkeypatch):
+    """Make the Triton interpreter run each launch's programs with the last grid axis (the
+    decode kernel's split) in descending order: a result that depends on which program runs
+    first (a store by another program than the one that reads it) then shows."""
+    from triton.runtime import interpreter
+
+    real = interpreter.InterpreterBuilder.set_grid_idx
+
+    def reversed_z(self, x, y, z):
+        real(self, x, y, self.grid_dim[2] - 1 - z)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "set_grid_idx", reversed_z)
+
+
 @pytest.mark.parametrize("seq_lens,hq,hkv,d,block_size,dtype,num_splits,norm", QK_ROPE_CASES)
 @pytest.mark.parametrize("fused_merge", [False, True], ids=["reduce-launch", "fused-merge"])
+@pytest.mark.parametrize("order", ["splits-up", "splits-down"])
 def test_decode_with_the_qk_rope_prologue_equals_the_two_launches(
-    device, seq_lens, hq, hkv, d, block_size, dtype, num_splits, norm, fused_merge
+    device,
+    seq_lens,
+    hq,
+    hkv,
+    d,
+    block_size,
+    dtype,
+    num_splits,
+    norm,
+    fused_merge,
+    order,
+    monkeypatch,
 ):
     """The fused prologue (raw q/k/v in, norm + rotary + the new token's k/v store done by the
     attention launch) against qk_norm_rope_store followed by decode_attention: the same caches
-    (every slot; a padding row stores nothing) and the output within the dtype's tolerance of
-    the reference composition (rms_norm -> rope -> store -> decode_attention_ref)."""
+    (every slot; a padding row stores nothing; without the norm bit for bit) and the output
+    within the dtype's tolerance of the reference composition (rms_norm -> rope -> store ->
+    decode_attention_ref). The new tokens' slots start as NaN, so a program that read its key
+    before it was stored would poison the output; splits-down runs the splits last-first under
+    the interpreter (on a GPU they run at once), so only the split that reads the new token may
+    store it."""
+    if order == "splits-down":
+        if torch.device(device).type != "cpu":
+            pytest.skip("the program order is the interpreter's")
+        _splits_in_reverse(monkeypatch)
     from kernels.decode_attention import QKRope
     from kernels.qk_norm_rope import qk_norm_rope_store
     from kernels.reference import qk_norm_rope_store_ref
@@ -320,6 +362,9 @@ def test_decode_with_the_qk_rope_prologue_equals_the_two_launches(
     )
     if b > 2:
         slots[1] = -1  # a padding row of a graph: computed, nothing stored
+    for sl_ in slots[slots >= 0].tolist():  # the step writes these: stale reads show as NaN
+        k_cache[sl_ // block_size, sl_ % block_size] = float("nan")
+        v_cache[sl_ // block_size, sl_ % block_size] = float("nan")
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d))
     emb = torch.outer(torch.tensor(seq_lens).float() - 1, inv_freq).repeat(1, 2)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
@@ -370,13 +415,58 @@ def test_decode_with_the_qk_rope_prologue_equals_the_two_launches(
         caches[1][0][~written], k_cache[~written], **same, msg=f"k cache, seed={seed}"
     )
     tol = dict(rtol=4 * torch.finfo(dtype).eps, atol=4 * torch.finfo(dtype).eps)
+    if not norm:  # no float32 reduction: the same roundings give the same bits
+        torch.testing.assert_close(caches[1][0][written], caches[0][0][written], **same)
     for other in (caches[0][0], kc_ref):
         torch.testing.assert_close(caches[1][0][written], other[written], **tol)
+    real_rows = [i for i in range(b) if int(slots[i]) >= 0]
+    outs = [out[real_rows] for out in outs]
+    ref = ref[real_rows]
     for out in outs:
-        assert torch.isfinite(out).all()
+        assert torch.isfinite(out).all(), f"a key read before it was stored (seed={seed})"
         err = rel_err(out, ref)
         # both paths round q and k to the dtype after the norm and rotary as the reference does,
         # but the interpreter's bf16 cast truncates (up to ~3e-2 of q alone:
         # tests/kernels/test_qk_norm_rope.py), which the attention output carries
         assert err <= TOL[dtype] * 3, f"rel err {err:.2e} (seed={seed})"
     assert rel_err(outs[1], outs[0]) <= TOL[dtype], f"fused vs two launches (seed={seed})"
+
+
+def test_qk_rope_refuses_what_it_cannot_run(device):
+    """Mixed steps, shapes, dtypes and lone norm weights are refused before any launch."""
+    from kernels.decode_attention import QKRope
+
+    b, hq, hkv, d = 2, 4, 2, 64
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache, bt = make_paged([20, 9], hkv, d, 16, torch.float32, g)
+    dev = torch.device(device)
+    kc, vc, bt = k_cache.to(dev), v_cache.to(dev), bt.to(dev)
+    q = torch.randn(b, hq, d, device=dev)
+    k = torch.randn(b, hkv, d, device=dev)
+    sl = torch.tensor([20, 9], dtype=torch.int32, device=dev)
+    slots = torch.tensor([3, 40], device=dev)
+    cos = torch.randn(b, d, device=dev)
+    w = torch.ones(d, device=dev)
+    good = QKRope(k, k.clone(), slots, cos, cos.clone(), w, w.clone(), 1e-6)
+    po, plse = decode_scratch(b, hq, d, 2, dev)
+
+    def run(rope, **kw):
+        decode_attention(
+            q, kc, vc, bt, sl, torch.empty_like(q), 0.1, po, plse, 2, qk_rope=rope, **kw
+        )
+
+    from dataclasses import replace
+
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=dev)
+    for bad, kw in (
+        (good, {"cu_seqlens_q": cu}),  # a mixed step
+        (replace(good, k=k[:, :1]), {}),
+        (replace(good, slot_mapping=slots.float()), {}),
+        (replace(good, cos=cos[:, :32]), {}),
+        (replace(good, k_weight=None), {}),  # one norm weight only
+        (replace(good, q_weight=torch.ones(2 * d, device=dev)[::2]), {}),  # strided weight
+        (replace(good, v=k.double()), {}),
+    ):
+        with pytest.raises(ValueError):
+            run(bad, **kw)
+    run(good)  # the same inputs otherwise run
