@@ -380,15 +380,21 @@ class ModelRunner:
         lone_max = self.cache_info.lone_prompt_max_tokens
         if threading.get_ident() == self._built_on_thread or self.device.type != "cuda":
             return
-        try:
-            with torch.inference_mode():
-                # cuBLAS(Lt) handles and workspaces are per thread as well: one small product
-                a = torch.ones(16, 16, dtype=self.dtype, device=self.device)
-                torch.matmul(a, a)
-                if lone_max:
-                    self._warm_up_dense_prefill(lone_max)
-        except Exception as exc:  # noqa: BLE001 - serving goes on; they come on first use
-            log.warning("per-thread device caches not built on the engine thread: %s", exc)
+        steps = [("cuBLAS handle", self._warm_up_blas)]  # cuBLAS(Lt) handles are per thread too
+        if lone_max:
+            steps.append(("cuDNN plans", lambda: self._warm_up_dense_prefill(lone_max)))
+        for what, step in steps:
+            try:
+                with torch.inference_mode():
+                    step()
+            except Exception as exc:  # noqa: BLE001 - serving goes on; made on first use
+                log.warning("%s not made on the engine thread (made on first use): %s", what, exc)
+
+    def _warm_up_blas(self) -> None:
+        """One small product in the model dtype on this thread (its cuBLAS handle and
+        workspace)."""
+        a = torch.ones(16, 16, dtype=self.dtype, device=self.device)
+        torch.matmul(a, a)
 
     def memory_stats(self) -> dict[str, int]:
         """CUDA memory of the engine's device in bytes (empty on the CPU), at most a second old

@@ -310,10 +310,11 @@ def test_cudnn_plans_are_built_again_on_the_engine_loop_thread(tiny_checkpoint, 
     engine = _engine(path, lone_prompt_min_tokens=64)
     try:
         runner = engine.executor
-        built = []
+        built, blas = [], []
         monkeypatch.setattr(
             runner, "_warm_up_dense_prefill", lambda n: built.append((n, threading.get_ident()))
         )
+        monkeypatch.setattr(runner, "_warm_up_blas", lambda: blas.append(threading.get_ident()))
 
         def loop_on_a_thread():
             raised = []
@@ -343,12 +344,13 @@ def test_cudnn_plans_are_built_again_on_the_engine_loop_thread(tiny_checkpoint, 
         engine.prepare_thread()  # the thread that built the engine has its plans
         assert built == []
         ident = loop_on_a_thread()
-        assert built == [(300, ident)]
+        assert built == [(300, ident)] and blas == [ident]
 
-        def fail(n):
+        def fail(*_):
             raise torch.OutOfMemoryError("CUDA out of memory")
 
         monkeypatch.setattr(runner, "_warm_up_dense_prefill", fail)
+        monkeypatch.setattr(runner, "_warm_up_blas", fail)
         loop_on_a_thread()  # logged; the loop still ran to its shutdown
         monkeypatch.setattr(
             runner, "cache_info", dataclasses.replace(runner.cache_info, lone_prompt_max_tokens=0)
