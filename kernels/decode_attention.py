@@ -54,7 +54,7 @@ import triton.language as tl
 from kernels.arrival_counters import arrival_counters
 from kernels.pdl import pdl_kwargs, pdl_wait
 from kernels.prefill_attention import _paged_attn_tile
-from kernels.qk_norm_rope import norm_rope_rows
+from kernels.qk_norm_rope import norm_rope_rows, rope_table_strides
 from kernels.switches import env_switch
 
 __all__ = [
@@ -609,15 +609,6 @@ class QKRope:
     eps: float
 
 
-def _rope_rows(x: torch.Tensor, b: int, d: int, name: str) -> tuple[int, int]:
-    """(token stride, dim stride) of a ``[B, D]`` or ``[B, 1, D]`` rotary table."""
-    if x.dim() == 3 and x.shape[1] == 1:
-        x = x[:, 0]
-    if x.dim() != 2 or tuple(x.shape) != (b, d):
-        raise ValueError(f"{name} must be [B={b}, D={d}] or [B, 1, D], got {tuple(x.shape)}")
-    return x.stride(0), x.stride(1)
-
-
 def _check_qk_rope(r: QKRope, q: torch.Tensor, hkv: int) -> tuple:
     """The launch arguments of the fused prologue (pointers, strides, eps, HAS_NORM).
 
@@ -629,8 +620,8 @@ def _check_qk_rope(r: QKRope, q: torch.Tensor, hkv: int) -> tuple:
         raise ValueError(f"qk_rope k/v must be [B={b}, H_kv={hkv}, D={d}]")
     if r.slot_mapping.shape != (b,) or r.slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"qk_rope slot_mapping must be int32/int64 [B={b}]")
-    cos_strides = _rope_rows(r.cos, b, d, "qk_rope cos")
-    sin_strides = _rope_rows(r.sin, b, d, "qk_rope sin")
+    cos_strides = rope_table_strides(r.cos, b, d, "qk_rope cos")
+    sin_strides = rope_table_strides(r.sin, b, d, "qk_rope sin")
     if (r.q_weight is None) != (r.k_weight is None):
         raise ValueError("qk_rope q_weight and k_weight must both be given or both be None")
     has_norm = r.q_weight is not None

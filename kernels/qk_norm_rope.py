@@ -19,7 +19,7 @@ import triton.language as tl
 
 from kernels.pdl import pdl_kwargs, pdl_wait
 
-__all__ = ["qk_norm_rope_store", "norm_rope_rows"]
+__all__ = ["qk_norm_rope_store", "norm_rope_rows", "rope_table_strides"]
 
 
 @triton.jit
@@ -238,8 +238,12 @@ def _qk_norm_rope_store_kernel(
         tl.store(v_cache_ptr + hi, v2, mask=mask)
 
 
-def _rope_table(x: torch.Tensor, t: int, d: int, name: str) -> tuple[int, int]:
-    """(token stride, dim stride) of a cos/sin table ``[T, D]`` or ``[T, 1, D]``."""
+def rope_table_strides(x: torch.Tensor, t: int, d: int, name: str) -> tuple[int, int]:
+    """(token stride, dim stride) of a cos/sin table ``[T, D]`` or ``[T, 1, D]``.
+
+    Raises:
+        ValueError: another shape (naming ``name``).
+    """
     if x.dim() == 3 and x.shape[1] == 1:
         x = x[:, 0]
     if x.dim() != 2 or tuple(x.shape) != (t, d):
@@ -315,8 +319,8 @@ def qk_norm_rope_store(
         raise ValueError(f"slot_mapping must be [T={t}], got {tuple(slot_mapping.shape)}")
     if slot_mapping.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"slot_mapping must be int64 or int32, got {slot_mapping.dtype}")
-    cos_strides = _rope_table(cos, t, d, "cos")
-    sin_strides = _rope_table(sin, t, d, "sin")
+    cos_strides = rope_table_strides(cos, t, d, "cos")
+    sin_strides = rope_table_strides(sin, t, d, "sin")
     if (q_weight is None) != (k_weight is None):
         raise ValueError("q_weight and k_weight must both be given or both be None")
     has_norm = q_weight is not None
