@@ -220,11 +220,7 @@ class ModelRunner:
                 "KV cache holds %d tokens; max_model_len lowered from %d", capacity, max_len
             )
             max_len = capacity
-        lone_min = config.lone_prompt_min_tokens
-        if lone_min is None:
-            lone_min = DEFAULT_LONE_PROMPT_MIN_TOKENS if cuda else 0
-        if not config.enable_chunked_prefill:
-            lone_min = 0
+        lone_min = self._lone_prompt_min()
         # on CUDA the range is set after the graphs are captured, from the memory they leave
         # (_resolve_lone_prompts); until then no whole-prompt steps
         self.cache_info = CacheInfo(
@@ -297,6 +293,17 @@ class ModelRunner:
             self.graphs.capture()
         if cuda and lone_min:
             self._resolve_lone_prompts(lone_min, rank.size if rank is not None else 1, elem)
+
+    def _lone_prompt_min(self) -> int:
+        """The shortest whole-prompt step configured for this runner:
+        ``lone_prompt_min_tokens``, its default on CUDA when unset (0 elsewhere), 0 without
+        chunked prefill (0 = no whole-prompt steps)."""
+        cfg = self.config
+        if not cfg.enable_chunked_prefill:
+            return 0
+        if cfg.lone_prompt_min_tokens is not None:
+            return cfg.lone_prompt_min_tokens
+        return DEFAULT_LONE_PROMPT_MIN_TOKENS if self.device.type == "cuda" else 0
 
     def _check_lone_range(self, lone_min: int, lone_max: int) -> tuple[int, int]:
         """``(lone_min, lone_max)``, or ``(0, 0)`` (logged when configured) when empty."""
@@ -375,8 +382,9 @@ class ModelRunner:
         ``MHAGraphCache`` in ``aten/src/ATen/native/cudnn/MHA.cpp``).
         Start-up built them on the constructing thread; an engine loop on another thread
         (``--engine-mode thread``) would otherwise build each length on its first use (~74 ms
-        on the H200). A no-op on the constructing thread, on the CPU and without whole-prompt
-        steps. Raises nothing: a plan that cannot be built now is built on first use (logged)."""
+        on the H200). A no-op on the constructing thread and on the CPU; the plans only with
+        whole-prompt steps. Raises nothing: what cannot be made now is made on first use
+        (logged)."""
         lone_max = self.cache_info.lone_prompt_max_tokens
         if threading.get_ident() == self._built_on_thread or self.device.type != "cuda":
             return
@@ -617,11 +625,7 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             # leave room for the graphs and the activations of the largest step
-            whole_prompts = (
-                cfg.enable_chunked_prefill
-                and cfg.lone_prompt_min_tokens != 0
-                and not self.model_config.num_experts
-            )
+            whole_prompts = self._lone_prompt_min() and not self.model_config.num_experts
             reserve = ACTIVATION_RESERVE_BYTES if whole_prompts else STEP_RESERVE_BYTES
             budget = total * cfg.gpu_memory_utilization - used - reserve
         else:
