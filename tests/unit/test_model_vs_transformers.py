@@ -19,6 +19,20 @@ def _engine(path, **kw):
     return build_engine(EngineConfig(**cfg), eos_token_ids=frozenset())
 
 
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of ``prompt``: exactly ``n`` new ids (no EOS stop)."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_prefill_logits_match_transformers(tiny_checkpoint, backend):
     """``triton``: the Triton kernels under the interpreter, q/k norm + rotary + KV store fused
@@ -87,16 +101,7 @@ def test_greedy_generation_with_preemption_matches_transformers(tiny_checkpoint,
     assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
     eng.kv_cache_manager.check_integrity()
     for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([p]),
-                max_new_tokens=32,
-                min_new_tokens=32,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(p) :].tolist()
-        assert out == ref
+        assert out == _hf_greedy(hf, p, 32)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -146,14 +151,5 @@ def test_triton_decode_steps_match_transformers(tiny_checkpoint, monkeypatch, fu
     monkeypatch.setattr(tb, "decode_attention", counted)
     outs = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
     for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([p]),
-                max_new_tokens=6,
-                min_new_tokens=6,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(p) :].tolist()
-        assert out == ref
+        assert out == _hf_greedy(hf, p, 6)
     assert calls and any(calls) is fused, "the decode steps took the other path"
