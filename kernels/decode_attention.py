@@ -609,12 +609,15 @@ class QKRope:
     eps: float
 
 
-def _check_qk_rope(r: QKRope, q: torch.Tensor, hkv: int) -> tuple:
-    """The launch arguments of the fused prologue (pointers, strides, eps, HAS_NORM).
+def _qk_rope_args(r: QKRope | None, q: torch.Tensor, hkv: int) -> tuple[tuple, bool]:
+    """The fused prologue's launch arguments (pointers, strides, eps) and HAS_NORM; without a
+    prologue, placeholders of the same count (``q``'s pointer, zero strides), never read.
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit ``q`` and the cache.
     """
+    if r is None:
+        return (q,) * 7 + (0,) * 10 + (0.0,), False
     b, _, d = q.shape
     if r.k.shape != (b, hkv, d) or r.v.shape != (b, hkv, d):
         raise ValueError(f"qk_rope k/v must be [B={b}, H_kv={hkv}, D={d}]")
@@ -809,11 +812,7 @@ def decode_attention(
         raise ValueError("all tensors must be on q's device")
     if qk_rope is not None and varlen:
         raise ValueError("qk_rope is for pure decode launches (no cu_seqlens_q)")
-    rope_args, has_norm = (
-        _check_qk_rope(qk_rope, q, k_cache.shape[2])
-        if qk_rope is not None
-        else ((q, q, seq_lens, q, q, q, q, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0), False)
-    )
+    rope_args, has_norm = _qk_rope_args(qk_rope, q, k_cache.shape[2])
     if b == 0 or t == 0:
         return out
     # Triton's CPU interpreter multiplies bf16 as raw uint16 in tl.dot: compute 16-bit in fp32
