@@ -19,9 +19,10 @@ SWITCH_NAMES = (
 )
 
 
-def env_switch(name: str, default: bool = True) -> bool:
+def env_switch(name: str, default: bool = True, environ=None) -> bool:
     """The boolean environment variable ``name`` (one of :data:`SWITCH_NAMES`); ``default`` when
-    unset (on, except for switches of variants still to be measured).
+    unset (on, except for switches of variants still to be measured). ``environ``: the
+    variables to read (``os.environ`` when None).
 
     Returns:
         True for 1/true/yes/on, False for 0/false/no/off (any case, surrounding spaces ignored).
@@ -31,7 +32,8 @@ def env_switch(name: str, default: bool = True) -> bool:
     """
     if name not in SWITCH_NAMES:
         raise ValueError(f"{name} is not a registered switch (kernels.switches.SWITCH_NAMES)")
-    value = os.environ.get(name, "1" if default else "0").strip().lower()
+    environ = os.environ if environ is None else environ
+    value = environ.get(name, "1" if default else "0").strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off"):

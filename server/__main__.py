@@ -11,7 +11,7 @@ import sys
 
 from engine.core.config import DEFAULT_MAX_PREFILL_ATTENTION_WITH_DECODES
 from kernels.interpreter import interpreting
-from kernels.switches import SWITCH_NAMES
+from kernels.switches import SWITCH_NAMES, env_switch
 from server.http_server import listen_socket, make_server
 
 log = logging.getLogger("server")
@@ -483,9 +483,24 @@ def unknown_env(parser: argparse.ArgumentParser, environ=os.environ) -> list[str
     return sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
 
 
+def bad_switches(environ=os.environ) -> list[str]:
+    """Why each kernel switch set in ``environ`` has an unreadable value (the kernels read them
+    only on the devices they run on: a bad value would otherwise pass unseen elsewhere)."""
+    errors = []
+    for name in SWITCH_NAMES:
+        if name in environ:
+            try:
+                env_switch(name, environ=environ)
+            except ValueError as exc:
+                errors.append(str(exc))
+    return errors
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    for problem in bad_switches():
+        parser.error(problem)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -224,3 +224,18 @@ def test_misspelt_env_variables_are_reported():
     assert unknown_env(build_parser(), dict.fromkeys(SWITCH_NAMES, "1")) == []
     with pytest.raises(ValueError, match="not a registered switch"):
         env_switch("QWEN_SERVE_NOT_A_SWITCH")
+
+
+def test_a_bad_switch_value_stops_the_start_up(monkeypatch, capsys):
+    """Every kernel switch's value is read at start-up, also where its kernel never runs (the
+    CPU): a value that is not on/off is a start-up error naming the variable."""
+    from server.__main__ import bad_switches, main
+
+    assert bad_switches({"QWEN_SERVE_PDL": "0", "QWEN_SERVE_DENSE_PREFILL": "on"}) == []
+    problems = bad_switches({"QWEN_SERVE_DECODE_FUSED_REDUCE": "maybe", "QWEN_SERVE_PDL": "1"})
+    assert len(problems) == 1 and "QWEN_SERVE_DECODE_FUSED_REDUCE" in problems[0]
+    monkeypatch.setenv("QWEN_SERVE_DECODE_FUSED_QK_ROPE", "sometimes")
+    with pytest.raises(SystemExit) as exc:
+        main(["--port", "0"])
+    assert exc.value.code == 2
+    assert "QWEN_SERVE_DECODE_FUSED_QK_ROPE='sometimes'" in capsys.readouterr().err
