@@ -10,6 +10,7 @@ from engine.attention.registry import get_attention_backend
 from engine.core.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.worker.build import build_engine
+from tests.conftest import hf_greedy
 from tests.engine_helpers import logits_for
 
 
@@ -17,20 +18,6 @@ def _engine(path, **kw):
     cfg = dict(model=path, num_kv_blocks=64, block_size=16, max_num_batched_tokens=4096)
     cfg.update(kw)
     return build_engine(EngineConfig(**cfg), eos_token_ids=frozenset())
-
-
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy continuation of ``prompt``: exactly ``n`` new ids (no EOS stop)."""
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -101,7 +88,7 @@ def test_greedy_generation_with_preemption_matches_transformers(tiny_checkpoint,
     assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
     eng.kv_cache_manager.check_integrity()
     for p, out in zip(prompts, outs):
-        assert out == _hf_greedy(hf, p, 32)
+        assert out == hf_greedy(hf, p, 32)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -151,5 +138,5 @@ def test_triton_decode_steps_match_transformers(tiny_checkpoint, monkeypatch, fu
     monkeypatch.setattr(tb, "decode_attention", counted)
     outs = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
     for p, out in zip(prompts, outs):
-        assert out == _hf_greedy(hf, p, 6)
+        assert out == hf_greedy(hf, p, 6)
     assert calls and any(calls) is fused, "the decode steps took the other path"
