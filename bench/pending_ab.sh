@@ -17,6 +17,9 @@
 #   ab:     bench/ab_trees.py, offline, batch-1 TTFT/TPOT (engine only), serving at c=64/256
 #   lc:     bench/long_context.py, $OLD and this tree, 1k / 8k / 32k prompts at c=1 and 8
 #   fp8ab:  bench/fp8.py --stages kernels engine in $OLD, then here (after "fp8" wrote the table)
+#   ttft:   bench/prefill_profile.py --prompt 1024: the 1k-token prompt's first-token step by
+#           kernel family (GEMMs, attention, norms, the empty decode-row launch), the profile
+#           issue 19's 6 ms TTFT needs next
 # Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD.
 set -u
 OLD=${OLD:-.basetree}
@@ -79,7 +82,9 @@ for stage in ${@:-tests dense}; do
                | grep -v "Warning\|Writing" > "$OUT/fp8_$name.log")
              echo "-- fp8.py in $name ($tree)"; grep "^|\|summed" "$OUT/fp8_$name.log" | tail -32
            done ;;
-    *)     echo "unknown stage $stage (tests check dense decode fp8 ab lc fp8ab)"; exit 2 ;;
+    ttft)  timeout "$(left 90)" python3 bench/prefill_profile.py --ckpt $CKPT --prompt 1024 --top 20 \
+             2>&1 | grep -v Warning | tee "$OUT/ttft_profile.txt" | tail -40 ;;
+    *)     echo "unknown stage $stage (tests check dense decode fp8 ab lc fp8ab ttft)"; exit 2 ;;
   esac
   stamp "$stage"
 done
