@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch.nn.functional as F
 import triton
 
+from bench.decode_configs import DECODE_CONFIGS
 from engine.core.config import DEFAULT_CUDA_BLOCK_SIZE
 from kernels.decode_attention import (
     choose_num_splits,
@@ -339,14 +340,6 @@ def run_prefill(device, g, quick, best, block_size):
 
 
 # ----------------------------------------------------------------------------- decode
-DECODE_CONFIGS = [
-    {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "BT_PREFETCH": True},
-    {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "BT_PREFETCH": True},
-    {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "BT_PREFETCH": True},
-    {"BLOCK_N": 32, "num_warps": 4, "num_stages": 4, "BT_PREFETCH": True},
-    {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "BT_PREFETCH": True},
-]
 
 
 def decode_setup(b, ctx, device, g, block_size, min_bytes=256 << 20):
