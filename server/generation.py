@@ -174,6 +174,7 @@ class Generation:
             skip_special_tokens=p.skip_special_tokens,
             stop=p.stop,
             include_stop_str_in_output=p.include_stop_str_in_output,
+            min_tokens=p.min_tokens,
         )
         stop_ids = set(p.stop_token_ids) | (
             set() if p.ignore_eos else set(self.engine.limits.eos_token_ids)

@@ -34,7 +34,10 @@ class IncrementalDetokenizer:
     completes one or can no longer do so. When stop strings occur, the one that *ends* first in
     the text wins (ties: the longest, i.e. earliest start); output is cut before it, or after
     it with `include_stop_str_in_output` (then nothing needs holding back). This makes the
-    result independent of how the text was split into tokens and steps.
+    result independent of how the text was split into tokens and steps. With ``min_tokens``, a
+    stop string counts only where it ends in text that came after the first ``min_tokens``
+    generated tokens (vLLM's detokenizer, PR #22014: the stop-string check skips the text of
+    those tokens, as the engine's ``min_tokens`` holds back EOS and ``stop_token_ids``).
 
     Invariant: ``output_text`` (the concatenation of all returned deltas) equals
     ``tokenizer.decode(output_ids, skip_special_tokens)`` cut at the matched stop string, and
@@ -48,6 +51,7 @@ class IncrementalDetokenizer:
         stop: stop strings (empty strings are ignored).
         include_stop_str_in_output: keep the matched stop string at the end of the output.
         context_tokens: how many trailing prompt tokens to decode as context (vLLM uses 5).
+        min_tokens: generated tokens whose text cannot end a stop string (0 = none).
 
     Attributes:
         output_text: all text emitted so far.
@@ -66,12 +70,15 @@ class IncrementalDetokenizer:
         stop: Sequence[str] | None = None,
         include_stop_str_in_output: bool = False,
         context_tokens: int = 5,
+        min_tokens: int = 0,
     ):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._stops = [s for s in (stop or []) if s]
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
+        self._stop_floor = 0  # a stop string must end past this offset of `_text`
         context = list(prompt_ids[-context_tokens:]) if context_tokens > 0 else []
         if context and self._decode(context).endswith(_REPLACEMENT):
             context = []  # prompt ends inside a character: decoding from it would misalign
@@ -97,10 +104,21 @@ class IncrementalDetokenizer:
         """
         if self.finished:
             return ""
+        held = self._min_tokens - len(self.output_ids)
+        if 0 < held < len(new_ids):  # the step crosses min_tokens: mark the floor between
+            self._feed(new_ids[:held])
+            new_ids = new_ids[held:]
+        self._feed(new_ids)
+        return self._emit(final=False)
+
+    def _feed(self, new_ids: Sequence[int]) -> None:
+        """Append generated ids and their text; inside the first ``min_tokens`` ids, raise the
+        floor a stop string must end past."""
         self.output_ids.extend(new_ids)
         self._ids.extend(new_ids)
         self._text += self._read_new_text(final=False)
-        return self._emit(final=False)
+        if len(self.output_ids) <= self._min_tokens:
+            self._stop_floor = len(self._text)
 
     def finish(self) -> str:
         """End of generation (no stop string matched): flush held-back text and return it.
@@ -153,11 +171,12 @@ class IncrementalDetokenizer:
         return delta
 
     def _find_stop(self, start: int) -> tuple[str, int] | None:
-        """Earliest-ending stop string occurrence starting at or after `start` (ties: the
-        longest). Occurrences that ended before the last check were found by that check."""
+        """Earliest-ending stop string occurrence starting at or after `start` and ending past
+        the ``min_tokens`` text (ties: the longest). Occurrences that ended before the last
+        check were found by that check."""
         best: tuple[int, int, str] | None = None
         for stop in self._stops:
-            pos = self._text.find(stop, start)
+            pos = self._text.find(stop, max(start, self._stop_floor - len(stop) + 1))
             if pos >= 0:
                 key = (pos + len(stop), pos, stop)
                 if best is None or key[:2] < best[:2]:

@@ -43,11 +43,14 @@ def stream(
     return out
 
 
-def cut_at_stop(text: str, stops: list[str], include: bool) -> tuple[str, str | None]:
-    """Reference: the stop occurrence that ends first (ties: longest) cuts the text."""
+def cut_at_stop(
+    text: str, stops: list[str], include: bool, floor: int = 0
+) -> tuple[str, str | None]:
+    """Reference: the stop occurrence that ends first past ``floor`` (the text of the
+    ``min_tokens`` tokens) cuts the text (ties: longest)."""
     best = None
     for s in stops:
-        if s and (pos := text.find(s)) >= 0:
+        if s and (pos := text.find(s, max(0, floor - len(s) + 1))) >= 0:
             key = (pos + len(s), pos, s)
             best = key if best is None or key[:2] < best[:2] else best
     if best is None:
@@ -197,3 +200,42 @@ def test_fuzz_random_stops(tok, byte_id):
         text = "".join(stream(detok, ids, [rng.randint(1, 4) for _ in ids]))
         expected, matched = cut_at_stop(full, stops, include)
         assert (text, detok.stopped) == (expected, matched), (ids, stops)
+
+
+def test_min_tokens_text_ends_no_stop_string(tok):
+    """A stop string that ends in the text of the first ``min_tokens`` tokens does not stop the
+    output (vLLM, PR #22014); one that begins there and ends after does."""
+    ids = tok.encode("a b a b a b END")
+    assert tok.decode(ids[:3]) == "a b a"
+    plain = IncrementalDetokenizer(tok, stop=["b"])
+    assert "".join(stream(plain, ids)) == "a " and plain.stopped == "b"
+    held = IncrementalDetokenizer(tok, stop=["b"], min_tokens=3)
+    assert "".join(stream(held, ids)) == "a b a " and held.stopped == "b"
+    spanning = IncrementalDetokenizer(tok, stop=["a b"], min_tokens=2)  # "a b" | " a b"
+    assert "".join(stream(spanning, ids)) == "a b " and spanning.stopped == "a b"
+    none = IncrementalDetokenizer(tok, stop=["a", "b"], min_tokens=len(ids))
+    assert "".join(stream(none, ids)) == "a b a b a b END" and none.stopped is None
+
+
+def test_fuzz_min_tokens_stops(tok):
+    """Random stop strings and min_tokens on text whose tokens decode to whole characters,
+    against the reference cut past the text of the first min_tokens tokens."""
+    rng = random.Random(11)
+    words = ["the", " end", " a", "b", " 42", ",", "\n", " stop", "to", "ok", " é", "中文"]
+    for _ in range(300):
+        full = "".join(rng.choice(words) for _ in range(rng.randint(1, 20)))
+        ids = tok.encode(full)
+        assert tok.decode(ids) == full
+        min_tokens = rng.randint(0, len(ids) + 1)
+        stops = []
+        for _ in range(rng.randint(1, 3)):
+            a = rng.randrange(len(full))
+            stops.append(full[a : a + rng.randint(1, 5)])
+        include = rng.random() < 0.5
+        detok = IncrementalDetokenizer(
+            tok, stop=stops, include_stop_str_in_output=include, min_tokens=min_tokens
+        )
+        text = "".join(stream(detok, ids, [rng.randint(1, 3) for _ in ids]))
+        floor = len(tok.decode(ids[:min_tokens]))
+        expected, matched = cut_at_stop(full, stops, include, floor)
+        assert (text, detok.stopped) == (expected, matched), (full, stops, min_tokens)
