@@ -18,6 +18,7 @@ from server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     ChoiceLogprobs,
     ResponseMessage,
     ResponseToolCall,
@@ -122,8 +123,15 @@ def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> str:
         raise APIError(
             400, f"chat_template_kwargs cannot set {sorted(reserved)}", "chat_template_kwargs"
         )
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError(
+            400,
+            "continue_final_message continues the final message: it needs "
+            "add_generation_prompt false",
+            "continue_final_message",
+        )
     try:
-        return tokenizer.apply_chat_template(
+        text = tokenizer.apply_chat_template(
             messages_to_dicts(req),
             tools=tools,
             add_generation_prompt=req.add_generation_prompt,
@@ -131,6 +139,39 @@ def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> str:
         )
     except ValueError as exc:
         raise APIError(400, f"chat template error: {exc}", "messages") from None
+    return continue_final_message(text, req.messages[-1]) if req.continue_final_message else text
+
+
+def continue_final_message(text: str, final: ChatMessage) -> str:
+    """The rendered conversation ``text`` cut right after the final message's text, so that the
+    model continues that message instead of starting a new one (vLLM's
+    ``continue_final_message``; transformers' ``apply_chat_template`` cuts the same way): the
+    last occurrence of the message's text without its surrounding white space, followed by
+    the message's trailing white space where the template kept it.
+
+    Raises:
+        APIError: 400 naming ``continue_final_message`` when the final message has no text or
+            the template does not show it verbatim.
+    """
+    content = final.text() or ""
+    core = content.strip()
+    if not core:
+        raise APIError(
+            400, "continue_final_message needs a final message with text", "continue_final_message"
+        )
+    at = text.rfind(core)
+    if at < 0:
+        raise APIError(
+            400,
+            "continue_final_message: the chat template does not show the final message's text "
+            "as it is, so it cannot be continued",
+            "continue_final_message",
+        )
+    end = at + len(core)
+    trailing = content[len(content.rstrip()) :]
+    if trailing and text.startswith(trailing, end):
+        end += len(trailing)
+    return text[:end]
 
 
 class ChatCompletions:
@@ -176,7 +217,7 @@ class ChatCompletions:
                 await ctx.structured_output(tool_grammar, tool_param)
             grammar, param = tools_grammar, "tool_choice"
         prompt = render_prompt(ctx.tokenizer, req)
-        prompt_ids = await ctx.encode_prompt_async(prompt, "messages")
+        prompt_ids = await ctx.encode_request_prompt(prompt, "messages", req.add_special_tokens)
         ctx.check_prompt_length(len(prompt_ids), "messages")
         start_after = None
         if (
@@ -299,7 +340,7 @@ class ChatCompletions:
         names = TokenNames(self.ctx.tokenizer, req.return_tokens_as_token_ids)
 
         def chunk(index: int, delta: dict, finish: str | None = None, logprobs=None) -> str:
-            choice = {"index": index, "delta": delta, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
             if logprobs is not None:
                 choice["logprobs"] = logprobs.model_dump(exclude_none=True)
             return writer.choice(choice)

@@ -33,13 +33,14 @@ class Completions:
 
     async def _prompts(self, req: CompletionRequest) -> list[list[int]]:
         p = req.prompt
-        encode = self.ctx.encode_prompt_async
+        encode = self.ctx.encode_request_prompt
+        special = req.add_special_tokens
         if isinstance(p, str):
-            return [await encode(p, "prompt")]
+            return [await encode(p, "prompt", special)]
         if all(isinstance(x, int) for x in p):
             return [list(p)]
         if all(isinstance(x, str) for x in p):
-            return [await encode(x, f"prompt.{i}") for i, x in enumerate(p)]
+            return [await encode(x, f"prompt.{i}", special) for i, x in enumerate(p)]
         return [list(x) for x in p]
 
     async def start(self, req: CompletionRequest) -> tuple[list[Generation], str]:

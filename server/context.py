@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from engine.core.stats import RequestStats
 from engine.core.structured_output import StructuredOutputSpec
@@ -82,6 +83,25 @@ class ServerContext:
             return self.tokenizer.encode(text, add_special_tokens=True)
         except (TypeError, ValueError, UnicodeError) as exc:
             raise _unencodable(param, exc) from None
+
+    @cached_property
+    def special_tokens_added(self) -> bool:
+        """Whether the tokenizer's post-processor adds tokens (``add_special_tokens``); Qwen's adds
+        none, so the flag changes no id there and the fast encoder keeps serving it."""
+        return self.tokenizer.encode("a", add_special_tokens=True) != self.tokenizer.encode("a")
+
+    async def encode_request_prompt(
+        self, text: str, param: str, add_special_tokens: bool
+    ) -> list[int]:
+        """A request's prompt ids: :meth:`encode_prompt_async`, or with ``add_special_tokens``
+        (vLLM's request field) the tokenizer's post-processor where it adds anything.
+
+        Raises:
+            APIError: as :meth:`encode_prompt`.
+        """
+        if add_special_tokens and self.special_tokens_added:
+            return self.encode_with_special_tokens(text, param)
+        return await self.encode_prompt_async(text, param)
 
     async def encode_prompt_async(self, text: str, param: str = "prompt") -> list[int]:
         """:meth:`encode_prompt` off the event loop for long prompts.

@@ -122,6 +122,9 @@ def install_error_handlers(app: FastAPI) -> None:
                     "the request body must be a JSON object "
                     "(send it with Content-Type: application/json)"
                 )
+        elif first.get("type") == "extra_forbidden" and param and "." not in param:
+            # OpenAI's wording; the field is never silently dropped (server.protocol)
+            msg, code = f"Unrecognized request argument supplied: {param}", "unrecognized_argument"
         elif first.get("type") == "missing" and param is None:
             msg = "the request body is empty; send a JSON object"
         elif first.get("type") == "missing":

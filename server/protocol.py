@@ -1,12 +1,23 @@
 """Pydantic models of the OpenAI request and response bodies (chat and text completions).
 
 Shapes follow OpenAI's API reference; extra sampling fields (top_k, min_p, repetition_penalty,
-stop_token_ids, ignore_eos, min_tokens, chat_template_kwargs, ...) follow vLLM. Unknown fields
-are ignored. Range rules live here so that a bad value becomes a 400 naming the parameter.
+stop_token_ids, ignore_eos, min_tokens, chat_template_kwargs, ...) follow vLLM. Range rules live
+here so that a bad value becomes a 400 naming the parameter.
+
+No field is accepted and then dropped: an unknown top-level field is a 400 naming it (OpenAI's
+"Unrecognized request argument supplied"), and the fields of OpenAI's and vLLM's bodies that
+this server does not apply (:data:`NOT_APPLIED`, :data:`CHAT_NOT_APPLIED`) are accepted only with
+the value that asks for nothing (null, or e.g. ``use_beam_search: false``). Fields without an
+effect on the output are accepted: ``user``, ``metadata``, ``prompt_cache_key`` and
+``safety_identifier`` (identifiers and hints), ``guided_decoding_backend`` (the server's grammar
+engine enforces the constraint whatever it names) and ``spaces_between_special_tokens`` (special
+tokens are joined without spaces, as vLLM's fast-tokenizer path joins them whatever it says).
+Nested objects stay lenient: clients send back response fields (a message's ``refusal``).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -37,6 +48,79 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # NaN/inf: "a finite number"
+
+
+class _Request(BaseModel):
+    """A top-level request body: an unknown field is a validation error (``extra_forbidden``,
+    answered as OpenAI's "Unrecognized request argument supplied")."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+#: the reason given for a value of a field this server does not apply
+_NOT_APPLIED_WHY = {
+    "truncate_prompt_tokens": "prompts are not truncated; shorten the prompt",
+    "functions": "use tools",
+    "function_call": "use tool_choice with tools",
+    "store": "completions are not stored",
+    "service_tier": "only 'auto' or 'default' is served",
+    "modalities": 'only ["text"] is served',
+}
+
+#: fields of OpenAI's and vLLM's completion bodies that this server does not apply, and the
+#: values (besides null) that ask for nothing: any other value is a 400 naming the field
+NOT_APPLIED: dict[str, tuple] = {
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "early_stopping": (False,),
+    "truncate_prompt_tokens": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "priority": (0,),
+    "request_id": (),
+    "logits_processors": (),
+    "guided_whitespace_pattern": (),
+    "cache_salt": (),
+    "kv_transfer_params": (),
+    "vllm_xargs": (),
+    "structural_tag": (),
+    "return_token_ids": (False,),
+}
+#: the same for fields of the chat body only
+CHAT_NOT_APPLIED: dict[str, tuple] = {
+    "functions": (),
+    "function_call": (),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "web_search_options": (),
+    "modalities": (["text"],),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+    "documents": (),
+    "chat_template": (),
+    "mm_processor_kwargs": (),
+}
+
+
+def no_op_only(v, info):
+    """A field of :data:`NOT_APPLIED` / :data:`CHAT_NOT_APPLIED` holds null or a value that asks
+    for nothing (same type and value: ``0`` is not ``false``); returns None.
+
+    Raises:
+        ValueError: for any other value, saying the field is not supported (and why).
+    """
+    name = info.field_name
+    allowed = NOT_APPLIED.get(name, CHAT_NOT_APPLIED.get(name, ()))
+    if v is None or any(type(v) is type(a) and v == a for a in allowed):
+        return None
+    why = _NOT_APPLIED_WHY.get(name)
+    noop = " or ".join(json.dumps(a) for a in allowed) or "null"
+    raise ValueError(
+        f"{name} is not supported by this server (accepted only as {noop})"
+        + (f": {why}" if why else "")
+    )
 
 
 class TextPart(_Lenient):
@@ -107,6 +191,18 @@ class ChatMessage(_Lenient):
 
 class StreamOptions(_Lenient):
     include_usage: bool = Field(False, strict=True)
+    # vLLM's usage in every chunk: not served (null or false only)
+    continuous_usage_stats: bool | None = Field(None, strict=True)
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _final_usage_only(cls, v):
+        if v:
+            raise ValueError(
+                "continuous_usage_stats is not supported by this server: include_usage puts "
+                "the usage in the final chunk"
+            )
+        return v
 
 
 class FunctionDef(_Lenient):
@@ -191,7 +287,7 @@ class StructuredOutputsParams(_Lenient):
     json_object: bool | None = Field(None, strict=True)
 
 
-class SamplingFields(_Lenient):
+class SamplingFields(_Request):
     """Fields shared by chat and text completions.
 
     An explicit ``null`` for a field with a default means that default (OpenAI's clients send
@@ -246,6 +342,42 @@ class SamplingFields(_Lenient):
     guided_grammar: str | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
     return_tokens_as_token_ids: bool = Field(False, strict=True)
+    # accepted, no effect on the output (see the module docstring)
+    metadata: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    guided_decoding_backend: str | None = None
+    spaces_between_special_tokens: bool = Field(True, strict=True)
+    # OpenAI's best_of: only n (every sampled sequence is returned)
+    best_of: int | None = Field(None, ge=1, strict=True)
+    # not applied: null or the value that asks for nothing (NOT_APPLIED)
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    early_stopping: Any = None
+    truncate_prompt_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    priority: Any = None
+    request_id: Any = None
+    logits_processors: Any = None
+    guided_whitespace_pattern: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    structural_tag: Any = None
+    return_token_ids: Any = None
+
+    _not_applied = field_validator(*NOT_APPLIED, mode="before")(no_op_only)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v, info):
+        n = info.data.get("n", 1)
+        if v is not None and v != n:
+            raise ValueError(
+                f"best_of must equal n ({n}): this server samples n sequences and returns them all"
+            )
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -289,11 +421,28 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = Field(True, strict=True)
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = Field(True, strict=True)
+    continue_final_message: bool = Field(False, strict=True)
+    add_special_tokens: bool = Field(False, strict=True)
     # vLLM's chat echo (prepend the last message): rejected when true
     echo: bool = Field(False, strict=True)
+    # not applied: null or the value that asks for nothing (CHAT_NOT_APPLIED)
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    modalities: Any = None
+    store: Any = None
+    service_tier: Any = None
+    documents: Any = None
+    chat_template: Any = None
+    mm_processor_kwargs: Any = None
 
     _tool_choice = field_validator("tool_choice", mode="before")(named_tool_choice)
     _template_kwargs = field_validator("chat_template_kwargs")(thinking_switch)
+    _chat_not_applied = field_validator(*CHAT_NOT_APPLIED, mode="before")(no_op_only)
 
 
 class CompletionRequest(SamplingFields):
@@ -302,6 +451,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = Field(False, strict=True)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
     suffix: str | None = None
+    add_special_tokens: bool = Field(True, strict=True)
 
     @field_validator("prompt")
     @classmethod
@@ -311,7 +461,7 @@ class CompletionRequest(SamplingFields):
         return v
 
 
-class TokenizeCompletionRequest(_Lenient):
+class TokenizeCompletionRequest(_Request):
     """``POST /tokenize`` with a prompt (vLLM's shape)."""
 
     model: str | None = None
@@ -320,14 +470,14 @@ class TokenizeCompletionRequest(_Lenient):
     return_token_strs: bool = Field(False, strict=True)
 
 
-class TokenizeChatRequest(_Lenient):
+class TokenizeChatRequest(_Request):
     """``POST /tokenize`` with chat messages, rendered as ``/v1/chat/completions`` renders them
     (vLLM's shape; ``tool_choice`` "none" leaves the tools out, as in chat completions)."""
 
     model: str | None = None
     messages: list[ChatMessage] = Field(..., min_length=1)
     add_generation_prompt: bool = Field(True, strict=True)
-    continue_final_message: bool = Field(False, strict=True)  # not supported: rejected when true
+    continue_final_message: bool = Field(False, strict=True)
     add_special_tokens: bool = Field(False, strict=True)
     return_token_strs: bool = Field(False, strict=True)
     chat_template_kwargs: dict[str, Any] | None = None
@@ -338,7 +488,7 @@ class TokenizeChatRequest(_Lenient):
     _template_kwargs = field_validator("chat_template_kwargs")(thinking_switch)
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(_Request):
     """``POST /detokenize`` (vLLM's shape)."""
 
     model: str | None = None
@@ -379,6 +529,7 @@ class TokenLogprob(TopLogprob):
 
 class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
 
 
 class ResponseToolCall(BaseModel):
@@ -390,6 +541,7 @@ class ResponseToolCall(BaseModel):
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    refusal: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ResponseToolCall] | None = None
 
@@ -408,6 +560,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    system_fingerprint: str | None = None
     prompt_logprobs: list[dict[str, PromptLogprobValue] | None] | None = None
 
 
@@ -441,6 +594,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None
 
 
 class ModelCard(BaseModel):

@@ -24,7 +24,7 @@ class ChunkWriter:
         dumps = json.dumps
         self._head = (
             f'data: {{"id":{dumps(stream_id)},"object":{dumps(obj)},'
-            f'"created":{created},"model":{dumps(model)},'
+            f'"created":{created},"model":{dumps(model)},"system_fingerprint":null,'
         )
 
     def choice(self, choice: dict) -> str:

@@ -81,10 +81,6 @@ class Tokenization:
         check_request_text(req)
         ctx.check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
-            if req.continue_final_message:
-                raise APIError(
-                    400, "continue_final_message is not supported", "continue_final_message"
-                )
             check_tool_choice(req)  # as chat completions checks it
             text = render_prompt(ctx.tokenizer, req)
             param = "messages"

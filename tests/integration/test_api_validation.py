@@ -1,6 +1,7 @@
 """Request validation over real HTTP: every rule answers 400 with an OpenAI error body naming the
-parameter, an unknown model 404, an oversized body 413; unknown fields are ignored; and no input,
-bad or merely unusual, breaks the engine loop or changes another request's output.
+parameter, an unknown model 404, an oversized body 413; an unknown field is a 400 naming it, a
+known field the server does not apply is accepted only with the value that asks for nothing;
+and no input, bad or merely unusual, breaks the engine loop or changes another request's output.
 
 Requests go through the official openai client (it sends whatever it is given, so it can carry
 most bad values); raw httpx is used for what it cannot send (invalid JSON, huge or chunked bodies).
@@ -494,19 +495,35 @@ def test_oversized_body_is_413(server):
     assert r.status_code == 413 and set(r.json()["error"]) == ERROR_KEYS
 
 
-def test_unknown_fields_are_ignored_and_text_parts_accepted(client, baseline):
+def test_fields_without_effect_accepted_and_text_parts_accepted(client, baseline):
+    """Fields that change no output (identifiers, hints, the no-op values of fields the server
+    does not apply) and response fields echoed back inside a message are accepted."""
+    messages = GREEDY["messages"] + [
+        {"role": "assistant", "content": "Once", "refusal": None, "annotations": []},
+        {"role": "user", "content": "Go on."},
+    ]
+    ref = client.chat.completions.create(**{**GREEDY, "messages": messages})
     out = client.chat.completions.create(
-        **GREEDY,
+        **{**GREEDY, "messages": messages},
         extra_body={
             "metadata": {"k": "v"},
             "store": False,
             "parallel_tool_calls": False,
             "service_tier": "auto",
-            "frobnicate": [1, 2, {"x": None}],
-            "messages_extra": True,
+            "user": "u-1",
+            "prompt_cache_key": "k",
+            "modalities": ["text"],
+            "use_beam_search": False,
+            "length_penalty": 1.0,
+            "best_of": 1,
+            "bad_words": [],
+            "priority": 0,
+            "guided_decoding_backend": "xgrammar",
+            "spaces_between_special_tokens": True,
+            "reasoning_effort": None,
         },
     )
-    assert out.choices[0].message.content == baseline
+    assert out.choices[0].message.content == ref.choices[0].message.content
     parts = [
         {
             "role": "user",
@@ -519,9 +536,46 @@ def test_unknown_fields_are_ignored_and_text_parts_accepted(client, baseline):
     out = client.chat.completions.create(**{**GREEDY, "messages": parts})
     assert out.choices[0].message.content == baseline
     out = client.completions.create(
-        model=MODEL, prompt="Hello", max_tokens=2, extra_body={"whatever": 1}
+        model=MODEL, prompt="Hello", max_tokens=2, n=2, extra_body={"best_of": 2}
     )
-    assert out.usage.completion_tokens == 2
+    assert out.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize(
+    "endpoint,fields,param,says",
+    [
+        ("chat", {"frobnicate": [1]}, "frobnicate", "Unrecognized request argument"),
+        ("completions", {"whatever": 1}, "whatever", "Unrecognized request argument"),
+        ("chat", {"best_of": 3}, "best_of", "best_of must equal n"),
+        ("completions", {"use_beam_search": True}, "use_beam_search", "not supported"),
+        ("completions", {"use_beam_search": 0}, "use_beam_search", "not supported"),
+        ("completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids", "not supported"),
+        ("completions", {"bad_words": ["the"]}, "bad_words", "not supported"),
+        ("completions", {"truncate_prompt_tokens": 1}, "truncate_prompt_tokens", "shorten"),
+        ("chat", {"functions": [{"name": "f"}]}, "functions", "use tools"),
+        ("chat", {"function_call": {"name": "f"}}, "function_call", "tool_choice"),
+        ("chat", {"chat_template": "{{ 1/0 }}"}, "chat_template", "not supported"),
+        ("chat", {"reasoning_effort": "high"}, "reasoning_effort", "not supported"),
+        ("chat", {"store": True}, "store", "not stored"),
+        ("chat", {"service_tier": "flex"}, "service_tier", "'auto' or 'default'"),
+        (
+            "chat",
+            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+            "final chunk",
+        ),
+    ],
+)
+def test_fields_not_applied_are_refused(client, endpoint, fields, param, says):
+    """An unknown field, or a known one this server does not apply set to a value that asks
+    for something: a 400 naming it (never accepted and dropped)."""
+    fields = dict(fields)
+    direct = {k: fields.pop(k) for k in ("stream", "stream_options") if k in fields}
+    call = client.chat.completions if endpoint == "chat" else client.completions
+    with pytest.raises(openai.BadRequestError) as exc:
+        call.create(**{**request_args(endpoint, direct), "extra_body": fields})
+    err = exc.value.body
+    assert err["param"] == param and says in err["message"], err
 
 
 CHAT_ONLY = {"chat_template_kwargs", "tools", "tool_choice", "logprobs", "top_logprobs"}

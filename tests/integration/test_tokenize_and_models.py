@@ -3,6 +3,8 @@ transformers' tokenizer and the chat endpoint's own usage counts."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -175,3 +177,89 @@ def test_tokenize_errors_are_openai_bodies(server, path, body, status, param):
 def test_tokenize_rejects_a_body_that_is_not_json(server):
     r = httpx.post(server.base_url + "/tokenize", content=b"{nope", timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "json_invalid"
+
+
+CONTINUED = MESSAGES + [{"role": "assistant", "content": "My favourite colour is "}]
+
+
+def test_continue_final_message_matches_transformers(server, client, hf_tok):
+    """``continue_final_message``: the conversation rendered open at the final message, as
+    transformers' ``apply_chat_template(continue_final_message=True)`` renders it (its trailing
+    space kept); chat completions generate from exactly those ids."""
+    rendered = hf_tok.apply_chat_template(
+        CONTINUED, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    expected = hf_tok(rendered, add_special_tokens=False)["input_ids"]
+    assert hf_tok.decode(expected).endswith("My favourite colour is ")
+    body = {"messages": CONTINUED, "add_generation_prompt": False, "continue_final_message": True}
+    r = _post(server, "/tokenize", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == expected
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=CONTINUED,
+        max_tokens=5,
+        temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True},
+    )
+    assert chat.usage.prompt_tokens == len(expected)
+    text = client.completions.create(model=MODEL, prompt=expected, max_tokens=5, temperature=0)
+    assert chat.choices[0].message.content == text.choices[0].text
+
+
+@pytest.mark.parametrize(
+    "body,says",
+    [
+        ({"messages": CONTINUED, "continue_final_message": True}, "add_generation_prompt false"),
+        (
+            {
+                "messages": MESSAGES + [{"role": "assistant", "content": "  "}],
+                "add_generation_prompt": False,
+                "continue_final_message": True,
+            },
+            "with text",
+        ),
+    ],
+)
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/chat/completions"])
+def test_continue_final_message_refusals(server, path, body, says):
+    r = _post(server, path, {"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "continue_final_message" and says in err["message"], err
+
+
+def test_add_special_tokens_applies_the_post_processor(server, client, hf_tok):
+    """vLLM's ``add_special_tokens`` on completions and chat: the tokenizer's post-processor,
+    which for Qwen adds nothing, so both values give transformers' ids."""
+    for flag in (True, False):
+        out = client.completions.create(
+            model=MODEL, prompt="Hello there", max_tokens=1, extra_body={"add_special_tokens": flag}
+        )
+        assert out.usage.prompt_tokens == len(
+            hf_tok("Hello there", add_special_tokens=flag)["input_ids"]
+        )
+        chat = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=1, extra_body={"add_special_tokens": flag}
+        )
+        rendered = hf_tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+        assert chat.usage.prompt_tokens == len(
+            hf_tok(rendered, add_special_tokens=flag)["input_ids"]
+        )
+
+
+def test_response_shapes_carry_openai_nulls(server):
+    """``refusal`` and ``system_fingerprint`` are present (null) as OpenAI sends them, and every
+    chat chunk's choice has ``logprobs`` (null without log-probabilities)."""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3}
+    r = _post(server, "/v1/chat/completions", body).json()
+    assert r["system_fingerprint"] is None and r["choices"][0]["message"]["refusal"] is None
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}).json()
+    assert "system_fingerprint" in r and r["system_fingerprint"] is None
+    with httpx.stream(
+        "POST", server.base_url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60
+    ) as resp:
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: {")]
+    chunks = [json.loads(e) for e in events]
+    assert chunks and all(c["system_fingerprint"] is None for c in chunks)
+    assert all("logprobs" in ch and ch["logprobs"] is None for c in chunks for ch in c["choices"])
