@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from engine.core.request import FinishReason, SamplingParams
 from engine.core.stats import RequestStats
+from engine.core.structured_output import GRAMMAR_ERROR_PREFIX
 from engine.frontend.async_engine import AsyncEngine, RequestStream
 from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.frontend.tokenizer import Tokenizer
@@ -56,6 +57,12 @@ class EngineError(RuntimeError):
     """The engine failed while running a request (HTTP 500 / an error chunk)."""
 
 
+class GrammarFailed(EngineError):
+    """The request's own grammar failed while it ran (llguidance could not continue it, e.g. a
+    recursion too deep to follow): the request's error (HTTP 400 / an error chunk, code
+    ``grammar_error``), not the engine's."""
+
+
 class ServerAborted(EngineError):
     """The server ended the request: it is shutting down and the graceful timeout expired
     (HTTP 503 / an error chunk, code ``server_shutting_down``)."""
@@ -65,6 +72,8 @@ def engine_api_error(exc: EngineError) -> APIError:
     """The OpenAI error for a request the engine failed or the server ended."""
     if isinstance(exc, ServerAborted):
         return APIError(503, str(exc), None, "server_shutting_down")
+    if isinstance(exc, GrammarFailed):
+        return APIError(400, str(exc), None, "grammar_error")
     return APIError(500, f"engine error: {exc}")
 
 
@@ -195,6 +204,8 @@ class Generation:
                     self._finish(index, "abort")
                     raise ServerAborted(out.error)
                 self._finish(index, "error")
+                if out.error.startswith(GRAMMAR_ERROR_PREFIX):
+                    raise GrammarFailed(out.error)
                 raise EngineError(out.error)
             ids, logprobs, prompt_lps = out.new_token_ids, out.logprobs, out.prompt_logprobs
             text_ids = ids

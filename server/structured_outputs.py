@@ -21,6 +21,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from engine.core.structured_output import matcher_error
 from server.errors import APIError
 from server.protocol import SamplingFields
 
@@ -266,10 +267,29 @@ class GrammarValidator:
             return self._tokenizer
 
     def _check(self, grammar: str) -> str:
+        """ "" for a grammar that compiles and can start an output, else why not.
+
+        Beyond compiling, the grammar's first step is computed as the engine will compute it:
+        the first token mask (a grammar no text matches, e.g. ``root ::= root``, allows no
+        token: the engine would end the request with an empty, non-matching output) and the
+        tokens it forces from the start, consumed (a grammar whose every derivation is endless,
+        e.g. ``root ::= "(" root ")"`` or a JSON schema whose required properties recurse
+        forever, forces tokens until llguidance gives up mid-request).
+        """
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
-        return matcher.get_error() if matcher.is_error() else ""
+        if matcher.is_error():
+            return matcher_error(matcher)
+        matcher.compute_bitmask()
+        if matcher.is_error() or (matcher.is_stopped() and not matcher.is_accepting()):
+            return "no text matches it"
+        forced = matcher.compute_ff_tokens()
+        if forced and not matcher.consume_tokens(forced) or matcher.is_error():
+            return (
+                f"no finite text matches it (it forces an endless output: {matcher_error(matcher)})"
+            )
+        return ""
 
     async def validate(self, grammar: str, param: str) -> None:
         """Compile ``grammar`` once (cached) within ``timeout_s``.

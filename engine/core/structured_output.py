@@ -25,6 +25,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+#: how the engine's message of a request failed by its grammar begins (the server answers such
+#: a failure as the request's error, not an engine fault)
+GRAMMAR_ERROR_PREFIX = "structured output: "
+
+
+def matcher_error(matcher) -> str:
+    """An llguidance matcher's error, its first line only: the rest is the parser's state dump
+    (the whole grammar and internals), not for a client."""
+    return matcher.get_error().strip().split("\n", 1)[0]
+
+
 log = logging.getLogger(__name__)
 
 
@@ -102,7 +113,7 @@ class StructuredOutputManager:
 
         matcher = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"grammar does not compile: {matcher.get_error()}")
+            raise ValueError(f"grammar does not compile: {matcher_error(matcher)}")
         return matcher
 
     def template(self, spec: StructuredOutputSpec) -> Future:
@@ -176,7 +187,7 @@ class GrammarState:
             self.active = token == self.spec.start_after_token
             return
         if not self._matcher.consume_token(token):
-            self.error = f"token {token} does not match the grammar: {self._matcher.get_error()}"
+            self.error = f"token {token} does not match the grammar: {matcher_error(self._matcher)}"
 
     @property
     def completed(self) -> bool:

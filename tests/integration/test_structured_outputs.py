@@ -284,6 +284,19 @@ def test_enforced_tool_calls_streamed(oai, parallel):
             _tool_args_ok(c, tools)
 
 
+#: JSON schemas whose required nesting never ends
+ENDLESS_OBJECT = {
+    "$defs": {
+        "n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}
+    },
+    "$ref": "#/$defs/n",
+}
+ENDLESS_ARRAY = {
+    "$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}, "minItems": 1}},
+    "$ref": "#/$defs/n",
+}
+
+
 @pytest.mark.parametrize(
     "fields,param",
     [
@@ -337,6 +350,26 @@ def test_enforced_tool_calls_streamed(oai, parallel):
             },
             "tool_choice",
         ),
+        # no text matches these: the engine would end with an empty, non-matching output
+        ({"guided_grammar": "root ::= root"}, "guided_grammar"),
+        ({"structured_outputs": {"grammar": "start: x\nx: x"}}, "structured_outputs.grammar"),
+        ({"guided_regex": "[^\\s\\S]"}, "guided_regex"),
+        # every derivation is endless: llguidance would give up mid-request (was a 500)
+        ({"guided_grammar": 'root ::= "a" root'}, "guided_grammar"),
+        (
+            {"structured_outputs": {"grammar": 'root ::= "(" root ")"'}},
+            "structured_outputs.grammar",
+        ),
+        ({"guided_json": ENDLESS_OBJECT}, "guided_json"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": ENDLESS_ARRAY},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
     ],
 )
 def test_bad_constraints_are_400_naming_the_parameter(srv, fields, param):
@@ -350,6 +383,7 @@ def test_bad_constraints_are_400_naming_the_parameter(srv, fields, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"].startswith(param), err
+    assert "\n" not in err["message"] and "<state>" not in err["message"], err  # no parser dump
     assert httpx.get(srv.base_url + "/health").status_code == 200
 
 
@@ -541,3 +575,32 @@ def test_grammar_constrains_the_answer_after_think_with_the_reasoning_parser(ser
     _validate(SMALL, msg["content"])
     assert on["choices"][0]["finish_reason"] == "stop"
     assert not msg.get("reasoning_content")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
+def test_grammar_failing_mid_request_is_the_requests_error(srv, stream):
+    """A grammar that starts fine but whose chosen branch never ends (``logit_bias`` steers the
+    first token into it) fails while the request runs: the client gets the request's error
+    (400 / an error event, code ``grammar_error``, llguidance's first line only), not an
+    engine fault, and the server keeps serving."""
+    a_id = httpx.post(srv.base_url + "/tokenize", json={"prompt": "a"}, timeout=60).json()
+    body = {
+        "model": MODEL,
+        "prompt": "x",
+        "max_tokens": 8,
+        "temperature": 0,
+        "guided_grammar": 'root ::= "b" | "a" x\nx ::= "(" x ")"',
+        "logit_bias": {str(a_id["tokens"][0]): 100},
+        "stream": stream,
+    }
+    r = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=60)
+    if stream:
+        assert r.status_code == 200
+        events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+        err = events[-1]["error"]
+    else:
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+    assert err["code"] == "grammar_error" and err["type"] == "invalid_request_error", err
+    assert err["message"].startswith("structured output: ") and "\n" not in err["message"], err
+    assert httpx.get(srv.base_url + "/health").status_code == 200
