@@ -149,6 +149,16 @@ class ChatMessage(_Lenient):
     reasoning_content: str | None = None
     content: str | list[TextPart] | None = Field(None, validate_default=True)
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _assistant_calls_only(cls, v, info):
+        """Only an assistant message carries tool calls (a template shows them on no other)."""
+        if v and info.data.get("role") != "assistant":
+            raise ValueError(
+                f"tool_calls belong to assistant messages, not {info.data.get('role')!r}"
+            )
+        return v
+
     @field_validator("tool_call_id")
     @classmethod
     def _tool_call_id_required(cls, v, info):

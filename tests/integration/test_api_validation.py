@@ -73,6 +73,19 @@ BAD_REQUESTS = [
     ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     (
         "chat",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": "hi",
+                    "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}],
+                }
+            ]
+        },
+        "messages.0.tool_calls",
+    ),
+    (
+        "chat",
         {"messages": [{"role": "user", "content": {"type": "text", "text": "hi"}}]},
         "messages.0.content",
     ),
