@@ -20,7 +20,9 @@
 #   ttft:   bench/prefill_profile.py --prompt 1024: the 1k-token prompt's first-token step by
 #           kernel family (GEMMs, attention, norms, the empty decode-row launch), the profile
 #           issue 19's 6 ms TTFT needs next
-# Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD.
+# Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD, all three made
+# here by `.venv/bin/python bench/device_assets.py --basetree <previous main>` (carry [".whl",
+# ".benchassets", ".basetree"]).
 set -u
 OLD=${OLD:-.basetree}
 source "$(dirname "$0")/gpu_env.sh"

@@ -1,0 +1,169 @@
+"""Prepare, on the development machine, what a GPU call carries: wheels, tokenizer, old tree.
+
+The device image (KINDS.md's package list, read 2026-11-17) lacks the server's web stack and
+grammar engine, the benchmark scripts want the real Qwen3 tokenizer for their random
+checkpoints, and A/B runs want the previous main as a plain tree. This script makes the three
+ignored folders the device calls name in ``carry`` (bench/gpu_env.sh installs the wheels):
+
+* ``.whl/``: one wheel (CPython 3.12, manylinux x86-64) per package in the dependency closure of
+  this project's runtime requirements, plus the ``openai`` client the transformers peer of
+  ``bench/serve.py`` needs, that the device image does not have, at the versions installed
+  in this machine's environment (so the GPU runs the versions ``make test`` tested).
+* ``.benchassets/tokenizer/``: tokenizer.json and tokenizer_config.json of the embedded
+  checkpoint (the real Qwen3 vocabulary; ``--tokenizer-from`` of the benchmarks).
+* ``.basetree/``: ``git archive`` of a commit (``--basetree``: the previous main).
+
+Usage::
+
+    .venv/bin/python bench/device_assets.py --basetree <previous-main-commit>
+    .venv/bin/python bench/device_assets.py --dry-run      # print the pip command only
+
+Raises SystemExit with pip's or git's exit status when either fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: Packages of the device image ('cuda', KINDS.md, 2026-11-17) that the closure may name: these
+#: are not carried. Only names the project's closure can reach are listed.
+DEVICE_IMAGE_HAS = frozenset(
+    {
+        "aiohttp", "annotated-doc", "anyio", "certifi", "charset-normalizer", "click",
+        "filelock", "fsspec", "h11", "hf-xet", "httpcore", "httpx", "huggingface-hub", "idna",
+        "jinja2", "markupsafe", "mpmath", "networkx", "numpy", "packaging", "prometheus-client",
+        "pyyaml", "regex", "requests", "safetensors", "setuptools", "sympy", "tiktoken",
+        "tokenizers", "torch", "tqdm", "transformers", "triton", "typing-extensions", "urllib3",
+        "uvloop", "zipp",
+    }
+)  # fmt: skip
+
+#: Roots of the closure: this project (its runtime requirements) and the peer's client.
+ROOTS = ("qwen-serve", "openai")
+
+#: pip's platform tags for the device (x86-64, glibc 2.17-2.39: the device README's range); pip
+#: matches each exactly, so every glibc minor a wheel may name is listed, newest first.
+PLATFORMS = tuple(f"manylinux_2_{minor}_x86_64" for minor in range(39, 16, -1)) + (
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+)
+
+
+def canonical(name: str) -> str:
+    """PEP 503 normalised distribution name (``Pydantic_Core`` -> ``pydantic-core``)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def closure(roots: tuple[str, ...] = ROOTS) -> dict[str, str]:
+    """Installed versions of the roots and everything they require, extras not taken.
+
+    Returns:
+        canonical name -> installed version, for every distribution reached that is installed
+        (a requirement whose marker is false here, or that is not installed, is skipped).
+    """
+    from packaging.requirements import Requirement
+
+    seen: dict[str, str] = {}
+    stack = list(roots)
+    while stack:
+        name = canonical(stack.pop())
+        if name in seen:
+            continue
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            continue
+        seen[name] = dist.version
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                stack.append(req.name)
+    return seen
+
+
+def wheels_to_carry(versions: dict[str, str], roots: tuple[str, ...] = ROOTS) -> list[str]:
+    """``name==version`` pins of the closure that the device image lacks, sorted.
+
+    The roots that are this project itself travel as source, not as wheels; local version
+    labels (``2.13.0+cpu``) never reach the list because torch is in the image.
+    """
+    own = {canonical(r) for r in roots if r == "qwen-serve"}
+    return sorted(
+        f"{name}=={version}"
+        for name, version in versions.items()
+        if name not in DEVICE_IMAGE_HAS and name not in own
+    )
+
+
+def pip_download_command(pins: list[str], dest: Path) -> list[str]:
+    """The ``pip download`` line for CPython 3.12 manylinux x86-64 binary wheels of ``pins``."""
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+    cmd += ["--python-version", "3.12", "--implementation", "cp"]
+    for platform in PLATFORMS:
+        cmd += ["--platform", platform]
+    return cmd + ["-d", str(dest), *pins]
+
+
+def write_tokenizer(dest: Path) -> None:
+    """Copy the embedded checkpoint's tokenizer.json / tokenizer_config.json into ``dest``."""
+    from engine.loader.embedded import ensure_embedded_checkpoint
+
+    ckpt = ensure_embedded_checkpoint()
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ckpt / name, dest / name)
+
+
+def write_basetree(commit: str, dest: Path) -> None:
+    """Replace ``dest`` with the tracked files of ``commit`` (``git archive``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = Path(tmp) / "tree.tar"
+        subprocess.run(["git", "-C", str(REPO), "archive", "-o", str(archive), commit], check=True)
+        if dest.exists():
+            shutil.rmtree(dest)
+        dest.mkdir(parents=True)
+        with tarfile.open(archive) as tar:
+            tar.extractall(dest, filter="data")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--basetree", metavar="COMMIT", help="write .basetree from this commit")
+    ap.add_argument("--skip-wheels", action="store_true")
+    ap.add_argument("--skip-tokenizer", action="store_true")
+    ap.add_argument("--dry-run", action="store_true", help="print what would be carried")
+    args = ap.parse_args()
+    pins = wheels_to_carry(closure())
+    whl = REPO / ".whl"
+    if args.dry_run:
+        print("\n".join(pins))
+        print(" ".join(pip_download_command(pins, whl)))
+        return
+    if not args.skip_wheels:
+        for old in whl.glob("*.whl"):  # one version of each: two stop the install there
+            old.unlink()
+        subprocess.run(pip_download_command(pins, whl), check=True)
+        print(f".whl: {len(list(whl.glob('*.whl')))} wheels for {len(pins)} pins")
+    if not args.skip_tokenizer:
+        write_tokenizer(REPO / ".benchassets" / "tokenizer")
+        print(".benchassets/tokenizer written")
+    if args.basetree:
+        write_basetree(args.basetree, REPO / ".basetree")
+        print(f".basetree = {args.basetree}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except subprocess.CalledProcessError as exc:
+        raise SystemExit(exc.returncode) from exc
