@@ -174,6 +174,23 @@ def continue_final_message(text: str, final: ChatMessage) -> str:
     return text[:end]
 
 
+def answer_after_think(prompt: str, continuing: bool) -> bool:
+    """Whether the answer of a rendered Qwen3 chat prompt comes after a ``</think>`` the model
+    has yet to write (``--reasoning-parser qwen3``: a grammar then starts after that token).
+
+    Looks at the assistant turn being generated (the text after the last
+    ``<|im_start|>assistant``): a ``<think>`` not closed after it means the model is thinking;
+    a closed block (thinking off, or a continued message whose reasoning ended) means the
+    answer comes next; no block at all means thinking on for a new turn (the model opens it),
+    and plain answer text for a continued final message (``continuing``).
+    """
+    turn = prompt[max(prompt.rfind("<|im_start|>assistant"), 0) :]
+    opened, closed = turn.rfind("<think>"), turn.rfind("</think>")
+    if opened < 0 and closed < 0:
+        return not continuing
+    return opened > closed
+
+
 class ChatCompletions:
     """The chat endpoint's logic, bound to a :class:`ServerContext`."""
 
@@ -223,7 +240,7 @@ class ChatCompletions:
         if (
             grammar is not None
             and ctx.reasoning_parser == "qwen3"
-            and not prompt.rstrip().endswith("</think>")
+            and answer_after_think(prompt, req.continue_final_message)
         ):
             start_after = ctx.tokenizer.token_to_id("</think>")  # thinking on: constrain the answer
         spec = await ctx.structured_output(grammar, param, start_after)

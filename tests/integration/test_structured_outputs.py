@@ -577,6 +577,57 @@ def test_grammar_constrains_the_answer_after_think_with_the_reasoning_parser(ser
     assert not msg.get("reasoning_content")
 
 
+def test_answer_after_think_on_rendered_qwen3_prompts():
+    """Where the grammar starts is read off the prompt the Qwen3 template renders: a new turn
+    with thinking on waits for ``</think>``; thinking off, and a continued final message
+    whose think block the template closed, start at once; a continued message still inside
+    its reasoning waits."""
+    from engine.frontend.tokenizer import Tokenizer
+    from engine.loader.embedded import ensure_embedded_checkpoint
+    from server.chat import answer_after_think, render_prompt
+    from server.protocol import ChatCompletionRequest
+
+    tok = Tokenizer(ensure_embedded_checkpoint())
+    user = [{"role": "user", "content": "hi"}]
+
+    def rendered(messages, **extra):
+        req = ChatCompletionRequest(model=MODEL, messages=messages, **extra)
+        return render_prompt(tok, req), req.continue_final_message
+
+    assert answer_after_think(*rendered(user))
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    assert not answer_after_think(*rendered(user, **off))
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    answer = user + [{"role": "assistant", "content": "Answer:"}]
+    assert not answer_after_think(*rendered(answer, **cont))
+    thinking = user + [{"role": "assistant", "content": "<think>\nLet me see"}]
+    assert answer_after_think(*rendered(thinking, **cont))
+    assert not answer_after_think("no assistant turn at all", True)
+
+
+def test_grammar_constrains_a_continued_final_message_with_the_reasoning_parser(server):
+    """``continue_final_message`` under ``--reasoning-parser qwen3``: the template closed the
+    think block before the partial answer, so the continuation is constrained from its first
+    token (it waited for a ``</think>`` the model never writes: unconstrained text)."""
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": SMALL}}
+    body = {
+        "model": MODEL,
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "Answer:"},
+        ],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "temperature": 1.0,
+        "seed": 5,
+        "max_tokens": 80,
+        "response_format": rf,
+    }
+    r = httpx.post(server.base_url + "/v1/chat/completions", timeout=300, json=body).json()
+    _validate(SMALL, r["choices"][0]["message"]["content"])
+    assert r["choices"][0]["finish_reason"] == "stop"
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
 def test_grammar_failing_mid_request_is_the_requests_error(srv, stream):
     """A grammar that starts fine but whose chosen branch never ends (``logit_bias`` steers the
