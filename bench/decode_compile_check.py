@@ -136,6 +136,11 @@ def specialize(fn, constexprs: dict, ints: dict[str, int]) -> tuple[dict, dict, 
 
 
 def compile_one(job) -> tuple[str, str | None, int, str]:
+    """Compile one job of `jobs` for sm_90 and check its PTX.
+
+    Returns ``(name, error or None, shared memory in bytes, ptxas register/spill line)``;
+    a compile exception is returned as the error, not raised.
+    """
     name, fn, consts, opts, ints = job
     sig, all_consts, attrs = specialize(fn, consts, ints)
     try:
@@ -192,6 +197,8 @@ def jobs(quick: bool) -> list:
 
 
 def main() -> int:
+    """Compile every job (``--quick``: the default tiles on 128-token pages); exit status 1 on
+    any failure."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--quick", action="store_true")

@@ -46,9 +46,19 @@ def test_sync_error_names_what_the_fused_merge_lacks():
     assert "acq_rel" in sync_error(good.replace("acq_rel", "relaxed"), fused)
     assert "GPU scope" in sync_error(good.replace(".gpu.acq_rel", ".cta.acq_rel"), fused)
     no_bar = good.replace("bar.sync 0;\n@%p1 atom", "@%p1 atom")
-    assert "barrier before" in sync_error(no_bar, {"FUSED_REDUCE": True})
+    assert "arrival" in sync_error(no_bar, {"FUSED_REDUCE": True})
+    # a barrier elsewhere (the attention loop's, before the store) does not count
+    loop_bar = "bar.sync 0;\n" + no_bar.replace("griddepcontrol.wait ;\n", "")
+    assert "arrival" in sync_error("griddepcontrol.wait ;\n" + loop_bar, {"FUSED_REDUCE": True})
     assert "reset" in sync_error(good.replace("exch", "or"), fused)
     assert ".cg" in sync_error(good.replace("ld.global.cg", "ld.global"), fused)
     assert "without the fused merge" in sync_error(good, {})
     no_qk_bar = "st.global.b16 [%rd1], %rs1;\nld.global.b16 %rs2, [%rd1];\n"
-    assert "after the prologue" in sync_error(no_qk_bar, {"FUSED_QK": True})
+    assert "prologue's k/v store" in sync_error(no_qk_bar, {"FUSED_QK": True})
+    # the loop's barriers after the first read do not count; cp.async reads count as reads
+    later_bar = no_qk_bar + "bar.sync 0;\n"
+    assert "prologue's k/v store" in sync_error(later_bar, {"FUSED_QK": True})
+    async_read = "st.global.b16 [%rd1], %rs1;\ncp.async.cg.shared.global [%r1], [%rd1], 16;\n"
+    assert "prologue's k/v store" in sync_error(async_read, {"FUSED_QK": True})
+    ok_qk = "st.global.b16 [%rd1], %rs1;\nbar.sync 0;\nld.global.b16 %rs2, [%rd1];\n"
+    assert sync_error(ok_qk, {"FUSED_QK": True}) is None
