@@ -6,7 +6,7 @@ deltas whose concatenation is exactly ``tokenizer.decode(output_ids)`` (cut at a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 __all__ = ["IncrementalDetokenizer"]
@@ -18,12 +18,21 @@ class _Decoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+#: ``decode_stream(prefill_ids, skip_special_tokens)`` of a tokenizer that has one
+#: (`engine.frontend.tokenizer.Tokenizer`): a per-id step returning new text or ``None``.
+_StreamStep = Callable[[int], "str | None"]
+
+
 class IncrementalDetokenizer:
     """Per-request incremental detokenizer (text deltas, stop strings).
 
     Decoding: the prefix_offset / read_offset method of vLLM's ``detokenize_incrementally``
     and HF's ``TextStreamer``: decode the window ``ids[prefix_offset:]`` and the already-read
-    window ``ids[prefix_offset:read_offset]`` and emit the difference. Decoding whole windows
+    window ``ids[prefix_offset:read_offset]`` and emit the difference. A tokenizer with a
+    ``decode_stream`` method (``tokenizers``' ``DecodeStream``, the same method in Rust: one
+    call per id instead of two ``decode`` calls, ~5x less CPU per token) runs the steps; the
+    Python windows then only flush the tail at `finish`, and take over for good if the stream
+    raises (a decode that does not extend the previous one). Decoding whole windows
     (rather than token by token) keeps spaces and multi-byte characters right. A window whose
     text ends with U+FFFD (a UTF-8 character whose bytes are not all generated yet) emits
     nothing until a later token completes it; `finish` flushes what is left. The last few
@@ -76,6 +85,14 @@ class IncrementalDetokenizer:
         self._skip = skip_special_tokens
         self._stops = [s for s in (stop or []) if s]
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        # possible partial matches by their last character: c -> (k, stop) with stop[k-1] == c,
+        # longest first, so a step looks at only the prefixes that end like the text does
+        self._partials: dict[str, list[tuple[int, str]]] = {}
+        for stop in self._stops:
+            for k in range(1, len(stop)):
+                self._partials.setdefault(stop[k - 1], []).append((k, stop))
+        for entries in self._partials.values():
+            entries.sort(key=lambda e: -e[0])
         self._include_stop = include_stop_str_in_output
         self._min_tokens = min_tokens
         self._stop_floor = 0  # a stop string must end past this offset of `_text`
@@ -85,6 +102,11 @@ class IncrementalDetokenizer:
         self._ids: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
+        self._fed = len(context)  # ids handed to the decode stream so far
+        make_stream = getattr(tokenizer, "decode_stream", None)
+        self._stream: _StreamStep | None = (
+            make_stream(context, skip_special_tokens) if make_stream is not None else None
+        )
         self._text = ""  # decoded output text, whole characters only, not yet cut at a stop
         self.output_text = ""
         self.output_ids: list[int] = []
@@ -142,6 +164,8 @@ class IncrementalDetokenizer:
         """Text of the ids past read_offset, if it ends on a whole character (or `final`)."""
         if len(self._ids) == self._read_offset:
             return ""
+        if self._stream is not None and not final:
+            return self._stream_new_text()
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) and not final:
@@ -151,6 +175,23 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         return new_text[len(prefix_text) :]
+
+    def _stream_new_text(self) -> str:
+        """`_read_new_text` through the decode stream, keeping the window offsets in step (a
+        step that returns text reads every id fed so far, as a window decode would)."""
+        assert self._stream is not None
+        pieces = []
+        for i in range(self._fed, len(self._ids)):
+            try:
+                piece = self._stream(self._ids[i])
+            except Exception:  # the stream's prefix check failed: windows from here on
+                self._stream = None
+                return "".join(pieces) + self._read_new_text(final=False)
+            if piece:
+                pieces.append(piece)
+                self._prefix_offset, self._read_offset = self._read_offset, i + 1
+        self._fed = len(self._ids)
+        return "".join(pieces)
 
     def _emit(self, final: bool) -> str:
         """Move `_text` to `output_text`: cut at a stop string, hold back a possible one."""
@@ -185,11 +226,10 @@ class IncrementalDetokenizer:
 
     def _partial_stop_len(self, start: int) -> int:
         """Length of the longest suffix of `_text` (after `start`) that begins a stop string."""
-        longest = 0
         available = len(self._text) - start
-        for stop in self._stops:
-            for k in range(min(len(stop) - 1, available), longest, -1):
-                if self._text.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest
+        if available <= 0:
+            return 0
+        for k, stop in self._partials.get(self._text[-1], ()):
+            if k <= available and self._text.endswith(stop[:k]):
+                return k
+        return 0

@@ -8,7 +8,7 @@ helpers and message normalisation), so prompts match what transformers would bui
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar
@@ -123,6 +123,31 @@ class Tokenizer:
         non-special added tokens such as ``<think>`` or ``<tool_call>`` are kept.
         """
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(
+        self, prefill_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> Callable[[int], str | None] | None:
+        """An incremental decoder: feed one generated id per call, get its new text or ``None``.
+
+        `tokenizers.decoders.DecodeStream` (the prefix/read-offset method of TGI and vLLM's
+        ``detokenize_incrementally``, in Rust: one call per token instead of two ``decode``
+        calls). ``prefill_ids`` (e.g. the prompt's last few ids) are context only: their text
+        is never returned. A call returns ``None`` while the ids since the last text end
+        inside a UTF-8 character or add no text (skipped special tokens); it may raise
+        ``Exception`` when a decode does not extend the previous one (the caller falls back
+        to whole-window decoding).
+
+        Returns ``None`` when the installed `tokenizers` has no ``DecodeStream`` taking
+        prefill ids (before 0.22).
+        """
+        try:
+            from tokenizers.decoders import DecodeStream
+
+            stream = DecodeStream(list(prefill_ids), skip_special_tokens)
+        except (ImportError, TypeError):
+            return None
+        tok = self._tok
+        return lambda token_id: stream.step(tok, token_id)
 
     def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | None | list[str | None]:
         """Vocabulary strings (byte-level form, e.g. ``"Ġworld"``) of ids; ``None`` if unknown."""

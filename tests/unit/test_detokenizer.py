@@ -13,9 +13,24 @@ from engine.loader.embedded import bytes_to_unicode, ensure_embedded_checkpoint
 FFFD = "\ufffd"
 
 
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer(ensure_embedded_checkpoint())
+class _WindowsOnly:
+    """The tokenizer without ``decode_stream``: the detokenizer's Python window path."""
+
+    def __init__(self, tok: Tokenizer):
+        self._tok = tok
+
+    def __getattr__(self, name):
+        if name == "decode_stream":
+            raise AttributeError(name)
+        return getattr(self._tok, name)
+
+
+@pytest.fixture(scope="module", params=["decode_stream", "windows"])
+def tok(request) -> Tokenizer:
+    """The embedded Qwen3 tokenizer; every test runs on both decoding paths."""
+    tokenizer = Tokenizer(ensure_embedded_checkpoint())
+    assert tokenizer.decode_stream([]) is not None  # tokenizers >= 0.22 is installed
+    return tokenizer if request.param == "decode_stream" else _WindowsOnly(tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +106,9 @@ def test_incomplete_character_is_held_back(tok, byte_id):
 
 def test_trailing_incomplete_character_flushed_at_finish(tok, byte_id):
     detok = IncrementalDetokenizer(tok)
-    assert detok.step(tok.encode("ab") + [byte_id[0xE4], byte_id[0xB8]]) == ""
-    assert detok.finish() == "ab" + FFFD == tok.decode(detok.output_ids)
+    first = detok.step(tok.encode("ab") + [byte_id[0xE4], byte_id[0xB8]])
+    assert first in ("", "ab")  # windows decode the step at once; the stream id by id
+    assert first + detok.finish() == "ab" + FFFD == tok.decode(detok.output_ids)
     assert detok.step([9707]) == "" and detok.finish() == ""
 
 
@@ -239,3 +255,47 @@ def test_fuzz_min_tokens_stops(tok):
         floor = len(tok.decode(ids[:min_tokens]))
         expected, matched = cut_at_stop(full, stops, include, floor)
         assert (text, detok.stopped) == (expected, matched), (full, stops, min_tokens)
+
+
+class _StreamFailsAfter:
+    """A tokenizer whose decode stream raises on its n-th step, as ``DecodeStream`` does when a
+    decode does not extend the previous one."""
+
+    def __init__(self, tok: Tokenizer, n: int):
+        self._tok, self._n = tok, n
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def decode_stream(self, prefill_ids, skip_special_tokens=True):
+        step = self._tok.decode_stream(prefill_ids, skip_special_tokens)
+        calls = 0
+
+        def failing_step(token_id):
+            nonlocal calls
+            calls += 1
+            if calls >= self._n:
+                raise RuntimeError("Invalid prefix encountered")
+            return step(token_id)
+
+        return failing_step
+
+
+def test_stream_failure_falls_back_to_windows(byte_id):
+    base = Tokenizer(ensure_embedded_checkpoint())
+    rng = random.Random(3)
+    for _ in range(200):
+        ids = _random_ids(rng, byte_id, rng.randint(1, 30))
+        skip = rng.random() < 0.5
+        tok = _StreamFailsAfter(base, rng.randint(1, len(ids) + 1))
+        detok = IncrementalDetokenizer(tok, base.encode("Q: "), skip_special_tokens=skip)
+        deltas = stream(detok, ids, [rng.randint(1, 4) for _ in ids])
+        assert "".join(deltas) == base.decode(ids, skip_special_tokens=skip), ids
+
+
+def test_ids_past_the_vocabulary_are_skipped(tok):
+    """The model's embedding (151,936 rows) is larger than the vocabulary (151,669 ids): a
+    sampled id past it decodes to nothing on both paths, as ``decode`` skips it."""
+    ids = tok.encode("hello world") + [151900, 151935] + tok.encode(" again") + [151800]
+    detok = IncrementalDetokenizer(tok, tok.encode("Q:"))
+    assert "".join(stream(detok, ids)) == tok.decode(ids) == "hello world again"
