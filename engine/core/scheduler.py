@@ -29,7 +29,6 @@ from engine.core.attention_budget import causal_pairs, max_rows_within
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import RequestOutput, SampleOutput
 from engine.core.request import FinishReason, Request, RequestStatus
-from engine.core.structured_output import GRAMMAR_ERROR_PREFIX
 
 
 @dataclass
@@ -216,7 +215,7 @@ class Scheduler:
         self.waiting_for_grammar = still
         outputs = []
         for req in failed:
-            outputs += self.fail([req], GRAMMAR_ERROR_PREFIX + req.grammar.error)
+            outputs += self.fail([req], req.grammar.failure_message)
         return outputs
 
     def abort(self, request_id: str) -> bool:
@@ -459,7 +458,7 @@ class Scheduler:
             if grammar is not None:
                 grammar.accept(token)
                 if grammar.error is not None:
-                    outputs += self.fail([req], GRAMMAR_ERROR_PREFIX + grammar.error)
+                    outputs += self.fail([req], grammar.failure_message)
                     continue
             if grammar is not None and grammar.completed:
                 reason = FinishReason.STOP  # whatever ignore_eos and min_tokens say

@@ -39,6 +39,15 @@ def matcher_error(matcher) -> str:
 log = logging.getLogger(__name__)
 
 
+def _mask_allows(mask: tuple[bytearray, int, int], token: int) -> bool:
+    """Whether bit ``token`` of the packed row ``buf[start:end]`` is set (llguidance's layout:
+    little-endian 32-bit words, bit ``t % 32`` of word ``t // 32``, i.e. bit ``t % 8`` of byte
+    ``t // 8``); a token past the row is not allowed."""
+    buf, start, end = mask
+    byte = start + token // 8
+    return 0 <= token and byte < end and bool(buf[byte] >> (token % 8) & 1)
+
+
 @dataclass(frozen=True)
 class StructuredOutputSpec:
     """What a request's output must match (picklable; built and validated by the front end).
@@ -146,6 +155,8 @@ class StructuredOutputManager:
             len(states),
         )
         del view  # release the buffer export before the bytearray travels on
+        for i, st in enumerate(states):
+            st._mask = (buf, i * self.mask_bytes, (i + 1) * self.mask_bytes)
         return buf
 
     def shutdown(self) -> None:
@@ -166,15 +177,22 @@ class GrammarState:
         self.compiled = template
         self._matcher = None
         self.error: str | None = None
+        #: the error is the engine's, not the request's grammar's: a compile failing after the
+        #: front end's check of the same grammar passed, or a sampled token its mask forbade
+        self.engine_fault = False
         self.active = spec.start_after_token is None
+        # the packed mask the next sampled token was drawn under (buffer, row start, row end),
+        # set by `StructuredOutputManager.fill_bitmasks`, cleared by `accept`
+        self._mask: tuple[bytearray, int, int] | None = None
 
     def ready(self) -> bool:
         """Whether the matcher exists (or compilation failed: see ``error``); never blocks."""
         if self._matcher is None and self.error is None and self.compiled.done():
             try:
                 self._matcher = self.compiled.result().deep_copy()
-            except Exception as exc:  # noqa: BLE001 - reported as the request's error
-                self.error = str(exc)
+            except Exception as exc:  # noqa: BLE001 - reported as the request's failure
+                self.error = f"grammar compilation failed: {type(exc).__name__}: {exc}"
+                self.engine_fault = True
         return self._matcher is not None or self.error is not None
 
     def accept(self, token: int) -> None:
@@ -186,8 +204,20 @@ class GrammarState:
         if not self.active:
             self.active = token == self.spec.start_after_token
             return
+        mask, self._mask = self._mask, None
         if not self._matcher.consume_token(token):
             self.error = f"token {token} does not match the grammar: {matcher_error(self._matcher)}"
+            # the mask allowed it: the grammar could not go on (e.g. llguidance's limits); it
+            # forbade it, or none was applied: the sampler's fault
+            self.engine_fault = mask is None or not _mask_allows(mask, token)
+
+    @property
+    def failure_message(self) -> str:
+        """The message a request failed by this state ends with (``error`` set): prefixed with
+        `GRAMMAR_ERROR_PREFIX` (the client's error) unless it is an `engine_fault`."""
+        if self.engine_fault:
+            return f"structured output failed in the engine: {self.error}"
+        return GRAMMAR_ERROR_PREFIX + (self.error or "")
 
     @property
     def completed(self) -> bool:

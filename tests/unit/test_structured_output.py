@@ -261,3 +261,55 @@ def test_bitmask_reference_keeps_exactly_the_set_bits():
     out = apply_token_bitmask_ref(logits.clone(), torch.tensor([1]), mask)
     assert torch.isfinite(out[1]).nonzero().flatten().tolist() == allowed
     assert torch.equal(out[[0, 2]], logits[[0, 2]])
+
+
+def test_grammar_failures_are_the_requests_or_the_engines(embedded):
+    """Who a grammar failure is blamed on: a token the step's mask allowed that the grammar
+    then rejects is the request's grammar's error (``GRAMMAR_ERROR_PREFIX``: HTTP 400); a token
+    the mask forbade (a sampler fault) or a compile failing in the engine is the engine's."""
+    from concurrent.futures import Future
+
+    from engine.core.structured_output import (
+        GRAMMAR_ERROR_PREFIX,
+        GrammarState,
+        StructuredOutputManager,
+    )
+
+    path, tok = embedded
+    manager = StructuredOutputManager(f"{path}/tokenizer.json", 151936, tok.eos_token_ids)
+    spec = StructuredOutputSpec(LLMatcher.grammar_from_regex("ab"))
+
+    def state():
+        st = GrammarState(spec, manager.template(spec))
+        st.compiled.result(timeout=120)
+        assert st.ready()
+        return st
+
+    a, b = tok.encode("a")[0], tok.encode("b")[0]
+    forbidden = state()
+    manager.fill_bitmasks([forbidden])
+    forbidden.accept(b)  # "b" first: outside the mask
+    assert forbidden.error and forbidden.engine_fault
+    assert not forbidden.failure_message.startswith(GRAMMAR_ERROR_PREFIX)
+    unmasked = state()
+    unmasked.accept(b)  # sampled without a mask
+    assert unmasked.engine_fault
+    fine = state()
+    manager.fill_bitmasks([fine])
+    fine.accept(a)
+    assert fine.error is None
+    manager.fill_bitmasks([fine])
+    fine.accept(b)
+    assert fine.error is None and fine.completed
+    # allowed by the mask, rejected by the matcher (as when llguidance hits a limit on an
+    # allowed token): the request's grammar's failure
+    own = state()
+    own._mask = (bytearray(b"\xff" * manager.mask_bytes), 0, manager.mask_bytes)
+    own.accept(b)
+    assert own.error and not own.engine_fault
+    assert own.failure_message.startswith(GRAMMAR_ERROR_PREFIX + "token ")
+    failed = GrammarState(spec, Future())
+    failed.compiled.set_exception(MemoryError("out of memory"))
+    assert failed.ready() and failed.engine_fault
+    assert "grammar compilation failed: MemoryError" in failed.failure_message
+    manager.shutdown()
