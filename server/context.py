@@ -100,7 +100,9 @@ class ServerContext:
             APIError: as :meth:`encode_prompt`.
         """
         if add_special_tokens and self.special_tokens_added:
-            return self.encode_with_special_tokens(text, param)
+            if len(text) < self.ENCODE_IN_THREAD_CHARS:
+                return self.encode_with_special_tokens(text, param)
+            return await asyncio.to_thread(self.encode_with_special_tokens, text, param)
         return await self.encode_prompt_async(text, param)
 
     async def encode_prompt_async(self, text: str, param: str = "prompt") -> list[int]:
