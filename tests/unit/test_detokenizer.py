@@ -227,8 +227,10 @@ def test_min_tokens_text_ends_no_stop_string(tok):
     assert "".join(stream(plain, ids)) == "a " and plain.stopped == "b"
     held = IncrementalDetokenizer(tok, stop=["b"], min_tokens=3)
     assert "".join(stream(held, ids)) == "a b a " and held.stopped == "b"
-    spanning = IncrementalDetokenizer(tok, stop=["a b"], min_tokens=2)  # "a b" | " a b"
-    assert "".join(stream(spanning, ids)) == "a b " and spanning.stopped == "a b"
+    later = IncrementalDetokenizer(tok, stop=["a b"], min_tokens=2)  # "a b" | " a b"
+    assert "".join(stream(later, ids)) == "a b " and later.stopped == "a b"
+    spanning = IncrementalDetokenizer(tok, stop=["b a"], min_tokens=2)  # "a b" | " a": 2..5
+    assert "".join(stream(spanning, ids)) == "a " and spanning.stopped == "b a"
     none = IncrementalDetokenizer(tok, stop=["a", "b"], min_tokens=len(ids))
     assert "".join(stream(none, ids)) == "a b a b a b END" and none.stopped is None
 
