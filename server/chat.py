@@ -314,7 +314,7 @@ class ChatCompletions:
             finish = "tool_calls" if calls and r.finish_reason == "stop" else r.finish_reason
             msg = ResponseMessage(
                 content=content if (content or not calls) else None,
-                reasoning_content=reasoning or None,
+                reasoning_content=(reasoning or None) if req.include_reasoning else None,
                 tool_calls=[ResponseToolCall(id=c["id"], function=c["function"]) for c in calls]
                 or None,
             )
@@ -372,6 +372,8 @@ class ChatCompletions:
                 if ev.finish_reason is not None:
                     r2, c2, calls2 = proc.finish()
                     r, c, calls = r + r2, c + c2, calls + calls2
+                if not req.include_reasoning:
+                    r = ""
                 lps = None
                 if req.logprobs and ev.logprobs:
                     lps = ChoiceLogprobs(content=chat_logprobs(names, ev.token_ids, ev.logprobs))

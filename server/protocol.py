@@ -433,6 +433,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = Field(True, strict=True)
     continue_final_message: bool = Field(False, strict=True)
     add_special_tokens: bool = Field(False, strict=True)
+    # vLLM's: false drops reasoning_content (the reasoning parser's split) from the response
+    include_reasoning: bool = Field(True, strict=True)
     # vLLM's chat echo (prepend the last message): rejected when true
     echo: bool = Field(False, strict=True)
     # not applied: null or the value that asks for nothing (CHAT_NOT_APPLIED)
@@ -494,8 +496,15 @@ class TokenizeChatRequest(_Request):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
+    # vLLM's /tokenize takes these too; not applied: null only (CHAT_NOT_APPLIED)
+    chat_template: Any = None
+    mm_processor_kwargs: Any = None
+
     _tool_choice = field_validator("tool_choice", mode="before")(named_tool_choice)
     _template_kwargs = field_validator("chat_template_kwargs")(thinking_switch)
+    _not_applied = field_validator("chat_template", "mm_processor_kwargs", mode="before")(
+        no_op_only
+    )
 
 
 class DetokenizeRequest(_Request):

@@ -135,7 +135,7 @@ def hf_tokenizer():
     return AutoTokenizer.from_pretrained(ensure_embedded_checkpoint())
 
 
-EXTRA_FIELDS = {"chat_template_kwargs", "top_k", "min_tokens", "ignore_eos"}
+EXTRA_FIELDS = {"chat_template_kwargs", "top_k", "min_tokens", "ignore_eos", "include_reasoning"}
 
 
 def chat(live: Live, content: str | list, **kw):
@@ -298,6 +298,22 @@ def test_reasoning_is_split_from_content(live):
     assert got["order"] == sorted(
         got["order"], key=["reasoning", "content"].index
     )  # reasoning first
+
+
+def test_include_reasoning_false_drops_the_reasoning(live):
+    """vLLM's ``include_reasoning``: false returns the answer without ``reasoning_content``,
+    complete and streamed (no reasoning deltas, no empty chunks in their place)."""
+    live.sampler.script("[[think2]]", "<think>\nFirst, think.\n</think>\n\nThe answer.")
+    out = chat(live, "[[think2]] q", include_reasoning=False)
+    msg = out.choices[0].message
+    assert msg.content == "The answer." and getattr(msg, "reasoning_content", None) is None
+    chunks = list(chat(live, "[[think2]] q", stream=True, include_reasoning=False))
+    got = collect_stream(chunks)[0]
+    assert got["content"] == "The answer." and got["reasoning"] == ""
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert all(d.content or d.role or d.tool_calls for d in deltas[:-1]), deltas
+    with_it = chat(live, "[[think2]] q", include_reasoning=True).choices[0].message
+    assert with_it.reasoning_content == "First, think." and with_it.content == "The answer."
 
 
 def test_reasoning_cut_by_max_tokens_is_all_reasoning(live):

@@ -263,3 +263,24 @@ def test_response_shapes_carry_openai_nulls(server):
     chunks = [json.loads(e) for e in events]
     assert chunks and all(c["system_fingerprint"] is None for c in chunks)
     assert all("logprobs" in ch and ch["logprobs"] is None for c in chunks for ch in c["choices"])
+
+
+@pytest.mark.parametrize(
+    "field,value,ok",
+    [
+        ("chat_template", None, True),
+        ("mm_processor_kwargs", None, True),
+        ("chat_template", "{{ messages }}", False),
+        ("mm_processor_kwargs", {"size": 1}, False),
+        ("frobnicate", 1, False),
+    ],
+)
+def test_tokenize_chat_fields_of_vllm(server, field, value, ok):
+    """vLLM's /tokenize chat fields this server does not apply are accepted as null only; a
+    value, like an unknown field, is a 400 naming it."""
+    r = _post(server, "/tokenize", {"messages": MESSAGES, field: value})
+    if ok:
+        assert r.status_code == 200, r.text
+        return
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field, r.text
