@@ -25,6 +25,7 @@ from server.protocol import (
     Usage,
     new_id,
 )
+from server.reasoning import thinking_state
 from server.stream import DONE, ChunkWriter
 from server.structured_outputs import (
     grammar_from_request,
@@ -174,23 +175,6 @@ def continue_final_message(text: str, final: ChatMessage) -> str:
     return text[:end]
 
 
-def answer_after_think(prompt: str, continuing: bool) -> bool:
-    """Whether the answer of a rendered Qwen3 chat prompt comes after a ``</think>`` the model
-    has yet to write (``--reasoning-parser qwen3``: a grammar then starts after that token).
-
-    Looks at the assistant turn being generated (the text after the last
-    ``<|im_start|>assistant``): a ``<think>`` not closed after it means the model is thinking;
-    a closed block (thinking off, or a continued message whose reasoning ended) means the
-    answer comes next; no block at all means thinking on for a new turn (the model opens it),
-    and plain answer text for a continued final message (``continuing``).
-    """
-    turn = prompt[max(prompt.rfind("<|im_start|>assistant"), 0) :]
-    opened, closed = turn.rfind("<think>"), turn.rfind("</think>")
-    if opened < 0 and closed < 0:
-        return not continuing
-    return opened > closed
-
-
 class ChatCompletions:
     """The chat endpoint's logic, bound to a :class:`ServerContext`."""
 
@@ -236,12 +220,9 @@ class ChatCompletions:
         prompt = render_prompt(ctx.tokenizer, req)
         prompt_ids = await ctx.encode_request_prompt(prompt, "messages", req.add_special_tokens)
         ctx.check_prompt_length(len(prompt_ids), "messages")
+        thinking = thinking_state(prompt, req.continue_final_message)
         start_after = None
-        if (
-            grammar is not None
-            and ctx.reasoning_parser == "qwen3"
-            and answer_after_think(prompt, req.continue_final_message)
-        ):
+        if grammar is not None and ctx.reasoning_parser == "qwen3" and thinking != "after":
             start_after = ctx.tokenizer.token_to_id("</think>")  # thinking on: constrain the answer
         spec = await ctx.structured_output(grammar, param, start_after)
         params = to_sampling_params(
@@ -267,7 +248,7 @@ class ChatCompletions:
                 on_finished=ctx.request_finished,
                 on_tokens=ctx.metrics.count_tokens,
             )
-            gen.prompt_opens_thinking = prompt.rstrip(" ").endswith("<think>\n")
+            gen.prompt_opens_thinking = thinking == "inside"
             return gen
         except RequestRejected as exc:
             raise rejected(exc, "messages") from None

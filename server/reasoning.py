@@ -5,7 +5,41 @@ Behavioural reference: vLLM's qwen3 reasoning parser (behaviour only, no code ta
 
 from __future__ import annotations
 
+import re
+from typing import Literal
+
 START, END = "<think>", "</think>"
+ASSISTANT_TURN = "<|im_start|>assistant"
+_CLOSED_BLOCK = re.compile(r"<think>.*?</think>\s*", re.S)
+
+
+def thinking_state(prompt: str, continuing: bool) -> Literal["before", "inside", "after"]:
+    """Where a rendered Qwen3 chat prompt leaves the model in the turn it generates.
+
+    ``"before"``: the model opens its reasoning itself (a new turn with thinking on);
+    ``"inside"``: the prompt ends inside an open ``<think>`` (a template that opens it, or a
+    continued final message still reasoning), so the output starts as reasoning;
+    ``"after"``: the answer comes next (thinking off: the template wrote a closed block; a
+    continued message past its reasoning, or with none). Read off the generated turn, the
+    text after the last ``<|im_start|>assistant``: closed ``<think>...</think>`` blocks at its
+    start are skipped, then only a ``<think>`` at the start of what is left counts (a tag
+    further on in a continued message is text). ``continuing``: the turn is a continued final
+    message (``continue_final_message``), whose text, tags aside, is the answer's. A prompt
+    without that header (another template): ``"after"`` if it ends with ``</think>``, else
+    ``"before"``.
+    """
+    start = prompt.rfind(ASSISTANT_TURN)
+    if start < 0:
+        return "after" if prompt.rstrip().endswith(END) else "before"
+    rest = prompt[start + len(ASSISTANT_TURN) :].lstrip()
+    skipped = False
+    while (block := _CLOSED_BLOCK.match(rest)) is not None:
+        rest, skipped = rest[block.end() :], True
+    if rest.startswith(START):
+        return "inside"
+    if skipped or rest or continuing:
+        return "after"
+    return "before"
 
 
 def _partial(buf: str, tag: str) -> int:

@@ -135,7 +135,15 @@ def hf_tokenizer():
     return AutoTokenizer.from_pretrained(ensure_embedded_checkpoint())
 
 
-EXTRA_FIELDS = {"chat_template_kwargs", "top_k", "min_tokens", "ignore_eos", "include_reasoning"}
+EXTRA_FIELDS = {
+    "chat_template_kwargs",
+    "top_k",
+    "min_tokens",
+    "ignore_eos",
+    "include_reasoning",
+    "add_generation_prompt",
+    "continue_final_message",
+}
 
 
 def chat(live: Live, content: str | list, **kw):
@@ -314,6 +322,29 @@ def test_include_reasoning_false_drops_the_reasoning(live):
     assert all(d.content or d.role or d.tool_calls for d in deltas[:-1]), deltas
     with_it = chat(live, "[[think2]] q", include_reasoning=True).choices[0].message
     assert with_it.reasoning_content == "First, think." and with_it.content == "The answer."
+
+
+def test_continued_reasoning_is_reasoning(live):
+    """A continued final message still inside its ``<think>``: what the model adds up to its
+    ``</think>`` is reasoning, the rest the answer; one past its reasoning continues the
+    answer (complete and streamed)."""
+    live.sampler.script("[[cont]]", " see.\n</think>\n\nDone.")
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    inside = [
+        {"role": "user", "content": "[[cont]] q"},
+        {"role": "assistant", "content": "<think>\nLet me"},
+    ]
+    msg = chat(live, "", messages=inside, **cont).choices[0].message
+    assert (msg.reasoning_content, msg.content) == (" see.", "Done.")
+    got = collect_stream(list(chat(live, "", messages=inside, stream=True, **cont)))[0]
+    assert (got["reasoning"], got["content"]) == (" see.", "Done.")
+    live.sampler.script("[[cont2]]", " and more.")
+    past = [
+        {"role": "user", "content": "[[cont2]] q"},
+        {"role": "assistant", "content": "The <think> tag is"},
+    ]
+    msg = chat(live, "", messages=past, **cont).choices[0].message
+    assert msg.content == " and more." and getattr(msg, "reasoning_content", None) is None
 
 
 def test_reasoning_cut_by_max_tokens_is_all_reasoning(live):

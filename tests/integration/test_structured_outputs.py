@@ -577,32 +577,39 @@ def test_grammar_constrains_the_answer_after_think_with_the_reasoning_parser(ser
     assert not msg.get("reasoning_content")
 
 
-def test_answer_after_think_on_rendered_qwen3_prompts():
-    """Where the grammar starts is read off the prompt the Qwen3 template renders: a new turn
-    with thinking on waits for ``</think>``; thinking off, and a continued final message
-    whose think block the template closed, start at once; a continued message still inside
-    its reasoning waits."""
+def test_thinking_state_on_rendered_qwen3_prompts():
+    """Where the grammar starts, and whether the output starts as reasoning, is read off the
+    prompt the Qwen3 template renders: a new turn with thinking on waits for the model's
+    reasoning; thinking off, and a continued final message whose think block the template
+    closed (or that only mentions the tag), start with the answer; a continued message still
+    inside its reasoning, or a prompt ending in an open ``<think>``, starts inside it."""
     from engine.frontend.tokenizer import Tokenizer
     from engine.loader.embedded import ensure_embedded_checkpoint
-    from server.chat import answer_after_think, render_prompt
+    from server.chat import render_prompt
     from server.protocol import ChatCompletionRequest
+    from server.reasoning import thinking_state
 
     tok = Tokenizer(ensure_embedded_checkpoint())
     user = [{"role": "user", "content": "hi"}]
 
-    def rendered(messages, **extra):
+    def state(messages, **extra):
         req = ChatCompletionRequest(model=MODEL, messages=messages, **extra)
-        return render_prompt(tok, req), req.continue_final_message
+        return thinking_state(render_prompt(tok, req), req.continue_final_message)
 
-    assert answer_after_think(*rendered(user))
-    off = {"chat_template_kwargs": {"enable_thinking": False}}
-    assert not answer_after_think(*rendered(user, **off))
+    assert state(user) == "before"
+    assert state(user, chat_template_kwargs={"enable_thinking": False}) == "after"
     cont = {"add_generation_prompt": False, "continue_final_message": True}
-    answer = user + [{"role": "assistant", "content": "Answer:"}]
-    assert not answer_after_think(*rendered(answer, **cont))
-    thinking = user + [{"role": "assistant", "content": "<think>\nLet me see"}]
-    assert answer_after_think(*rendered(thinking, **cont))
-    assert not answer_after_think("no assistant turn at all", True)
+    for text, expected in [
+        ("Answer:", "after"),
+        ("The <think> tag is", "after"),
+        ("<think>\nLet me see", "inside"),
+        ("<think>\nDone.\n</think>\n\nSo", "after"),
+    ]:
+        assert state(user + [{"role": "assistant", "content": text}], **cont) == expected, text
+    opened = render_prompt(tok, ChatCompletionRequest(model=MODEL, messages=user)) + "<think>\n"
+    assert thinking_state(opened, False) == "inside"
+    assert thinking_state("no assistant turn at all", True) == "before"
+    assert thinking_state("other template </think>\n", False) == "after"
 
 
 def test_grammar_constrains_a_continued_final_message_with_the_reasoning_parser(server):
