@@ -273,6 +273,7 @@ def test_grammar_failures_are_the_requests_or_the_engines(embedded):
         GRAMMAR_ERROR_PREFIX,
         GrammarState,
         StructuredOutputManager,
+        _mask_allows,
     )
 
     path, tok = embedded
@@ -286,6 +287,16 @@ def test_grammar_failures_are_the_requests_or_the_engines(embedded):
         return st
 
     a, b = tok.encode("a")[0], tok.encode("b")[0]
+    # the bit layout against llguidance's unpacked mask (compute_logit_bias: one byte per
+    # token, 200 where allowed), every id, on a grammar allowing many tokens (lowercase words)
+    words = StructuredOutputSpec(LLMatcher.grammar_from_regex("[a-z]+"))
+    probe = GrammarState(words, manager.template(words))
+    probe.compiled.result(timeout=120)
+    assert probe.ready()
+    manager.fill_bitmasks([state(), probe])  # the probe's row is the second
+    bias = probe._matcher.compute_logit_bias()
+    allowed = [t for t in range(151936) if _mask_allows(probe._mask, t)]
+    assert allowed == [t for t, v in enumerate(bias) if v] and len(allowed) > 100
     forbidden = state()
     manager.fill_bitmasks([forbidden])
     forbidden.accept(b)  # "b" first: outside the mask
