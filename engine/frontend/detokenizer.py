@@ -127,10 +127,13 @@ class IncrementalDetokenizer:
         if self.finished:
             return ""
         held = self._min_tokens - len(self.output_ids)
-        if 0 < held < len(new_ids):  # the step crosses min_tokens: mark the floor between
-            self._feed(new_ids[:held])
+        if held > 0:  # inside min_tokens: one id at a time, so the floor (the whole characters
+            # the first min_tokens ids decode to) does not depend on how ids come in steps
+            for token in new_ids[:held]:
+                self._feed((token,))
             new_ids = new_ids[held:]
-        self._feed(new_ids)
+        if new_ids:
+            self._feed(new_ids)
         return self._emit(final=False)
 
     def _feed(self, new_ids: Sequence[int]) -> None:

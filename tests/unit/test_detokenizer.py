@@ -259,6 +259,27 @@ def test_fuzz_min_tokens_stops(tok):
         assert (text, detok.stopped) == (expected, matched), (full, stops, min_tokens)
 
 
+def test_min_tokens_floor_does_not_depend_on_steps(tok, byte_id):
+    """With ids that split characters, the min_tokens floor is the same however the ids are
+    grouped into steps: ``a`` and the first byte of 中 as the two min_tokens ids keep "a" in
+    the held text whether they come in one step or two."""
+    ids = tok.encode("a") + [byte_id[b] for b in "中".encode()] + tok.encode("a!")
+    for chunks in ([2, 2, 2], [1, 1, 1, 1, 1, 1], [3, 3], [6]):
+        detok = IncrementalDetokenizer(tok, stop=["a"], min_tokens=2)
+        assert "".join(stream(detok, ids, chunks)) == "a中", chunks
+    rng = random.Random(5)
+    for _ in range(300):
+        ids = _random_ids(rng, byte_id, rng.randint(1, 25))
+        full = tok.decode(ids)
+        stops = [full[a : a + rng.randint(1, 4)] for a in rng.sample(range(len(full) + 1), 2)]
+        kw = dict(stop=stops, min_tokens=rng.randint(0, len(ids)), skip_special_tokens=True)
+        single = IncrementalDetokenizer(tok, **kw)
+        expected = ("".join(stream(single, ids)), single.stopped)
+        grouped = IncrementalDetokenizer(tok, **kw)
+        text = "".join(stream(grouped, ids, [rng.randint(1, 4) for _ in ids]))
+        assert (text, grouped.stopped) == expected, (ids, kw)
+
+
 class _StreamFailsAfter:
     """A tokenizer whose decode stream raises on its n-th step, as ``DecodeStream`` does when a
     decode does not extend the previous one."""
