@@ -10,7 +10,10 @@ import re
 _ATOM_ACQ_REL = re.compile(r"atom\.[\w.]*acq_rel[\w.]*\.add|atom\.[\w.]*\.add[\w.]*acq_rel")
 _ATOM_EXCH = re.compile(r"atom\.[\w.]*\.exch")
 _STORE = re.compile(r"\bst\.global")
-_GLOBAL_READ = re.compile(r"\bld\.global|\bcp\.async\.[\w.]*global|\bcp\.async\.bulk")
+#: a load from global memory: ``ld.global``, or an async copy into shared memory from global
+#: (``cp.async.cg.shared.global``, ``cp.async.bulk[.tensor].shared::cluster.global``; not the
+#: bulk stores ``cp.async.bulk.global.shared::cta`` nor ``commit_group`` / ``wait_group``)
+_GLOBAL_READ = re.compile(r"\bld\.global|\bcp\.async\.[\w:.]*shared[\w:.]*\.global")
 _BARRIER = re.compile(r"\bbar\.sync|\bbarrier\.sync")
 
 
@@ -32,9 +35,11 @@ def sync_error(ptx: str, constexprs: dict) -> str | None:
     CTAs), the counter reset (an atomic exchange) and ``ld.global.cg`` loads of the partials
     (L1 holds no stale copy); ``FUSED_QK``: a CTA barrier between the prologue's k/v stores
     and the next global read (the attention loop's first loads of the cache). Without either,
-    no atomic may appear. (Triton 3.9 also puts a barrier of its own before the arrival, for
-    the atomic's shared-memory broadcast, so that barrier holds without the kernel's
-    ``tl.debug_barrier``; the prologue's does not.)
+    no atomic may appear. The prologue check is strict: a compiler that stored k, then loaded
+    v's inputs, then stored v would fail it though a barrier followed both stores (the kernels
+    compiled so far load both first). (Triton 3.9 also puts a barrier of its own before the
+    arrival, for the atomic's shared-memory broadcast, so that barrier holds without the
+    kernel's ``tl.debug_barrier``; the prologue's does not.)
     """
     atom = _ATOM_ACQ_REL.search(ptx)
     if constexprs.get("FUSED_REDUCE"):

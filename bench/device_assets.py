@@ -48,6 +48,20 @@ DEVICE_IMAGE_HAS = frozenset(
     }
 )  # fmt: skip
 
+#: environment markers of the device's interpreter (CPython 3.12 on x86-64 Linux): a
+#: requirement such as ``typing-extensions; python_version < "3.13"`` is taken as it would be there
+DEVICE_MARKERS = {
+    "extra": "",
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+}
+
 #: Roots of the closure: this project (its runtime requirements) and the peer's client.
 ROOTS = ("qwen-serve", "openai")
 
@@ -65,7 +79,8 @@ def canonical(name: str) -> str:
 
 
 def closure(roots: tuple[str, ...] = ROOTS) -> dict[str, str]:
-    """Installed versions of the roots and everything they require, extras not taken.
+    """Installed versions of the roots and everything they require on the device, extras not
+    taken (markers evaluated for `DEVICE_MARKERS`).
 
     Returns:
         canonical name -> installed version, for every distribution reached that is installed
@@ -86,7 +101,7 @@ def closure(roots: tuple[str, ...] = ROOTS) -> dict[str, str]:
         seen[name] = dist.version
         for line in dist.requires or []:
             req = Requirement(line)
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
+            if req.marker is None or req.marker.evaluate(DEVICE_MARKERS):
                 stack.append(req.name)
     return seen
 
@@ -137,6 +152,9 @@ def write_basetree(commit: str, dest: Path) -> None:
 
 
 def main() -> None:
+    """Write ``.whl`` (unless ``--skip-wheels``), ``.benchassets/tokenizer`` (unless
+    ``--skip-tokenizer``) and ``.basetree`` (with ``--basetree``); ``--dry-run`` only prints
+    the pins and the pip command."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--basetree", metavar="COMMIT", help="write .basetree from this commit")
     ap.add_argument("--skip-wheels", action="store_true")

@@ -62,3 +62,9 @@ def test_sync_error_names_what_the_fused_merge_lacks():
     assert "prologue's k/v store" in sync_error(async_read, {"FUSED_QK": True})
     ok_qk = "st.global.b16 [%rd1], %rs1;\nbar.sync 0;\nld.global.b16 %rs2, [%rd1];\n"
     assert sync_error(ok_qk, {"FUSED_QK": True}) is None
+    # a bulk store or a commit before the barrier is not a read
+    not_reads = "cp.async.bulk.global.shared::cta [%rd2], [%r1], 16;\ncp.async.bulk.commit_group;\n"
+    ok_bulk = ok_qk.replace("bar.sync", not_reads + "bar.sync")
+    assert sync_error(ok_bulk, {"FUSED_QK": True}) is None
+    bulk_load = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier [%r1], [%rd3];\n"
+    assert sync_error(ok_qk.replace("bar.sync", bulk_load + "bar.sync"), {"FUSED_QK": True})

@@ -29,8 +29,11 @@ class _WindowsOnly:
 def tok(request) -> Tokenizer:
     """The embedded Qwen3 tokenizer; every test runs on both decoding paths."""
     tokenizer = Tokenizer(ensure_embedded_checkpoint())
-    assert tokenizer.decode_stream([]) is not None  # tokenizers >= 0.22 is installed
-    return tokenizer if request.param == "decode_stream" else _WindowsOnly(tokenizer)
+    if request.param == "windows":
+        return _WindowsOnly(tokenizer)
+    if tokenizer.decode_stream([]) is None:
+        pytest.skip("the installed tokenizers has no DecodeStream with prefill ids (< 0.22)")
+    return tokenizer
 
 
 @pytest.fixture(scope="module")

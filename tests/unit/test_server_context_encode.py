@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import threading
 
 import pytest
 
@@ -52,9 +53,19 @@ def test_add_special_tokens_applies_the_post_processor(bos_checkpoint, chars):
     ctx = _context(Tokenizer(bos_checkpoint))
     assert ctx.special_tokens_added
     text = ("Hello there, 世界! " * 400)[:chars]
+    threads = []
+    encode = ctx.encode_with_special_tokens
+
+    def recording(*args):
+        threads.append(threading.get_ident())
+        return encode(*args)
+
+    ctx.encode_with_special_tokens = recording
     for flag in (True, False):
         ids = asyncio.run(ctx.encode_request_prompt(text, "prompt", flag))
         assert ids == hf(text, add_special_tokens=flag)["input_ids"], flag
+    # long prompts leave the event loop's thread (this one, under asyncio.run)
+    assert len(threads) == 1 and (threads[0] == threading.get_ident()) == (chars < 2048)
     assert asyncio.run(ctx.encode_request_prompt(text, "prompt", True))[
         0
     ] == hf.convert_tokens_to_ids(BOS)
