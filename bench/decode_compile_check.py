@@ -41,12 +41,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 from bench.decode_configs import DECODE_CONFIGS  # noqa: E402
 from bench.decode_ptx import sync_error  # noqa: E402
 from bench.pdl_ptx import pdl_order_error  # noqa: E402
-from bench.prefill_compile_check import TARGET, compile_all, ptxas_usage  # noqa: E402
+from bench.prefill_compile_check import compile_all, compile_sm90, ptxas_usage  # noqa: E402
 from kernels.decode_attention import (  # noqa: E402
     _decode_reduce_kernel,
     _decode_split_kernel,
@@ -142,15 +141,9 @@ def compile_one(job) -> tuple[str, str | None, int, str]:
     a compile exception is returned as the error, not raised.
     """
     name, fn, consts, opts, ints = job
-    sig, all_consts, attrs = specialize(fn, consts, ints)
-    try:
-        kern = triton.compile(
-            ASTSource(fn=fn, signature=sig, constexprs=all_consts, attrs=attrs),
-            target=TARGET,
-            options=opts,
-        )
-    except Exception as e:  # reported, and the check fails
-        return name, f"{type(e).__name__}: {str(e)[:300]}", 0, ""
+    kern, err = compile_sm90(fn, *specialize(fn, consts, ints), opts)
+    if kern is None:
+        return name, err, 0, ""
     ptx = kern.asm["ptx"]
     err = pdl_order_error(ptx, bool(consts.get("PDL")))
     if err is None and fn is _decode_split_kernel:

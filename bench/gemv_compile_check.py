@@ -35,12 +35,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("gemv_compile_check: unset TRITON_INTERPRET (the interpreter compiles nothing)")
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 from bench.gemv_configs import FUSED_SHAPES, fused_candidates  # noqa: E402
 from bench.pdl_ptx import pdl_order_error  # noqa: E402
-from bench.prefill_compile_check import TARGET, compile_all, ptxas_usage  # noqa: E402
+from bench.prefill_compile_check import compile_all, compile_sm90, ptxas_usage  # noqa: E402
 from kernels.configs import table_path  # noqa: E402
 from kernels.gemv import GemvConfig, _gemv_kernel, prefetchable  # noqa: E402
 from kernels.gemv_fused import _gemv_rms_norm_kernel, _gemv_swiglu_kernel  # noqa: E402
@@ -84,15 +82,9 @@ def specialize(fn, constexprs: dict, m: int, n: int, k: int) -> tuple[dict, dict
 
 def compile_one(job) -> tuple[str, str | None, int, str]:
     name, fn, consts, opts, (m, n, k) = job
-    sig, all_consts, attrs = specialize(fn, consts, m, n, k)
-    try:
-        kern = triton.compile(
-            ASTSource(fn=fn, signature=sig, constexprs=all_consts, attrs=attrs),
-            target=TARGET,
-            options=opts,
-        )
-    except Exception as e:  # reported, and the check fails
-        return name, f"{type(e).__name__}: {str(e)[:300]}", 0, ""
+    kern, err = compile_sm90(fn, *specialize(fn, consts, m, n, k), opts)
+    if kern is None:
+        return name, err, 0, ""
     ptx = kern.asm["ptx"]
     err = pdl_order_error(ptx, bool(consts.get("PDL")))
     return name, err, int(kern.metadata.shared), ptxas_usage(ptx)

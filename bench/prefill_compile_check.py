@@ -136,17 +136,23 @@ def ptxas_usage(ptx: str) -> str:
     return f"{regs.group(1) if regs else '?'} regs, {spill.group(1) if spill else '?'} B spill"
 
 
+def compile_sm90(fn, sig: dict, consts: dict, attrs: dict, options: dict):
+    """``triton.compile`` of ``fn`` for sm_90 (`TARGET`) as specialized; returns ``(kernel,
+    None)``, or ``(None, "Type: message")`` (at most 300 characters of it) when it fails, so
+    the compile checks report the failure as a job's error instead of raising. Shared with
+    ``bench/gemv_compile_check.py`` and ``bench/decode_compile_check.py``."""
+    try:
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+        return triton.compile(src, target=TARGET, options=options), None
+    except Exception as e:  # reported, and the check fails
+        return None, f"{type(e).__name__}: {str(e)[:300]}"
+
+
 def compile_one(job: tuple[str, object, dict, dict]) -> tuple[str, str | None, int, str]:
     name, fn, consts, options = job
-    sig, all_consts, attrs = specialize(fn, consts)
-    try:
-        k = triton.compile(
-            ASTSource(fn=fn, signature=sig, constexprs=all_consts, attrs=attrs),
-            target=TARGET,
-            options=options,
-        )
-    except Exception as e:  # reported, and the check fails
-        return name, f"{type(e).__name__}: {str(e)[:300]}", 0, ""
+    k, err = compile_sm90(fn, *specialize(fn, consts), options)
+    if k is None:
+        return name, err, 0, ""
     ttgir = k.asm.get("ttgir", "")
     usage = ptxas_usage(k.asm["ptx"])
     usage += f", {ttgir.count('async_copy_global_to_local')} async copies"
