@@ -17,6 +17,7 @@ import pytest
 
 from bench import fp8_sweep as sw
 from kernels.fp8_configs import M_BUCKETS, Fp8Config, default_fp8_config, fp8_table_config
+from tests.compile_checks import run_compile_check
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -101,15 +102,9 @@ def test_compile_check_quick_compiles_for_sm90():
     """Also checks (outside the interpreter, which this session runs under) that the sweep's
     warm-up launches specialize as the timed ones: the sweep compiles each configuration on
     small inputs in other processes and then only loads it."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(REPO)
-    r = subprocess.run(
-        [sys.executable, str(REPO / "bench/fp8_compile_check.py"), "--quick"],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "_fp8_gemm_kernel" in r.stdout and "FAILED" not in r.stdout
-    assert "warm-up launches specialize as the timed ones" in r.stdout
+    stdout = run_compile_check("fp8_compile_check.py", "--quick")
+    assert "_fp8_gemm_kernel" in stdout and "FAILED" not in stdout
+    assert "warm-up launches specialize as the timed ones" in stdout
 
 
 def test_a_wrong_nondeterministic_or_failing_configuration_is_rejected(monkeypatch):

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from tests.compile_checks import run_compile_check
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -75,12 +77,6 @@ def test_a_wrong_fused_configuration_is_never_chosen(monkeypatch):
 
 
 def test_gemv_compile_check_quick_compiles_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(REPO)
-    r = subprocess.run(
-        [sys.executable, str(REPO / "bench/gemv_compile_check.py"), "--quick"],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "FAIL" not in r.stdout and "16/16 compiled for sm_90" in r.stdout
-    assert "swiglu" in r.stdout and "rms_norm" in r.stdout
+    stdout = run_compile_check("gemv_compile_check.py", "--quick")
+    assert "FAIL" not in stdout and "16/16 compiled for sm_90" in stdout
+    assert "swiglu" in stdout and "rms_norm" in stdout

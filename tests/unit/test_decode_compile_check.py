@@ -7,8 +7,6 @@ variant that no longer builds for the H200 or lost its barrier or acquire-releas
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,18 +15,13 @@ sys.path.insert(0, str(REPO))
 
 from bench.decode_ptx import sync_error  # noqa: E402 - after the path insert
 from bench.pdl_ptx import pdl_order_error  # noqa: E402
+from tests.compile_checks import run_compile_check  # noqa: E402
 
 
 def test_decode_compile_check_quick_compiles_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(REPO)
-    r = subprocess.run(
-        [sys.executable, str(REPO / "bench/decode_compile_check.py"), "--quick", "--threads", "2"],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "FAIL" not in r.stdout and "12/12 compiled for sm_90" in r.stdout
-    assert "ok   smem" in r.stdout and "decode split fused-merge qk-rope page=128" in r.stdout
+    stdout = run_compile_check("decode_compile_check.py", "--quick", "--threads", "2")
+    assert "FAIL" not in stdout and "12/12 compiled for sm_90" in stdout
+    assert "ok   smem" in stdout and "decode split fused-merge qk-rope page=128" in stdout
 
 
 def test_sync_error_names_what_the_fused_merge_lacks():
