@@ -86,10 +86,7 @@ class Tokenization:
             param = "messages"
         else:
             text, param = req.prompt, "prompt"
-        if req.add_special_tokens:
-            ids = ctx.encode_with_special_tokens(text, param)
-        else:
-            ids = await ctx.encode_prompt_async(text, param)
+        ids = await ctx.encode_request_prompt(text, param, req.add_special_tokens)
         strs = ctx.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return TokenizeResponse(
             count=len(ids), max_model_len=ctx.max_model_len, tokens=ids, token_strs=strs
