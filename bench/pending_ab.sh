@@ -9,9 +9,11 @@
 #   dense:  bench/dense_prefill.py --engine (cuDNN on and off for one long prompt) and the
 #           start-up line of the server (the whole-prompt range measured after the graphs)
 #   decode: bench/kernels.py --only decode with the engine's 128-token pages (tiles and split
-#           counts swept: decode_config was chosen on 16-token pages), then 16, then
-#           with the fused split merge; bench/decode_profile.py at batch 1 and 64 with the
-#           fused merge and the q/k norm + rotary decode prologue off/on; engine_check with both
+#           counts swept: decode_config was chosen on 16-token pages), with the fused
+#           split merge, then with 16-token pages
+#   decprof: bench/decode_profile.py at batch 1 and 64 with the fused merge and the q/k norm +
+#           rotary decode prologue off/on (DECPROF="00 11" picks the combinations, merge first)
+#   fusedcheck: engine_check with both fusions on
 #   fp8:    bench/fp8_sweep.py --write-table, the FP8 tiles with the cuBLASLt block-scaled kind
 #           timed too (the table comes back in $OUT; commit it if the run is good)
 #   ab:     bench/ab_trees.py, offline, batch-1 TTFT/TPOT (engine only), serving at c=64/256
@@ -49,21 +51,21 @@ for stage in ${@:-tests dense}; do
            for _ in $(seq 110); do grep -q "whole prompts\|no whole-prompt" "$OUT/startup.log" && break; sleep 1; done
            grep -i "whole.prompt\|cudnn\|ready" "$OUT/startup.log" | tail -4
            pkill -f "server --model $CKPT --port 8011"; sleep 3 ;;
-    decode) for bs in 128 16; do  # with 128-token pages the tiles and split counts are swept too
-             timeout "$(left 150)" python3 bench/kernels.py --only decode --block-size $bs \
-               $([ $bs = 128 ] && echo --sweep) --out "$OUT/decode_$bs" 2>&1 | grep -v Warning \
-               | grep "^| \|correctness\|configs" | tail -7
-           done
+    decode) timeout "$(left 150)" python3 bench/kernels.py --only decode --block-size 128 --sweep \
+             --out "$OUT/decode_128" 2>&1 | grep -v Warning | grep "^| \|correctness\|configs" | tail -7
            echo "-- the fused split merge (QWEN_SERVE_DECODE_FUSED_REDUCE=1), 128-token pages"
            QWEN_SERVE_DECODE_FUSED_REDUCE=1 timeout "$(left 120)" python3 bench/kernels.py \
              --only decode --out "$OUT/decode_fused" 2>&1 | grep -v Warning | grep "^| \|correctness" | tail -6
-           for v in 00 10 01 11; do  # (fused merge, q/k norm + rotary in the decode prologue)
+           echo "-- 16-token pages"  # (the tiles of decode_config were chosen on these)
+           timeout "$(left 120)" python3 bench/kernels.py --only decode --block-size 16 \
+             --out "$OUT/decode_16" 2>&1 | grep -v Warning | grep "^| \|correctness" | tail -6 ;;
+    decprof) for v in ${DECPROF:-00 10 01 11}; do  # (fused merge, q/k norm + rotary in the decode prologue)
              QWEN_SERVE_DECODE_FUSED_REDUCE=${v:0:1} QWEN_SERVE_DECODE_FUSED_QK_ROPE=${v:1:1} \
                timeout "$(left 70)" python3 bench/decode_profile.py --tree . --ckpt $CKPT \
                --batch 1 64 --top 6 --label "merge=${v:0:1} qk_rope=${v:1:1}" 2>&1 \
                | grep -v Warning | grep -E '^\||"tpot_ms"' | cut -c1-400 | head -20
-           done
-           QWEN_SERVE_DECODE_FUSED_REDUCE=1 QWEN_SERVE_DECODE_FUSED_QK_ROPE=1 timeout "$(left 110)" \
+           done ;;
+    fusedcheck) QWEN_SERVE_DECODE_FUSED_REDUCE=1 QWEN_SERVE_DECODE_FUSED_QK_ROPE=1 timeout "$(left 110)" \
              python3 bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning | tail -4 ;;
     check) timeout "$(left 110)" python3 bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning \
              | tee "$OUT/check.txt" | tail -8 ;;
@@ -86,7 +88,7 @@ for stage in ${@:-tests dense}; do
            done ;;
     ttft)  timeout "$(left 90)" python3 bench/prefill_profile.py --ckpt $CKPT --prompt 1024 --top 20 \
              2>&1 | grep -v Warning | tee "$OUT/ttft_profile.txt" | tail -40 ;;
-    *)     echo "unknown stage $stage (tests check dense decode fp8 ab lc fp8ab ttft)"; exit 2 ;;
+    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab ttft)"; exit 2 ;;
   esac
   stamp "$stage"
 done
