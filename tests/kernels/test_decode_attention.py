@@ -332,12 +332,12 @@ def test_decode_with_the_qk_rope_prologue_equals_the_two_launches(
 ):
     """The fused prologue (raw q/k/v in, norm + rotary + the new token's k/v store done by the
     attention launch) against qk_norm_rope_store followed by decode_attention: the same caches
-    (every slot; a padding row stores nothing; without the norm bit for bit) and the output
-    within the dtype's tolerance of the reference composition (rms_norm -> rope -> store ->
-    decode_attention_ref). The new tokens' slots start as NaN, so a program that read its key
-    before it was stored would poison the output; splits-down runs the splits last-first under
-    the interpreter (on a GPU they run at once), so only the split that reads the new token may
-    store it."""
+    (every slot; a padding row stores nothing; without the norm bit for bit in the interpreter)
+    and the output within the dtype's tolerance of the reference composition (rms_norm -> rope
+    -> store -> decode_attention_ref). The new tokens' slots start as NaN, so a program that
+    read its key before it was stored would poison the output; splits-down runs the splits
+    last-first under the interpreter (on a GPU they run at once), so only the split that reads the
+    new token may store it."""
     if order == "splits-down":
         if torch.device(device).type != "cpu":
             pytest.skip("the program order is the interpreter's")
@@ -415,7 +415,10 @@ def test_decode_with_the_qk_rope_prologue_equals_the_two_launches(
         caches[1][0][~written], k_cache[~written], **same, msg=f"k cache, seed={seed}"
     )
     tol = dict(rtol=4 * torch.finfo(dtype).eps, atol=4 * torch.finfo(dtype).eps)
-    if not norm:  # no float32 reduction: the same roundings give the same bits
+    # no float32 reduction: in the interpreter the same roundings give the same bits; compiled,
+    # the rotary's multiply-adds contract into FMAs differently in the two kernels (on the
+    # H200, 2026-12-05: one-ulp differences in 11% of the rows' elements), so the tolerance holds
+    if not norm and torch.device(device).type == "cpu":
         torch.testing.assert_close(caches[1][0][written], caches[0][0][written], **same)
     for other in (caches[0][0], kc_ref):
         torch.testing.assert_close(caches[1][0][written], other[written], **tol)
