@@ -22,6 +22,8 @@
 #   ttft:   bench/prefill_profile.py --prompt 1024: the 1k-token prompt's first-token step by
 #           kernel family (GEMMs, attention, norms, the empty decode-row launch), the profile
 #           issue 19's 6 ms TTFT needs next
+#   peer:   bench/serve.py at c=1/64/256 with --api-server-count 2, the transformers peer at 1/64
+#   front:  bench/frontend_latency.py: a 1,024-token request's time outside the engine by stage
 # Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD, all three made
 # here by `.venv/bin/python bench/device_assets.py --basetree <previous main>` (carry [".whl",
 # ".benchassets", ".basetree"]).
@@ -88,7 +90,13 @@ for stage in ${@:-tests dense}; do
            done ;;
     ttft)  timeout "$(left 90)" python3 bench/prefill_profile.py --ckpt $CKPT --prompt 1024 --top 20 \
              2>&1 | grep -v Warning | tee "$OUT/ttft_profile.txt" | tail -40 ;;
-    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab ttft)"; exit 2 ;;
+    peer)  timeout "$(left 420)" python3 bench/serve.py --ckpt $CKPT --tokenizer-from .benchassets/tokenizer \
+             --concurrency 1 64 256 --server-args="--api-server-count 2" --peer-concurrency 1 64 \
+             --peer-time-cap 40 --out "$OUT/peer" 2>&1 | grep -v "Warn\|Writing" > "$OUT/peer.log"
+           grep "^|" "$OUT/peer.log" | tail -20 ;;
+    front) timeout "$(left 120)" python3 bench/frontend_latency.py --requests 20 --prompt-tokens 1024 \
+             -- --model $CKPT 2>&1 | grep -v Warning | tee "$OUT/front.txt" | tail -30 ;;
+    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab ttft peer front)"; exit 2 ;;
   esac
   stamp "$stage"
 done
