@@ -94,7 +94,9 @@ for stage in ${@:-tests dense}; do
              --concurrency 1 64 256 --server-args="--api-server-count 2" --peer-concurrency 1 64 \
              --peer-time-cap 40 --out "$OUT/peer" 2>&1 | grep -v "Warn\|Writing" > "$OUT/peer.log"
            grep "^|" "$OUT/peer.log" | tail -20 ;;
-    front) timeout "$(left 120)" python3 bench/frontend_latency.py --requests 20 --prompt-tokens 1024 \
+    front) python3 -c "from bench.common import random_qwen3_checkpoint as r; \
+             r('$CKPT', tokenizer_from='.benchassets/tokenizer')"  # (the tokenizer too: check's has none)
+           timeout "$(left 120)" python3 bench/frontend_latency.py --requests 20 --prompt-tokens 1024 \
              -- --model $CKPT 2>&1 | grep -v Warning | tee "$OUT/front.txt" | tail -30 ;;
     *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab ttft peer front)"; exit 2 ;;
   esac
