@@ -303,7 +303,13 @@ class ChatCompletions:
             if req.logprobs:
                 lps = ChoiceLogprobs(content=chat_logprobs(names, r.token_ids, r.logprobs))
             choices.append(
-                ChatChoice(index=r.index, message=msg, logprobs=lps, finish_reason=finish)
+                ChatChoice(
+                    index=r.index,
+                    message=msg,
+                    logprobs=lps,
+                    finish_reason=finish,
+                    stop_reason=r.stop_reason,
+                )
             )
         completion = sum(len(r.token_ids) for r in results)
         rid = gen.request_id
@@ -337,8 +343,12 @@ class ChatCompletions:
         writer = ChunkWriter(rid, "chat.completion.chunk", created, model)
         names = TokenNames(self.ctx.tokenizer, req.return_tokens_as_token_ids)
 
-        def chunk(index: int, delta: dict, finish: str | None = None, logprobs=None) -> str:
+        def chunk(
+            index: int, delta: dict, finish: str | None = None, logprobs=None, stop_reason=None
+        ) -> str:
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if finish is not None:  # vLLM's stop_reason, on the finish chunk
+                choice["stop_reason"] = stop_reason
             if logprobs is not None:
                 choice["logprobs"] = logprobs.model_dump(exclude_none=True)
             return writer.choice(choice)
@@ -381,7 +391,7 @@ class ChatCompletions:
                         if proc.num_tool_calls and ev.finish_reason == "stop"
                         else ev.finish_reason
                     )
-                    yield chunk(ev.index, {}, finish)
+                    yield chunk(ev.index, {}, finish, stop_reason=ev.stop_reason)
         except EngineError as exc:
             yield engine_error_event(exc)
             yield DONE

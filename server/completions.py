@@ -186,6 +186,7 @@ class Completions:
                         text=prefix + r.text,
                         logprobs=self._choice_logprobs(req, gen, r, names, prefix),
                         finish_reason=r.finish_reason,
+                        stop_reason=r.stop_reason,
                         prompt_logprobs=prompt_lps,
                     )
                 )
@@ -208,15 +209,16 @@ class Completions:
         completion = 0
         writer = ChunkWriter(rid, "text_completion", created, model)
 
-        def chunk(index: int, text: str, finish: str | None, lps=None) -> str:
-            return writer.choice(
-                {
-                    "index": index,
-                    "text": text,
-                    "logprobs": lps.model_dump() if lps is not None else None,
-                    "finish_reason": finish,
-                }
-            )
+        def chunk(index: int, text: str, finish: str | None, lps=None, stop_reason=None) -> str:
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": lps.model_dump() if lps is not None else None,
+                "finish_reason": finish,
+            }
+            if finish is not None:  # vLLM's stop_reason, on the finish chunk
+                choice["stop_reason"] = stop_reason
+            return writer.choice(choice)
 
         names = TokenNames(self.ctx.tokenizer, req.return_tokens_as_token_ids)
         offsets: dict[int, int] = {}
@@ -248,7 +250,7 @@ class Completions:
                         names, ev.token_ids, ev.logprobs, req.logprobs, offsets.get(index, 0)
                     )
                 if ev.text or ev.finish_reason or lps:
-                    yield chunk(index, ev.text, ev.finish_reason, lps)
+                    yield chunk(index, ev.text, ev.finish_reason, lps, ev.stop_reason)
         except EngineError as exc:
             yield engine_error_event(exc)
             yield DONE

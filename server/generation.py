@@ -94,6 +94,10 @@ class ChoiceEvent:
         finish_reason: "stop" | "length" | "abort" on the choice's last event.
         prompt_logprobs: on the choice's first event when the request asked for them: engine
             entries (:data:`~engine.core.outputs.PromptLogprob`) of prompt tokens 1..P-1.
+        stop_reason: vLLM's field, on a "stop" event: the stop string that matched, or the
+            id of the request's ``stop_token_ids`` entry that ended it; ``None`` for an EOS
+            token (also when listed in ``stop_token_ids``: vLLM checks EOS first) and for
+            every other finish.
     """
 
     index: int
@@ -102,6 +106,7 @@ class ChoiceEvent:
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -114,6 +119,7 @@ class ChoiceResult:
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list | None = None
+    stop_reason: int | str | None = None
 
 
 class Generation:
@@ -185,9 +191,8 @@ class Generation:
             include_stop_str_in_output=p.include_stop_str_in_output,
             min_tokens=p.min_tokens,
         )
-        stop_ids = set(p.stop_token_ids) | (
-            set() if p.ignore_eos else set(self.engine.limits.eos_token_ids)
-        )
+        eos_ids = set() if p.ignore_eos else set(self.engine.limits.eos_token_ids)
+        stop_ids = set(p.stop_token_ids) | eos_ids
         async for out in stream:
             if self.finished[index]:
                 return  # aborted meanwhile: nothing more is delivered or counted
@@ -233,14 +238,21 @@ class Generation:
             if detok.stop_reason is not None:
                 self.engine.abort(stream.request_id)
                 self._finish(index, "stop")
-                yield ChoiceEvent(index, text, ids, logprobs, "stop", prompt_lps)
+                yield ChoiceEvent(index, text, ids, logprobs, "stop", prompt_lps, detok.stop_reason)
                 return
-            reason = None
+            reason = stop_reason = None
             if out.finished:
                 text += detok.finish()
                 reason = out.finish_reason.value
                 self._finish(index, reason)
-            yield ChoiceEvent(index, text, ids, logprobs, reason, prompt_lps)
+                if (
+                    out.finish_reason == FinishReason.STOP
+                    and ids
+                    and ids[-1] in p.stop_token_ids
+                    and ids[-1] not in eos_ids
+                ):
+                    stop_reason = ids[-1]
+            yield ChoiceEvent(index, text, ids, logprobs, reason, prompt_lps, stop_reason)
 
     def _count_prompt(self, index: int) -> None:
         """Account the choice's prompt tokens, once."""
@@ -302,5 +314,5 @@ class Generation:
             if ev.prompt_logprobs is not None:
                 r.prompt_logprobs = ev.prompt_logprobs
             if ev.finish_reason is not None:
-                r.finish_reason = ev.finish_reason
+                r.finish_reason, r.stop_reason = ev.finish_reason, ev.stop_reason
         return results

@@ -272,9 +272,14 @@ class ToolDef(_Lenient):
 
 
 class JsonSchemaFormat(_Lenient):
-    """``response_format.json_schema`` (OpenAI): the schema the output must validate against."""
+    """``response_format.json_schema`` (OpenAI): the schema the output must validate against.
 
-    name: str | None = None
+    ``name`` is required and matches ``^[a-zA-Z0-9_-]{1,64}$``, as OpenAI's reference says
+    (vLLM requires it too); a missing or other name is a 400 naming
+    ``response_format.json_schema.name``.
+    """
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", strict=True)
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
     strict: bool | None = Field(None, strict=True)
@@ -295,6 +300,20 @@ class StructuredOutputsParams(_Lenient):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = Field(None, strict=True)
+
+
+def check_metadata(v: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's ``metadata`` limits: keys of at most 64 characters, values of at most 512.
+
+    Raises:
+        ValueError: naming the first key or value over its limit.
+    """
+    for key, value in (v or {}).items():
+        if len(key) > 64:
+            raise ValueError(f"metadata keys are at most 64 characters; {key[:20]!r}... is longer")
+        if len(value) > 512:
+            raise ValueError(f"metadata values are at most 512 characters; {key!r}'s is longer")
+    return v
 
 
 class SamplingFields(_Request):
@@ -352,8 +371,9 @@ class SamplingFields(_Request):
     guided_grammar: str | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
     return_tokens_as_token_ids: bool = Field(False, strict=True)
-    # accepted, no effect on the output (see the module docstring)
-    metadata: dict[str, Any] | None = None
+    # accepted, no effect on the output (see the module docstring); OpenAI's limits: at most
+    # 16 pairs, string keys of at most 64 characters and string values of at most 512
+    metadata: dict[str, str] | None = Field(None, max_length=16, strict=True)
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     guided_decoding_backend: str | None = None
@@ -378,6 +398,7 @@ class SamplingFields(_Request):
     return_token_ids: Any = None
 
     _not_applied = field_validator(*NOT_APPLIED, mode="before")(no_op_only)
+    _metadata = field_validator("metadata")(check_metadata)
 
     @field_validator("best_of")
     @classmethod
@@ -570,6 +591,7 @@ class ChatChoice(BaseModel):
     message: ResponseMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id matched
 
 
 class ChatCompletionResponse(BaseModel):
@@ -603,6 +625,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id matched
     prompt_logprobs: list[dict[str, PromptLogprobValue] | None] | None = None
 
 

@@ -93,6 +93,16 @@ def streamed_chat(client, **kw) -> tuple[dict[int, str], dict[int, str], list]:
     return texts, finishes, chunks
 
 
+def stop_reason(choice):
+    """vLLM's ``stop_reason`` of a response or finish-chunk choice ("absent" when missing)."""
+    return (choice.model_extra or {}).get("stop_reason", "absent")
+
+
+def streamed_stop_reasons(chunks) -> dict[int, object]:
+    """``stop_reason`` of each choice's finish chunk."""
+    return {ch.index: stop_reason(ch) for c in chunks for ch in c.choices if ch.finish_reason}
+
+
 def boundary_stop(pieces: list[str], text: str, skip: int = 2) -> tuple[str, int]:
     """A stop string made of the last 2 characters of one token and the first 2 of the next
     (so it spans a token boundary), occurring first at that boundary; returns (stop, start)."""
@@ -287,10 +297,13 @@ def test_stop_strings_spanning_token_boundaries_never_leak(client):
         (dict(stop=stop, include_stop_str_in_output=True), text[: start + len(stop)], "stop"),
     ]
     for kw, expected, reason in cases:
+        matched = stop if reason == "stop" else None  # vLLM's stop_reason: the string matched
         out = complete(client, max_tokens=24, **kw)
         assert (out.choices[0].text, out.choices[0].finish_reason) == (expected, reason), kw
+        assert stop_reason(out.choices[0]) == matched, kw
         texts, finishes, chunks = streamed_completion(client, max_tokens=24, **kw)
         assert (texts[0], finishes[0]) == (expected, reason), kw
+        assert streamed_stop_reasons(chunks) == {0: matched}, kw
         if "include_stop_str_in_output" not in kw and reason == "stop":
             acc = ""
             for c in chunks:  # no prefix of the streamed text ever contains the stop string
@@ -305,8 +318,11 @@ def test_chat_stop_string_spanning_token_boundary(client):
     stop, start = boundary_stop(pieces, text)
     out = chat(client, max_tokens=24, stop=[stop])
     assert out.choices[0].message.content == text[:start] and out.choices[0].finish_reason == "stop"
+    assert stop_reason(out.choices[0]) == stop
     texts, finishes, chunks = streamed_chat(client, max_tokens=24, stop=stop)
     assert texts[0] == text[:start] and finishes[0] == "stop"
+    assert streamed_stop_reasons(chunks) == {0: stop}
+    assert stop_reason(chat(client, max_tokens=3).choices[0]) is None  # "length"
     assert all(stop not in (c.choices[0].delta.content or "") for c in chunks if c.choices)
 
 
@@ -325,6 +341,12 @@ def test_stop_token_ids(client, tokenizer):
     out = complete(client, max_tokens=12, stop_token_ids=[tok_id])
     assert out.choices[0].text == "".join(pieces[:k])  # the stop token's own text is not included
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == k + 1
+    assert stop_reason(out.choices[0]) == tok_id  # vLLM's stop_reason: the id that ended it
+    texts, finishes, chunks = streamed_completion(client, max_tokens=12, stop_token_ids=[tok_id])
+    assert (texts[0], finishes[0]) == ("".join(pieces[:k]), "stop")
+    assert streamed_stop_reasons(chunks) == {0: tok_id}
+    _, _, chunks = streamed_chat(client, max_tokens=12, stop_token_ids=[tok_id, EOS])
+    assert list(streamed_stop_reasons(chunks).values()) in ([tok_id], [None])
 
 
 def test_eos_ignore_eos_and_min_tokens(client):
@@ -332,6 +354,10 @@ def test_eos_ignore_eos_and_min_tokens(client):
     out = chat(client, logit_bias=eos_bias)
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == 1
     assert out.choices[0].message.content == ""
+    assert stop_reason(out.choices[0]) is None  # EOS: no stop_reason, as in vLLM
+    # EOS reports no stop_reason even when it is listed in stop_token_ids (vLLM checks EOS first)
+    out = chat(client, logit_bias=eos_bias, stop_token_ids=[EOS])
+    assert out.choices[0].finish_reason == "stop" and stop_reason(out.choices[0]) is None
     out = chat(client, logit_bias=eos_bias, min_tokens=5)
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == 6
     assert out.choices[0].message.content

@@ -220,6 +220,22 @@ BAD_REQUESTS = [
         "response_format.json_schema.strict",
     ),
     ("chat", {"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object"),
+    # OpenAI's json_schema.name: required, ^[a-zA-Z0-9_-]{1,64}$
+    (
+        "chat",
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+        "response_format.json_schema.name",
+    ),
+    (
+        "chat",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}},
+        "response_format.json_schema.name",
+    ),
+    # OpenAI's metadata: at most 16 string pairs, keys <= 64 and values <= 512 characters
+    ("chat", {"metadata": {"a": 1}}, "metadata.a"),
+    ("chat", {"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ("chat", {"metadata": {"k" * 65: "v"}}, "metadata"),
+    ("chat", {"metadata": {"k": "v" * 513}}, "metadata"),
     # the Qwen3 template would read the string "no" as thinking on
     ("chat", {"chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs"),
     # a named tool choice without its function
