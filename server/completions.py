@@ -216,8 +216,7 @@ class Completions:
                 "logprobs": lps.model_dump() if lps is not None else None,
                 "finish_reason": finish,
             }
-            if finish is not None:  # vLLM's stop_reason, on the finish chunk
-                choice["stop_reason"] = stop_reason
+            choice["stop_reason"] = stop_reason  # vLLM's, on every chunk (null until the end)
             return writer.choice(choice)
 
         names = TokenNames(self.ctx.tokenizer, req.return_tokens_as_token_ids)

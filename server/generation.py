@@ -95,9 +95,11 @@ class ChoiceEvent:
         prompt_logprobs: on the choice's first event when the request asked for them: engine
             entries (:data:`~engine.core.outputs.PromptLogprob`) of prompt tokens 1..P-1.
         stop_reason: vLLM's field, on a "stop" event: the stop string that matched, or the
-            id of the request's ``stop_token_ids`` entry that ended it; ``None`` for an EOS
-            token (also when listed in ``stop_token_ids``: vLLM checks EOS first) and for
-            every other finish.
+            stop token id that ended it (one of ``stop_token_ids``, or an EOS id that
+            generation_config adds to the tokenizer's); ``None`` for the tokenizer's own EOS
+            token unless ``ignore_eos`` (also when listed in ``stop_token_ids``: vLLM checks
+            it first) and for every other finish. As vLLM's ``check_stop`` and
+            ``SamplingParams.update_from_generation_config``.
     """
 
     index: int
@@ -193,6 +195,9 @@ class Generation:
         )
         eos_ids = set() if p.ignore_eos else set(self.engine.limits.eos_token_ids)
         stop_ids = set(p.stop_token_ids) | eos_ids
+        # the token ids whose stop is reported as stop_reason: all but the tokenizer's own EOS
+        primary_eos = None if p.ignore_eos else self.tokenizer.eos_token_id
+        reported_stop_ids = stop_ids - {primary_eos}
         async for out in stream:
             if self.finished[index]:
                 return  # aborted meanwhile: nothing more is delivered or counted
@@ -244,14 +249,15 @@ class Generation:
             if out.finished:
                 text += detok.finish()
                 reason = out.finish_reason.value
-                self._finish(index, reason)
-                if (
-                    out.finish_reason == FinishReason.STOP
-                    and ids
-                    and ids[-1] in p.stop_token_ids
-                    and ids[-1] not in eos_ids
+                if detok.stop_reason is not None:
+                    # a stop string completed only by the text held back until the end (the
+                    # last token ended inside a UTF-8 character): the text is cut there
+                    reason, stop_reason = "stop", detok.stop_reason
+                elif (
+                    out.finish_reason == FinishReason.STOP and ids and ids[-1] in reported_stop_ids
                 ):
                     stop_reason = ids[-1]
+                self._finish(index, reason)
             yield ChoiceEvent(index, text, ids, logprobs, reason, prompt_lps, stop_reason)
 
     def _count_prompt(self, index: int) -> None:

@@ -49,6 +49,7 @@ class Tokenizer:
         bos_token, pad_token: likewise.
         eos_token_ids: ids that end generation: the eos_token's id plus generation_config's
             ``eos_token_id`` (int or list).
+        eos_token_id: the eos_token's own id (the tokenizer's primary EOS), or ``None``.
         pad_token_id, bos_token_id: ids of those tokens, or ``None``.
         special_token_ids: ids of added tokens flagged special (skipped by
             ``decode(skip_special_tokens=True)``).
@@ -79,9 +80,10 @@ class Tokenizer:
         self.unk_token = _token_text(config.get("unk_token"))
         self.bos_token_id = self._id_or_none(self.bos_token)
         self.pad_token_id = self._id_or_none(self.pad_token)
+        self.eos_token_id = self._id_or_none(self.eos_token)
         eos_ids = set()
-        if self._id_or_none(self.eos_token) is not None:
-            eos_ids.add(self._id_or_none(self.eos_token))
+        if self.eos_token_id is not None:
+            eos_ids.add(self.eos_token_id)
         gen_eos = generation.get("eos_token_id")
         if isinstance(gen_eos, int):
             eos_ids.add(gen_eos)

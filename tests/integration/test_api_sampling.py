@@ -26,7 +26,8 @@ from server.protocol import ChatCompletionRequest, CompletionRequest
 MODEL = "qwen3-embedded"
 PROMPT = "Hello world"
 MESSAGES = [{"role": "user", "content": "Tell me a short story."}]
-EOS = 151645  # <|im_end|>
+EOS = 151645  # <|im_end|>, the tokenizer's eos_token
+ENDOFTEXT = 151643  # <|endoftext|>, the other EOS id of generation_config
 APPLE = 23268  # " apple", one token
 FFFD = "\ufffd"
 
@@ -322,7 +323,8 @@ def test_chat_stop_string_spanning_token_boundary(client):
     texts, finishes, chunks = streamed_chat(client, max_tokens=24, stop=stop)
     assert texts[0] == text[:start] and finishes[0] == "stop"
     assert streamed_stop_reasons(chunks) == {0: stop}
-    assert stop_reason(chat(client, max_tokens=3).choices[0]) is None  # "length"
+    short = chat(client, max_tokens=3).choices[0]
+    assert (short.finish_reason, stop_reason(short)) == ("length", None)
     assert all(stop not in (c.choices[0].delta.content or "") for c in chunks if c.choices)
 
 
@@ -345,8 +347,13 @@ def test_stop_token_ids(client, tokenizer):
     texts, finishes, chunks = streamed_completion(client, max_tokens=12, stop_token_ids=[tok_id])
     assert (texts[0], finishes[0]) == ("".join(pieces[:k]), "stop")
     assert streamed_stop_reasons(chunks) == {0: tok_id}
-    _, _, chunks = streamed_chat(client, max_tokens=12, stop_token_ids=[tok_id, EOS])
-    assert list(streamed_stop_reasons(chunks).values()) in ([tok_id], [None])
+    # chat, the stop token forced as the first output token
+    forced = dict(max_tokens=8, logit_bias={str(tok_id): 100}, stop_token_ids=[tok_id])
+    out = chat(client, **forced)
+    assert (out.choices[0].finish_reason, out.usage.completion_tokens) == ("stop", 1)
+    assert stop_reason(out.choices[0]) == tok_id
+    _, finishes, chunks = streamed_chat(client, **forced)
+    assert finishes == {0: "stop"} and streamed_stop_reasons(chunks) == {0: tok_id}
 
 
 def test_eos_ignore_eos_and_min_tokens(client):
@@ -358,6 +365,13 @@ def test_eos_ignore_eos_and_min_tokens(client):
     # EOS reports no stop_reason even when it is listed in stop_token_ids (vLLM checks EOS first)
     out = chat(client, logit_bias=eos_bias, stop_token_ids=[EOS])
     assert out.choices[0].finish_reason == "stop" and stop_reason(out.choices[0]) is None
+    # ... unless ignore_eos: then a listed EOS is a plain stop token
+    out = chat(client, logit_bias=eos_bias, stop_token_ids=[EOS], ignore_eos=True)
+    assert out.choices[0].finish_reason == "stop" and stop_reason(out.choices[0]) == EOS
+    # <|endoftext|>, an EOS id only generation_config adds: vLLM makes it a stop token id
+    out = chat(client, logit_bias={str(ENDOFTEXT): 100})
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == 1
+    assert stop_reason(out.choices[0]) == ENDOFTEXT
     out = chat(client, logit_bias=eos_bias, min_tokens=5)
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == 6
     assert out.choices[0].message.content
