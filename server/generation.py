@@ -237,6 +237,11 @@ class Generation:
                         break
             else:
                 text = detok.step(text_ids) if text_ids else ""
+                if detok.stop_reason is not None and len(ids) > len(text_ids):
+                    # the stop string ended at the token before a stop token: that token is
+                    # not counted, as in the merged case above (and in vLLM, whose one-token
+                    # steps end the request at the string before the stop token comes)
+                    ids, logprobs = ids[: len(text_ids)], logprobs[: len(text_ids)]
             self.num_tokens[index] += len(ids)
             if ids and self.on_tokens is not None:
                 self.on_tokens(0, len(ids))

@@ -274,11 +274,12 @@ class ToolDef(_Lenient):
 class JsonSchemaFormat(_Lenient):
     """``response_format.json_schema`` (OpenAI): the schema the output must validate against.
 
-    ``name`` is required, a non-empty string, as in vLLM (``JsonSchemaResponseFormat.name:
-    str``); a missing one is a 400 naming ``response_format.json_schema.name``. OpenAI also
-    holds it to ``^[a-zA-Z0-9_-]{1,64}$``; this server does not, as vLLM does not: the openai
-    client's ``parse()`` names the format after the model class (``Page[Item]`` for a generic
-    one), and the name changes nothing in the output.
+    ``name`` is required, as in vLLM (``JsonSchemaResponseFormat.name: str``), and must not be
+    empty (this server's rule); a missing or empty one is a 400 naming
+    ``response_format.json_schema.name``. OpenAI also holds it to ``^[a-zA-Z0-9_-]{1,64}$``;
+    this server does not, as vLLM does not: the openai client's ``parse()`` names the format
+    after the model class (``Page[Item]`` for a generic one), and the name changes nothing in
+    the output.
     """
 
     name: str = Field(min_length=1, strict=True)

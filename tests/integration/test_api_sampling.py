@@ -347,6 +347,8 @@ def test_stop_token_ids(client, tokenizer):
     texts, finishes, chunks = streamed_completion(client, max_tokens=12, stop_token_ids=[tok_id])
     assert (texts[0], finishes[0]) == ("".join(pieces[:k]), "stop")
     assert streamed_stop_reasons(chunks) == {0: tok_id}
+    # text completion chunks carry stop_reason on every choice, null before the finish (vLLM)
+    assert all(stop_reason(ch) is None for c in chunks for ch in c.choices if not ch.finish_reason)
     # chat, the stop token forced as the first output token
     forced = dict(max_tokens=8, logit_bias={str(tok_id): 100}, stop_token_ids=[tok_id])
     out = chat(client, **forced)

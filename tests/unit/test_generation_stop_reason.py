@@ -55,6 +55,9 @@ class FakeEngine:
 
         stream = Stream()
         stream.request_id = request_id
+        stream.num_prompt_tokens = len(prompt_ids)
+        stream.arrival_time, stream.scheduled_time, stream.first_token_time = 0.0, None, None
+        stream.itls = []
         return stream
 
     def abort(self, request_id):
@@ -72,58 +75,112 @@ def out(ids, finish=None):
     )
 
 
-def run(outputs, **params):
-    """(text, finish_reason, stop_reason) of the one choice, collected and streamed."""
+def run(outputs, n=1, **params):
+    """(text, finish_reason, stop_reason, tokens counted) of every choice, the same collected
+    and streamed; what the metrics hear (``on_finished``, ``on_tokens``) agrees with it."""
+
+    def generation(finished, tokens):
+        return Generation(
+            FakeEngine(outputs),
+            FakeTokenizer(),
+            "r",
+            [1],
+            SamplingParams(**params),
+            n=n,
+            on_finished=lambda stats, itls: finished.append(stats),
+            on_tokens=lambda prompt, generated: tokens.append(generated),
+        )
 
     async def go():
-        gen = Generation(FakeEngine(outputs), FakeTokenizer(), "r", [1], SamplingParams(**params))
-        collected = (await gen.collect())[0]
-        gen = Generation(FakeEngine(outputs), FakeTokenizer(), "r", [1], SamplingParams(**params))
-        events = [ev async for ev in gen.events()]
-        streamed = (
-            "".join(ev.text for ev in events),
-            events[-1].finish_reason,
-            events[-1].stop_reason,
+        results = []
+        finished, tokens = [], []
+        choices = await generation(finished, tokens).collect()
+        results.append(
+            [(c.text, c.finish_reason, c.stop_reason, len(c.token_ids)) for c in choices]
         )
-        return (collected.text, collected.finish_reason, collected.stop_reason), streamed
+        finished2, tokens2 = [], []
+        events = [ev async for ev in generation(finished2, tokens2).events()]
+        streamed = []
+        for i in range(n):
+            mine = [ev for ev in events if ev.index == i]
+            streamed.append(
+                (
+                    "".join(ev.text for ev in mine),
+                    mine[-1].finish_reason,
+                    mine[-1].stop_reason,
+                    sum(len(ev.token_ids) for ev in mine),
+                )
+            )
+        results.append(streamed)
+        for got, stats, counted in ((results[0], finished, tokens), (streamed, finished2, tokens2)):
+            assert sorted(s.finish_reason for s in stats) == sorted(c[1] for c in got)
+            assert sum(s.num_generation_tokens for s in stats) == sum(counted)
+            assert sum(counted) == sum(c[3] for c in got)
+        return results
 
     collected, streamed = asyncio.run(go())
     assert collected == streamed
-    return collected
+    assert len(set(collected)) == 1  # every choice of the scripted engine alike
+    return collected[0]
 
 
 @pytest.mark.parametrize(
     "outputs,params,expected",
     [
         # several ids in one output, the last a stop token: its id
-        ([out([1, 2, 7], STOP)], dict(stop_token_ids=[7]), ("xa", "stop", 7)),
-        # a stop string and a stop token in the same step: the string (it comes first)
-        ([out([2, 3, 4, 7], STOP)], dict(stop=["ab"], stop_token_ids=[7]), ("", "stop", "ab")),
+        ([out([1, 2, 7], STOP)], dict(stop_token_ids=[7]), ("xa", "stop", 7, 3)),
+        # a stop string and a stop token in the same output: the string (it comes first), and
+        # the tokens after it are not counted, merged or not
+        ([out([2, 3, 4, 7], STOP)], dict(stop=["ab"], stop_token_ids=[7]), ("", "stop", "ab", 2)),
+        (
+            [out([1]), out([2]), out([3, 7], STOP)],
+            dict(stop=["ab"], stop_token_ids=[7]),
+            ("x", "stop", "ab", 3),
+        ),
         # the tokenizer's own EOS: null, also when listed in stop_token_ids
-        ([out([1, PRIMARY_EOS], STOP)], dict(), ("x", "stop", None)),
-        ([out([1, PRIMARY_EOS], STOP)], dict(stop_token_ids=[PRIMARY_EOS]), ("x", "stop", None)),
+        ([out([1, PRIMARY_EOS], STOP)], dict(), ("x", "stop", None, 2)),
+        (
+            [out([1, PRIMARY_EOS], STOP)],
+            dict(stop_token_ids=[PRIMARY_EOS]),
+            ("x", "stop", None, 2),
+        ),
         # ... but with ignore_eos a listed EOS is a plain stop token: its id
         (
             [out([1]), out([PRIMARY_EOS], STOP)],
             dict(stop_token_ids=[PRIMARY_EOS], ignore_eos=True),
-            ("x", "stop", PRIMARY_EOS),
+            ("x", "stop", PRIMARY_EOS, 2),
         ),
         # an EOS id generation_config adds: vLLM makes it a stop token id, reported
-        ([out([1, EXTRA_EOS], STOP)], dict(), ("x", "stop", EXTRA_EOS)),
+        ([out([1, EXTRA_EOS], STOP)], dict(), ("x", "stop", EXTRA_EOS, 2)),
         # the stop token's text kept: still its id
         (
             [out([1, 7], STOP)],
             dict(stop_token_ids=[7], include_stop_str_in_output=True),
-            ("xq", "stop", 7),
+            ("xq", "stop", 7, 2),
         ),
-        # a length finish: null, whatever the last id is
-        ([out([1, 7], LENGTH)], dict(stop_token_ids=[8]), ("xq", "length", None)),
+        # a length finish: null, even when the last id is a stop token (the engine said length)
+        ([out([1, 7], LENGTH)], dict(stop_token_ids=[7]), ("xq", "length", None, 2)),
         # "ab" completes only when the held-back bytes are flushed at the end (id 5 ends inside
-        # a UTF-8 character): cut there, reported as a stop at "ab"
-        ([out([1]), out([2]), out([5], LENGTH)], dict(stop=["ab"]), ("x", "stop", "ab")),
-        # ... and a character completed within the output is no stop string
-        ([out([1]), out([5]), out([6], LENGTH)], dict(stop=["bx"]), ("xb\u00e9", "length", None)),
+        # a UTF-8 character): cut there, reported as a stop at "ab", whatever ended the output
+        ([out([1]), out([2]), out([5], LENGTH)], dict(stop=["ab"]), ("x", "stop", "ab", 3)),
+        (
+            [out([1]), out([2]), out([5, PRIMARY_EOS], STOP)],
+            dict(stop=["ab"]),
+            ("x", "stop", "ab", 4),
+        ),
+        (
+            [out([1]), out([2]), out([5, 7], STOP)],
+            dict(stop=["ab"], stop_token_ids=[7]),
+            ("x", "stop", "ab", 4),
+        ),
+        # ... and a character completed within the output: no half-decoded text ever matches
+        (
+            [out([1]), out([5]), out([6], LENGTH)],
+            dict(stop=["b\ufffd"]),
+            ("xb\u00e9", "length", None, 3),
+        ),
     ],
 )
-def test_stop_reason(outputs, params, expected):
-    assert run(outputs, **params) == expected
+@pytest.mark.parametrize("n", [1, 2])
+def test_stop_reason(outputs, params, expected, n):
+    assert run(outputs, n=n, **params) == expected

@@ -231,7 +231,7 @@ def test_chat_template_jinja_file_and_generation_eos_int(tmp_path, ckpt):
         jinja="{% for m in messages %}[{{ m.content }}]{% endfor %}",
     )
     assert t.apply_chat_template([{"role": "user", "content": "hi"}]) == "[hi]"
-    assert t.eos_token_ids == frozenset({151645, 151643})
+    assert t.eos_token_ids == frozenset({151645, 151643}) and t.eos_token_id == 151645
 
 
 def test_named_templates_and_addedtoken_dict(tmp_path, ckpt):
@@ -249,6 +249,7 @@ def test_named_templates_and_addedtoken_dict(tmp_path, ckpt):
     assert t.apply_chat_template([{"role": "user", "content": "x"}]) == "D1"
     assert t.apply_chat_template([{"role": "user", "content": "x"}], tools=[{}, {}]) == "T2"
     assert t.eos_token_ids == frozenset({151643}) and t.eos_token == "<|endoftext|>"
+    assert t.eos_token_id == 151643
 
 
 def test_missing_files(tmp_path, ckpt):
