@@ -210,14 +210,15 @@ class Completions:
         writer = ChunkWriter(rid, "text_completion", created, model)
 
         def chunk(index: int, text: str, finish: str | None, lps=None, stop_reason=None) -> str:
-            choice = {
-                "index": index,
-                "text": text,
-                "logprobs": lps.model_dump() if lps is not None else None,
-                "finish_reason": finish,
-            }
-            choice["stop_reason"] = stop_reason  # vLLM's, on every chunk (null until the end)
-            return writer.choice(choice)
+            return writer.choice(
+                {
+                    "index": index,
+                    "text": text,
+                    "logprobs": lps.model_dump() if lps is not None else None,
+                    "finish_reason": finish,
+                    "stop_reason": stop_reason,  # vLLM's, on every chunk (null until the end)
+                }
+            )
 
         names = TokenNames(self.ctx.tokenizer, req.return_tokens_as_token_ids)
         offsets: dict[int, int] = {}

@@ -226,9 +226,10 @@ class Generation:
                 and not p.include_stop_str_in_output
             ):
                 text_ids = ids[:-1]  # the stop token itself is not part of the text
-            if p.stop and len(text_ids) > 1:
-                # several tokens at once (a merged output): feed them one by one so the tokens
-                # after a stop string are neither counted nor reported
+            if p.stop and len(ids) > 1:
+                # several tokens at once (a merged output, or a token and the stop token after
+                # it): feed them one by one so the tokens after a stop string are neither
+                # counted nor reported (vLLM's one-token steps end the request at the string)
                 text = ""
                 for used, tok in enumerate(text_ids, 1):
                     text += detok.step([tok])
@@ -237,11 +238,6 @@ class Generation:
                         break
             else:
                 text = detok.step(text_ids) if text_ids else ""
-                if detok.stop_reason is not None and len(ids) > len(text_ids):
-                    # the stop string ended at the token before a stop token: that token is
-                    # not counted, as in the merged case above (and in vLLM, whose one-token
-                    # steps end the request at the string before the stop token comes)
-                    ids, logprobs = ids[: len(text_ids)], logprobs[: len(text_ids)]
             self.num_tokens[index] += len(ids)
             if ids and self.on_tokens is not None:
                 self.on_tokens(0, len(ids))
