@@ -39,7 +39,7 @@ class ServerContext:
     api_key: bearer token required on /v1 routes, or None.
     max_body_bytes: request bodies above this get 413.
     max_prompt_tokens: prompts above this get 400 (defaults to the model length).
-    encoder: encodes prompts (tiktoken where exact, see :mod:`server.prompt_encoder`);
+    encoder: encodes prompts (fastokens where exact, see :mod:`server.prompt_encoder`);
         None: ``tokenizer.encode``.
     grammar_validator: compiles structured-output grammars before a request is queued
         (None: structured outputs are refused with a 400).
@@ -58,8 +58,10 @@ class ServerContext:
     encoder: PromptEncoder | None = None
     grammar_validator: GrammarValidator | None = None
 
-    #: prompts of at least this many characters are encoded in a worker thread
-    ENCODE_IN_THREAD_CHARS = 2048
+    #: prompts of at least this many characters are encoded in a worker thread; shorter ones
+    #: inline (fastokens: ~0.5 ms for a 1,024-token random-token prompt of ~5,500 characters on
+    #: the development VM, where the thread hop costs ~0.15 ms; docs/benchmarks.md, 2026-12-05)
+    ENCODE_IN_THREAD_CHARS = 8192
 
     def encode_prompt(self, text: str, param: str = "prompt") -> list[int]:
         """Token ids of a prompt text (no special tokens added; those written in it are kept).
@@ -108,7 +110,7 @@ class ServerContext:
     async def encode_prompt_async(self, text: str, param: str = "prompt") -> list[int]:
         """:meth:`encode_prompt` off the event loop for long prompts.
 
-        Both encoders release the GIL while they work (tiktoken, and ``tokenizers`` through
+        Both encoders release the GIL while they work (fastokens, and ``tokenizers`` through
         ``encode_batch``), so a burst of long prompts no longer stalls every stream's token
         delivery (it set the p99 inter-token latency at concurrency 64: docs/benchmarks.md,
         third session). Short prompts are encoded inline: the thread hand-off would cost more

@@ -1,5 +1,5 @@
-"""PromptEncoder: tiktoken's BPE on the request path gives exactly the ids of tokenizers, or is
-not used."""
+"""PromptEncoder: fastokens on the request path gives exactly the ids of tokenizers, or is not
+used."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def encoder(tok) -> PromptEncoder:
     return PromptEncoder(tok)
 
 
-def test_qwen_tokenizer_takes_the_tiktoken_path(encoder):
-    assert encoder.backend == "tiktoken"
+def test_qwen_tokenizer_takes_the_fastokens_path(encoder):
+    assert encoder.backend == "fastokens"
 
 
 def test_same_ids_as_tokenizers(tok, encoder):
@@ -68,10 +68,32 @@ def _edited_copy(tmp_path, edit) -> Tokenizer:
     return Tokenizer(tmp_path)
 
 
+#: pathological texts: long runs that the split regex's look-ahead and the BPE handle slowly
+LONG_RUNS = (
+    " " * 20000,
+    "a" * 20000,
+    "\n" * 10000,
+    " \n" * 10000,
+    "\t \t x" * 4000,
+    "1234567890" * 2000,
+    "!?" * 10000,
+    "中文" * 5000,
+    "😀" * 5000,
+    ("  \t\n  " * 5 + "word") * 1000,
+)
+
+
+def test_long_runs_same_ids_as_tokenizers(tok, encoder):
+    for text in LONG_RUNS:
+        assert encoder.encode(text) == tok.encode(text), repr(text[:20])
+
+
+TEXT = "Ｆｕｌｌ width <|endoftext|> text Hello WORLD café e\u0301 <|im_start|>x"
+
+
 @pytest.mark.parametrize(
     "edit",
     [
-        lambda s: s.update(normalizer={"type": "NFKC"}),
         lambda s: s["added_tokens"][0].update(lstrip=True),
         lambda s: s["model"]["merges"].reverse(),
         lambda s: s.update(
@@ -82,15 +104,72 @@ def _edited_copy(tmp_path, edit) -> Tokenizer:
                 "stride": 0,
             }
         ),
+        lambda s: s.update(normalizer={"type": "Lowercase"}),
     ],
-    ids=["nfkc-normalizer", "lstrip-added-token", "merges-not-in-rank-order", "truncation"],
+    ids=["lstrip-added-token", "merges-reversed", "truncation", "lowercase"],
 )
-def test_other_shapes_fall_back_to_tokenizers(tmp_path, edit):
+def test_other_shapes_keep_tokenizers_ids(tmp_path, edit):
+    """Shapes fastokens implements take it, with tokenizers' ids (the start-up check and these
+    texts); the rest fall back (below)."""
+    tok = _edited_copy(tmp_path, edit)
+    enc = PromptEncoder(tok)
+    assert enc.backend == "fastokens"
+    rng = random.Random(3)
+    texts = [TEXT, *CHECK_TEXTS] + [_random_text(rng) for _ in range(50)]
+    for text in texts:
+        assert enc.encode(text) == tok.encode(text), repr(text)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda s: s.update(normalizer={"type": "NFKC"}),
+        lambda s: s.update(
+            model={
+                "type": "WordPiece",
+                "unk_token": "<|endoftext|>",
+                "continuing_subword_prefix": "##",
+                "max_input_chars_per_word": 100,
+                "vocab": {"<|endoftext|>": 0, "a": 1, "##b": 2},
+            }
+        ),
+    ],
+    ids=["nfkc-normalizer", "wordpiece-model"],
+)
+def test_shapes_fastokens_lacks_fall_back_to_tokenizers(tmp_path, edit):
     tok = _edited_copy(tmp_path, edit)
     enc = PromptEncoder(tok)
     assert enc.backend == "tokenizers"
-    text = "Ｆｕｌｌ width <|endoftext|> text"
-    assert enc.encode(text) == tok.encode(text)
+    assert enc.encode(TEXT) == tok.encode(TEXT)
+
+
+def test_a_mismatch_in_the_start_up_check_falls_back(tok, monkeypatch):
+    """Were fastokens to give other ids for any check text, tokenizers is used."""
+    import fastokens
+
+    class Off:
+        def __init__(self, real):
+            self.real = real
+
+        def encode(self, text):
+            enc = self.real.encode(text)
+            if "Combining" in text:  # one of CHECK_TEXTS
+                return fastokens.Encoding(enc.ids[:-1])
+            return enc
+
+    real_from_file = fastokens.Tokenizer.from_file
+    monkeypatch.setattr(fastokens.Tokenizer, "from_file", lambda p: Off(real_from_file(p)))
+    enc = PromptEncoder(tok)
+    assert enc.backend == "tokenizers"
+
+
+def test_a_text_fastokens_refuses_goes_to_tokenizers(tok, encoder, monkeypatch):
+    class Refusing:
+        def encode(self, text):
+            raise ValueError("pcre2 match limit")
+
+    monkeypatch.setattr(encoder, "_fast", Refusing())
+    assert encoder.encode("Hello <|im_end|> there") == tok.encode("Hello <|im_end|> there")
 
 
 def test_long_prompts_are_encoded_off_the_event_loop(tok, encoder):
@@ -118,12 +197,19 @@ def test_long_prompts_are_encoded_off_the_event_loop(tok, encoder):
     assert threads[0] != loop_thread and threads[1] == loop_thread
 
 
-def test_tokenizers_encode_releases_the_gil(tok):
-    """Tokenizer.encode lets other Python threads run meanwhile (encode_batch drops the GIL)."""
+@pytest.mark.parametrize("backend", ["tokenizers", "fastokens"])
+def test_encoders_release_the_gil(tok, encoder, backend):
+    """Both encoders let other Python threads run meanwhile (``Tokenizer.encode`` through
+    encode_batch; fastokens on its own)."""
     import threading
     import time
 
-    text = tok.decode(list(range(1000, 1000 + 3000)), skip_special_tokens=False) * 4
+    if backend == "tokenizers":
+        encode = tok.encode
+        text = tok.decode(list(range(1000, 1000 + 3000)), skip_special_tokens=False) * 4
+    else:
+        encode = encoder.encode
+        text = " " * 60000 + "x"  # a whitespace run: tens of milliseconds even for fastokens
     done = threading.Event()
     ticks = []
 
@@ -137,7 +223,7 @@ def test_tokenizers_encode_releases_the_gil(tok):
     time.sleep(0.01)
     start = time.perf_counter()
     for _ in range(5):
-        tok.encode(text)
+        encode(text)
     end = time.perf_counter()
     done.set()
     t.join()
@@ -145,57 +231,3 @@ def test_tokenizers_encode_releases_the_gil(tok):
     gaps = [b - a for a, b in zip(inside, inside[1:])]
     # with the GIL held for a whole encode call the other thread would stall for the call's length
     assert inside and max(gaps) < 0.5 * (end - start) / 5
-
-
-def test_split_points_are_pre_token_boundaries(tok):
-    """Encoding the pieces between split points gives the whole text's ids (tiktoken's BPE on
-    the whole text, which the start-up check ties to tokenizers), for random texts cut at every
-    boundary found."""
-    import tiktoken  # noqa: F401 - the fast path's dependency
-
-    from server.prompt_encoder import _TiktokenBPE, split_points
-
-    bpe = _TiktokenBPE.from_tokenizer_json(tok.path / "tokenizer.json")
-    rng = random.Random(11)
-    checked = 0
-    for _ in range(60):
-        text = "".join(_random_text(rng) for _ in range(rng.randint(2, 12)))
-        text += tok.decode([rng.randrange(151643) for _ in range(rng.randint(1, 300))])
-        cuts = split_points(text, max(2, len(text) // 16))
-        bounds = [0, *cuts, len(text)]
-        ids = [i for a, b in zip(bounds, bounds[1:]) for i in bpe._encode_ordinary(text[a:b])]
-        assert ids == bpe._encode_ordinary(text), repr(text)
-        checked += len(cuts)
-    assert checked > 200  # the texts had boundaries to test
-
-
-def test_split_points_edge_cases():
-    from server.prompt_encoder import split_points
-
-    assert split_points("的一是不了人我在有他这中大来上国个到说们为" * 50, 4) == []
-    assert split_points("abc def", 1) == []
-    text = "word " * 1000
-    cuts = split_points(text, 4)
-    assert len(cuts) == 3 and cuts == sorted(set(cuts))
-    assert all(text[c] == " " and text[c - 1].isalpha() for c in cuts)
-
-
-def test_long_texts_encode_in_parallel_pieces(tok, monkeypatch):
-    """With small pieces and several threads, long texts (random-token decodes, mixed scripts,
-    added tokens) encode to tokenizers' ids through the threaded path."""
-    import server.prompt_encoder as pe
-
-    monkeypatch.setattr(pe, "PIECE_CHARS", 64)
-    monkeypatch.setattr(pe, "ENCODE_THREADS", 4)
-    enc = PromptEncoder(tok)
-    assert enc.backend == "tiktoken" and enc._enc._splittable
-    calls = []
-    real = enc._enc._encode_ordinary
-    enc._enc._encode_ordinary = lambda t: calls.append(t) or real(t)
-    rng = random.Random(5)
-    for _ in range(30):
-        text = "".join(_random_text(rng) for _ in range(rng.randint(20, 60)))
-        text += "<|im_end|>" + tok.decode([rng.randrange(151643) for _ in range(500)])
-        calls.clear()
-        assert enc.encode(text) == tok.encode(text), repr(text)
-        assert len(calls) > 4  # two segments around <|im_end|>, each cut into pieces

@@ -45,14 +45,14 @@ def _context(tokenizer: Tokenizer) -> ServerContext:
     )
 
 
-@pytest.mark.parametrize("chars", [40, 5000], ids=["inline", "worker-thread"])
+@pytest.mark.parametrize("chars", [40, 9000], ids=["inline", "worker-thread"])
 def test_add_special_tokens_applies_the_post_processor(bos_checkpoint, chars):
     from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast(tokenizer_file=str(bos_checkpoint / "tokenizer.json"))
     ctx = _context(Tokenizer(bos_checkpoint))
     assert ctx.special_tokens_added
-    text = ("Hello there, 世界! " * 400)[:chars]
+    text = ("Hello there, 世界! " * 600)[:chars]
     threads = []
     encode = ctx.encode_with_special_tokens
 
@@ -65,7 +65,9 @@ def test_add_special_tokens_applies_the_post_processor(bos_checkpoint, chars):
         ids = asyncio.run(ctx.encode_request_prompt(text, "prompt", flag))
         assert ids == hf(text, add_special_tokens=flag)["input_ids"], flag
     # long prompts leave the event loop's thread (this one, under asyncio.run)
-    assert len(threads) == 1 and (threads[0] == threading.get_ident()) == (chars < 2048)
+    assert len(threads) == 1 and (threads[0] == threading.get_ident()) == (
+        chars < ServerContext.ENCODE_IN_THREAD_CHARS
+    )
     assert asyncio.run(ctx.encode_request_prompt(text, "prompt", True))[
         0
     ] == hf.convert_tokens_to_ids(BOS)
