@@ -23,7 +23,8 @@
 #           kernel family (GEMMs, attention, norms, the empty decode-row launch), the profile
 #           issue 19's 6 ms TTFT needs next
 #   peer:   bench/serve.py at c=1/64/256 with --api-server-count 2, the transformers peer at 1/64
-#   front:  bench/frontend_latency.py: a 1,024-token request's time outside the engine by stage
+#   front:  bench/frontend_latency.py: a 1,024-token request's time outside the engine by stage,
+#           $OLD and this tree, then --engine-idle-poll-ms 1000, then 5 ms between requests
 # Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD, all three made
 # here by `.venv/bin/python bench/device_assets.py --basetree <previous main>` (carry [".whl",
 # ".benchassets", ".basetree"]).
@@ -96,8 +97,16 @@ for stage in ${@:-tests dense}; do
            grep "^|" "$OUT/peer.log" | tail -20 ;;
     front) python3 -c "from bench.common import random_qwen3_checkpoint as r; \
              r('$CKPT', tokenizer_from='.benchassets/tokenizer')"  # (the tokenizer too: check's has none)
-           timeout "$(left 120)" python3 bench/frontend_latency.py --requests 20 --prompt-tokens 1024 \
-             -- --model $CKPT 2>&1 | grep -v Warning | tee "$OUT/front.txt" | tail -30 ;;
+           # $OLD (tiktoken encoder), this tree, this tree with the engine polling after its work,
+           # this tree with 5 ms between requests (whether an idle gap slows the engine's part)
+           for v in old new poll gap; do
+             d=.; a=(); g=0.3
+             case $v in old) d=$OLD ;; poll) a=(--engine-idle-poll-ms 1000) ;; gap) g=0.005 ;; esac
+             echo "-- front $v"
+             (cd "$d" && timeout "$(left 150)" python3 bench/frontend_latency.py --requests 20 \
+               --prompt-tokens 1024 --gap $g -- --model $CKPT "${a[@]}") 2>&1 | grep -v Warning \
+               | tee "$OUT/front-$v.txt" | tail -22
+           done ;;
     *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab ttft peer front)"; exit 2 ;;
   esac
   stamp "$stage"

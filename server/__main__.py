@@ -50,6 +50,7 @@ _RANGES = [
     ("gpu_memory_utilization", 0.01, 1.0),
     ("kv_cache_memory_gb", 0.001, None),
     ("prefill_graph_max_tokens", 0, None),
+    ("engine_idle_poll_ms", 0, None),
 ]
 
 
@@ -311,6 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "thread", "process"],
         help="run the engine loop in a thread of the server or in its own process "
         "(auto: process on CUDA, and with --api-server-count above 1, which needs it)",
+    )
+    a(
+        "--engine-idle-poll-ms",
+        type=float,
+        default=_env("engine_idle_poll_ms", 0.0),
+        help="milliseconds the engine process keeps polling for requests after its last work "
+        "before it sleeps: a request arriving meanwhile starts on a warm core (costs one busy "
+        "core; 0 = sleep at once; the in-thread engine ignores it)",
     )
     a(
         "--api-server-count",

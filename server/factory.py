@@ -95,6 +95,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_init_method=args.distributed_init_method or None,
         quantization=getattr(args, "quantization", None),
+        engine_idle_poll_ms=getattr(args, "engine_idle_poll_ms", 0.0),
     )
 
 

@@ -502,6 +502,11 @@ class EngineConfig:
             block format (and ``load_format="dummy"`` then draws FP8 weights); see
             :func:`resolve_quantization`. Not with ``tensor_parallel_size`` > 1
             (:meth:`ModelConfig.check_tensor_parallel`).
+        engine_idle_poll_ms: milliseconds an engine core in its own process keeps polling its
+            pipes after its last work before it blocks (``engine.core.engine_loop.idle_polling``):
+            a request arriving in that window finds the process running on a warm core instead
+            of waking it. Costs one busy core meanwhile; 0 = block at once (the default). The
+            in-thread core ignores it (polling there would hold the server's GIL).
     """
 
     model: str
@@ -530,6 +535,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_init_method: str | None = None
     quantization: str | None = None
+    engine_idle_poll_ms: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
@@ -541,6 +547,10 @@ class EngineConfig:
         lone = self.lone_prompt_min_tokens
         if lone is not None and (not isinstance(lone, int) or lone < 0):
             raise ValueError(f"lone_prompt_min_tokens must be an int >= 0 (0: off), got {lone!r}")
+        if not self.engine_idle_poll_ms >= 0:
+            raise ValueError(
+                f"engine_idle_poll_ms must be >= 0 (0: off), got {self.engine_idle_poll_ms!r}"
+            )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.tensor_parallel_size < 1:

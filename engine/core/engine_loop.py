@@ -43,6 +43,41 @@ def apply_commands(engine: LLMEngine, commands: list[Command], emit: Emit) -> tu
     return bool(commands), shutdown
 
 
+def idle_polling(
+    next_commands: Callable[[float], list[Command]],
+    poll_seconds: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> Callable[[float], list[Command]]:
+    """``next_commands`` that keeps polling (timeout 0) for ``poll_seconds`` after the engine's
+    last work before it waits with the loop's timeout.
+
+    The engine's last work is the last call with timeout 0 (the loop had requests) or the last
+    call that returned commands. Within the window a waiting call spins on ``next_commands(0)``
+    until commands arrive or the window closes, then waits as asked. The process stays on a
+    running core, so a request that arrives shortly after the previous one finished skips the
+    sleeping process's wake-up and meets warm caches. ``poll_seconds`` <= 0 returns
+    ``next_commands`` itself.
+    """
+    if poll_seconds <= 0:
+        return next_commands
+    last_work = clock()
+
+    def polling(timeout: float) -> list[Command]:
+        nonlocal last_work
+        if timeout > 0:
+            while clock() - last_work < poll_seconds:
+                commands = next_commands(0.0)
+                if commands:
+                    last_work = clock()
+                    return commands
+        commands = next_commands(timeout)
+        if commands or timeout == 0:
+            last_work = clock()
+        return commands
+
+    return polling
+
+
 def run_engine_loop(
     engine: LLMEngine,
     next_commands: Callable[[float], list[Command]],

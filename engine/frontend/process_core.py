@@ -24,7 +24,7 @@ import time
 
 from engine.core.commands import Command, Shutdown
 from engine.core.config import EngineConfig
-from engine.core.engine_loop import Emit, run_engine_loop
+from engine.core.engine_loop import Emit, idle_polling, run_engine_loop
 from engine.core.limits import EngineLimits
 from engine.core.parent_death import set_parent_death_signal
 from engine.frontend.client_channels import ClientChannels
@@ -101,7 +101,8 @@ def _child_main(
     channels = ClientChannels(conns)
     channels.emit([], engine.idle_stats())  # the gauges have values before the first request
     try:
-        run_engine_loop(engine, channels.next_commands, channels.emit, log_interval)
+        next_commands = idle_polling(channels.next_commands, config.engine_idle_poll_ms / 1e3)
+        run_engine_loop(engine, next_commands, channels.emit, log_interval)
     finally:  # also after a fatal step: deliver what is queued, stop the tensor-parallel ranks
         channels.close(CHANNELS_DRAIN_S)
         engine.shutdown()

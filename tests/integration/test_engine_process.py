@@ -13,12 +13,58 @@ import pytest
 from tests.metricsutil import num_kv_blocks, scrape
 from tests.serverproc import ServerProcess
 
+#: the module's server keeps its engine process polling this long after its last work
+IDLE_POLL_MS = 400
+
 
 @pytest.fixture(scope="module")
 def proc_server():
-    srv = ServerProcess("--engine-mode", "process", "--max-model-len", "512").wait_ready()
+    srv = ServerProcess(
+        "--engine-mode",
+        "process",
+        "--max-model-len",
+        "512",
+        "--engine-idle-poll-ms",
+        str(IDLE_POLL_MS),
+    ).wait_ready()
     yield srv
     srv.stop()
+
+
+def _engine_pid(srv) -> int:
+    children = [
+        int(p) for p in open(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read().split()
+    ]
+    engine_pids = [p for p in children if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+    assert len(engine_pids) == 1, children
+    return engine_pids[0]
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads), from /proc/PID/stat."""
+    fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_engine_process_polls_after_work_then_sleeps(proc_server):
+    """--engine-idle-poll-ms reaches the engine process: it stays busy for the window after a
+    request, then sleeps (its CPU time stops growing)."""
+    pid = _engine_pid(proc_server)
+    r = httpx.post(
+        proc_server.base_url + "/v1/completions",
+        json={"prompt": "hello", "max_tokens": 2},
+        timeout=60,
+    )
+    assert r.status_code == 200
+    start = _cpu_seconds(pid)
+    time.sleep(IDLE_POLL_MS / 1e3)
+    polling = _cpu_seconds(pid) - start
+    time.sleep(0.3)  # past the window
+    start = _cpu_seconds(pid)
+    time.sleep(1.0)
+    asleep = _cpu_seconds(pid) - start
+    # lenient: other tests may share the cores; polling takes ~a whole core, sleeping ~nothing
+    assert polling >= 0.1 * IDLE_POLL_MS / 1e3 and asleep <= 0.05, (polling, asleep)
 
 
 def test_process_engine_serves_streams_and_frees_blocks(proc_server):
