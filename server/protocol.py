@@ -481,6 +481,22 @@ class ChatCompletionRequest(SamplingFields):
     _chat_not_applied = field_validator(*CHAT_NOT_APPLIED, mode="before")(no_op_only)
 
 
+#: what a completions prompt may be (OpenAI's four shapes)
+PROMPT_SHAPES = (
+    "prompt must be a string, an array of strings, an array of token ids (integers) or an "
+    "array of arrays of token ids"
+)
+
+
+def _json_kind(value: Any) -> str:
+    """The JSON type of a parsed value, with its article ("a string", "an integer", ...)."""
+    if isinstance(value, bool):
+        return "a boolean"
+    return {str: "a string", int: "an integer", float: "a number", list: "an array"}.get(
+        type(value), "null" if value is None else "an object"
+    )
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = Field(None, ge=0, strict=True)  # 0: score the prompt only (with echo)
@@ -489,11 +505,31 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     add_special_tokens: bool = Field(True, strict=True)
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _non_empty(cls, v):
-        if isinstance(v, list) and len(v) == 0:
+    def _prompt_shape(cls, v):
+        """One clear message for a prompt of none of the four shapes (pydantic's own names one
+        union branch's failure, e.g. "Input should be a valid string" for ``["a", 1]``)."""
+        if isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise ValueError(f"{PROMPT_SHAPES}, got {_json_kind(v)}")
+        if not v:
             raise ValueError("prompt must not be empty")
+        first = _json_kind(v[0])
+        if first not in ("a string", "an integer", "an array"):
+            raise ValueError(f"{PROMPT_SHAPES}; element 0 is {first}")
+        for i, x in enumerate(v):
+            kind = _json_kind(x)
+            if kind != first:
+                raise ValueError(f"{PROMPT_SHAPES}; element {i} is {kind}, element 0 {first}")
+            if kind == "an array":
+                bad = next((j for j, t in enumerate(x) if _json_kind(t) != "an integer"), None)
+                if bad is not None:
+                    raise ValueError(
+                        f"{PROMPT_SHAPES}; element {i} is an array with {_json_kind(x[bad])} "
+                        f"at index {bad}"
+                    )
         return v
 
 

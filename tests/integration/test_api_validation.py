@@ -326,6 +326,30 @@ def test_non_text_content_parts_are_named_as_unsupported(client):
         assert f"content parts of type '{part['type']}' are not supported" in err["message"]
 
 
+@pytest.mark.parametrize(
+    "prompt,says",
+    [
+        (["a", 1], "element 1 is an integer, element 0 a string"),
+        ([5, "a"], "element 1 is a string, element 0 an integer"),
+        ([[1, 2], [3, "x"]], "element 1 is an array with a string at index 1"),
+        ([[1], 2], "element 1 is an integer, element 0 an array"),
+        ([1.5], "element 0 is a number"),
+        ([None], "element 0 is null"),
+        ([True, False], "element 0 is a boolean"),
+        (5, "got an integer"),
+        ({"text": "hi"}, "got an object"),
+    ],
+)
+def test_prompt_of_no_allowed_shape_says_which(client, prompt, says):
+    """One message naming the four shapes and the offending element (pydantic alone reports
+    one union branch, e.g. "Input should be a valid string" for ["a", 1])."""
+    with pytest.raises(openai.BadRequestError) as e:
+        send(client, "completions", {"prompt": prompt})
+    err = e.value.body
+    assert err["param"] == "prompt" and "an array of token ids" in err["message"], err
+    assert says in err["message"], err
+
+
 def test_context_length_message_gives_both_numbers(client):
     with pytest.raises(openai.BadRequestError) as e:
         send(client, "chat", {"max_tokens": 2040})
