@@ -22,6 +22,8 @@
 #   ttft:   bench/prefill_profile.py --prompt 1024: the 1k-token prompt's first-token step by
 #           kernel family (GEMMs, attention, norms, the empty decode-row launch), the profile
 #           issue 19's 6 ms TTFT needs next
+#   swiglu: the Triton SwiGLU (kernels/swiglu.py): its GPU test, bench/swiglu.py against the
+#           compiled composition, engine_check and the 1k prefill profile with it on and off
 #   peer:   bench/serve.py at c=1/64/256 with --api-server-count 2, the transformers peer at 1/64
 #   front:  bench/frontend_latency.py: a 1,024-token request's time outside the engine by stage,
 #           $OLD and this tree, then --engine-idle-poll-ms 1000, then 5 ms between requests
@@ -89,6 +91,17 @@ for stage in ${@:-tests dense}; do
                | grep -v "Warning\|Writing" > "$OUT/fp8_$name.log")
              echo "-- fp8.py in $name ($tree)"; grep "^|\|summed" "$OUT/fp8_$name.log" | tail -32
            done ;;
+    swiglu) TRITON_INTERPRET=0 timeout "$(left 60)" python3 -m pytest -q -p no:cacheprovider \
+             tests/kernels/test_swiglu.py 2>&1 | tail -3
+           timeout "$(left 90)" python3 bench/swiglu.py 2>&1 | grep -v Warning | tee "$OUT/swiglu.txt"
+           QWEN_SERVE_TRITON_SWIGLU=1 timeout "$(left 110)" python3 bench/engine_check.py \
+             --ckpt $CKPT 2>&1 | grep -v Warning | tail -4
+           for on in 0 1; do
+             echo "-- prefill profile, QWEN_SERVE_TRITON_SWIGLU=$on"
+             QWEN_SERVE_TRITON_SWIGLU=$on timeout "$(left 90)" python3 bench/prefill_profile.py \
+               --ckpt $CKPT --prompt 1024 --top 12 2>&1 | grep -v Warning \
+               | tee "$OUT/ttft_swiglu$on.txt" | tail -20
+           done ;;
     ttft)  timeout "$(left 90)" python3 bench/prefill_profile.py --ckpt $CKPT --prompt 1024 --top 20 \
              2>&1 | grep -v Warning | tee "$OUT/ttft_profile.txt" | tail -40 ;;
     peer)  timeout "$(left 420)" python3 bench/serve.py --ckpt $CKPT --tokenizer-from .benchassets/tokenizer \
@@ -107,7 +120,7 @@ for stage in ${@:-tests dense}; do
                --prompt-tokens 1024 --gap $g -- --model $CKPT "${a[@]}") 2>&1 | grep -v Warning \
                | tee "$OUT/front-$v.txt" | tail -22
            done ;;
-    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab ttft peer front)"; exit 2 ;;
+    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab swiglu ttft peer front)"; exit 2 ;;
   esac
   stamp "$stage"
 done

@@ -11,3 +11,30 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     ``[T, I]``."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+@torch.library.custom_op("qwen_serve::silu_and_mul", mutates_args=())
+def silu_and_mul_triton_op(x: torch.Tensor) -> torch.Tensor:
+    """:func:`kernels.swiglu.silu_and_mul` (the Triton kernel) as an op opaque to
+    ``torch.compile``: ``x`` ``[T, 2I]`` -> ``[T, I]``, CUDA-graph capturable."""
+    from kernels.swiglu import silu_and_mul as triton_silu_and_mul  # Triton: CUDA servers only
+
+    return triton_silu_and_mul(x)
+
+
+@silu_and_mul_triton_op.register_fake
+def _silu_and_mul_fake(x):
+    return x.new_empty((x.shape[0], x.shape[1] // 2))
+
+
+def triton_or(fallback):
+    """``silu_and_mul`` through the Triton kernel for a CUDA ``[T, 2I]`` tensor whose last
+    dimension is contiguous, else ``fallback`` (the eager or compiled composition). The choice
+    depends on the device, rank and strides only, all static under ``torch.compile``."""
+
+    def silu_and_mul_dispatch(x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dim() == 2 and x.stride(1) == 1:
+            return silu_and_mul_triton_op(x)
+        return fallback(x)
+
+    return silu_and_mul_dispatch

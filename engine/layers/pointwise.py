@@ -9,7 +9,8 @@ where is measured in docs/benchmarks.md (second session).
 
 from __future__ import annotations
 
-from engine.layers.activation import silu_and_mul
+from engine.layers import kernel_switches
+from engine.layers.activation import silu_and_mul, triton_or
 from engine.layers.norm import add_rms_norm, rms_norm
 from engine.layers.rotary import qk_norm_rope, rope
 
@@ -38,3 +39,5 @@ class PointwiseOps:
         self.rope = wrap(rope)
         self.qk_norm_rope = wrap(qk_norm_rope)
         self.silu_and_mul = wrap(silu_and_mul)
+        if kernel_switches.TRITON_SWIGLU:  # CUDA tensors take the Triton kernel
+            self.silu_and_mul = triton_or(self.silu_and_mul)
