@@ -520,10 +520,15 @@ def main(argv: list[str] | None = None) -> None:
             "also read from QWEN_SERVE_<FLAG>)",
             ", ".join(unknown),
         )
+    from engine.core.config import ModelConfig, check_max_model_len
     from server.app import create_app
     from server.factory import build_context, engine_config, run_worker_rank_if_any
 
     config = engine_config(args)
+    try:
+        check_max_model_len(config, ModelConfig.from_hf(config.model))
+    except ValueError as exc:  # before any process starts: one line, not a traceback
+        parser.error(str(exc))
     code = run_worker_rank_if_any(config)
     if code is not None:  # a torchrun rank other than 0: no HTTP server here
         return code

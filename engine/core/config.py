@@ -574,6 +574,25 @@ class EngineConfig:
         return self.device.split(":", 1)[0]
 
 
+def check_max_model_len(config: EngineConfig, model: ModelConfig) -> int:
+    """The sequence length to serve: ``config.max_model_len``, or the checkpoint's
+    ``max_position_embeddings`` when unset.
+
+    Raises:
+        ValueError: ``max_model_len`` above ``max_position_embeddings`` (positions the model
+            was not built for; vLLM refuses this too), naming both numbers.
+    """
+    limit = model.max_position_embeddings
+    if config.max_model_len and config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} is above the checkpoint's "
+            f"max_position_embeddings {limit}: pass --max-model-len {limit} or less, or leave "
+            "it unset (extending the context needs a rope_scaling entry, e.g. YaRN, in "
+            "config.json and a max_position_embeddings to match)"
+        )
+    return config.max_model_len or limit
+
+
 def resolve_quantization(model: ModelConfig, requested: str | None) -> QuantizationConfig | None:
     """The quantization a model runs with: the checkpoint's, or ``requested`` applied at load.
 

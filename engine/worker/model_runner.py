@@ -32,6 +32,7 @@ from engine.core.config import (
     CacheInfo,
     EngineConfig,
     ModelConfig,
+    check_max_model_len,
     resolve_quantization,
 )
 from engine.core.layout import RankLayout
@@ -143,18 +144,7 @@ class ModelRunner:
         self.device = rank.device if rank is not None else torch.device(config.device)
         cuda = self.device.type == "cuda"
         self.dtype = torch_dtype(config.dtype or (model_config.dtype if cuda else "float32"))
-        max_len = min(
-            config.max_model_len or model_config.max_position_embeddings,
-            model_config.max_position_embeddings,
-        )
-        if config.max_model_len and config.max_model_len > max_len:
-            log.warning(
-                "max_model_len %d asked for, but the checkpoint's max_position_embeddings is "
-                "%d: serving %d tokens",
-                config.max_model_len,
-                max_len,
-                max_len,
-            )
+        max_len = check_max_model_len(config, model_config)
 
         compile_mode = config.compile_mode or ("ops" if cuda else "none")
         self.backend_name = config.attention_backend or default_backend_name(self.device.type)

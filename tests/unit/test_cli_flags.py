@@ -239,3 +239,29 @@ def test_a_bad_switch_value_stops_the_start_up(monkeypatch, capsys):
         main(["--port", "0"])
     assert exc.value.code == 2
     assert "QWEN_SERVE_DECODE_FUSED_QK_ROPE='sometimes'" in capsys.readouterr().err
+
+
+def test_max_model_len_above_the_checkpoint_is_refused_before_start_up(capsys):
+    """vLLM's rule: a --max-model-len above max_position_embeddings (4096 for the embedded
+    model) stops the server with one line naming both numbers (it used to warn and clamp)."""
+    from server.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--max-model-len", "4097", "--port", "0"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "max_model_len 4097" in err and "max_position_embeddings 4096" in err
+    assert "Traceback" not in err
+
+
+def test_engine_refuses_max_model_len_above_the_checkpoint():
+    from engine.core.config import EngineConfig, ModelConfig, check_max_model_len
+    from engine.loader.embedded import ensure_embedded_checkpoint
+
+    ckpt = str(ensure_embedded_checkpoint())
+    model = ModelConfig.from_hf(ckpt)
+    assert check_max_model_len(EngineConfig(model=ckpt), model) == 4096
+    assert check_max_model_len(EngineConfig(model=ckpt, max_model_len=4096), model) == 4096
+    assert check_max_model_len(EngineConfig(model=ckpt, max_model_len=100), model) == 100
+    with pytest.raises(ValueError, match="above the checkpoint's max_position_embeddings 4096"):
+        check_max_model_len(EngineConfig(model=ckpt, max_model_len=8192), model)
