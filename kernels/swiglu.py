@@ -67,8 +67,11 @@ def silu_and_mul(
 
     Raises:
         ValueError: ``x`` not 2-D with an even, contiguous last dimension; ``out`` of another
-            shape, dtype or device, or not contiguous in its last dimension.
+            shape, dtype or device, or not contiguous in its last dimension; ``block`` not a
+            power of two of at least 16.
     """
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of two of at least 16, got {block}")
     if x.dim() != 2 or x.shape[1] % 2 or (x.shape[1] and x.stride(1) != 1):
         raise ValueError(
             f"x must be [T, 2I] with a contiguous last dimension, got {tuple(x.shape)} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import math
 import os
 import re
 import sys
@@ -98,8 +99,11 @@ class _EnvCheckedParser(argparse.ArgumentParser):
                 )
         for dest, low, high in _RANGES:
             value = getattr(ns, dest, None)
-            if value is not None and (value < low or (high is not None and value > high)):
+            if value is not None and (
+                not math.isfinite(value) or value < low or (high is not None and value > high)
+            ):
                 bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+                bound += ", and finite" if not math.isfinite(value) else ""
                 self.error(
                     f"argument --{dest.replace('_', '-')}: {value} is out of range "
                     f"(must be {bound})"

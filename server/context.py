@@ -58,10 +58,19 @@ class ServerContext:
     encoder: PromptEncoder | None = None
     grammar_validator: GrammarValidator | None = None
 
-    #: prompts of at least this many characters are encoded in a worker thread; shorter ones
-    #: inline (fastokens: ~0.5 ms for a 1,024-token random-token prompt of ~5,500 characters on
-    #: the development VM, where the thread hop costs ~0.15 ms; docs/benchmarks.md, 2026-12-05)
-    ENCODE_IN_THREAD_CHARS = 8192
+    #: prompts of at least this many characters are encoded in a worker thread, shorter ones
+    #: inline, by ``tokenizers`` (its worst case on the dev VM at 2,047 characters: ~5 ms)...
+    ENCODE_IN_THREAD_CHARS = 2048
+    #: ... and by fastokens (~0.5 ms for a 1,024-token random-token prompt of ~5,500 characters
+    #: in the server on the dev VM, where the thread hop costs ~0.15-0.25 ms; its worst cases at
+    #: 8,191 characters, random rare CJK or a whitespace run, take 5-8 ms: the same order as
+    #: tokenizers' at 2,047; docs/benchmarks.md, 2026-12-05, fourth session)
+    FAST_ENCODE_IN_THREAD_CHARS = 8192
+
+    def _inline(self, text: str, fast: bool) -> bool:
+        """Whether to encode ``text`` on the event loop (``fast``: by the fastokens encoder)."""
+        limit = self.FAST_ENCODE_IN_THREAD_CHARS if fast else self.ENCODE_IN_THREAD_CHARS
+        return len(text) < limit
 
     def encode_prompt(self, text: str, param: str = "prompt") -> list[int]:
         """Token ids of a prompt text (no special tokens added; those written in it are kept).
@@ -102,7 +111,7 @@ class ServerContext:
             APIError: as :meth:`encode_prompt`.
         """
         if add_special_tokens and self.special_tokens_added:
-            if len(text) < self.ENCODE_IN_THREAD_CHARS:
+            if self._inline(text, fast=False):  # the post-processor: tokenizers
                 return self.encode_with_special_tokens(text, param)
             return await asyncio.to_thread(self.encode_with_special_tokens, text, param)
         return await self.encode_prompt_async(text, param)
@@ -116,7 +125,8 @@ class ServerContext:
         third session). Short prompts are encoded inline: the thread hand-off would cost more
         than the encoding.
         """
-        if len(text) < self.ENCODE_IN_THREAD_CHARS:
+        fast = self.encoder is not None and self.encoder.backend == "fastokens"
+        if self._inline(text, fast):
             return self.encode_prompt(text, param)
         return await asyncio.to_thread(self.encode_prompt, text, param)
 

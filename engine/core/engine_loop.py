@@ -51,27 +51,35 @@ def idle_polling(
     """``next_commands`` that keeps polling (timeout 0) for ``poll_seconds`` after the engine's
     last work before it waits with the loop's timeout.
 
-    The engine's last work is the last call with timeout 0 (the loop had requests) or the last
-    call that returned commands. Within the window a waiting call spins on ``next_commands(0)``
-    until commands arrive or the window closes, then waits as asked. The process stays on a
-    running core, so a request that arrives shortly after the previous one finished skips the
-    sleeping process's wake-up and meets warm caches. ``poll_seconds`` <= 0 returns
-    ``next_commands`` itself.
+    The engine's last work ends at the first waiting call (timeout > 0) after a busy one
+    (timeout 0: the loop had requests and ran a step in between), or when a call returned
+    commands. Within the window a waiting call spins on ``next_commands(0)`` until commands
+    arrive or the window closes, then waits as asked. The process stays on a running core, so
+    a request that arrives shortly after the previous one finished skips the sleeping process's
+    wake-up and meets warm caches. ``poll_seconds`` <= 0 returns ``next_commands`` itself.
     """
     if poll_seconds <= 0:
         return next_commands
     last_work = clock()
+    busy = False
 
     def polling(timeout: float) -> list[Command]:
-        nonlocal last_work
-        if timeout > 0:
-            while clock() - last_work < poll_seconds:
-                commands = next_commands(0.0)
-                if commands:
-                    last_work = clock()
-                    return commands
+        nonlocal last_work, busy
+        if timeout == 0:
+            busy = True
+            commands = next_commands(0.0)
+            if commands:
+                last_work = clock()
+            return commands
+        if busy:  # the loop just went idle: the window opens now, whatever the step's length
+            busy, last_work = False, clock()
+        while clock() - last_work < poll_seconds:
+            commands = next_commands(0.0)
+            if commands:
+                last_work = clock()
+                return commands
         commands = next_commands(timeout)
-        if commands or timeout == 0:
+        if commands:
             last_work = clock()
         return commands
 

@@ -24,16 +24,25 @@ def silu_and_mul_triton_op(x: torch.Tensor) -> torch.Tensor:
 
 @silu_and_mul_triton_op.register_fake
 def _silu_and_mul_fake(x):
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"x must be [T, 2I], got {tuple(x.shape)}")
     return x.new_empty((x.shape[0], x.shape[1] // 2))
 
 
 def triton_or(fallback):
-    """``silu_and_mul`` through the Triton kernel for a CUDA ``[T, 2I]`` tensor whose last
-    dimension is contiguous, else ``fallback`` (the eager or compiled composition). The choice
-    depends on the device, rank and strides only, all static under ``torch.compile``."""
+    """``silu_and_mul`` through the Triton kernel for a ``[T, 2I]`` tensor with an even,
+    contiguous last dimension on CUDA (or anywhere under the Triton interpreter: the CPU
+    tests), else ``fallback`` (the eager or compiled composition). The choice depends on the
+    device, rank, shape and strides only, all static under ``torch.compile``."""
+    from kernels.interpreter import interpreting
 
     def silu_and_mul_dispatch(x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dim() == 2 and x.stride(1) == 1:
+        if (
+            (x.is_cuda or interpreting())
+            and x.dim() == 2
+            and x.shape[1] % 2 == 0
+            and x.stride(1) == 1
+        ):
             return silu_and_mul_triton_op(x)
         return fallback(x)
 

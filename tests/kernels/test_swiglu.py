@@ -68,25 +68,43 @@ def test_empty_and_bad_shapes(device):
         silu_and_mul(torch.zeros(32, 4, device=device).t())
     with pytest.raises(ValueError, match="out must be"):
         silu_and_mul(torch.zeros(4, 32, device=device), out=torch.zeros(4, 15, device=device))
+    with pytest.raises(ValueError, match="power of two"):
+        silu_and_mul(torch.zeros(4, 32, device=device), block=24)
 
 
-def test_switch_routes_cuda_tensors_to_the_kernel(monkeypatch):
-    """With the switch on, ``PointwiseOps.silu_and_mul`` sends CUDA [T, 2I] tensors to the
-    custom op (Triton) and keeps the composition for others (CPU here)."""
+def test_switch_routes_to_the_kernel(device, monkeypatch):
+    """With the switch on, ``PointwiseOps.silu_and_mul`` sends [T, 2I] tensors to the custom op
+    (the Triton kernel: on CUDA, or here under the interpreter) and keeps the composition for
+    what the kernel does not take (an odd width, a strided last dimension); off, it is the
+    composition itself."""
     from engine.layers import activation, kernel_switches
     from engine.layers.pointwise import PointwiseOps
 
     monkeypatch.setattr(kernel_switches, "TRITON_SWIGLU", True)
-    ops = PointwiseOps(compiled=False)
     calls = []
-    monkeypatch.setattr(
-        activation, "silu_and_mul_triton_op", lambda x: calls.append(x) or x[:, : x.shape[1] // 2]
-    )
-    x = torch.randn(3, 32)
-    torch.testing.assert_close(ops.silu_and_mul(x), silu_and_mul_ref(x))  # CPU: the composition
-    assert calls == []
+    real = activation.silu_and_mul_triton_op
+    monkeypatch.setattr(activation, "silu_and_mul_triton_op", lambda x: calls.append(1) or real(x))
+    ops = PointwiseOps(compiled=False)
+    x = (torch.randn(6, 64) * 3).to(torch.bfloat16).to(device)
+    _check(x, ops.silu_and_mul(x))
+    assert calls == [1]
+    odd = torch.randn(4, 2, 32, device=device)  # 3-D: the composition
+    torch.testing.assert_close(ops.silu_and_mul(odd), silu_and_mul_ref(odd))
+    strided = torch.randn(64, 6, device=device).t()  # last dimension not contiguous
+    torch.testing.assert_close(ops.silu_and_mul(strided), silu_and_mul_ref(strided))
+    assert calls == [1]
     monkeypatch.setattr(kernel_switches, "TRITON_SWIGLU", False)
     assert PointwiseOps(compiled=False).silu_and_mul is activation.silu_and_mul
+
+
+def test_custom_op_registration(device):
+    """torch.library's checks of the op (schema, fake tensor, dynamic shapes) on the kernel."""
+    from engine.layers.activation import silu_and_mul_triton_op
+
+    x = torch.randn(5, 64, device=device, dtype=torch.bfloat16)
+    torch.library.opcheck(silu_and_mul_triton_op, (x,))
+    with pytest.raises(ValueError, match="2I"):
+        silu_and_mul_triton_op(torch.zeros(3, 33, device=device))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the custom op's CUDA path")

@@ -61,3 +61,16 @@ def test_work_reopens_the_window():
     pipes.arrivals[pipes.now + 0.05] = "next"
     assert next_commands(0.5) == ["next"]
     assert set(pipes.calls) == {0.0}  # polled: the busy call reopened the window
+
+
+def test_the_window_opens_when_a_long_step_ends():
+    """A step longer than the window: the window counts from the step's end, not from the busy
+    call before it."""
+    pipes = FakePipes({})
+    next_commands = idle_polling(pipes.next_commands, 0.05, pipes.clock)
+    assert next_commands(0.0) == []  # busy: a step follows
+    pipes.now += 0.1  # the step: twice the window
+    pipes.arrivals[pipes.now + 0.01] = "next"
+    pipes.calls.clear()
+    assert next_commands(0.5) == ["next"]
+    assert set(pipes.calls) == {0.0}  # taken by polling, not by a blocking wait

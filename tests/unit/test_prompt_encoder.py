@@ -172,29 +172,34 @@ def test_a_text_fastokens_refuses_goes_to_tokenizers(tok, encoder, monkeypatch):
     assert encoder.encode("Hello <|im_end|> there") == tok.encode("Hello <|im_end|> there")
 
 
-def test_long_prompts_are_encoded_off_the_event_loop(tok, encoder):
+@pytest.mark.parametrize("fast", [True, False], ids=["fastokens", "tokenizers"])
+def test_long_prompts_are_encoded_off_the_event_loop(tok, encoder, fast):
     """A long prompt is encoded in a worker thread (the encoders release the GIL), a short one
-    inline."""
+    inline; fastokens' limit is higher (it is ~10x faster), a medium prompt shows the two."""
     import asyncio
     import threading
 
     from server.context import ServerContext
 
-    ctx = ServerContext(engine=None, tokenizer=tok, model_name="m", metrics=None, encoder=encoder)
+    ctx = ServerContext(
+        engine=None, tokenizer=tok, model_name="m", metrics=None, encoder=encoder if fast else None
+    )
     threads = []
     real = ctx.encode_prompt
     ctx.encode_prompt = lambda *a: threads.append(threading.get_ident()) or real(*a)
-    long_text = "word " * (ServerContext.ENCODE_IN_THREAD_CHARS // 5 + 1)
+    long_text = "word " * (ServerContext.FAST_ENCODE_IN_THREAD_CHARS // 5 + 1)
+    medium_text = "word " * (ServerContext.ENCODE_IN_THREAD_CHARS // 5 + 1)
 
     async def main():
         loop_thread = threading.get_ident()
-        ids_long = await ctx.encode_prompt_async(long_text)
-        ids_short = await ctx.encode_prompt_async("short prompt")
-        return loop_thread, ids_long, ids_short
+        ids = [await ctx.encode_prompt_async(t) for t in (long_text, medium_text, "short")]
+        return loop_thread, ids
 
-    loop_thread, ids_long, ids_short = asyncio.run(main())
-    assert ids_long == tok.encode(long_text) and ids_short == tok.encode("short prompt")
-    assert threads[0] != loop_thread and threads[1] == loop_thread
+    loop_thread, ids = asyncio.run(main())
+    assert ids == [tok.encode(t) for t in (long_text, medium_text, "short")]
+    assert threads[0] != loop_thread  # long: a worker thread
+    assert (threads[1] == loop_thread) == fast  # medium: inline with fastokens only
+    assert threads[2] == loop_thread  # short: inline
 
 
 @pytest.mark.parametrize("backend", ["tokenizers", "fastokens"])
@@ -208,8 +213,11 @@ def test_encoders_release_the_gil(tok, encoder, backend):
         encode = tok.encode
         text = tok.decode(list(range(1000, 1000 + 3000)), skip_special_tokens=False) * 4
     else:
-        encode = encoder.encode
-        text = " " * 60000 + "x"  # a whitespace run: tens of milliseconds even for fastokens
+        # a whitespace run of a new length each call (fastokens caches a run it has seen):
+        # ~10-20 ms each
+        lengths = iter(range(60000, 60100))
+        encode = lambda t: encoder.encode(" " * next(lengths) + t)  # noqa: E731
+        text = "x"
     done = threading.Event()
     ticks = []
 
