@@ -181,6 +181,43 @@ def test_filtered_distribution_matches_reference(seed):
         torch.testing.assert_close(got[row], ref, atol=2e-6, rtol=1e-4, msg=f"row {row}: {p}")
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_small_top_k_batches_rank_only_the_top_k(seed, monkeypatch):
+    """When every filtered row has a small top_k (Qwen3's default 20), the filter ranks the top
+    k_max logits with torch.topk and never sorts the vocabulary, with the same result as the
+    full sort (forced by TOP_K_SELECT_MAX = 0)."""
+    import engine.worker.sampler as sampler_module
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    vocab, n = 5000, 12
+    logits = torch.randn(n, vocab, generator=gen) * rng.choice([1.0, 4.0])
+    params = [
+        SamplingParams(
+            temperature=rng.choice([0.3, 0.7, 1.0, 1.6]),
+            top_k=rng.choice([1, 2, 20, 50]),
+            top_p=rng.choice([1.0, 0.3, 0.8, 0.95]),
+            min_p=rng.choice([0.0, 0.05]),
+        )
+        for _ in range(n)
+    ]
+    sorted_full = torch.Tensor.sort
+
+    def no_sort(*args, **kwargs):
+        raise AssertionError("the vocabulary was sorted")
+
+    monkeypatch.setattr(torch.Tensor, "sort", no_sort)
+    fast = Sampler(CPU)._filtered_logits(logits.clone(), params)
+    monkeypatch.setattr(torch.Tensor, "sort", sorted_full)
+    monkeypatch.setattr(sampler_module, "TOP_K_SELECT_MAX", 0)
+    full = Sampler(CPU)._filtered_logits(logits.clone(), params)
+    assert torch.equal(fast.isinf(), full.isinf())
+    torch.testing.assert_close(fast, full, atol=0, rtol=0)
+    got = normalised(filtered_probs(logits.clone(), params))
+    for row, p in enumerate(params):
+        torch.testing.assert_close(got[row], ref_probs(logits[row], p), atol=2e-6, rtol=1e-4)
+
+
 def test_unfiltered_row_keeps_its_whole_distribution_next_to_filtered_rows():
     """top_p=1 / top_k=-1 means no filtering, also when other rows of the batch filter.
 
