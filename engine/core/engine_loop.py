@@ -106,6 +106,7 @@ def run_engine_loop(
             what ``engine.prepare_thread`` raises, before any step.
     """
     engine.prepare_thread()  # the device libraries' per-thread caches, for this thread
+    emit([], engine.idle_stats())  # the gauges (free KV blocks...) have values before a request
     last_log = time.monotonic()
     tokens = [0, 0]
     while True:

@@ -99,7 +99,6 @@ def _child_main(
         engine.shutdown()
         return
     channels = ClientChannels(conns)
-    channels.emit([], engine.idle_stats())  # the gauges have values before the first request
     try:
         next_commands = idle_polling(channels.next_commands, config.engine_idle_poll_ms / 1e3)
         run_engine_loop(engine, next_commands, channels.emit, log_interval)

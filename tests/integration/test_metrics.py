@@ -35,6 +35,15 @@ def _settle(base: str) -> dict:
     return m
 
 
+def test_gauges_have_values_before_the_first_request(fresh_server):
+    """A fresh, idle server (the in-thread engine, the CPU default) shows its whole KV cache
+    free: the engine loop publishes its state before any step (it read 0 free blocks until the
+    first request; found by a new-user trial)."""
+    m = scrape(fresh_server.base_url)
+    assert m[P + "num_free_kv_blocks"] == num_kv_blocks(m) == 64
+    assert m[P + "num_requests_running"] == 0 and m[P + "num_requests_waiting"] == 0
+
+
 def test_metrics_match_what_was_sent(fresh_server):
     base = fresh_server.base_url
     tok = Tokenizer(ensure_embedded_checkpoint())
