@@ -524,14 +524,18 @@ def main(argv: list[str] | None = None) -> None:
             "also read from QWEN_SERVE_<FLAG>)",
             ", ".join(unknown),
         )
-    from engine.core.config import ModelConfig, check_max_model_len
+    from engine.core.config import ModelConfig, check_max_model_len, resolve_quantization
     from server.app import create_app
     from server.factory import build_context, engine_config, run_worker_rank_if_any
 
     config = engine_config(args)
-    try:
-        check_max_model_len(config, ModelConfig.from_hf(config.model))
-    except ValueError as exc:  # before any process starts: one line, not a traceback
+    try:  # what the checkpoint refuses, before any process starts: one line, not a traceback
+        model = ModelConfig.from_hf(config.model)
+        check_max_model_len(config, model)
+        if config.tensor_parallel_size > 1:
+            quantization = resolve_quantization(model, config.quantization)
+            model.check_tensor_parallel(config.tensor_parallel_size, quantization)
+    except ValueError as exc:
         parser.error(str(exc))
     code = run_worker_rank_if_any(config)
     if code is not None:  # a torchrun rank other than 0: no HTTP server here

@@ -3,6 +3,7 @@ or, on a tensor-parallel rank other than 0 started by torchrun, run that rank's 
 
 from __future__ import annotations
 
+import logging
 import os
 
 from engine.core.config import EngineConfig
@@ -11,6 +12,8 @@ from engine.frontend.process_core import ProcessCore
 
 #: values of ``--engine-mode`` besides "auto"
 ENGINE_MODES = ("thread", "process")
+
+log = logging.getLogger(__name__)
 
 
 def default_engine_mode(config: EngineConfig) -> str:
@@ -51,6 +54,12 @@ def start_engine_core(
     if mode == "thread":
         from engine.worker.build import build_engine
 
+        if config.engine_idle_poll_ms > 0:
+            log.warning(
+                "--engine-idle-poll-ms %g ignored: it applies to an engine process "
+                "(--engine-mode process, the default on CUDA), not the in-thread engine",
+                config.engine_idle_poll_ms,
+            )
         return ThreadCore(build_engine(config, eos_token_ids=eos_token_ids), log_interval)
     raise ValueError(f"unknown engine mode {mode!r}; expected one of {ENGINE_MODES}")
 

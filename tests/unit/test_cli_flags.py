@@ -269,3 +269,34 @@ def test_engine_refuses_max_model_len_above_the_checkpoint():
     assert check_max_model_len(EngineConfig(model=ckpt, max_model_len=100), model) == 100
     with pytest.raises(ValueError, match="above the checkpoint's max_position_embeddings 4096"):
         check_max_model_len(EngineConfig(model=ckpt, max_model_len=8192), model)
+
+
+def test_tensor_parallel_size_the_checkpoint_cannot_split_is_one_line(capsys):
+    """--tensor-parallel-size 3 over the embedded model (4 heads): the engine's own message as a
+    parser error before any process starts, not the engine process's traceback."""
+    from server.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--tensor-parallel-size", "3", "--port", "0"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "cannot split" in err and "over 3 tensor-parallel ranks" in err
+    assert "Traceback" not in err
+
+
+def test_idle_polling_is_said_to_be_ignored_by_the_thread_core(caplog, monkeypatch):
+    """--engine-idle-poll-ms with the in-thread engine (the CPU default) is a logged no-op."""
+    import logging
+
+    from engine.core.config import EngineConfig
+    from engine.frontend import launch
+    from engine.loader.embedded import ensure_embedded_checkpoint
+
+    monkeypatch.setattr(launch, "ThreadCore", lambda engine, interval: "core")
+    import engine.worker.build as build
+
+    monkeypatch.setattr(build, "build_engine", lambda config, eos_token_ids: "engine")
+    config = EngineConfig(model=str(ensure_embedded_checkpoint()), engine_idle_poll_ms=5)
+    with caplog.at_level(logging.WARNING, logger="engine.frontend.launch"):
+        assert launch.start_engine_core(config, frozenset(), "thread") == "core"
+    assert "--engine-idle-poll-ms 5 ignored" in caplog.text
