@@ -80,9 +80,12 @@ class Completions:
         # earlier ones started and aborted (counted in the metrics as aborts)
         checked = []
         try:
-            for ids in prompts:
+            for i, ids in enumerate(prompts):
                 if not ids:
-                    raise APIError(400, "prompt must not be empty", "prompt")
+                    where = f" (element {i} is empty)" if len(prompts) > 1 else ""
+                    raise APIError(
+                        400, f"prompt must not be empty{where}", "prompt", "invalid_value"
+                    )
                 ctx.check_prompt_length(len(ids), "prompt")
                 params = to_sampling_params(
                     req,

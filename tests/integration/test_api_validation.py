@@ -350,6 +350,23 @@ def test_prompt_of_no_allowed_shape_says_which(client, prompt, says):
     assert says in err["message"], err
 
 
+@pytest.mark.parametrize(
+    "prompt,says",
+    [
+        ("", "prompt must not be empty"),
+        ([[]], "prompt must not be empty"),
+        (["a", ""], "element 1 is empty"),
+        ([[1, 2], []], "element 1 is empty"),
+    ],
+)
+def test_empty_prompts_are_named(client, prompt, says):
+    with pytest.raises(openai.BadRequestError) as e:
+        send(client, "completions", {"prompt": prompt})
+    err = e.value.body
+    assert err["param"] == "prompt" and says in err["message"], err
+    assert err["code"] == "invalid_value", err
+
+
 def test_context_length_message_gives_both_numbers(client):
     with pytest.raises(openai.BadRequestError) as e:
         send(client, "chat", {"max_tokens": 2040})
