@@ -36,6 +36,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
+#: request fields per ``--sampling`` (on top of the body's temperature 0)
+SAMPLING = {
+    "greedy": {},
+    "qwen3": {"temperature": 0.6, "top_p": 0.95, "top_k": 20},
+}
+
+
 def make_prompts(ckpt: str, n: int, target_tokens: int, seed: int = 0) -> list[str]:
     """Texts of about ``target_tokens`` tokens: random ordinary-token ids decoded with the
     checkpoint's tokenizer."""
@@ -375,7 +382,7 @@ def run_levels(
         n = max(args.min_requests, c * args.requests_per_concurrency)
         cap = args.peer_time_cap if name != "qwen-serve" else 600
         extra = (
-            {"ignore_eos": True} if name == "qwen-serve" else None
+            {"ignore_eos": True, **SAMPLING[args.sampling]} if name == "qwen-serve" else None
         )  # the peer rejects unknown fields
         spy = None
         if (
@@ -523,6 +530,14 @@ def main() -> None:
         "--served-model", default="qwen3-embedded", help="model name sent with --base-url"
     )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument(
+        "--sampling",
+        choices=sorted(SAMPLING),
+        default="greedy",
+        help="our server's requests: greedy (temperature 0), or qwen3 (Qwen3's "
+        "generation_config sampling: temperature 0.6, top_p 0.95, top_k 20; the peer stays "
+        "greedy)",
+    )
     ap.add_argument("--requests-per-concurrency", type=int, default=2)
     ap.add_argument("--min-requests", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=1024)
