@@ -29,20 +29,20 @@ def _silu_and_mul_fake(x):
     return x.new_empty((x.shape[0], x.shape[1] // 2))
 
 
+def takes_kernel(x: torch.Tensor) -> bool:
+    """Whether ``x``'s device runs the Triton SwiGLU: CUDA (the CPU tests patch this to run the
+    kernel under the interpreter)."""
+    return x.is_cuda
+
+
 def triton_or(fallback):
     """``silu_and_mul`` through the Triton kernel for a ``[T, 2I]`` tensor with an even,
-    contiguous last dimension on CUDA (or anywhere under the Triton interpreter: the CPU
-    tests), else ``fallback`` (the eager or compiled composition). The choice depends on the
-    device, rank, shape and strides only, all static under ``torch.compile``."""
-    from kernels.interpreter import interpreting
+    contiguous last dimension on a device :func:`takes_kernel` accepts, else ``fallback`` (the
+    eager or compiled composition). The choice depends on the device, rank, shape and strides
+    only, all static under ``torch.compile``."""
 
     def silu_and_mul_dispatch(x: torch.Tensor) -> torch.Tensor:
-        if (
-            (x.is_cuda or interpreting())
-            and x.dim() == 2
-            and x.shape[1] % 2 == 0
-            and x.stride(1) == 1
-        ):
+        if takes_kernel(x) and x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(1) == 1:
             return silu_and_mul_triton_op(x)
         return fallback(x)
 

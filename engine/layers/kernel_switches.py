@@ -9,11 +9,11 @@ one tree (``bench/latency_ab.sh``) and as an escape hatch should a kernel misbeh
   runs as its own kernel (``kernels/gemv_fused.py``'s ``gemv_rms_norm`` not used);
 * ``QWEN_SERVE_FUSED_SWIGLU_GEMV=0``: SwiGLU runs as its own kernel before the down projection
   (``gemv_swiglu`` not used).
-* ``QWEN_SERVE_TRITON_SWIGLU=1`` (off by default until measured on the GPU): SwiGLU outside the
-  fused GEMV (prompt steps) runs as ``kernels/swiglu.py``'s Triton kernel instead of the
-  compiled composition (``engine.layers.pointwise``).
+* ``QWEN_SERVE_TRITON_SWIGLU=0``: SwiGLU outside the fused GEMV (prompt steps) runs as the
+  compiled composition (``engine.layers.pointwise``) instead of ``kernels/swiglu.py``'s Triton
+  kernel (2.8 against 1.4-1.7 TB/s on an H100; docs/benchmarks.md, 2026-12-05, fourth session).
 
-All but the last default to on (the fusions only where their table,
+All default to on (the fusions only where their table,
 ``kernels/configs/gemv_fused_<device>.json``, says they win; see
 ``engine/layers/fused_linear.py``); values 1/true/yes/on or 0/false/no/off, anything else
 is refused at import with a ValueError naming the variable.
@@ -30,4 +30,4 @@ FUSED_QK_ROPE = env_switch("QWEN_SERVE_FUSED_QK_ROPE")
 SMALL_M_GEMV = env_switch("QWEN_SERVE_SMALL_M_GEMV")
 FUSED_NORM_GEMV = env_switch("QWEN_SERVE_FUSED_NORM_GEMV")
 FUSED_SWIGLU_GEMV = env_switch("QWEN_SERVE_FUSED_SWIGLU_GEMV")
-TRITON_SWIGLU = env_switch("QWEN_SERVE_TRITON_SWIGLU", default=False)
+TRITON_SWIGLU = env_switch("QWEN_SERVE_TRITON_SWIGLU")

@@ -74,13 +74,14 @@ def test_empty_and_bad_shapes(device):
 
 def test_switch_routes_to_the_kernel(device, monkeypatch):
     """With the switch on, ``PointwiseOps.silu_and_mul`` sends [T, 2I] tensors to the custom op
-    (the Triton kernel: on CUDA, or here under the interpreter) and keeps the composition for
-    what the kernel does not take (an odd width, a strided last dimension); off, it is the
-    composition itself."""
+    (the Triton kernel: on CUDA, here under the interpreter) and keeps the composition for
+    what the kernel does not take (3-D, a strided last dimension); off, it is the composition
+    itself; a CPU tensor outside the tests takes the composition."""
     from engine.layers import activation, kernel_switches
     from engine.layers.pointwise import PointwiseOps
 
     monkeypatch.setattr(kernel_switches, "TRITON_SWIGLU", True)
+    monkeypatch.setattr(activation, "takes_kernel", lambda x: True)  # CUDA, or the interpreter
     calls = []
     real = activation.silu_and_mul_triton_op
     monkeypatch.setattr(activation, "silu_and_mul_triton_op", lambda x: calls.append(1) or real(x))
@@ -93,6 +94,14 @@ def test_switch_routes_to_the_kernel(device, monkeypatch):
     strided = torch.randn(64, 6, device=device).t()  # last dimension not contiguous
     torch.testing.assert_close(ops.silu_and_mul(strided), silu_and_mul_ref(strided))
     assert calls == [1]
+    monkeypatch.undo()
+    cpu = torch.randn(3, 32)
+    monkeypatch.setattr(kernel_switches, "TRITON_SWIGLU", True)
+    monkeypatch.setattr(activation, "silu_and_mul_triton_op", lambda x: calls.append(2) or x)
+    torch.testing.assert_close(
+        PointwiseOps(compiled=False).silu_and_mul(cpu), silu_and_mul_ref(cpu)
+    )
+    assert calls == [1]  # the CPU engine never runs the kernel, interpreter or not
     monkeypatch.setattr(kernel_switches, "TRITON_SWIGLU", False)
     assert PointwiseOps(compiled=False).silu_and_mul is activation.silu_and_mul
 
