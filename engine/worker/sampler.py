@@ -446,10 +446,9 @@ class Sampler:
             # rows with top_p = 1 keep everything (float32 sums reach 1.0 before the tail)
             drop |= ((cum - probs_sorted) >= p_t) & (p_t < 1.0)
             drop[:, 0] = False
-            if width < vocab:  # what is outside the top k_max is dropped too
-                dropped = torch.ones_like(out, dtype=torch.bool).scatter_(1, sorted_idx, drop)
-            else:
-                dropped = torch.zeros_like(drop).scatter_(1, sorted_idx, drop)
+            # what is outside the top k_max (width < vocab) is dropped too; a full sort's
+            # indices cover every position, so the scatter overwrites all of them
+            dropped = torch.ones_like(out, dtype=torch.bool).scatter_(1, sorted_idx, drop)
             out.masked_fill_(dropped, float("-inf"))
             scaled.masked_fill_(dropped, float("-inf"))
         min_p = [p.min_p for p in params]
