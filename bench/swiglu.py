@@ -3,22 +3,21 @@ the engine runs today (``engine.layers.activation.silu_and_mul`` compiled with
 ``torch.compile(dynamic=True)``, as ``compile_mode="ops"`` does) and eager torch.
 
 Usage (on the GPU): ``python bench/swiglu.py [--inter 3072] [--tokens 1024 4096 16384]``; on the
-CPU ``--tiny`` checks the script's logic under the Triton interpreter (tiny shapes, no timing
-worth reading).
+CPU ``--tiny`` checks the script's logic under the Triton interpreter (tiny shapes, host-clock
+times not worth reading).
 
-Rows: tokens T of a prompt step at Qwen3-0.6B's intermediate size (I = 3072, bf16). Each
-timing is the median of CUDA-graph replays cycling over enough input copies (>= 256 MB) that
-none is still in the L2; bandwidth = bytes read (T x 2I) + written (T x I), over the time. Every
-variant is first checked against eager torch (the fraction of bit-equal elements, and the
-largest difference in units of the output's last place); the kernel's tiles (columns per
-program, warps) are swept.
+Rows: tokens T of a prompt step at Qwen3-0.6B's intermediate size (I = 3072, bf16). Each timing
+is ``bench/kernels.py``'s ``graph_ms``: the median of CUDA-graph replays cycling over enough
+input copies (>= 256 MB) that none is still in the L2; bandwidth = bytes read (T x 2I) + written
+(T x I), over the time. Every variant is first checked against eager torch (the fraction of
+bit-equal elements, and the largest difference in units of the output's last place); the
+kernel's tiles (columns per program, warps) are swept.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -28,35 +27,11 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.kernels import graph_ms
 from engine.layers.activation import silu_and_mul as eager
 from kernels.swiglu import silu_and_mul as triton_swiglu
 
 TILES = ((512, 4), (1024, 4), (1024, 8), (2048, 8), (4096, 8))
-
-
-def graph_us(fn, inputs, reps: int = 20) -> float:
-    """Median microseconds per call of ``fn`` over ``inputs`` (one CUDA graph of a pass over all
-    of them, replayed ``reps`` times)."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for x in inputs[:2]:
-            fn(x)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for x in inputs:
-            fn(x)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(inputs))
-    return statistics.median(times)
 
 
 def agreement(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -94,7 +69,7 @@ def main() -> int:
         ]
         for name, fn in variants:
             exact, ulps = agreement(fn(x), ref)
-            us = graph_us(fn, inputs) if cuda else float("nan")
+            us = graph_ms([lambda v=v, fn=fn: fn(v) for v in inputs]) * 1e3
             print(
                 f"| {t} | {name} | {us:.2f} | {nbytes / us / 1e3:.0f} | {exact:.4f} | {ulps:.1f} |"
             )
