@@ -245,17 +245,24 @@ def test_a_bad_switch_value_stops_the_start_up(monkeypatch, capsys):
     assert "QWEN_SERVE_DECODE_FUSED_QK_ROPE='sometimes'" in capsys.readouterr().err
 
 
-def test_max_model_len_above_the_checkpoint_is_refused_before_start_up(capsys):
-    """vLLM's rule: a --max-model-len above max_position_embeddings (4096 for the embedded
-    model) stops the server with one line naming both numbers (it used to warn and clamp)."""
+def _start_up_error(capsys, *flags: str) -> str:
+    """What ``python -m server FLAGS`` writes when it refuses to start: exit code 2, one line,
+    no traceback."""
     from server.__main__ import main
 
     with pytest.raises(SystemExit) as exc:
-        main(["--max-model-len", "4097", "--port", "0"])
+        main([*flags, "--port", "0"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "max_model_len 4097" in err and "max_position_embeddings 4096" in err
     assert "Traceback" not in err
+    return err
+
+
+def test_max_model_len_above_the_checkpoint_is_refused_before_start_up(capsys):
+    """vLLM's rule: a --max-model-len above max_position_embeddings (4096 for the embedded
+    model) stops the server with one line naming both numbers (it used to warn and clamp)."""
+    err = _start_up_error(capsys, "--max-model-len", "4097")
+    assert "max_model_len 4097" in err and "max_position_embeddings 4096" in err
 
 
 def test_engine_refuses_max_model_len_above_the_checkpoint():
@@ -274,14 +281,8 @@ def test_engine_refuses_max_model_len_above_the_checkpoint():
 def test_tensor_parallel_size_the_checkpoint_cannot_split_is_one_line(capsys):
     """--tensor-parallel-size 3 over the embedded model (4 heads): the engine's own message as a
     parser error before any process starts, not the engine process's traceback."""
-    from server.__main__ import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(["--tensor-parallel-size", "3", "--port", "0"])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
+    err = _start_up_error(capsys, "--tensor-parallel-size", "3")
     assert "cannot split" in err and "over 3 tensor-parallel ranks" in err
-    assert "Traceback" not in err
 
 
 def test_idle_polling_is_said_to_be_ignored_by_the_thread_core(caplog, monkeypatch):
