@@ -107,13 +107,7 @@ def test_process_engine_serves_streams_and_frees_blocks(proc_server):
 def test_engine_process_death_fails_requests_and_health():
     srv = ServerProcess("--engine-mode", "process", "--max-model-len", "512").wait_ready()
     try:
-        children = [
-            int(p)
-            for p in open(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read().split()
-        ]
-        engine_pids = [p for p in children if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
-        assert engine_pids, children
-        os.kill(engine_pids[0], signal.SIGKILL)
+        os.kill(_engine_pid(srv), signal.SIGKILL)
         for _ in range(100):
             if httpx.get(srv.base_url + "/health", timeout=30).status_code == 503:
                 break
