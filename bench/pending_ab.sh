@@ -24,6 +24,8 @@
 #           issue 19's 6 ms TTFT needs next
 #   swiglu: the Triton SwiGLU (kernels/swiglu.py): its GPU test, bench/swiglu.py against the
 #           compiled composition, engine_check and the 1k prefill profile with it on and off
+#   serveab: bench/serve.py at c=1/64/256 (greedy, 1,024-token prompts), $OLD then this tree,
+#           the server flags from $SERVE_ARGS (e.g. "--api-server-count 2")
 #   sampling: bench/serve.py --sampling qwen3 (top_k 20, top_p 0.95) at c=1/64, $OLD and here
 #   peer:   bench/serve.py at c=1/64/256 with --api-server-count 2, the transformers peer at 1/64
 #   front:  bench/frontend_latency.py: a 1,024-token request's time outside the engine by stage,
@@ -110,6 +112,14 @@ for stage in ${@:-tests dense}; do
                --server-root "$root" --out "$OUT/sampling_$name" 2>&1 | grep -v "Warn\|Writing" \
                | tee "$OUT/sampling_$name.log" | tail -6
            done ;;
+    serveab) for root in "$OLD" .; do  # greedy serving, $OLD then this tree ($SERVE_ARGS: flags)
+             name=$([ "$root" = . ] && echo new || echo old)
+             timeout "$(left 200)" python3 bench/serve.py --ckpt $CKPT --skip-peer \
+               --tokenizer-from .benchassets/tokenizer --concurrency 1 64 256 \
+               --server-args="${SERVE_ARGS:-}" --server-root "$root" --out "$OUT/serveab_$name" \
+               2>&1 | grep -v "Warn\|Writing" > "$OUT/serveab_$name.log"
+             echo "-- serve $name ($root) ${SERVE_ARGS:-}"; grep "^|" "$OUT/serveab_$name.log" | tail -5
+           done ;;
     ttft)  timeout "$(left 90)" python3 bench/prefill_profile.py --ckpt $CKPT --prompt 1024 --top 20 \
              2>&1 | grep -v Warning | tee "$OUT/ttft_profile.txt" | tail -40 ;;
     peer)  timeout "$(left 420)" python3 bench/serve.py --ckpt $CKPT --tokenizer-from .benchassets/tokenizer \
@@ -128,7 +138,7 @@ for stage in ${@:-tests dense}; do
                --prompt-tokens 1024 --gap $g -- --model $CKPT "${a[@]}") 2>&1 | grep -v Warning \
                | tee "$OUT/front-$v.txt" | tail -22
            done ;;
-    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab swiglu sampling ttft peer front)"; exit 2 ;;
+    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab swiglu sampling serveab ttft peer front)"; exit 2 ;;
   esac
   stamp "$stage"
 done
