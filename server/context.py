@@ -68,17 +68,9 @@ class ServerContext:
     FAST_ENCODE_IN_THREAD_CHARS = 8192
 
     def _inline(self, text: str, fast: bool) -> bool:
-        """Whether to encode ``text`` on the event loop (``fast``: by the fastokens encoder): a
-        short prompt while this process streams nothing. With requests in flight every prompt
-        goes to a worker thread: the encoders release the GIL, and a wave of arrivals encoded
-        inline (requests of one output length finish, and are replaced, together) held every
-        stream's tokens for ~0.5 ms per prompt: at concurrency 256 on the H200 the p99
-        inter-token latency went 17.6 -> 34.6 ms and tokens were sent several per chunk
-        (docs/benchmarks.md, 2026-12-05, fifth session). An idle server keeps the inline path,
-        which saves the thread hop (~0.15-0.25 ms) on the time to first token."""
+        """Whether to encode ``text`` on the event loop (``fast``: by the fastokens encoder)."""
         limit = self.FAST_ENCODE_IN_THREAD_CHARS if fast else self.ENCODE_IN_THREAD_CHARS
-        busy = self.engine is not None and self.engine.num_in_flight > 0
-        return len(text) < limit and not busy
+        return len(text) < limit
 
     def encode_prompt(self, text: str, param: str = "prompt") -> list[int]:
         """Token ids of a prompt text (no special tokens added; those written in it are kept).

@@ -202,39 +202,6 @@ def test_long_prompts_are_encoded_off_the_event_loop(tok, encoder, fast):
     assert threads[2] == loop_thread  # short: inline
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["fastokens", "tokenizers"])
-def test_prompts_leave_the_event_loop_while_requests_stream(tok, encoder, fast):
-    """With a request in flight in this process even a short prompt is encoded in a worker
-    thread (a wave of inline encodes would hold every stream's tokens); idle again, inline."""
-    import asyncio
-    import threading
-    from types import SimpleNamespace
-
-    from server.context import ServerContext
-
-    engine = SimpleNamespace(num_in_flight=1)
-    ctx = ServerContext(
-        engine=engine,
-        tokenizer=tok,
-        model_name="m",
-        metrics=None,
-        encoder=encoder if fast else None,
-    )
-    threads = []
-    real = ctx.encode_prompt
-    ctx.encode_prompt = lambda *a: threads.append(threading.get_ident()) or real(*a)
-
-    async def main():
-        ids = [await ctx.encode_prompt_async("short prompt")]
-        engine.num_in_flight = 0
-        ids.append(await ctx.encode_prompt_async("short prompt"))
-        return threading.get_ident(), ids
-
-    loop_thread, ids = asyncio.run(main())
-    assert ids == [tok.encode("short prompt")] * 2
-    assert threads[0] != loop_thread and threads[1] == loop_thread
-
-
 @pytest.mark.parametrize("backend", ["tokenizers", "fastokens"])
 def test_encoders_release_the_gil(tok, encoder, backend):
     """Both encoders let other Python threads run meanwhile (``Tokenizer.encode`` through
