@@ -9,8 +9,11 @@ loads of the gate and up halves and no index division (vLLM's ``silu_and_mul`` C
 the same one-row-per-block layout).
 
 Rounding follows eager torch (the oracle, ``engine.layers.activation.silu_and_mul``): silu in
-float32 rounded to the input dtype, then the product in float32 rounded again. Imports only
-torch and triton.
+float32 rounded to the input dtype, then the product in float32 rounded again. For bf16/fp16
+the GPU's approximate exp and division sit far inside the output's ulp; a float32 output takes
+libdevice's ``expf`` and a correctly rounded division instead (the approximate pair was 4 ulps
+off eager torch and more on the H200, 2026-12-05). Imports torch, triton and
+:mod:`kernels.interpreter`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+from kernels.interpreter import interpreting
 
 __all__ = ["silu_and_mul", "SWIGLU_BLOCK", "SWIGLU_WARPS"]
 
@@ -34,6 +40,7 @@ def _silu_and_mul_kernel(
     stride_xt,
     stride_ot,
     BLOCK: tl.constexpr,
+    PRECISE: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -42,7 +49,10 @@ def _silu_and_mul_kernel(
     gate = tl.load(x_row + cols, mask=mask, other=0.0)
     up = tl.load(x_row + inter + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    if PRECISE:  # float32 output: libdevice's expf and an IEEE division, as torch's CUDA silu
+        act = tl.math.div_rn(g, 1.0 + libdevice.exp(-g)).to(gate.dtype)
+    else:  # ex2.approx and a fast division: far inside a bf16/fp16 ulp
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
     y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
     tl.store(out_ptr + row * stride_ot + cols, y, mask=mask)
 
@@ -93,7 +103,10 @@ def silu_and_mul(
     if t == 0 or inter == 0:
         return out
     grid = (t, triton.cdiv(inter, block))
+    # (the interpreter has no libdevice; its exp and division are numpy's, already exact)
+    precise = x.dtype == torch.float32 and not interpreting()
     _silu_and_mul_kernel[grid](
-        x, out, inter, x.stride(0), out.stride(0), BLOCK=block, num_warps=num_warps
-    )
+        x, out, inter, x.stride(0), out.stride(0), BLOCK=block, PRECISE=precise,
+        num_warps=num_warps,
+    )  # fmt: skip
     return out
