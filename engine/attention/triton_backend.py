@@ -91,8 +91,9 @@ class TritonAttentionBackend:
             per KV head) and only the others with the prefill kernel, instead of a whole
             query tile (``BLOCK_M`` rows of one query head, or ``BLOCK_M // G`` tokens x the G
             heads of a KV head when GQA-packed) for each of them. Both launches have
-            shape-only grids, so the step stays capturable in a CUDA graph. False restores the
-            single prefill launch (benchmarks).
+            shape-only grids, so the step stays capturable in a CUDA graph. A step of one
+            sequence slot has no such rows (its one prefill launch computes every row). False
+            restores the single prefill launch (benchmarks).
         split_prefill: let prefill launches take the split-KV mode where
             :func:`kernels.prefill_split.prefill_num_splits` says the grid underfills the GPU
             (split count from the token count, heads and ``max_seq_len``: fixed per captured
@@ -360,9 +361,12 @@ class TritonAttentionBackend:
             )
             if done is not None:
                 return done
-        num_seqs = meta.block_tables.shape[0]
         decode = self._pure_decode(q, meta)
-        if decode or (self.split_mixed_steps and num_seqs > 0):
+        # a mixed step's decode rows go to the decode kernel only where the step has several
+        # sequence slots: one sequence of several tokens (a lone prompt or chunk, the lone
+        # prefill graphs) has none, and its launch would be all empty programs
+        mixed_decode = self.split_mixed_steps and meta.block_tables.shape[0] > 1
+        if decode or mixed_decode:
             # pure decode: one row per sequence; mixed step: the rows of sequences with one new
             # token (row cu_seqlens_q[b]), the others left to the prefill launch below
             self._decode(q, k_cache, v_cache, meta, scale, out)
@@ -379,7 +383,7 @@ class TritonAttentionBackend:
             out,
             scale,
             causal=True,
-            skip_decode_rows=self.split_mixed_steps,
+            skip_decode_rows=mixed_decode,
             num_splits=splits,
             partial_out=po,
             partial_lse=plse,

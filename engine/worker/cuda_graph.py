@@ -320,7 +320,12 @@ class PrefillGraphs:
     that were the model length (its "short" twin), and a wide step whose sequences all fit in
     it replays that twin: its launches size their split counts for the step's real contexts
     (no prefill split over many slots, ``kernels.prefill_split.prefill_num_splits``) instead of
-    for the model length. Padding tokens
+    for the model length. Each size is also captured with one slot (its "lone" twin), which
+    a step of one sequence replays (a lone prompt, or one chunk of it): the backend launches
+    no decode kernel for the mixed decode rows a one-slot step cannot have (``num_seqs > 1``,
+    ``engine.attention.triton_backend``) and the prompt launch has no empty slots; in the
+    16-slot graph a lone 1,024-token prompt paid ~0.14 ms of its first-token step for the
+    empty decode launches (docs/benchmarks.md, 2026-12-05, third session). Padding tokens
     ``T .. T_pad`` have slot -1 (nothing stored) and lie past ``cu_seqlens_q[B]`` (no sequence
     attends with them); padding sequences ``B .. S`` have no tokens. The graph ends with the
     final hidden states of the rows to sample (``logits_indices``, padded with row 0); the LM
@@ -355,45 +360,44 @@ class PrefillGraphs:
         self.inputs = GraphInputs(
             self.sizes[-1], min(max_seqs, self.sizes[-1]), max_blocks_per_seq, device
         )
-        # graph keys: (padded token count, narrow, short); the narrow twin of a size exists
-        # where it has fewer slots than the wide graph, the short twin of a wide graph where
-        # the model length exceeds UNSPLIT_MAX_KEYS and the graph has enough slots for the
-        # unsplit rule
-        self.keys = [(t, True, False) for t in self.sizes if min(max_seqs, t) > NARROW_SEQS]
+        # graph keys: (padded token count, sequence slots, short). Each size has its wide
+        # graph (min(max_seqs, size) slots); its lone twin (1 slot) and narrow twin
+        # (NARROW_SEQS slots) where the wide graph has more; its short twin where the model
+        # length exceeds UNSPLIT_MAX_KEYS and the wide graph has enough slots for the unsplit
+        # rule. Listed in ascending order of memory (captured in reverse).
+        wide = {t: min(max_seqs, t) for t in self.sizes}
+        self.keys = [(t, 1, False) for t in self.sizes if wide[t] > 1]
+        self.keys += [(t, NARROW_SEQS, False) for t in self.sizes if wide[t] > NARROW_SEQS]
         if max_seq_len > UNSPLIT_MAX_KEYS:
-            self.keys += [
-                (t, False, True) for t in self.sizes if min(max_seqs, t) > UNSPLIT_MIN_SLOTS
-            ]
-        self.keys += [(t, False, False) for t in self.sizes]
-        self._narrow_sizes = {t for t, narrow, _ in self.keys if narrow}
+            self.keys += [(t, wide[t], True) for t in self.sizes if wide[t] > UNSPLIT_MIN_SLOTS]
+        self.keys += [(t, wide[t], False) for t in self.sizes]
+        self._wide = wide
         self._short_sizes = {t for t, _, short in self.keys if short}
-        self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
-        self.hidden: dict[tuple[int, bool, bool], torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[tuple[int, int, bool], torch.Tensor] = {}
         self.pool = None
 
-    def _num_seqs(self, key: tuple[int, bool, bool]) -> int:
-        size, narrow, _ = key
-        return min(NARROW_SEQS if narrow else self.max_seqs, self.max_seqs, size)
-
-    def key(self, num_tokens: int, num_seqs: int, max_seq_len: int) -> tuple[int, bool, bool]:
+    def key(self, num_tokens: int, num_seqs: int, max_seq_len: int) -> tuple[int, int, bool]:
         """The graph of a step of ``num_tokens`` tokens from ``num_seqs`` sequences whose
-        longest holds ``max_seq_len`` tokens: the smallest captured size that fits, narrow when
-        the sequences fit its slots, else short when their contexts fit ``UNSPLIT_MAX_KEYS``.
+        longest holds ``max_seq_len`` tokens: the smallest captured size that fits, with the
+        fewest slots that hold the sequences (1, then :data:`NARROW_SEQS`), else the wide
+        graph, short when the contexts fit ``UNSPLIT_MAX_KEYS``.
 
         Returns:
-            ``(padded token count, narrow, short)``, a key of :attr:`graphs`.
+            ``(padded token count, sequence slots, short)``, a key of :attr:`graphs`.
 
         Raises:
             StopIteration: ``num_tokens`` above the largest size (check :meth:`can_run`).
         """
         size = next(s for s in self.sizes if s >= num_tokens)
-        if size in self._narrow_sizes and num_seqs <= NARROW_SEQS:
-            return size, True, False
-        return size, False, size in self._short_sizes and max_seq_len <= UNSPLIT_MAX_KEYS
+        wide = self._wide[size]
+        for slots in (1, NARROW_SEQS):
+            if num_seqs <= slots < wide:
+                return size, slots, False
+        return size, wide, size in self._short_sizes and max_seq_len <= UNSPLIT_MAX_KEYS
 
-    def _run(self, key: tuple[int, bool, bool]) -> torch.Tensor:
-        size, _, short = key
-        s = self._num_seqs(key)
+    def _run(self, key: tuple[int, int, bool]) -> torch.Tensor:
+        size, s, short = key
         max_seq_len = UNSPLIT_MAX_KEYS if short else self.max_seq_len
         meta = self.inputs.metadata(size, s, size, max_seq_len)
         hidden = self.model(
@@ -404,7 +408,8 @@ class PrefillGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size: the wide graphs largest first (the pool's largest), then their
-        short twins, then the narrow ones, each largest first, all sharing one memory pool.
+        short twins, then the narrow ones, then the lone ones, each largest first, all sharing
+        one memory pool.
 
         The static buffers hold an empty step meanwhile (no sequence has tokens, every slot is
         -1): the warm-up and captured runs store nothing and read nothing from the cache.
@@ -415,11 +420,12 @@ class PrefillGraphs:
         # reversed order: the wide graphs, largest first, then the short and narrow ones
         self.pool = capture_graphs(self.keys, self._run, self.graphs, self.hidden, self.pool)
         log.info(
-            "captured prefill/mixed-step CUDA graphs for token counts %s (also with %d sequence "
-            "slots from %s tokens, and for contexts of at most %d tokens from %s tokens)",
+            "captured prefill/mixed-step CUDA graphs for token counts %s (also with one sequence "
+            "slot, with %d slots from %s tokens, and for contexts of at most %d tokens from %s "
+            "tokens)",
             self.sizes,
             NARROW_SEQS,
-            min(self._narrow_sizes, default="no"),
+            min((t for t, s, _ in self.keys if s == NARROW_SEQS), default="no"),
             UNSPLIT_MAX_KEYS,
             min(self._short_sizes, default="no"),
         )
@@ -436,7 +442,7 @@ class PrefillGraphs:
         """
         n = step.logits_indices.shape[0]
         key = self.key(step.num_tokens, step.num_seqs, step.max_seq_len)
-        self.inputs.copy_from(step, key[0], self._num_seqs(key), decode=False)
+        self.inputs.copy_from(step, key[0], key[1], decode=False)
         graph = self.graphs.get(key)
         if graph is None:  # not captured (no CUDA): the same padded forward, eagerly
             return self._run(key)[:n]

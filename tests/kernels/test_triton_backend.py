@@ -321,6 +321,44 @@ def test_mixed_and_decode_steps_take_their_split_rules(device, monkeypatch, slot
     assert calls == [mixed, (choose_num_splits(slots, hkv, max_len, sms), 0)]
 
 
+@pytest.mark.parametrize("q_len", [7, 1], ids=["prompt-chunk", "one-token-chunk"])
+def test_one_slot_step_launches_no_decode_kernel(device, monkeypatch, q_len):
+    """A step of one sequence slot (a lone prompt, or a chunk of it, in the lone prefill graphs)
+    has no mixed decode rows to split off: no decode launch, and the prefill launch computes
+    every row -- a one-token chunk that samples nothing included -- equal to the reference."""
+    import engine.attention.triton_backend as tb
+
+    calls = []
+    monkeypatch.setattr(tb, "decode_attention", lambda *a, **kw: calls.append(a) or 1 / 0)
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    hq, hkv, d, bs, pad = 4, 2, 32, 16, 5
+    ctx_lens, q_lens = [40], [q_len]
+    k_cache, v_cache, block_tables = make_paged([40 + q_len], hkv, d, bs, torch.float32, g)
+    meta = _meta(block_tables, ctx_lens, q_lens, bs, "cpu", pad=pad)
+    meta.max_seq_len = 4096  # as a captured graph passes it
+    meta.max_query_len = q_len + pad  # (the padded token count: not a decode step)
+    meta.is_decode = False
+    q, k, v = (torch.randn(q_len + pad, h, d, generator=g) for h in (hq, hkv, hkv))
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    store_kv_cache_ref(k, v, ref_k, ref_v, meta.slot_mapping)
+    ref = torch.zeros(q_len, hq, d)
+    prefill_attention_ref(
+        q[:q_len], ref_k, ref_v, block_tables, meta.cu_seqlens_q, meta.seq_lens, ref, d**-0.5
+    )
+    be = TritonAttentionBackend()
+    dev_meta = AttentionMetadata(
+        **{f: (x.to(device) if isinstance(x, torch.Tensor) else x) for f, x in vars(meta).items()}
+    )
+    out = be.forward(
+        q.to(device), k.to(device), v.to(device), k_cache.to(device), v_cache.to(device),
+        dev_meta, d**-0.5,
+    ).cpu()  # fmt: skip
+    assert not calls
+    err = rel_err(out[:q_len], ref)
+    assert err <= 1e-5, f"rel err {err:.2e} (seed={seed})"
+
+
 def test_wide_mixed_step_of_short_contexts_runs_the_prefill_unsplit(device):
     """More than 16 sequence slots with every context within UNSPLIT_MAX_KEYS: the prefill
     launch takes no split (its grid would be slots x heads x splits of mostly empty programs);

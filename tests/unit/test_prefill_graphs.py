@@ -117,7 +117,8 @@ def test_padded_graph_steps_equal_eager_steps(
     graphs.run = lambda step: calls.append(step.num_tokens) or run(step)
     graphs._run = lambda key: keys.append(key) or run_key(key)
     got = _run(eng, requests)
-    assert any(narrow for _, narrow, _ in keys) == (max_seqs > 16)
+    assert any(s == 16 for _, s, _ in keys) == (max_seqs > 16)
+    assert any(s == 1 for _, s, _ in keys)  # one-sequence steps replayed the lone graphs
     assert got[0] == eager[0]
     for rid in got[1]:
         for a, b in zip(got[1][rid], eager[1][rid], strict=True):
@@ -130,15 +131,32 @@ def test_padded_graph_steps_equal_eager_steps(
 
 def test_narrow_graphs_take_steps_of_few_sequences():
     g = PrefillGraphs(None, None, 1024, 256, 4, 40960, torch.device("cpu"))
-    assert (16, True, False) not in g.keys and (32, True, False) in g.keys
-    assert (1024, True, False) in g.keys
-    assert g.keys[-1] == (1024, False, False)  # captured first (reversed), the pool's largest
-    assert g.key(1000, 2, 40000) == (1024, True, False)
-    assert g.key(1000, 17, 40000) == (1024, False, False)
-    assert g.key(10, 3, 40000) == (16, False, False)  # 16 tokens have 16 slots anyway
-    assert g._num_seqs((1024, True, False)) == 16 and g._num_seqs((1024, False, False)) == 256
+    assert [k for k in g.keys if k[0] == 16] == [(16, 1, False), (16, 16, False)]  # no twin
+    assert (32, 16, False) in g.keys
+    assert (1024, 16, False) in g.keys
+    assert g.keys[-1] == (1024, 256, False)  # captured first (reversed), the pool's largest
+    assert g.key(1000, 2, 40000) == (1024, 16, False)
+    assert g.key(1000, 17, 40000) == (1024, 256, False)
+    assert g.key(10, 3, 40000) == (16, 16, False)  # 16 tokens have 16 slots anyway
     few = PrefillGraphs(None, None, 64, 8, 4, 4096, torch.device("cpu"))
-    assert not any(narrow or short for _, narrow, short in few.keys)  # nothing narrower
+    assert {s for _, s, _ in few.keys} == {1, 8}  # nothing narrow between one slot and 8
+    assert not any(short for _, _, short in few.keys)
+
+
+def test_lone_graphs_take_steps_of_one_sequence():
+    """Every size has a one-slot twin, which a step of one sequence replays (whatever its
+    context); the narrow graphs then hold the steps of 2..16 sequences."""
+    g = PrefillGraphs(None, None, 1024, 256, 4, 40960, torch.device("cpu"))
+    assert all((t, 1, False) in g.keys for t in g.sizes)
+    assert g.key(1000, 1, 40000) == (1024, 1, False)
+    assert g.key(1000, 1, 100) == (1024, 1, False)
+    assert g.key(10, 1, 100) == (16, 1, False)
+    assert g.key(10, 2, 100) == (16, 16, False)
+    assert g.key(1000, 2, 100) == (1024, 16, False)
+    # captured last: the lone graphs first in the list
+    assert {s for _, s, _ in g.keys[: len(g.sizes)]} == {1}
+    one = PrefillGraphs(None, None, 64, 1, 4, 4096, torch.device("cpu"))
+    assert one.keys == [(t, 1, False) for t in one.sizes]  # max_num_seqs 1: the wide graphs
 
 
 def test_short_twins_take_wide_steps_of_short_contexts(monkeypatch):
@@ -148,16 +166,16 @@ def test_short_twins_take_wide_steps_of_short_contexts(monkeypatch):
     from kernels.prefill_split import UNSPLIT_MAX_KEYS, prefill_num_splits
 
     g = PrefillGraphs(None, None, 1024, 256, 4, 40960, torch.device("cpu"))
-    assert (32, False, True) in g.keys and (1024, False, True) in g.keys
-    assert (16, False, True) not in g.keys  # 16 slots: the unsplit rule does not apply
-    assert g.key(320, 65, UNSPLIT_MAX_KEYS) == (320, False, True)
-    assert g.key(320, 65, UNSPLIT_MAX_KEYS + 1) == (320, False, False)
-    assert g.key(320, 5, 100) == (320, True, False)
+    assert (32, 32, True) in g.keys and (1024, 256, True) in g.keys
+    assert (16, 16, True) not in g.keys  # 16 slots: the unsplit rule does not apply
+    assert g.key(320, 65, UNSPLIT_MAX_KEYS) == (320, 256, True)
+    assert g.key(320, 65, UNSPLIT_MAX_KEYS + 1) == (320, 256, False)
+    assert g.key(320, 5, 100) == (320, 16, False)
     seen = []
     monkeypatch.setattr(
         g.inputs, "metadata", lambda t, s, q, max_len: seen.append((t, s, max_len)) or 1 / 0
     )
-    for key, want in (((320, False, True), UNSPLIT_MAX_KEYS), ((320, False, False), 40960)):
+    for key, want in (((320, 256, True), UNSPLIT_MAX_KEYS), ((320, 256, False), 40960)):
         with pytest.raises(ZeroDivisionError):
             g._run(key)
         assert seen.pop() == (320, 256, want)
