@@ -26,6 +26,8 @@
 #           compiled composition, engine_check and the 1k prefill profile with it on and off
 #   serveab: bench/serve.py at c=1/64/256 (greedy, 1,024-token prompts), $OLD then this tree,
 #           the server flags from $SERVE_ARGS (e.g. "--api-server-count 2")
+#   ttftab: bench/prefill_profile.py --prompt 1024 in this tree then in $OLD (and each run's
+#           seconds, start-up and graph capture included)
 #   sampling: bench/serve.py --sampling qwen3 (top_k 20, top_p 0.95) at c=1/64, $OLD and here
 #   peer:   bench/serve.py at c=1/64/256 with --api-server-count 2, the transformers peer at 1/64
 #   front:  bench/frontend_latency.py: a 1,024-token request's time outside the engine by stage,
@@ -120,6 +122,13 @@ for stage in ${@:-tests dense}; do
                2>&1 | grep -v "Warn\|Writing" > "$OUT/serveab_$name.log"
              echo "-- serve $name ($root) ${SERVE_ARGS:-}"; grep "^|" "$OUT/serveab_$name.log" | tail -5
            done ;;
+    ttftab) for root in . "$OLD"; do  # the 1k first-token step by kernel family, both trees
+             name=$([ "$root" = . ] && echo new || echo old); t0=$SECONDS
+             (cd "$root" && timeout "$(left 100)" python3 bench/prefill_profile.py --ckpt $CKPT \
+               --prompt 1024 --top 14 2>&1) | grep -v Warning > "$OUT/ttft_$name.txt"
+             echo "-- prefill profile, $name ($root): $((SECONDS - t0)) s with start-up"
+             grep -v "^| kernel\|^|---" "$OUT/ttft_$name.txt" | tail -24
+           done ;;
     ttft)  timeout "$(left 90)" python3 bench/prefill_profile.py --ckpt $CKPT --prompt 1024 --top 20 \
              2>&1 | grep -v Warning | tee "$OUT/ttft_profile.txt" | tail -40 ;;
     peer)  timeout "$(left 420)" python3 bench/serve.py --ckpt $CKPT --tokenizer-from .benchassets/tokenizer \
@@ -138,7 +147,7 @@ for stage in ${@:-tests dense}; do
                --prompt-tokens 1024 --gap $g -- --model $CKPT "${a[@]}") 2>&1 | grep -v Warning \
                | tee "$OUT/front-$v.txt" | tail -22
            done ;;
-    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab swiglu sampling serveab ttft peer front)"; exit 2 ;;
+    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab swiglu sampling serveab ttftab ttft peer front)"; exit 2 ;;
   esac
   stamp "$stage"
 done
