@@ -32,6 +32,7 @@
 #   peer:   bench/serve.py at c=1/64/256 with --api-server-count 2, the transformers peer at 1/64
 #   front:  bench/frontend_latency.py: a 1,024-token request's time outside the engine by stage,
 #           $OLD and this tree, then --engine-idle-poll-ms 1000, then 5 ms between requests
+#           (FRONT="new gap" picks variants)
 # Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD, all three made
 # here by `.venv/bin/python bench/device_assets.py --basetree <previous main>` (carry [".whl",
 # ".benchassets", ".basetree"]).
@@ -139,7 +140,7 @@ for stage in ${@:-tests dense}; do
              r('$CKPT', tokenizer_from='.benchassets/tokenizer')"  # (the tokenizer too: check's has none)
            # $OLD (tiktoken encoder), this tree, this tree with the engine polling after its work,
            # this tree with 5 ms between requests (whether an idle gap slows the engine's part)
-           for v in old new poll gap; do
+           for v in ${FRONT:-old new poll gap}; do
              d=.; a=(); g=0.3
              case $v in old) d=$OLD ;; poll) a=(--engine-idle-poll-ms 1000) ;; gap) g=0.005 ;; esac
              echo "-- front $v"
