@@ -323,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("engine_idle_poll_ms", 0.0),
         help="milliseconds the engine process keeps polling for requests after its last work "
         "before it sleeps: a request arriving meanwhile starts on a warm core (costs one busy "
-        "core; 0 = sleep at once; the in-thread engine ignores it)",
+        "core; 0 = sleep at once; refused with the in-thread engine)",
     )
     a(
         "--api-server-count",
@@ -525,6 +525,7 @@ def main(argv: list[str] | None = None) -> None:
             ", ".join(unknown),
         )
     from engine.core.config import ModelConfig, check_max_model_len, resolve_quantization
+    from engine.frontend.launch import default_engine_mode
     from server.app import create_app
     from server.factory import build_context, engine_config, run_worker_rank_if_any
 
@@ -535,6 +536,13 @@ def main(argv: list[str] | None = None) -> None:
         if config.tensor_parallel_size > 1:
             quantization = resolve_quantization(model, config.quantization)
             model.check_tensor_parallel(config.tensor_parallel_size, quantization)
+        mode = None if args.engine_mode == "auto" else args.engine_mode
+        if (mode or default_engine_mode(config)) == "thread" and config.engine_idle_poll_ms > 0:
+            raise ValueError(
+                f"argument --engine-idle-poll-ms: {config.engine_idle_poll_ms:g} needs the "
+                "engine core in its own process (--engine-mode process, the default on CUDA); "
+                "this server would run it in a thread"
+            )
     except ValueError as exc:
         parser.error(str(exc))
     code = run_worker_rank_if_any(config)

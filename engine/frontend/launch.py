@@ -3,7 +3,6 @@ or, on a tensor-parallel rank other than 0 started by torchrun, run that rank's 
 
 from __future__ import annotations
 
-import logging
 import os
 
 from engine.core.config import EngineConfig
@@ -12,8 +11,6 @@ from engine.frontend.process_core import ProcessCore
 
 #: values of ``--engine-mode`` besides "auto"
 ENGINE_MODES = ("thread", "process")
-
-log = logging.getLogger(__name__)
 
 
 def default_engine_mode(config: EngineConfig) -> str:
@@ -39,8 +36,9 @@ def start_engine_core(
 
     Raises:
         ValueError: unknown mode, "thread" with tensor parallelism (a lost rank ends the
-            process holding rank 0, which must not be the server's), or what building the
-            engine raises.
+            process holding rank 0, which must not be the server's) or with
+            ``engine_idle_poll_ms`` (the polling is the engine process's), or what building
+            the engine raises.
         RuntimeError: the engine process failed to start.
     """
     mode = mode or default_engine_mode(config)
@@ -49,17 +47,16 @@ def start_engine_core(
             "--engine-mode thread cannot run a tensor-parallel engine: rank 0 runs in the "
             "engine-core process (use --engine-mode process or auto)"
         )
+    if mode == "thread" and config.engine_idle_poll_ms > 0:
+        raise ValueError(
+            f"--engine-idle-poll-ms {config.engine_idle_poll_ms:g} applies to an engine process "
+            "(--engine-mode process, the default on CUDA), not to the in-thread engine"
+        )
     if mode == "process":
         return ProcessCore(config, eos_token_ids, log_interval)
     if mode == "thread":
         from engine.worker.build import build_engine
 
-        if config.engine_idle_poll_ms > 0:
-            log.warning(
-                "--engine-idle-poll-ms %g ignored: it applies to an engine process "
-                "(--engine-mode process, the default on CUDA), not the in-thread engine",
-                config.engine_idle_poll_ms,
-            )
         return ThreadCore(build_engine(config, eos_token_ids=eos_token_ids), log_interval)
     raise ValueError(f"unknown engine mode {mode!r}; expected one of {ENGINE_MODES}")
 

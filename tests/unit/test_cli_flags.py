@@ -285,19 +285,17 @@ def test_tensor_parallel_size_the_checkpoint_cannot_split_is_one_line(capsys):
     assert "cannot split" in err and "over 3 tensor-parallel ranks" in err
 
 
-def test_idle_polling_is_said_to_be_ignored_by_the_thread_core(caplog, monkeypatch):
-    """--engine-idle-poll-ms with the in-thread engine (the CPU default) is a logged no-op."""
-    import logging
-
+def test_idle_polling_with_the_thread_core_is_refused(capsys):
+    """--engine-idle-poll-ms polls the engine process's pipes: with the in-thread engine (the
+    CPU default, or --engine-mode thread) the server refuses to start, and the launcher
+    refuses the pair too."""
     from engine.core.config import EngineConfig
     from engine.frontend import launch
     from engine.loader.embedded import ensure_embedded_checkpoint
 
-    monkeypatch.setattr(launch, "ThreadCore", lambda engine, interval: "core")
-    import engine.worker.build as build
-
-    monkeypatch.setattr(build, "build_engine", lambda config, eos_token_ids: "engine")
+    for flags in ((), ("--engine-mode", "thread")):
+        err = _start_up_error(capsys, "--engine-idle-poll-ms", "5", *flags)
+        assert "--engine-idle-poll-ms" in err and "5 needs the engine core in its own" in err
     config = EngineConfig(model=str(ensure_embedded_checkpoint()), engine_idle_poll_ms=5)
-    with caplog.at_level(logging.WARNING, logger="engine.frontend.launch"):
-        assert launch.start_engine_core(config, frozenset(), "thread") == "core"
-    assert "--engine-idle-poll-ms 5 ignored" in caplog.text
+    with pytest.raises(ValueError, match="not to the in-thread engine"):
+        launch.start_engine_core(config, frozenset(), "thread")
