@@ -6,7 +6,8 @@ Stores the step's keys/values with :func:`kernels.kv_cache.store_kv_cache` (or, 
 split-KV paged decode kernel when every sequence has one new token. Any other step (prefill, or
 a mixed step of decodes and prompt chunks) runs the decode kernel in its varlen mode on the
 sequences with one new token and the varlen paged prefill kernel on the others
-(``split_mixed_steps``; otherwise the prefill kernel computes every row); the decode rows of a
+(``split_mixed_steps``, in steps of several sequence slots; otherwise, and in a step of one
+sequence, the prefill kernel computes every row); the decode rows of a
 mixed step of at most 16 sequences get the splits of a single decoding sequence within a program
 cap (``kernels.decode_attention.choose_mixed_splits``), so a stream decoding over a long context
 next to a prompt chunk is not read by one program per KV head. A prefill launch whose

@@ -15,7 +15,8 @@ captured size, replays, and reads the rows of its real tokens.
   give a mixed step's decode rows splits for long contexts), never on the step's lengths;
   padding tokens belong to no sequence and store nothing, padding sequences have no tokens.
   The Triton backend runs the decode rows of such a step through the decode kernel
-  (``cu_seqlens_q`` mode) and the rest through the prefill kernel, both in the graph.
+  (``cu_seqlens_q`` mode) and the rest through the prefill kernel, both in the graph, where
+  the graph has several sequence slots (a one-slot graph's prefill launch computes every row).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 def capture_graphs(sizes: list, run, graphs: dict, outputs: dict, pool=None):
     """Capture ``run(size)`` once per size, the last of ``sizes`` first (give them in ascending
     order of memory, so the largest graph is captured first and the others reuse its memory).
-    A size is any key ``run`` takes (a batch size, or a ``(token count, narrow)`` pair).
+    A size is any key ``run`` takes (a batch size, or a ``(token count, slots, short)`` key).
 
     Each size is run once eagerly first (Triton and torch.compile compilation, allocator
     warm-up), then captured; ``graphs[size]`` gets the graph and ``outputs[size]`` the tensor
@@ -311,7 +312,7 @@ class PrefillGraphs:
     A step of ``T`` tokens from ``B`` sequences replays the graph of the smallest captured size
     ``T_pad >= T``; that graph has ``S = min(max_seqs, T_pad)`` sequence slots (``B <= T``, as
     every scheduled sequence brings at least one token). Each size above :data:`NARROW_SEQS`
-    slots is also captured with ``S = NARROW_SEQS``, and a step of at most that many sequences
+    slots is also captured with ``S = NARROW_SEQS``, and a step of 2 to that many sequences
     replays the narrow graph: its kernels' grids have fewer empty sequence slots, and the decode
     rows of a mixed step get a split count sized for few sequences
     (``kernels.decode_attention.choose_mixed_splits``), so a stream decoding over a long
@@ -365,13 +366,16 @@ class PrefillGraphs:
         # (NARROW_SEQS slots) where the wide graph has more; its short twin where the model
         # length exceeds UNSPLIT_MAX_KEYS and the wide graph has enough slots for the unsplit
         # rule. Listed in ascending order of memory (captured in reverse).
+        # (no lone twin of a size equal to the model length: its warm-up run, outside capture,
+        # would look like a whole fresh prompt and take the cuDNN path of the backend)
         wide = {t: min(max_seqs, t) for t in self.sizes}
-        self.keys = [(t, 1, False) for t in self.sizes if wide[t] > 1]
+        self.keys = [(t, 1, False) for t in self.sizes if 1 < wide[t] and t != max_seq_len]
         self.keys += [(t, NARROW_SEQS, False) for t in self.sizes if wide[t] > NARROW_SEQS]
         if max_seq_len > UNSPLIT_MAX_KEYS:
             self.keys += [(t, wide[t], True) for t in self.sizes if wide[t] > UNSPLIT_MIN_SLOTS]
         self.keys += [(t, wide[t], False) for t in self.sizes]
         self._wide = wide
+        self._key_set = set(self.keys)
         self._short_sizes = {t for t, _, short in self.keys if short}
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self.hidden: dict[tuple[int, int, bool], torch.Tensor] = {}
@@ -392,7 +396,7 @@ class PrefillGraphs:
         size = next(s for s in self.sizes if s >= num_tokens)
         wide = self._wide[size]
         for slots in (1, NARROW_SEQS):
-            if num_seqs <= slots < wide:
+            if num_seqs <= slots < wide and (size, slots, False) in self._key_set:
                 return size, slots, False
         return size, wide, size in self._short_sizes and max_seq_len <= UNSPLIT_MAX_KEYS
 
@@ -417,7 +421,7 @@ class PrefillGraphs:
         self.inputs.slot_mapping.fill_(-1)
         self.inputs.cu_seqlens_q.zero_()
         self.inputs.logits_indices.zero_()
-        # reversed order: the wide graphs, largest first, then the short and narrow ones
+        # reversed order: the wide graphs, largest first, then the short, narrow and lone ones
         self.pool = capture_graphs(self.keys, self._run, self.graphs, self.hidden, self.pool)
         log.info(
             "captured prefill/mixed-step CUDA graphs for token counts %s (also with one sequence "

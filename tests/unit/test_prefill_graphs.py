@@ -155,6 +155,10 @@ def test_lone_graphs_take_steps_of_one_sequence():
     assert g.key(1000, 2, 100) == (1024, 16, False)
     # captured last: the lone graphs first in the list
     assert {s for _, s, _ in g.keys[: len(g.sizes)]} == {1}
+    # a size equal to the model length has none (its warm-up would take the cuDNN path)
+    at_len = PrefillGraphs(None, None, 1024, 256, 4, 1024, torch.device("cpu"))
+    assert (1024, 1, False) not in at_len.keys and (896, 1, False) in at_len.keys
+    assert at_len.key(1000, 1, 1000) == (1024, 16, False)
     one = PrefillGraphs(None, None, 64, 1, 4, 4096, torch.device("cpu"))
     assert one.keys == [(t, 1, False) for t in one.sizes]  # max_num_seqs 1: the wide graphs
 
