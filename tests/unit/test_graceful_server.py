@@ -79,3 +79,19 @@ def test_exit_signals_and_ignored_signals_while_serving():
         assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == outer
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_the_server_runs_on_uvloop():
+    """uvloop is a dependency, and the server built from the parsed flags runs its event loop
+    on it (uvicorn's "auto" loop), as every GPU benchmark of the server did."""
+    import uvloop
+
+    from server.__main__ import build_parser
+    from server.http_server import make_server
+
+    server = make_server(None, build_parser().parse_args(["--port", "0"]))
+    loop = server.config.get_loop_factory()()
+    try:
+        assert isinstance(loop, uvloop.Loop)
+    finally:
+        loop.close()
