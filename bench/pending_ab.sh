@@ -3,8 +3,9 @@
 # Usage (on the GPU): OLD=.basetree bash bench/pending_ab.sh [stages...]
 #   (default "tests dense", ~6 minutes; "decode", "ab" and "lc" fill a call each; a stage is
 #   skipped, saying so, when under 20 s of BUDGET_S (575) are left)
-#   tests:  the GPU kernel tests (real Triton, up to 240 s: they compile for ~2 minutes; the cuBLASLt FP8 path's correctness test on sm_90,
-#           the strided-cache KV_TMA refusal, the cuDNN lone-prompt path)
+#   tests:  the GPU kernel tests (real Triton, up to 240 s: they compile for ~2 minutes; the
+#           cuBLASLt FP8 path's correctness test on sm_90, the strided-cache KV_TMA refusal,
+#           the cuDNN lone-prompt path)
 #   check:  bench/engine_check.py, engine correctness against torch attention run eagerly
 #   dense:  bench/dense_prefill.py --engine (cuDNN on and off for one long prompt) and the
 #           start-up line of the server (the whole-prompt range measured after the graphs)
