@@ -47,15 +47,19 @@ def _child_main(
     """Entry point of the engine process: build the engine, report its limits on ``conns[0]``,
     serve the commands of every front end (:class:`ClientChannels`).
 
-    A tensor-parallel engine core, and one serving several API servers (``ignore_signals``),
-    ignores SIGTERM and SIGINT: launchers (torchrun, a terminal's Ctrl-C, the API-server
-    supervisor) signal the whole process group, and the engine stops itself once every front
-    end has left (each sends Shutdown or closes its pipe after its requests are done); a core
-    killed by the signal instead would fail the requests still finishing, and leave its ranks
-    to fail on a closed connection."""
+    Every engine core ignores SIGINT: a terminal's Ctrl-C reaches the whole foreground process
+    group, and the server stops the engine itself once its requests are done (the idle core
+    printed a KeyboardInterrupt traceback in the server's log, a busy one could fail the
+    requests the server was finishing). A tensor-parallel engine core, and one serving several
+    API servers (``ignore_signals``), also ignores SIGTERM: launchers (torchrun, the API-server
+    supervisor, a service manager stopping the control group) signal every process, and the
+    engine stops itself once every front end has left (each sends Shutdown or closes its pipe
+    after its requests are done); a core killed by the signal instead would fail the requests
+    still finishing, and leave its ranks to fail on a closed connection. (A lone front end's
+    core keeps SIGTERM: it is daemonic, and multiprocessing ends it with SIGTERM at exit.)"""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if config.tensor_parallel_size > 1 or ignore_signals:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
     if ignore_signals:  # started with them blocked (EngineProcess): none hit the bootstrap
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
     # a parent killed during the load (minutes with a large model) must not leave this process

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.metricsutil import num_kv_blocks, scrape
-from tests.serverproc import ServerProcess
+from tests.serverproc import ServerProcess, wait_gone
 
 #: the module's server keeps its engine process polling this long after its last work
 IDLE_POLL_MS = 400
@@ -117,6 +117,28 @@ def test_engine_process_death_fails_requests_and_health():
             srv.base_url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=30
         )
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    finally:
+        srv.stop()
+
+
+def test_ctrl_c_to_the_process_group_shuts_down_cleanly():
+    """A terminal's Ctrl-C signals the server and its engine process alike: the engine process
+    ignores it and the server stops it; exit 0, no traceback (an idle engine process printed
+    a KeyboardInterrupt traceback)."""
+    srv = ServerProcess("--engine-mode", "process", "--max-model-len", "512").wait_ready()
+    try:
+        engine = _engine_pid(srv)
+        r = httpx.post(
+            srv.base_url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=60
+        )
+        assert r.status_code == 200
+        time.sleep(0.5)  # the engine process idle, waiting for commands
+        for pid in (srv.proc.pid, engine):
+            os.kill(pid, signal.SIGINT)
+        assert srv.proc.wait(60) == 0
+        log = open(srv.log_path).read()
+        assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-4000:]
+        assert wait_gone([engine], 10) == [], "the engine process outlived the server"
     finally:
         srv.stop()
 
