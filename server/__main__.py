@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None) -> None:
             ", ".join(unknown),
         )
     from engine.core.config import ModelConfig, check_max_model_len, resolve_quantization
-    from engine.frontend.launch import default_engine_mode
+    from engine.frontend.launch import resolve_engine_mode
     from server.app import create_app
     from server.factory import build_context, engine_config, run_worker_rank_if_any
 
@@ -536,13 +536,7 @@ def main(argv: list[str] | None = None) -> None:
         if config.tensor_parallel_size > 1:
             quantization = resolve_quantization(model, config.quantization)
             model.check_tensor_parallel(config.tensor_parallel_size, quantization)
-        mode = None if args.engine_mode == "auto" else args.engine_mode
-        if (mode or default_engine_mode(config)) == "thread" and config.engine_idle_poll_ms > 0:
-            raise ValueError(
-                f"argument --engine-idle-poll-ms: {config.engine_idle_poll_ms:g} needs the "
-                "engine core in its own process (--engine-mode process, the default on CUDA); "
-                "this server would run it in a thread"
-            )
+        resolve_engine_mode(config, args.engine_mode)  # what the in-thread engine cannot do
     except ValueError as exc:
         parser.error(str(exc))
     code = run_worker_rank_if_any(config)

@@ -125,8 +125,7 @@ def build_context(
     model_config = ModelConfig.from_hf(model_dir)
     tokenizer = Tokenizer(model_dir)
     if core is None:
-        mode = None if args.engine_mode == "auto" else args.engine_mode
-        core = start_engine_core(config, tokenizer.eos_token_ids, mode)
+        core = start_engine_core(config, tokenizer.eos_token_ids, args.engine_mode)
     limits = core.limits
     metrics = ServerMetrics(
         name,

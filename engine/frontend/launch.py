@@ -22,6 +22,33 @@ def default_engine_mode(config: EngineConfig) -> str:
     return "thread"
 
 
+def resolve_engine_mode(config: EngineConfig, mode: str | None = None) -> str:
+    """The engine mode a server runs: ``mode``, or :func:`default_engine_mode` for None or
+    "auto", after refusing what the in-thread engine cannot do (host checks only; the server
+    calls it before it loads anything, :func:`start_engine_core` again).
+
+    Raises:
+        ValueError: unknown mode; "thread" with tensor parallelism (a lost rank ends the
+            process holding rank 0, which must not be the server's) or with
+            ``engine_idle_poll_ms`` (the polling is the engine process's).
+    """
+    mode = default_engine_mode(config) if mode in (None, "auto") else mode
+    if mode not in ENGINE_MODES:
+        raise ValueError(f"unknown engine mode {mode!r}; expected one of {ENGINE_MODES}")
+    if mode == "thread" and config.tensor_parallel_size > 1:
+        raise ValueError(
+            "--engine-mode thread cannot run a tensor-parallel engine: rank 0 runs in the "
+            "engine-core process (use --engine-mode process or auto)"
+        )
+    if mode == "thread" and config.engine_idle_poll_ms > 0:
+        raise ValueError(
+            f"argument --engine-idle-poll-ms: {config.engine_idle_poll_ms:g} needs the engine "
+            "core in its own process (--engine-mode process, the default on CUDA): the polling "
+            "applies to an engine process, not to the in-thread engine"
+        )
+    return mode
+
+
 def start_engine_core(
     config: EngineConfig,
     eos_token_ids: frozenset[int],
@@ -32,33 +59,18 @@ def start_engine_core(
 
     Args:
         config: engine settings; eos_token_ids: ids ending generation (the tokenizer's).
-        mode: "thread", "process" or None (:func:`default_engine_mode`).
+        mode: "thread", "process", "auto" or None (:func:`resolve_engine_mode`).
 
     Raises:
-        ValueError: unknown mode, "thread" with tensor parallelism (a lost rank ends the
-            process holding rank 0, which must not be the server's) or with
-            ``engine_idle_poll_ms`` (the polling is the engine process's), or what building
-            the engine raises.
+        ValueError: what :func:`resolve_engine_mode` refuses, or what building the engine
+            raises.
         RuntimeError: the engine process failed to start.
     """
-    mode = mode or default_engine_mode(config)
-    if mode == "thread" and config.tensor_parallel_size > 1:
-        raise ValueError(
-            "--engine-mode thread cannot run a tensor-parallel engine: rank 0 runs in the "
-            "engine-core process (use --engine-mode process or auto)"
-        )
-    if mode == "thread" and config.engine_idle_poll_ms > 0:
-        raise ValueError(
-            f"--engine-idle-poll-ms {config.engine_idle_poll_ms:g} applies to an engine process "
-            "(--engine-mode process, the default on CUDA), not to the in-thread engine"
-        )
-    if mode == "process":
+    if resolve_engine_mode(config, mode) == "process":
         return ProcessCore(config, eos_token_ids, log_interval)
-    if mode == "thread":
-        from engine.worker.build import build_engine
+    from engine.worker.build import build_engine
 
-        return ThreadCore(build_engine(config, eos_token_ids=eos_token_ids), log_interval)
-    raise ValueError(f"unknown engine mode {mode!r}; expected one of {ENGINE_MODES}")
+    return ThreadCore(build_engine(config, eos_token_ids=eos_token_ids), log_interval)
 
 
 def is_worker_rank(config: EngineConfig) -> bool:

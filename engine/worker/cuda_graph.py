@@ -356,7 +356,6 @@ class PrefillGraphs:
     ):
         self.model, self.kv_caches = model, kv_caches
         self.sizes = prefill_capture_sizes(max_tokens)
-        self.max_seqs = max_seqs
         self.max_seq_len = max_seq_len
         self.inputs = GraphInputs(
             self.sizes[-1], min(max_seqs, self.sizes[-1]), max_blocks_per_seq, device
