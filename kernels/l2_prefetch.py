@@ -1,0 +1,100 @@
+"""Ask the GPU's L2 cache for whole weight tensors ahead of the kernels that read them.
+
+A batch-1 decode step reads every weight once (Qwen3-0.6B: ~1.2 GB) in ~200 small kernels;
+each GEMV reaches only 1-1.8 TB/s of the H200's ~4.8 because its own weight fetch starts when
+it does (a few microseconds of ramp-up and tail per kernel). This kernel issues one
+``prefetch.global.L2`` per 128-byte line of up to four byte ranges and returns: the memory
+system fills L2 in the background while the step's kernels run on the main stream, so when the
+GEMV that reads a weight starts, its tiles come from L2 instead of HBM. The idea is the one of
+whole-model decode megakernels (Hazy Research, "Look Ma, No Bubbles", 2025: a weight's fetch
+starts while earlier instructions still compute), done with stock kernels: the caller launches
+it on a side stream of the step's CUDA graph, a few projections ahead
+(:mod:`engine.layers.weight_prefetch` chooses which weights and when).
+
+A hint with no effect on any result: it loads nothing into registers and writes nothing, so
+it needs no ordering with any other kernel; weights are never written by a step. Under the CPU
+interpreter there is no L2 and no inline PTX: :func:`l2_prefetch` does nothing there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.interpreter import interpreting
+
+#: bytes per L2 cache line (Hopper), one prefetch each
+LINE_BYTES = 128
+#: cache lines one program asks for (8 per thread with 4 warps)
+LINES_PER_PROGRAM = 1024
+#: byte ranges one launch takes
+MAX_RANGES = 4
+
+
+@triton.jit
+def _prefetch_range(base, n_lines, first_program, pid, LINES: tl.constexpr):
+    """Program ``pid``'s share of one range: lines ``(pid - first_program) * LINES + i`` of the
+    ``n_lines`` lines starting at ``base`` (a uint8 pointer), when that share is in range."""
+    local = pid - first_program
+    if local >= 0 and local * LINES < n_lines:
+        line = local * LINES + tl.arange(0, LINES)
+        line = tl.minimum(line, n_lines - 1)  # the last program's tail repeats the last line
+        ptrs = base + line.to(tl.int64) * 128
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+
+@triton.jit
+def _l2_prefetch_kernel(
+    p0, n0, p1, n1, p2, n2, p3, n3, s1, s2, s3, LINES: tl.constexpr
+):  # fmt: skip
+    """Programs ``[0, s1)`` take range 0, ``[s1, s2)`` range 1, ``[s2, s3)`` range 2 and the
+    rest range 3; ``pK`` a uint8 pointer, ``nK`` its length in lines (0: unused)."""
+    pid = tl.program_id(0)
+    _prefetch_range(p0, n0, 0, pid, LINES)
+    _prefetch_range(p1, n1, s1, pid, LINES)
+    _prefetch_range(p2, n2, s2, pid, LINES)
+    _prefetch_range(p3, n3, s3, pid, LINES)
+
+
+def prefetch_lines(t: torch.Tensor) -> int:
+    """Cache lines of ``t``'s storage span (a contiguous tensor's bytes, rounded up)."""
+    return triton.cdiv(t.numel() * t.element_size(), LINE_BYTES)
+
+
+def l2_prefetch(tensors: list[torch.Tensor]) -> None:
+    """Launch one kernel on the current stream asking L2 for every line of ``tensors``.
+
+    Args:
+        tensors: at most ``MAX_RANGES`` contiguous CUDA tensors of any dtype (the weights of the
+            projections about to run); empty ones are skipped.
+
+    Does nothing under the CPU interpreter or for CPU tensors (no cache to fill). Capturable in
+    a CUDA graph (no host synchronisation, no allocation).
+
+    Raises:
+        ValueError: more than ``MAX_RANGES`` tensors, or a non-contiguous one (its lines would
+            not be the bytes its readers touch).
+    """
+    if len(tensors) > MAX_RANGES:
+        raise ValueError(f"l2_prefetch takes at most {MAX_RANGES} tensors, got {len(tensors)}")
+    for t in tensors:
+        if not t.is_contiguous():
+            raise ValueError(f"l2_prefetch needs contiguous tensors, got stride {t.stride()}")
+    tensors = [t for t in tensors if t.numel() > 0]
+    if not tensors or interpreting() or tensors[0].device.type != "cuda":
+        return
+    args, starts, programs = [], [], 0
+    for t in tensors:
+        lines = prefetch_lines(t)
+        starts.append(programs)
+        args += [t.view(-1).view(torch.uint8), lines]
+        programs += triton.cdiv(lines, LINES_PER_PROGRAM)
+    while len(starts) < MAX_RANGES:  # unused ranges: no lines, first program past the grid
+        starts.append(programs)
+        args += [args[0], 0]
+    _l2_prefetch_kernel[(programs,)](
+        *args, starts[1], starts[2], starts[3], LINES=LINES_PER_PROGRAM, num_warps=4
+    )
