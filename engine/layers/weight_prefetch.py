@@ -3,13 +3,13 @@ stream of the step's CUDA graph (issue 19: the batch-1 step reads ~1.2 GB of wei
 fifth of the HBM bandwidth because each GEMV starts its own fetch).
 
 The model lists its weight-reading points in launch order (per dense decoder layer: q/k/v,
-attention + o, gate/up, down; :meth:`WeightPrefetch.step` is given the modules whose
-parameters each point reads). At point ``j`` the step's main stream records where it is and the
-side stream, once the main stream's previous kernel is done, launches
-:func:`kernels.l2_prefetch.l2_prefetch` for the weights of point ``j + distance``; the GEMV of
-that point finds them in L2 (the H200's is 50 MB; one layer of Qwen3-0.6B is 31 MB, so the
-distance is kept to one or two projections). Results do not change: the prefetch reads nothing
-into registers and writes nothing.
+attention + o, gate/up, down; :class:`WeightPrefetch` is given the modules whose parameters
+each point reads). At point ``j`` the side stream waits for the main stream's work so far and
+launches :func:`kernels.l2_prefetch.l2_prefetch` for the weights of point ``j + distance``; the
+GEMV of that point finds them in L2 (the H200's is 50 MB; one layer of Qwen3-0.6B is 31 MB, so
+the distance is kept to one or two projections, and a point of more than a third of L2 is not
+prefetched). Results do not change: the prefetch reads nothing into registers and writes
+nothing.
 
 Used only while a CUDA graph of a step of at most :data:`kernels.gemv.GEMV_MAX_M` tokens is
 captured (weight-bound steps; larger ones reuse each weight tile across many rows), outside
@@ -40,10 +40,16 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def point_tensors(modules: Sequence[nn.Module]) -> list[torch.Tensor]:
+#: a point is prefetched only if its bytes are at most this share of the device's L2: larger
+#: weights (Qwen3-8B's projections, 33-100 MB) would evict the points before them
+MAX_L2_SHARE = 1 / 3
+
+
+def point_tensors(modules: Sequence[nn.Module], max_bytes: int | None = None) -> list[torch.Tensor]:
     """The tensors a point reads: each module's own parameters and buffers (weight, bias, FP8
     scales), contiguous ones only, at most :data:`kernels.l2_prefetch.MAX_RANGES` of them,
-    largest first (a point's weights beyond that are left to the GEMV's own fetch)."""
+    largest first (a point's weights beyond that are left to the GEMV's own fetch); none when
+    they sum to more than ``max_bytes`` (None: no bound)."""
     tensors = [
         t
         for m in modules
@@ -51,7 +57,10 @@ def point_tensors(modules: Sequence[nn.Module]) -> list[torch.Tensor]:
         if t.is_contiguous() and t.numel() > 0
     ]
     tensors.sort(key=lambda t: t.numel() * t.element_size(), reverse=True)
-    return tensors[:MAX_RANGES]
+    tensors = tensors[:MAX_RANGES]
+    if max_bytes is not None and sum(t.numel() * t.element_size() for t in tensors) > max_bytes:
+        return []
+    return tensors
 
 
 class PrefetchSchedule:
@@ -95,10 +104,11 @@ class WeightPrefetch:
     """
 
     def __init__(self, points: Sequence[Sequence[nn.Module]], distance: int):
-        self.points = [point_tensors(p) for p in points]
-        self.schedule = PrefetchSchedule(len(self.points), distance)
         self._main = torch.cuda.current_stream()
         self._side = _side_stream(self._main.device)
+        l2 = torch.cuda.get_device_properties(self._main.device).L2_cache_size
+        self.points = [point_tensors(p, int(l2 * MAX_L2_SHARE)) for p in points]
+        self.schedule = PrefetchSchedule(len(self.points), distance)
 
     def at(self, point: int) -> None:
         """The main stream is about to launch point ``point``'s kernels."""
@@ -108,7 +118,8 @@ class WeightPrefetch:
         self._side.wait_stream(self._main)
         with torch.cuda.stream(self._side):
             for j in due:
-                l2_prefetch(self.points[j])
+                if self.points[j]:
+                    l2_prefetch(self.points[j])
 
     def finish(self) -> None:
         """Join the side stream into the main stream (the step's last kernels wait for the

@@ -100,6 +100,9 @@ def test_point_tensors_largest_first_and_at_most_the_launch_limit():
     assert tensors[0] is mods[1].weight and tensors[1] is mods[0].weight
     sizes = [t.numel() for t in tensors]
     assert sizes == sorted(sizes, reverse=True)
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    assert point_tensors(mods, max_bytes=total) == tensors
+    assert point_tensors(mods, max_bytes=total - 1) == []  # too big for L2: not prefetched
 
 
 def test_applies_only_to_small_cuda_steps_under_capture(monkeypatch):
