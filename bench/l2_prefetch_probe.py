@@ -9,7 +9,7 @@ with the engine's decode kernels (``gemv_rms_norm`` for q/k/v and gate/up, ``gem
 
 * ``cold``: distinct weights per layer (~870 MB, more than L2): today's step;
 * ``hot``: one layer's weights in every layer (all in L2): the bound a perfect prefetch nears;
-* ``prefetch dN``: cold, and before each projection a side-stream kernel
+* ``prefetch dN pP``: cold, and before each projection a side-stream kernel of P programs
   (:func:`kernels.l2_prefetch.l2_prefetch`) asks L2 for the weights of the projection N ahead.
 
 Every variant's output must equal ``cold``'s bit for bit (the prefetch is a hint). Prints a
@@ -38,7 +38,7 @@ SHAPES = [("qkv", Q + KV, HIDDEN), ("o", HIDDEN, Q), ("gate_up", 2 * INTER, HIDD
           ("down", HIDDEN, INTER)]  # fmt: skip
 
 
-def chain(x, norm_w, layers, distance: int, side):
+def chain(x, norm_w, layers, distance: int, side, programs: int = 16):
     """One decode step's projections over ``layers`` (lists of four weights); with
     ``distance`` > 0, projection ``j + distance``'s weight is prefetched before projection j."""
     flat = [w for layer in layers for w in layer]
@@ -48,11 +48,11 @@ def chain(x, norm_w, layers, distance: int, side):
         if distance and j < len(flat):
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                l2_prefetch([flat[j]])
+                l2_prefetch([flat[j]], programs)
 
     for j in range(distance):
         fetch(j)
-    h, residual, j = x, None, 0
+    h, residual, j = x, torch.zeros_like(x), 0
     for qkv_w, o_w, gu_w, down_w in layers:
         fetch(j + distance)
         qkv, residual = gemv_rms_norm(h, norm_w, 1e-6, qkv_w, residual=residual)
@@ -73,6 +73,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--distances", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--programs", type=int, nargs="+", default=[4, 16, 64])
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("l2_prefetch_probe: needs a CUDA device; skipped")
@@ -89,11 +90,12 @@ def main() -> int:
     nbytes = sum(w.numel() * 2 for layer in cold for w in layer)
     side = torch.cuda.Stream()
     rows, ref = [], None
-    variants = [("cold", cold, 0), ("hot (bound)", hot, 0)]
-    variants += [(f"prefetch d{d}", cold, d) for d in args.distances]
-    for label, layers, d in variants:
+    variants = [("cold", cold, 0, 1), ("hot (bound)", hot, 0, 1)]
+    variants += [(f"prefetch d{d} p{p}", cold, d, p) for d in args.distances for p in args.programs]
+    for label, layers, d, p in variants:
         try:
-            us, out = time_graph(functools.partial(chain, x, norm_w, layers, d, side), args.reps)
+            run = functools.partial(chain, x, norm_w, layers, d, side, p)
+            us, out = time_graph(run, args.reps)
         except Exception as exc:  # a variant the toolchain refuses is reported, not fatal
             print(f"{label}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             continue

@@ -30,16 +30,17 @@ LINE_BYTES = 128
 LINES_PER_PROGRAM = 1024
 #: byte ranges one launch takes
 MAX_RANGES = 4
+#: programs of one launch (each loops over its chunks), unless the caller says otherwise
+DEFAULT_PROGRAMS = 16
 
 
 @triton.jit
-def _prefetch_range(base, n_lines, first_program, pid, LINES: tl.constexpr):
-    """Program ``pid``'s share of one range: lines ``(pid - first_program) * LINES + i`` of the
-    ``n_lines`` lines starting at ``base`` (a uint8 pointer), when that share is in range."""
-    local = pid - first_program
-    if local >= 0 and local * LINES < n_lines:
-        line = local * LINES + tl.arange(0, LINES)
-        line = tl.minimum(line, n_lines - 1)  # the last program's tail repeats the last line
+def _prefetch_range(base, n_lines, pid, programs, LINES: tl.constexpr):
+    """Program ``pid`` of ``programs`` asks for chunks ``pid, pid + programs, ...`` of ``LINES``
+    lines of the ``n_lines`` lines starting at ``base`` (a uint8 pointer)."""
+    for chunk in range(pid, tl.cdiv(n_lines, LINES), programs):
+        line = chunk * LINES + tl.arange(0, LINES)
+        line = tl.minimum(line, n_lines - 1)  # the last chunk's tail repeats the last line
         ptrs = base + line.to(tl.int64) * 128
         tl.inline_asm_elementwise(
             "prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
@@ -47,16 +48,15 @@ def _prefetch_range(base, n_lines, first_program, pid, LINES: tl.constexpr):
 
 
 @triton.jit
-def _l2_prefetch_kernel(
-    p0, n0, p1, n1, p2, n2, p3, n3, s1, s2, s3, LINES: tl.constexpr
-):  # fmt: skip
-    """Programs ``[0, s1)`` take range 0, ``[s1, s2)`` range 1, ``[s2, s3)`` range 2 and the
-    rest range 3; ``pK`` a uint8 pointer, ``nK`` its length in lines (0: unused)."""
+def _l2_prefetch_kernel(p0, n0, p1, n1, p2, n2, p3, n3, LINES: tl.constexpr):
+    """Every program takes its share of each range (``pK`` a uint8 pointer, ``nK`` its length
+    in lines, 0 for an unused range)."""
     pid = tl.program_id(0)
-    _prefetch_range(p0, n0, 0, pid, LINES)
-    _prefetch_range(p1, n1, s1, pid, LINES)
-    _prefetch_range(p2, n2, s2, pid, LINES)
-    _prefetch_range(p3, n3, s3, pid, LINES)
+    programs = tl.num_programs(0)
+    _prefetch_range(p0, n0, pid, programs, LINES)
+    _prefetch_range(p1, n1, pid, programs, LINES)
+    _prefetch_range(p2, n2, pid, programs, LINES)
+    _prefetch_range(p3, n3, pid, programs, LINES)
 
 
 def prefetch_lines(t: torch.Tensor) -> int:
@@ -64,37 +64,38 @@ def prefetch_lines(t: torch.Tensor) -> int:
     return triton.cdiv(t.numel() * t.element_size(), LINE_BYTES)
 
 
-def l2_prefetch(tensors: list[torch.Tensor]) -> None:
+def l2_prefetch(tensors: list[torch.Tensor], programs: int = DEFAULT_PROGRAMS) -> None:
     """Launch one kernel on the current stream asking L2 for every line of ``tensors``.
 
     Args:
         tensors: at most ``MAX_RANGES`` contiguous CUDA tensors of any dtype (the weights of the
             projections about to run); empty ones are skipped.
+        programs: the grid (at most one program per ``LINES_PER_PROGRAM`` lines): few, so that
+            the prefetch takes few SMs from the kernels running beside it.
 
     Does nothing under the CPU interpreter or for CPU tensors (no cache to fill). Capturable in
     a CUDA graph (no host synchronisation, no allocation).
 
     Raises:
-        ValueError: more than ``MAX_RANGES`` tensors, or a non-contiguous one (its lines would
-            not be the bytes its readers touch).
+        ValueError: more than ``MAX_RANGES`` tensors, a non-contiguous one (its lines would
+            not be the bytes its readers touch), or ``programs < 1``.
     """
     if len(tensors) > MAX_RANGES:
         raise ValueError(f"l2_prefetch takes at most {MAX_RANGES} tensors, got {len(tensors)}")
+    if programs < 1:
+        raise ValueError(f"l2_prefetch needs at least one program, got {programs}")
     for t in tensors:
         if not t.is_contiguous():
             raise ValueError(f"l2_prefetch needs contiguous tensors, got stride {t.stride()}")
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors or interpreting() or tensors[0].device.type != "cuda":
         return
-    args, starts, programs = [], [], 0
+    args, total = [], 0
     for t in tensors:
         lines = prefetch_lines(t)
-        starts.append(programs)
         args += [t.view(-1).view(torch.uint8), lines]
-        programs += triton.cdiv(lines, LINES_PER_PROGRAM)
-    while len(starts) < MAX_RANGES:  # unused ranges: no lines, first program past the grid
-        starts.append(programs)
+        total += lines
+    while len(args) < 2 * MAX_RANGES:  # unused ranges: no lines
         args += [args[0], 0]
-    _l2_prefetch_kernel[(programs,)](
-        *args, starts[1], starts[2], starts[3], LINES=LINES_PER_PROGRAM, num_warps=4
-    )
+    grid = min(programs, triton.cdiv(total, LINES_PER_PROGRAM))
+    _l2_prefetch_kernel[(grid,)](*args, LINES=LINES_PER_PROGRAM, num_warps=4)

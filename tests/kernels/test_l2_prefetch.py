@@ -33,12 +33,13 @@ def compiled():
 
 def test_launcher_runs_on_one_to_four_ranges(compiled):
     dev = "cuda"
-    ts = [torch.randn(n, device=dev, dtype=dt) for n, dt in
+    ts = [torch.randn(n, device=dev).to(dt) for n, dt in
           ((1, torch.float32), (70_000, torch.bfloat16), (5_000_000, torch.bfloat16),
            (333, torch.uint8))]  # fmt: skip
     before = [t.clone() for t in ts]
     for k in range(1, 5):
-        l2_prefetch(ts[:k])
+        for programs in (1, 3, 16, 1000):
+            l2_prefetch(ts[:k], programs)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(ts, before))  # a hint: nothing written
 
