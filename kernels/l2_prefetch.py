@@ -47,7 +47,7 @@ def _prefetch_range(base, n_lines, pid, programs, LINES: tl.constexpr):
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n0", "n1", "n2", "n3"])
 def _l2_prefetch_kernel(p0, n0, p1, n1, p2, n2, p3, n3, LINES: tl.constexpr):
     """Every program takes its share of each range (``pK`` a uint8 pointer, ``nK`` its length
     in lines, 0 for an unused range)."""
@@ -73,8 +73,10 @@ def l2_prefetch(tensors: list[torch.Tensor], programs: int = DEFAULT_PROGRAMS) -
         programs: the grid (at most one program per ``LINES_PER_PROGRAM`` lines): few, so that
             the prefetch takes few SMs from the kernels running beside it.
 
-    Does nothing under the CPU interpreter or for CPU tensors (no cache to fill). Capturable in
-    a CUDA graph (no host synchronisation, no allocation).
+    Does nothing under the CPU interpreter or for CPU tensors (no cache to fill). No host
+    synchronisation and no allocation; one compiled variant for every tensor size (the line
+    counts are not specialised), so a launch inside CUDA-graph capture loads no module once
+    :func:`warm_up` has run on the device.
 
     Raises:
         ValueError: more than ``MAX_RANGES`` tensors, a non-contiguous one (its lines would
@@ -99,3 +101,19 @@ def l2_prefetch(tensors: list[torch.Tensor], programs: int = DEFAULT_PROGRAMS) -
         args += [args[0], 0]
     grid = min(programs, triton.cdiv(total, LINES_PER_PROGRAM))
     _l2_prefetch_kernel[(grid,)](*args, LINES=LINES_PER_PROGRAM, num_warps=4)
+
+
+_WARM: set[int] = set()
+
+
+def warm_up(device: torch.device) -> None:
+    """Compile and load the kernel on CUDA ``device`` with one eager launch, once per device (a
+    module load is not allowed while a CUDA graph is captured). Nothing under the interpreter
+    or for other devices."""
+    device = torch.device(device)
+    if device.type != "cuda" or interpreting():
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _WARM:
+        l2_prefetch([torch.zeros(64, dtype=torch.uint8, device=torch.device("cuda", index))])
+        _WARM.add(index)

@@ -12,7 +12,8 @@ one tree (``bench/latency_ab.sh``) and as an escape hatch should a kernel misbeh
 * ``QWEN_SERVE_TRITON_SWIGLU=0``: SwiGLU outside the fused GEMV (prompt steps) runs as the
   compiled composition (``engine.layers.pointwise``) instead of ``kernels/swiglu.py``'s Triton
   kernel (2.8 against 1.4-1.7 TB/s on an H100; docs/benchmarks.md, 2026-12-05, fourth session).
-* ``QWEN_SERVE_L2_PREFETCH=1`` (off by default until measured): small decode steps' CUDA graphs
+* ``QWEN_SERVE_L2_PREFETCH=1`` (off by default until measured): the CUDA graphs of steps of at
+  most 16 tokens
   ask L2 for the projection weights ``QWEN_SERVE_L2_PREFETCH_DISTANCE`` (an integer 1-8,
   default 1) projections ahead on a side stream (``engine/layers/weight_prefetch.py``).
 

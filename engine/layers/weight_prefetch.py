@@ -12,7 +12,9 @@ prefetched). Results do not change: the prefetch reads nothing into registers an
 nothing.
 
 Used only while a CUDA graph of a step of at most :data:`kernels.gemv.GEMV_MAX_M` tokens is
-captured (weight-bound steps; larger ones reuse each weight tile across many rows), outside
+captured (decode steps of up to 16 sequences and the 16-token prefill graph: weight-bound
+steps; larger ones reuse each weight tile across many rows; FP8's GEMV takes up to 32 rows,
+but the same bound is kept for both), outside
 ``torch.compile`` tracing, and when ``QWEN_SERVE_L2_PREFETCH`` is on
 (:mod:`engine.layers.kernel_switches`; the distance from ``QWEN_SERVE_L2_PREFETCH_DISTANCE``).
 """
@@ -26,7 +28,7 @@ from torch import nn
 
 from engine.layers import kernel_switches
 from kernels.gemv import GEMV_MAX_M
-from kernels.l2_prefetch import MAX_RANGES, l2_prefetch
+from kernels.l2_prefetch import MAX_RANGES, l2_prefetch, warm_up
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
@@ -131,14 +133,18 @@ class WeightPrefetch:
 def prefetch_distance(x: torch.Tensor) -> int | None:
     """How many points ahead this step prefetches, or None where it does not apply: the
     ``QWEN_SERVE_L2_PREFETCH`` switch is off, ``x`` (``[T, hidden]``, the step's embeddings) is
-    not on CUDA, ``T > GEMV_MAX_M``, no CUDA graph is being captured, or ``torch.compile`` is
-    tracing. Host-side only."""
+    not on CUDA, ``T > GEMV_MAX_M``, ``torch.compile`` is tracing, or no CUDA graph is being
+    captured -- in which last case (the warm-up run before each capture) the kernel is
+    compiled and loaded (:func:`kernels.l2_prefetch.warm_up`), which capture does not allow.
+    Host-side only."""
     if (
         not kernel_switches.L2_PREFETCH
         or torch.compiler.is_compiling()
         or not x.is_cuda
         or x.shape[0] > GEMV_MAX_M
-        or not torch.cuda.is_current_stream_capturing()
     ):
+        return None
+    if not torch.cuda.is_current_stream_capturing():
+        warm_up(x.device)
         return None
     return kernel_switches.L2_PREFETCH_DISTANCE

@@ -425,13 +425,14 @@ class Qwen3ForCausalLM(nn.Module):
         rope = self.model.rotary_emb.lookup(positions, x.dtype)
         residual = None
         prefetch, firsts = self._weight_prefetch(x)
-        for layer, kv, first in zip(self.model.layers, kv_caches, firsts):
-            x, residual = layer(x, residual, rope, kv, meta, prefetch, first)
-        norm = self.model.norm
-        out = self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
-        if prefetch is not None:
-            prefetch.finish()
-        return out
+        try:
+            for layer, kv, first in zip(self.model.layers, kv_caches, firsts):
+                x, residual = layer(x, residual, rope, kv, meta, prefetch, first)
+            norm = self.model.norm
+            return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
+        finally:  # joined even when a layer raises: capture would end on an unjoined stream
+            if prefetch is not None:
+                prefetch.finish()
 
     def _weight_prefetch(self, x: torch.Tensor) -> tuple[WeightPrefetch | None, list[int]]:
         """This step's L2 weight prefetch (None where :func:`prefetch_distance` says it does not

@@ -105,11 +105,45 @@ def test_point_tensors_largest_first_and_at_most_the_launch_limit():
     assert point_tensors(mods, max_bytes=total - 1) == []  # too big for L2: not prefetched
 
 
-def test_applies_only_to_small_cuda_steps_under_capture(monkeypatch):
+class _CudaLike:
+    """A step's embeddings as :func:`prefetch_distance` sees them: a CUDA tensor of T rows."""
+
+    is_cuda = True
+    device = torch.device("cuda", 0)
+
+    def __init__(self, tokens):
+        self.shape = (tokens, 8)
+
+
+@pytest.mark.parametrize(
+    "switch,tokens,capturing,compiling,expected",
+    [
+        (True, 1, True, False, 3),
+        (True, 16, True, False, 3),
+        (True, 17, True, False, None),  # not weight-bound
+        (True, 1, False, False, None),  # eager: the warm-up (compiles the kernel), no prefetch
+        (True, 1, True, True, None),  # torch.compile tracing
+        (False, 1, True, False, None),
+    ],
+)
+def test_applies_only_to_small_cuda_steps_under_capture(
+    monkeypatch, switch, tokens, capturing, compiling, expected
+):
+    import engine.layers.weight_prefetch as wp
+
+    warmed = []
+    monkeypatch.setattr(kernel_switches, "L2_PREFETCH", switch)
+    monkeypatch.setattr(kernel_switches, "L2_PREFETCH_DISTANCE", 3)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+    monkeypatch.setattr(wp, "warm_up", warmed.append)
+    assert prefetch_distance(_CudaLike(tokens)) == expected
+    assert len(warmed) == (1 if switch and tokens <= 16 and not capturing and not compiling else 0)
+
+
+def test_cpu_steps_never_prefetch(monkeypatch):
     monkeypatch.setattr(kernel_switches, "L2_PREFETCH", True)
-    assert prefetch_distance(torch.zeros(1, 8)) is None  # CPU: no L2 to fill
-    monkeypatch.setattr(kernel_switches, "L2_PREFETCH", False)
-    assert prefetch_distance(torch.zeros(1, 8)) is None
+    assert prefetch_distance(torch.zeros(1, 8)) is None  # no L2 to fill
 
 
 @pytest.mark.parametrize("value,expected", [("1", 1), (" 3 ", 3), ("8", 8)])
@@ -130,6 +164,8 @@ def test_launcher_refuses_what_it_cannot_fetch_and_skips_the_cpu():
     with pytest.raises(ValueError, match="contiguous"):
         l2_prefetch([torch.zeros(4, 4).t()])
     l2_prefetch([torch.zeros(4), torch.zeros(0)])  # CPU tensors: nothing to launch, no error
+    with pytest.raises(ValueError, match="program"):
+        l2_prefetch([torch.zeros(4)], programs=0)
     assert prefetch_lines(torch.zeros(33, dtype=torch.bfloat16)) == 1
     assert prefetch_lines(torch.zeros(65, dtype=torch.bfloat16)) == 2
 
