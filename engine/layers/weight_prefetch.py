@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from engine.layers import kernel_switches
-from kernels.gemv import GEMV_MAX_M
-from kernels.l2_prefetch import MAX_RANGES, l2_prefetch, warm_up
+
+# kernels.gemv and kernels.l2_prefetch import Triton: imported where a CUDA step needs them (a
+# CPU server imports no Triton; tests/unit/test_import_layers.py)
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
@@ -52,6 +53,8 @@ def point_tensors(modules: Sequence[nn.Module], max_bytes: int | None = None) ->
     scales), contiguous ones only, at most :data:`kernels.l2_prefetch.MAX_RANGES` of them,
     largest first (a point's weights beyond that are left to the GEMV's own fetch); none when
     they sum to more than ``max_bytes`` (None: no bound)."""
+    from kernels.l2_prefetch import MAX_RANGES
+
     tensors = [
         t
         for m in modules
@@ -117,6 +120,8 @@ class WeightPrefetch:
         due = self.schedule.due(point)
         if not due:
             return
+        from kernels.l2_prefetch import l2_prefetch
+
         self._side.wait_stream(self._main)
         with torch.cuda.stream(self._side):
             for j in due:
@@ -137,12 +142,12 @@ def prefetch_distance(x: torch.Tensor) -> int | None:
     captured -- in which last case (the warm-up run before each capture) the kernel is
     compiled and loaded (:func:`kernels.l2_prefetch.warm_up`), which capture does not allow.
     Host-side only."""
-    if (
-        not kernel_switches.L2_PREFETCH
-        or torch.compiler.is_compiling()
-        or not x.is_cuda
-        or x.shape[0] > GEMV_MAX_M
-    ):
+    if not kernel_switches.L2_PREFETCH:
+        return None
+    from kernels.gemv import GEMV_MAX_M
+    from kernels.l2_prefetch import warm_up
+
+    if torch.compiler.is_compiling() or not x.is_cuda or x.shape[0] > GEMV_MAX_M:
         return None
     if not torch.cuda.is_current_stream_capturing():
         warm_up(x.device)

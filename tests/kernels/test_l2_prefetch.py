@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-import engine.layers.weight_prefetch as wp
+import kernels.l2_prefetch as l2
 from bench.l2_prefetch_probe import chain
 from bench.pdl_probe import capture_graph
 from engine.layers import kernel_switches
@@ -82,8 +82,8 @@ def test_model_decode_graph_same_bits_with_prefetch(compiled, monkeypatch):
         for _ in range(cfg.num_hidden_layers)
     ]  # fmt: skip
     launches = []
-    real = wp.l2_prefetch
-    monkeypatch.setattr(wp, "l2_prefetch", lambda ts: (launches.append(len(ts)), real(ts)))
+    real = l2.l2_prefetch  # looked up at each point (a lazy import: no Triton on a CPU server)
+    monkeypatch.setattr(l2, "l2_prefetch", lambda ts: (launches.append(len(ts)), real(ts)))
     outs = {}
     for on in (False, True):
         monkeypatch.setattr(kernel_switches, "L2_PREFETCH", on)

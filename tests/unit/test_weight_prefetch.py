@@ -129,14 +129,15 @@ class _CudaLike:
 def test_applies_only_to_small_cuda_steps_under_capture(
     monkeypatch, switch, tokens, capturing, compiling, expected
 ):
-    import engine.layers.weight_prefetch as wp
 
     warmed = []
     monkeypatch.setattr(kernel_switches, "L2_PREFETCH", switch)
     monkeypatch.setattr(kernel_switches, "L2_PREFETCH_DISTANCE", 3)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
-    monkeypatch.setattr(wp, "warm_up", warmed.append)
+    import kernels.l2_prefetch as l2
+
+    monkeypatch.setattr(l2, "warm_up", warmed.append)
     assert prefetch_distance(_CudaLike(tokens)) == expected
     assert len(warmed) == (1 if switch and tokens <= 16 and not capturing and not compiling else 0)
 
