@@ -34,10 +34,8 @@
 #   front:  bench/frontend_latency.py: a 1,024-token request's time outside the engine by stage,
 #           $OLD and this tree, then --engine-idle-poll-ms 1000, then 5 ms between requests
 #           (FRONT="new gap" picks variants)
-#   l2pf:   the side-stream L2 weight prefetch (QWEN_SERVE_L2_PREFETCH): its GPU tests and the
-#           PDL ones, bench/l2_prefetch_probe.py (a 28-layer GEMV chain cold, hot, prefetched),
-#           bench/decode_profile.py --batch 1 4 off and at each distance in L2PF (default
-#           "1 2"), engine_check with it on at the first distance
+#   l2pf:   the L2 prefetch kernel's GPU tests and the PDL ones, bench/l2_prefetch_probe.py (a
+#           28-layer GEMV chain with weights cold, hot in L2, and prefetched on a side stream)
 # Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD, all three made
 # here by `.venv/bin/python bench/device_assets.py --basetree <previous main>` (carry [".whl",
 # ".benchassets", ".basetree"]).
@@ -156,17 +154,7 @@ for stage in ${@:-tests dense}; do
     l2pf)  TRITON_INTERPRET=0 timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider \
              tests/kernels/test_l2_prefetch.py tests/kernels/test_pdl.py 2>&1 | tail -4
            timeout "$(left 90)" python3 bench/l2_prefetch_probe.py 2>&1 | grep -v Warning \
-             | tee "$OUT/l2pf_probe.txt" | tail -9
-           for d in 0 ${L2PF:-1 2}; do
-             on=$([ "$d" = 0 ] && echo 0 || echo 1); dist=$([ "$d" = 0 ] && echo 1 || echo "$d")
-             QWEN_SERVE_L2_PREFETCH=$on QWEN_SERVE_L2_PREFETCH_DISTANCE=$dist timeout "$(left 80)" \
-               python3 bench/decode_profile.py --tree . --ckpt $CKPT --batch 1 4 --top 8 \
-               --label "l2 prefetch $d" 2>&1 | grep -v Warning | grep -E '^\||"tpot_ms"' \
-               | cut -c1-300 | head -24
-           done
-           first=$(echo ${L2PF:-1 2} | cut -d' ' -f1)
-           QWEN_SERVE_L2_PREFETCH=1 QWEN_SERVE_L2_PREFETCH_DISTANCE=$first timeout "$(left 110)" \
-             python3 bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning | tail -5 ;;
+             | tee "$OUT/l2pf_probe.txt" | tail -16 ;;
     *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab swiglu sampling serveab ttftab ttft peer front l2pf)"; exit 2 ;;
   esac
   stamp "$stage"

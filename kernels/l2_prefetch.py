@@ -1,19 +1,19 @@
-"""Ask the GPU's L2 cache for whole weight tensors ahead of the kernels that read them.
+"""Ask the GPU's L2 cache for whole tensors ahead of the kernels that read them: a measurement
+tool (``bench/l2_prefetch_probe.py``), not used by the engine.
 
-A batch-1 decode step reads every weight once (Qwen3-0.6B: ~1.2 GB) in ~200 small kernels;
-each GEMV reaches only 1-1.8 TB/s of the H200's ~4.8 because its own weight fetch starts when
-it does (a few microseconds of ramp-up and tail per kernel). This kernel issues one
-``prefetch.global.L2`` per 128-byte line of up to four byte ranges and returns: the memory
-system fills L2 in the background while the step's kernels run on the main stream, so when the
-GEMV that reads a weight starts, its tiles come from L2 instead of HBM. The idea is the one of
-whole-model decode megakernels (Hazy Research, "Look Ma, No Bubbles", 2025: a weight's fetch
-starts while earlier instructions still compute), done with stock kernels: the caller launches
-it on a side stream of the step's CUDA graph, a few projections ahead
-(:mod:`engine.layers.weight_prefetch` chooses which weights and when).
+The question it answers (issue 19): the batch-1 decode step's GEMVs reach 1-1.8 TB/s of the
+H200's ~4.8 -- is that the weight fetch each kernel starts on its own, which a prefetch into L2
+ahead of the kernel would hide (the overlap of whole-model decode megakernels, Hazy Research,
+"Look Ma, No Bubbles", 2025), or the kernels' fixed costs? This kernel issues one
+``prefetch.global.L2`` per 128-byte line of up to four tensors, from a small grid looping over
+its chunks, and returns; launched on a side stream of a CUDA graph it fills L2 while the main
+stream computes. Measured on an H100 (docs/benchmarks.md, 2026-12-05, sixth session): a chain
+of 112 Qwen3-0.6B GEMVs with every weight already in L2 runs only 10 % faster than from HBM,
+and the engine's batch-1 step with the side-stream prefetch was no faster (batch 4: 4 %
+slower), so the engine does not prefetch -- the step's time is in the kernels' fixed costs.
 
-A hint with no effect on any result: it loads nothing into registers and writes nothing, so
-it needs no ordering with any other kernel; weights are never written by a step. Under the CPU
-interpreter there is no L2 and no inline PTX: :func:`l2_prefetch` does nothing there.
+A hint with no effect on any result: it loads nothing into registers and writes nothing. Under
+the CPU interpreter there is no L2 and no inline PTX: :func:`l2_prefetch` does nothing there.
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def l2_prefetch(tensors: list[torch.Tensor], programs: int = DEFAULT_PROGRAMS) -
 
     Does nothing under the CPU interpreter or for CPU tensors (no cache to fill). No host
     synchronisation and no allocation; one compiled variant for every tensor size (the line
-    counts are not specialised), so a launch inside CUDA-graph capture loads no module once
-    :func:`warm_up` has run on the device.
+    counts are not specialised), so once launched eagerly it can be captured in a CUDA graph
+    (a module load is not allowed during capture).
 
     Raises:
         ValueError: more than ``MAX_RANGES`` tensors, a non-contiguous one (its lines would
@@ -101,19 +101,3 @@ def l2_prefetch(tensors: list[torch.Tensor], programs: int = DEFAULT_PROGRAMS) -
         args += [args[0], 0]
     grid = min(programs, triton.cdiv(total, LINES_PER_PROGRAM))
     _l2_prefetch_kernel[(grid,)](*args, LINES=LINES_PER_PROGRAM, num_warps=4)
-
-
-_WARM: set[int] = set()
-
-
-def warm_up(device: torch.device) -> None:
-    """Compile and load the kernel on CUDA ``device`` with one eager launch, once per device (a
-    module load is not allowed while a CUDA graph is captured). Nothing under the interpreter
-    or for other devices."""
-    device = torch.device(device)
-    if device.type != "cuda" or interpreting():
-        return
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _WARM:
-        l2_prefetch([torch.zeros(64, dtype=torch.uint8, device=torch.device("cuda", index))])
-        _WARM.add(index)

@@ -484,7 +484,6 @@ _OTHER_ENV = frozenset(SWITCH_NAMES) | frozenset(
         "REAL_CHECKPOINT",
         "REAL_GGUF",
         "TRACE_FILE",
-        "L2_PREFETCH_DISTANCE",  # read with the kernel switches (engine/layers/kernel_switches)
         "MODEL_NAME",  # the locustfile's (tests/load), beside the server in docker/compose.yaml
     )
 )

@@ -12,12 +12,8 @@ one tree (``bench/latency_ab.sh``) and as an escape hatch should a kernel misbeh
 * ``QWEN_SERVE_TRITON_SWIGLU=0``: SwiGLU outside the fused GEMV (prompt steps) runs as the
   compiled composition (``engine.layers.pointwise``) instead of ``kernels/swiglu.py``'s Triton
   kernel (2.8 against 1.4-1.7 TB/s on an H100; docs/benchmarks.md, 2026-12-05, fourth session).
-* ``QWEN_SERVE_L2_PREFETCH=1`` (off by default until measured): the CUDA graphs of steps of at
-  most 16 tokens
-  ask L2 for the projection weights ``QWEN_SERVE_L2_PREFETCH_DISTANCE`` (an integer 1-8,
-  default 1) projections ahead on a side stream (``engine/layers/weight_prefetch.py``).
 
-All but the L2 prefetch default to on (the fusions only where their table,
+All default to on (the fusions only where their table,
 ``kernels/configs/gemv_fused_<device>.json``, says they win; see
 ``engine/layers/fused_linear.py``); values 1/true/yes/on or 0/false/no/off, anything else
 is refused at import with a ValueError naming the variable.
@@ -28,8 +24,6 @@ layer reads it; it changes no result bit).
 
 from __future__ import annotations
 
-import os
-
 from kernels.switches import env_switch
 
 FUSED_QK_ROPE = env_switch("QWEN_SERVE_FUSED_QK_ROPE")
@@ -37,20 +31,3 @@ SMALL_M_GEMV = env_switch("QWEN_SERVE_SMALL_M_GEMV")
 FUSED_NORM_GEMV = env_switch("QWEN_SERVE_FUSED_NORM_GEMV")
 FUSED_SWIGLU_GEMV = env_switch("QWEN_SERVE_FUSED_SWIGLU_GEMV")
 TRITON_SWIGLU = env_switch("QWEN_SERVE_TRITON_SWIGLU")
-L2_PREFETCH = env_switch("QWEN_SERVE_L2_PREFETCH", default=False)
-
-
-def prefetch_distance(environ=None) -> int:
-    """``QWEN_SERVE_L2_PREFETCH_DISTANCE`` (default 1).
-
-    Raises:
-        ValueError: not an integer from 1 to 8, naming the variable.
-    """
-    environ = os.environ if environ is None else environ
-    raw = environ.get("QWEN_SERVE_L2_PREFETCH_DISTANCE", "1").strip()
-    if not raw.isdigit() or not 1 <= int(raw) <= 8:
-        raise ValueError(f"QWEN_SERVE_L2_PREFETCH_DISTANCE={raw!r}: use an integer from 1 to 8")
-    return int(raw)
-
-
-L2_PREFETCH_DISTANCE = prefetch_distance()

@@ -42,7 +42,6 @@ from engine.layers.parallel import TensorParallel
 from engine.layers.pointwise import PointwiseOps
 from engine.layers.quantization import finalize_quantization
 from engine.layers.rotary import RotaryEmbedding
-from engine.layers.weight_prefetch import WeightPrefetch, prefetch_distance
 from engine.models.compile import COMPILE_MODES, CompiledForward
 
 
@@ -206,38 +205,17 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def prefetch_points(self) -> list[list[nn.Module]]:
-        """The modules whose weights this layer's kernels read, per point of :meth:`forward`
-        in launch order (q/k/v; attention and o; then, dense MLP only, gate/up and down), for
-        :class:`engine.layers.weight_prefetch.WeightPrefetch`."""
-        attn = self.self_attn
-        points = [[attn.qkv_proj], [attn.o_proj]]
-        if isinstance(self.mlp, Qwen3MLP):
-            points += [[self.mlp.gate_up_proj], [self.mlp.down_proj]]
-        return points
-
-    def forward(self, x, residual, rope, kv_cache, meta, prefetch=None, first_point=0):
+    def forward(self, x, residual, rope, kv_cache, meta):
         """``x``: the previous layer's output (not yet added to ``residual``; None residual for
-        the first layer). ``prefetch``: the step's
-        :class:`~engine.layers.weight_prefetch.WeightPrefetch` or None; this layer's points
-        (:meth:`prefetch_points`) are numbered from ``first_point`` in it. Returns (this
-        layer's MLP output, residual stream)."""
+        the first layer). Returns (this layer's MLP output, residual stream)."""
         attn, mode = self.self_attn, self.fuse_norm_gemv
-        if prefetch is not None:
-            prefetch.at(first_point)
         qkv, residual = norm_linear(
             x, residual, self.input_layernorm, attn.qkv_proj, self.ops, mode
         )
-        if prefetch is not None:
-            prefetch.at(first_point + 1)
         h = attn.attend(qkv, rope, kv_cache, meta)
         ln = self.post_attention_layernorm
         if isinstance(self.mlp, Qwen3MLP):
-            if prefetch is not None:
-                prefetch.at(first_point + 2)
             gate_up, residual = norm_linear(h, residual, ln, self.mlp.gate_up_proj, self.ops, mode)
-            if prefetch is not None:
-                prefetch.at(first_point + 3)
             return self.mlp.down(gate_up), residual
         h, residual = self.ops.add_rms_norm(h, residual, ln.weight, ln.eps)
         return self.mlp(h), residual
@@ -424,26 +402,10 @@ class Qwen3ForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb.lookup(positions, x.dtype)
         residual = None
-        prefetch, firsts = self._weight_prefetch(x)
-        try:
-            for layer, kv, first in zip(self.model.layers, kv_caches, firsts):
-                x, residual = layer(x, residual, rope, kv, meta, prefetch, first)
-            norm = self.model.norm
-            return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
-        finally:  # joined even when a layer raises: capture would end on an unjoined stream
-            if prefetch is not None:
-                prefetch.finish()
-
-    def _weight_prefetch(self, x: torch.Tensor) -> tuple[WeightPrefetch | None, list[int]]:
-        """This step's L2 weight prefetch (None where :func:`prefetch_distance` says it does not
-        apply) and each layer's first point number in it."""
-        layers = self.model.layers
-        distance = prefetch_distance(x)
-        if distance is None:
-            return None, [0] * len(layers)
-        points = [layer.prefetch_points() for layer in layers]
-        firsts = [sum(len(p) for p in points[:i]) for i in range(len(points))]
-        return WeightPrefetch([p for lp in points for p in lp], distance), firsts
+        for layer, kv in zip(self.model.layers, kv_caches):
+            x, residual = layer(x, residual, rope, kv, meta)
+        norm = self.model.norm
+        return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits ``[N, vocab]`` in the model dtype for hidden states ``[N, hidden]`` (the
