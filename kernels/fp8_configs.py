@@ -35,7 +35,7 @@ from functools import cache
 import torch
 import triton
 
-from kernels.configs import device_name, kernel_table, table_path
+from kernels.configs import device_name, kernel_table, table_device, table_path
 from kernels.gemv import NUM_COUNTERS
 from kernels.interpreter import interpreting
 
@@ -303,7 +303,7 @@ def _table_entry(name: str, n: int, k: int, bucket: int) -> Fp8Config | None:
     shape = kernel_table("fp8_gemm", name).get(f"{n},{k}")
     if shape is None:
         return None
-    where = f"{table_path('fp8_gemm', name)} entry {n},{k}"
+    where = f"{table_path('fp8_gemm', table_device('fp8_gemm', name))} entry {n},{k}"
     if not isinstance(shape, dict):
         raise ValueError(f"{where}: expected an object keyed by M bucket")
     bad = [key for key in shape if key not in {str(b) for b in M_BUCKETS}]

@@ -3,7 +3,9 @@
 Each kernel with static tiles (no autotuning at serve time: launches stay CUDA-graph capturable
 and the first request pays no search) reads its table through :func:`kernel_table`; the
 benchmark that measured it (``bench/gemv.py --sweep --write-table`` and the like) writes it
-with :func:`table_path`. A device without a table gets each kernel's documented fallback.
+with :func:`table_path`. A device with no table of its own reads the tables of its
+architecture's measured device (:data:`FAMILY_TABLES`: an H100 reads the H200's); one of
+another architecture gets each kernel's documented fallback.
 """
 
 from __future__ import annotations
@@ -17,6 +19,18 @@ import torch
 CONFIG_DIR = Path(__file__).resolve().parent
 
 
+#: compute capability -> the device whose tables serve a GPU of that capability that has none
+#: of its own: the tiles are valid on every GPU of the architecture (same instructions, shared
+#: memory and registers per SM), only their speed was measured on that one. Hopper (sm_90: H100,
+#: H800, H20, GH200): the H200's -- on an H100 80GB HBM3 they took the batch-1 decode step from
+#: 1.37 ms (cuBLAS projections, no table) to 1.19 ms (docs/benchmarks.md, 2026-12-05, sixth
+#: session).
+FAMILY_TABLES = {(9, 0): "NVIDIA H200"}
+
+#: names seen by :func:`device_name` -> their compute capability (for :func:`table_device`)
+_CAPABILITY: dict[str, tuple[int, int]] = {}
+
+
 def device_name(device: torch.device) -> str:
     """``torch.cuda.get_device_name`` of a CUDA device ("NVIDIA H200"); "cpu" otherwise."""
     device = torch.device(device)
@@ -27,7 +41,19 @@ def device_name(device: torch.device) -> str:
 
 @cache
 def _cuda_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
+    name = torch.cuda.get_device_name(index)
+    _CAPABILITY[name] = tuple(torch.cuda.get_device_capability(index))
+    return name
+
+
+def table_device(kernel: str, name: str) -> str:
+    """The device whose table of ``kernel`` the device called ``name`` reads: itself where that
+    table was measured on it, else its architecture's (:data:`FAMILY_TABLES`, by the compute
+    capability :func:`device_name` saw), else itself (no table: the kernel's documented
+    fallback)."""
+    if table_path(kernel, name).exists():
+        return name
+    return FAMILY_TABLES.get(_CAPABILITY.get(name), name)
 
 
 def table_path(kernel: str, name: str) -> Path:
@@ -37,12 +63,13 @@ def table_path(kernel: str, name: str) -> Path:
 
 @cache
 def kernel_table(kernel: str, name: str) -> dict:
-    """The parsed table of ``kernel`` for device ``name``; ``{}`` when none was measured.
+    """The parsed table of ``kernel`` for device ``name`` -- its own, or its architecture's
+    where none was measured on it (:func:`table_device`); ``{}`` when there is none.
 
     Raises:
         json.JSONDecodeError: a table file that is not JSON (a broken checkout; not hidden).
     """
-    path = table_path(kernel, name)
+    path = table_path(kernel, table_device(kernel, name))
     if not path.exists():
         return {}
     return json.loads(path.read_text())
