@@ -886,10 +886,15 @@ def main() -> int:
     # cuBLASLt is timed from M = CUBLAS_MIN_M only: no probe (a child process) below
     cublas_ms = max(ms) >= CUBLAS_MIN_M
     CUBLAS["ok"] = cublas_ms and cublas_block_fp8_supported(device) and cublas_probe(shapes)
-    from kernels.configs import table_path
+    from kernels.configs import current_table, device_name, table_path
 
-    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    dev_name = device_name(device)
     path = table_path("fp8_gemm", dev_name)
+    # a partial sweep (--ms) merges into the table this device reads now: its own, or its
+    # architecture's (an H100 without one reads the H200's), so the other buckets stay
+    base = current_table("fp8_gemm", dev_name) if device.type == "cuda" else (
+        json.loads(path.read_text()) if path.exists() else {}
+    )  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, blob = [], "{}\n"
@@ -899,8 +904,8 @@ def main() -> int:
         rows += sweep_shape(name, n, k, ms, device, compiled, share, args.tiny)
         (out / "fp8_sweep.json").write_text(json.dumps(rows))  # kept if a later shape fails
         table = table_of(rows)
-        if args.ms and path.exists():  # a partial sweep: the other buckets stay as they were
-            table = merge_tables(json.loads(path.read_text()), table)
+        if args.ms and base:  # a partial sweep: the other buckets stay as they were
+            table = merge_tables(base, table)
         blob = json.dumps(table, indent=1, sort_keys=True) + "\n"
         (out / path.name).write_text(blob)
     sweep_s = time.perf_counter() - tc - compile_s

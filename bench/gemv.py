@@ -57,7 +57,7 @@ from bench.kernels import graph_ms  # noqa: E402
 from engine.layers.activation import silu_and_mul  # noqa: E402
 from engine.layers.dense_linear import _small_m_product  # noqa: E402
 from engine.layers.norm import add_rms_norm  # noqa: E402
-from kernels.configs import device_name, table_path  # noqa: E402
+from kernels.configs import current_table, device_name, table_path  # noqa: E402
 from kernels.gemv import GemvConfig, gemv  # noqa: E402
 from kernels.gemv_fused import gemv_rms_norm, gemv_swiglu  # noqa: E402
 
@@ -341,7 +341,12 @@ def main() -> int:
     g = torch.Generator(device=dev).manual_seed(0)
     kernel = "gemv_fused" if args.fused else "gemv"
     table, _ = (sweep_fused if args.fused else sweep_plain)(args, dev, g)
-    path = table_path(kernel, device_name(dev))
+    name = device_name(dev)
+    path = table_path(kernel, name)
+    if (args.fused_shapes if args.fused else args.shapes) and not args.tiny:
+        # a partial sweep: the shapes it did not time keep the entries this device reads now
+        # (its own table's, or its architecture's: an H100 without one reads the H200's)
+        table = {**current_table(kernel, name), **table}
     blob = json.dumps(table, indent=1, sort_keys=True) + "\n"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / path.name).write_text(blob)

@@ -68,7 +68,7 @@ from bench.prefill_configs import (  # noqa: E402
     TMA_UNSPLIT_CONFIGS,
     UNSPLIT_CONFIGS,
 )
-from kernels.configs import device_name, table_path  # noqa: E402
+from kernels.configs import current_table, device_name, table_path  # noqa: E402
 from kernels.prefill_attention import (  # noqa: E402
     _default_config,
     kv_tma_available,
@@ -666,7 +666,10 @@ def main() -> int:
     if args.sweep and table_rows:
         name = device_name(device) if device.type == "cuda" else "cpu-interpreter"
         path = table_path(KERNEL, name)
-        old = json.loads(path.read_text()) if path.exists() else {}
+        # the table this device reads now (its own, or its architecture's): other rows stay
+        old = current_table(KERNEL, name) if device.type == "cuda" else (
+            json.loads(path.read_text()) if path.exists() else {}
+        )  # fmt: skip
         for entry, rows in table_rows.items():  # merge per entry: other rows stay
             old.setdefault(entry, {}).update(rows)
         text = json.dumps(old, indent=1, sort_keys=True) + "\n"

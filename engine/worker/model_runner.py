@@ -184,17 +184,11 @@ class ModelRunner:
             else "loaded from " + config.model,
             model.weight_summary(),
         )
-        if cuda:
-            from kernels.configs import device_name, table_device
+        if cuda and (rank is None or rank.rank == 0):
+            from kernels.configs import device_name, tables_summary
 
             name = device_name(self.device)
-            source = table_device("gemv", name)
-            if source != name:
-                log.info(
-                    "kernel tile tables: %s's (none measured on this %s, same architecture)",
-                    source,
-                    name,
-                )
+            log.info("kernel tile tables of this %s: %s", name, tables_summary(name))
         self.staging = HostStaging(self.device)
         # rank 0 samples (a tensor-parallel engine's other ranks receive the ids)
         first = rank is None or rank.rank == 0

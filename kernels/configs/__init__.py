@@ -64,7 +64,10 @@ def table_path(kernel: str, name: str) -> Path:
 @cache
 def kernel_table(kernel: str, name: str) -> dict:
     """The parsed table of ``kernel`` for device ``name`` -- its own, or its architecture's
-    where none was measured on it (:func:`table_device`); ``{}`` when there is none.
+    where none was measured on it (:func:`table_device`); ``{}`` when there is none. Cached:
+    ``name`` must come from :func:`device_name` in this process, or the architecture's table
+    is not found (and ``{}`` is kept). Callers must not modify the result
+    (:func:`current_table` gives a copy).
 
     Raises:
         json.JSONDecodeError: a table file that is not JSON (a broken checkout; not hidden).
@@ -73,3 +76,29 @@ def kernel_table(kernel: str, name: str) -> dict:
     if not path.exists():
         return {}
     return json.loads(path.read_text())
+
+
+def current_table(kernel: str, name: str) -> dict:
+    """A copy of the table of ``kernel`` the device called ``name`` reads now (its own, or its
+    architecture's: :func:`kernel_table`), the base a partial sweep on that device merges its
+    rows into, so the rows it did not time stay as the device ran them. ``name`` must come
+    from :func:`device_name` in this process (which records the capability the architecture's
+    table is found by)."""
+    return json.loads(json.dumps(kernel_table(kernel, name)))
+
+
+#: the kernels that read tables (``<kernel>_<device>.json``)
+TABLE_KERNELS = ("gemv", "gemv_fused", "prefill_attention", "fp8_gemm")
+
+
+def tables_summary(name: str) -> str:
+    """One start-up line on whose tables the device called ``name`` (from :func:`device_name`)
+    reads: "own" when every kernel's is its own, else per kernel the device measured
+    ("gemv: NVIDIA H200, ...") or "none" (the kernel's built-in tiles or cuBLAS)."""
+    sources = {}
+    for kernel in TABLE_KERNELS:
+        source = table_device(kernel, name)
+        sources[kernel] = source if table_path(kernel, source).exists() else "none"
+    if all(v == name for v in sources.values()):
+        return "own"
+    return ", ".join(f"{k}: {v}" for k, v in sources.items())
