@@ -892,9 +892,7 @@ def main() -> int:
     path = table_path("fp8_gemm", dev_name)
     # a partial sweep (--ms) merges into the table this device reads now: its own, or its
     # architecture's (an H100 without one reads the H200's), so the other buckets stay
-    base = current_table("fp8_gemm", dev_name) if device.type == "cuda" else (
-        json.loads(path.read_text()) if path.exists() else {}
-    )  # fmt: skip
+    base = current_table("fp8_gemm", dev_name)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, blob = [], "{}\n"

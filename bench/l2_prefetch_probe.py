@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.pdl_probe import time_graph  # noqa: E402
+from bench.pdl_probe import time_or_report  # noqa: E402
 from kernels.gemv import gemv  # noqa: E402
 from kernels.gemv_fused import gemv_rms_norm, gemv_swiglu  # noqa: E402
 from kernels.l2_prefetch import l2_prefetch  # noqa: E402
@@ -93,12 +93,12 @@ def main() -> int:
     variants = [("cold", cold, 0, 1), ("hot (bound)", hot, 0, 1)]
     variants += [(f"prefetch d{d} p{p}", cold, d, p) for d in args.distances for p in args.programs]
     for label, layers, d, p in variants:
-        try:
-            run = functools.partial(chain, x, norm_w, layers, d, side, p)
-            us, out = time_graph(run, args.reps)
-        except Exception as exc:  # a variant the toolchain refuses is reported, not fatal
-            print(f"{label}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        timed = time_or_report(
+            label, functools.partial(chain, x, norm_w, layers, d, side, p), args.reps
+        )
+        if timed is None:
             continue
+        us, out = timed
         if label == "cold":
             ref = out.clone()
         same = "-" if layers is hot else ("yes" if torch.equal(out, ref) else "NO")

@@ -88,6 +88,16 @@ def time_graph(fn, reps: int) -> tuple[float, torch.Tensor]:
     return times[len(times) // 2], out
 
 
+def time_or_report(label: str, fn, reps: int) -> tuple[float, torch.Tensor] | None:
+    """:func:`time_graph` of ``fn``, or None after printing why it failed (a variant the
+    toolchain refuses is reported, not fatal). Also used by ``bench/l2_prefetch_probe.py``."""
+    try:
+        return time_graph(fn, reps)
+    except Exception as exc:
+        print(f"{label}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=28)
@@ -115,12 +125,11 @@ def main() -> int:
             ("pdl+prefetch", 2, False),
             ("cublas", 0, True),
         ):
-            try:
-                run = functools.partial(chain, x, weights, cfgs, pdl, breaks, cublas)
-                us, out = time_graph(run, args.reps)
-            except Exception as exc:  # a variant the toolchain refuses is reported, not fatal
-                print(f"{label} breaks={breaks}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+            run = functools.partial(chain, x, weights, cfgs, pdl, breaks, cublas)
+            timed = time_or_report(f"{label} breaks={breaks}", run, args.reps)
+            if timed is None:
                 continue
+            us, out = timed
             same = "-"
             if not cublas:
                 if label == "plain":

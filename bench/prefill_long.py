@@ -666,10 +666,7 @@ def main() -> int:
     if args.sweep and table_rows:
         name = device_name(device) if device.type == "cuda" else "cpu-interpreter"
         path = table_path(KERNEL, name)
-        # the table this device reads now (its own, or its architecture's): other rows stay
-        old = current_table(KERNEL, name) if device.type == "cuda" else (
-            json.loads(path.read_text()) if path.exists() else {}
-        )  # fmt: skip
+        old = current_table(KERNEL, name)  # its own, or its architecture's: other rows stay
         for entry, rows in table_rows.items():  # merge per entry: other rows stay
             old.setdefault(entry, {}).update(rows)
         text = json.dumps(old, indent=1, sort_keys=True) + "\n"
