@@ -28,7 +28,10 @@
 #   serveab: bench/serve.py at c=1/64/256 (greedy, 1,024-token prompts), $OLD then this tree,
 #           the server flags from $SERVE_ARGS (e.g. "--api-server-count 2")
 #   ttftab: bench/prefill_profile.py --prompt 1024 in this tree then in $OLD (and each run's
-#           seconds, start-up and graph capture included)
+#           seconds, start-up and graph capture included); TTFT_ROUNDS alternations (1),
+#           TTFT_REPEATS unprofiled first tokens per run (3); this tree's script runs in both
+#   attn:   bench/kernels.py --only prefill, then --only decode: the Triton attention kernels
+#           against torch SDPA in the same call (the engine's 128-token pages)
 #   sampling: bench/serve.py --sampling qwen3 (top_k 20, top_p 0.95) at c=1/64, $OLD and here
 #   peer:   bench/serve.py at c=1/64/256 with --api-server-count 2, the transformers peer at 1/64
 #   front:  bench/frontend_latency.py: a 1,024-token request's time outside the engine by stage,
@@ -126,12 +129,18 @@ for stage in ${@:-tests dense}; do
                2>&1 | grep -v "Warn\|Writing" > "$OUT/serveab_$name.log"
              echo "-- serve $name ($root) ${SERVE_ARGS:-}"; grep "^|" "$OUT/serveab_$name.log" | tail -5
            done ;;
-    ttftab) for root in . "$OLD"; do  # the 1k first-token step by kernel family, both trees
-             name=$([ "$root" = . ] && echo new || echo old); t0=$SECONDS
+    ttftab) cp bench/prefill_profile.py "$OLD/bench/"  # this tree's script (--repeats) in both
+           for round in $(seq ${TTFT_ROUNDS:-1}); do for root in . "$OLD"; do  # alternating trees
+             name=$([ "$root" = . ] && echo new || echo old)$round; t0=$SECONDS
              (cd "$root" && timeout "$(left 100)" python3 bench/prefill_profile.py --ckpt $CKPT \
-               --prompt 1024 --top 14 2>&1) | grep -v Warning > "$OUT/ttft_$name.txt"
+               --prompt 1024 --top 14 --repeats ${TTFT_REPEATS:-3} 2>&1) | grep -v Warning \
+               > "$OUT/ttft_$name.txt"
              echo "-- prefill profile, $name ($root): $((SECONDS - t0)) s with start-up"
              grep -v "^| kernel\|^|---" "$OUT/ttft_$name.txt" | tail -24
+           done; done ;;
+    attn)  for part in prefill decode; do  # the attention kernels against torch SDPA, 128-token pages
+             timeout "$(left 150)" python3 bench/kernels.py --only $part --out "$OUT/attn_$part" 2>&1 \
+               | grep -v Warning | grep "^| \|correctness" | tail -12
            done ;;
     ttft)  timeout "$(left 90)" python3 bench/prefill_profile.py --ckpt $CKPT --prompt 1024 --top 20 \
              2>&1 | grep -v Warning | tee "$OUT/ttft_profile.txt" | tail -40 ;;
@@ -155,7 +164,7 @@ for stage in ${@:-tests dense}; do
              tests/kernels/test_l2_prefetch.py tests/kernels/test_pdl.py 2>&1 | tail -4
            timeout "$(left 90)" python3 bench/l2_prefetch_probe.py 2>&1 | grep -v Warning \
              | tee "$OUT/l2pf_probe.txt" | tail -16 ;;
-    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab swiglu sampling serveab ttftab ttft peer front l2pf)"; exit 2 ;;
+    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab swiglu sampling serveab ttftab attn ttft peer front l2pf)"; exit 2 ;;
   esac
   stamp "$stage"
 done

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -54,6 +55,7 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=32000)
     ap.add_argument("--max-model-len", type=int, default=40960)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--repeats", type=int, default=3, help="unprofiled first-token runs timed")
     ap.add_argument("--device", default="cuda", help="cpu: a check of the script's logic only")
     ap.add_argument("overrides", nargs="*", help="EngineConfig fields, KEY=VALUE")
     args = ap.parse_args()
@@ -101,11 +103,12 @@ def main() -> int:
 
     label = " ".join(args.overrides) or "default"
     ttft("warm-0")
-    times = [ttft(f"t{i}")[0] for i in range(3)]
+    times = [ttft(f"t{i}")[0] for i in range(args.repeats)]
     _, steps = ttft("steps")
     print(
         f"[{label}] prompt {args.prompt}: TTFT {' / '.join(f'{t:.1f}' for t in times)} ms "
-        f"(unprofiled runs), {steps} steps"
+        f"(unprofiled runs; mean {statistics.mean(times):.2f}, median "
+        f"{statistics.median(times):.2f}), {steps} steps"
     )
     act = torch.profiler.ProfilerActivity
     prof = torch.profiler.profile(activities=[act.CUDA] if args.device == "cuda" else [act.CPU])
