@@ -13,6 +13,7 @@ import sys
 from engine.core.config import DEFAULT_MAX_PREFILL_ATTENTION_WITH_DECODES
 from kernels.interpreter import interpreting
 from kernels.switches import SWITCH_NAMES, env_switch
+from server.http_protocol import HTTP_PARSERS, protocol_base
 from server.http_server import listen_socket, make_server
 
 log = logging.getLogger("server")
@@ -115,6 +116,12 @@ class _EnvCheckedParser(argparse.ArgumentParser):
                 "argument --api-server-count: more than 1 API server needs the engine core in "
                 "its own process (--engine-mode process or auto, not thread)"
             )
+        http = getattr(ns, "http", None)
+        if http is not None:
+            try:
+                protocol_base(http)
+            except ValueError as e:
+                self.error(f"argument --http: {e}")
         device = getattr(ns, "device", None)
         if device is not None and not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
             self.error(f"argument --device: invalid device {device!r} (auto, cpu, cuda or cuda:N)")
@@ -466,11 +473,19 @@ def build_parser() -> argparse.ArgumentParser:
         "beyond gets a 503 (OpenAI error body) and is closed",
     )
     a(
+        "--http",
+        choices=list(HTTP_PARSERS),
+        default=_env("http", "auto"),
+        help="HTTP/1.1 parser (uvicorn's --http): auto is httptools (C) where installed, else "
+        "h11 (pure Python, slower per streamed token)",
+    )
+    a(
         "--h11-max-incomplete-event-size",
         type=int,
         default=_env("h11_max_incomplete_event_size", 16384),
         help="largest request line + headers still incomplete after a read, in bytes (h11's "
-        "bound: headers that arrive whole in one read are not limited by it); past it, 400",
+        "bound, applied to httptools too: headers that arrive whole in one read are not "
+        "limited by it); past it, 400",
     )
     return p
 

@@ -1,4 +1,12 @@
-"""uvicorn's h11 HTTP protocol with deadlines for reading a request (slow-client guard).
+"""uvicorn's HTTP protocols (httptools, or h11) with deadlines for reading a request
+(slow-client guard), a header size bound and the connection cap.
+
+The parser is uvicorn's choice for ``--http auto``: httptools (llhttp, in C) where it is
+installed, as in ``uvicorn[standard]``, which vLLM and SGLang serve on; h11 (pure Python)
+otherwise, or with ``--http h11``. The HTTP process pays the protocol's cost for every streamed
+token (one SSE chunk each): the h11 state machine took ~18 % of the loop's CPU time per token in
+``bench/frontend_tokens.py`` on the CPU, httptools' chunk framing a fraction of that
+(docs/benchmarks.md, 2026-12-05, seventh session).
 
 uvicorn bounds the idle time between requests (``timeout_keep_alive``) and, with
 ``limit_concurrency``, answers 503 past a number of connections, but nothing bounds how long a
@@ -7,9 +15,12 @@ a connection that has sent nothing, or sends its headers a byte at a time (slowl
 forever -- and counts against ``limit_concurrency``, so a few hundred such sockets lock everyone
 out. ASGI middleware cannot help: the app is called only once the headers are complete.
 
-:func:`guarded_protocol` subclasses :class:`uvicorn.protocols.http.h11_impl.H11Protocol` with two
-deadlines (as nginx's ``client_header_timeout`` / ``client_body_timeout`` and Apache's
-``mod_reqtimeout``, but absolute rather than per read, so trickling bytes does not extend them):
+:func:`guarded_protocol` subclasses the chosen protocol class
+(:class:`uvicorn.protocols.http.httptools_impl.HttpToolsProtocol` or
+:class:`uvicorn.protocols.http.h11_impl.H11Protocol`; both keep the request in ``self.cycle``
+and parse in ``data_received``) with two deadlines (as nginx's ``client_header_timeout`` /
+``client_body_timeout`` and Apache's ``mod_reqtimeout``, but absolute rather than per read, so
+trickling bytes does not extend them):
 
 * headers: from the connection's start, or from the first byte of the next request on a
   keep-alive connection, the request line and headers must be complete within
@@ -19,6 +30,12 @@ deadlines (as nginx's ``client_header_timeout`` / ``client_body_timeout`` and Ap
 On expiry the client gets ``408 Request Timeout`` (an OpenAI error body) and the connection is
 closed; an app waiting for the rest of the body sees a disconnect. A request that has been read
 is never timed: responses (streams included) take as long as they take.
+
+Header size: h11 refuses a request line + headers still incomplete past
+``h11_max_incomplete_event_size`` bytes after a read; llhttp has no such bound, so the guard
+counts what a connection sends while its headers are incomplete and applies the same bound
+(``max_header_bytes``). Either way the client gets ``400`` with an OpenAI error body, as for
+anything the parser refuses.
 
 The connection cap (``--limit-concurrency N``) is admission per connection
 (:class:`ConnectionSlots`): the first N open connections are served; a connection opened while N
@@ -32,6 +49,8 @@ count shared by the processes, so the cap stays one limit for the whole server.
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 import json
 import logging
 
@@ -39,6 +58,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("server.http")
 
+#: the ``--http`` choices: uvicorn's names of its HTTP/1.1 protocol implementations
+HTTP_PARSERS = ("auto", "httptools", "h11")
 #: seconds a refused connection (over --limit-concurrency) that sends nothing waits for its 503
 REFUSE_WAIT_S = 1.0
 #: seconds a refused connection is still read from (and what it sends dropped) after its 503
@@ -128,16 +149,48 @@ class ConnectionSlots:
         return self._taken if self._shared is None else self._shared.value
 
 
-def guarded_protocol(
-    header_timeout: float, body_timeout: float, slots: ConnectionSlots | None = None
-) -> type[H11Protocol]:
-    """An h11 protocol class for ``uvicorn.Config(http=...)`` with the two read deadlines
-    (seconds, > 0) and, with ``slots``, the connection cap (see the module docstring)."""
+def protocol_base(http: str = "auto") -> type[asyncio.Protocol]:
+    """uvicorn's protocol class for ``http`` (one of :data:`HTTP_PARSERS`): "auto" is
+    httptools where the package is installed (uvicorn's own rule), else h11.
 
-    class GuardedH11Protocol(H11Protocol):
+    Raises:
+        ValueError: an unknown name, or "httptools" without the package.
+    """
+    if http not in HTTP_PARSERS:
+        raise ValueError(f"unknown HTTP parser {http!r}; one of {', '.join(HTTP_PARSERS)}")
+    has_httptools = importlib.util.find_spec("httptools") is not None
+    if http == "h11" or (http == "auto" and not has_httptools):
+        return H11Protocol
+    if not has_httptools:
+        raise ValueError("--http httptools needs the httptools package (pip install httptools)")
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    return HttpToolsProtocol
+
+
+def guarded_protocol(
+    header_timeout: float,
+    body_timeout: float,
+    slots: ConnectionSlots | None = None,
+    http: str = "auto",
+    max_header_bytes: int = 16384,
+) -> type[asyncio.Protocol]:
+    """A protocol class for ``uvicorn.Config(http=...)``: :func:`protocol_base` of ``http``
+    with the two read deadlines (seconds, > 0), the header size bound (bytes; h11 applies its
+    own, ``uvicorn.Config(h11_max_incomplete_event_size=...)``, which should be the same) and,
+    with ``slots``, the connection cap (see the module docstring).
+
+    Raises:
+        ValueError: as :func:`protocol_base`.
+    """
+    base = protocol_base(http)
+    count_header_bytes = base is not H11Protocol
+
+    class GuardedProtocol(base):
         def connection_made(self, transport) -> None:
             self._read_timer = None
             self._reading = None  # "headers" / "body" while a deadline runs
+            self._header_bytes = 0  # bytes received while the headers are incomplete
             self._has_slot = slots is None or slots.acquire()
             self._refused = False  # the 503 was written
             super().connection_made(transport)
@@ -159,6 +212,8 @@ def guarded_protocol(
             if self._read_timer is None and (self.cycle is None or self.cycle.response_complete):
                 self._arm("headers", header_timeout)  # the next request on a kept-alive socket
             before = self.cycle
+            if self._reading == "headers":
+                self._header_bytes += len(data)
             super().data_received(data)
             cycle = self.cycle
             if cycle is not None and cycle is not before:  # its headers are in: a new request
@@ -167,6 +222,16 @@ def guarded_protocol(
                     self._arm("body", body_timeout)
             elif self._reading == "body" and cycle is not None and not cycle.more_body:
                 self._cancel()
+            elif (
+                count_header_bytes
+                and self._reading == "headers"
+                and self._header_bytes > max_header_bytes
+                and not self.transport.is_closing()
+            ):
+                self._cancel()
+                self.send_400_response(
+                    f"the request line and headers exceed {max_header_bytes} bytes"
+                )
 
         def on_response_complete(self) -> None:
             self._cancel()  # idle until the next request: the keep-alive timeout applies
@@ -193,12 +258,12 @@ def guarded_protocol(
             return False
 
         def send_400_response(self, msg: str) -> None:
-            """uvicorn's answer to a request h11 cannot parse (a malformed request line or
-            header, headers still incomplete past --h11-max-incomplete-event-size), as an
-            OpenAI error body instead of plain text; only closes the connection when a
-            response was already under way."""
+            """uvicorn's answer to a request the parser cannot parse (a malformed request
+            line or header, headers still incomplete past --h11-max-incomplete-event-size), as
+            an OpenAI error body instead of plain text; only closes the connection when a
+            response is under way (started, not complete)."""
             cycle = self.cycle
-            if cycle is None or not cycle.response_started:
+            if cycle is None or not cycle.response_started or cycle.response_complete:
                 self.transport.write(_bad_request_response(msg))
             self.transport.close()
 
@@ -212,6 +277,7 @@ def guarded_protocol(
         def _arm(self, what: str, seconds: float) -> None:
             self._cancel()
             self._reading = what
+            self._header_bytes = 0
             self._read_timer = self.loop.call_later(seconds, self._expire, what, seconds)
 
         def _cancel(self) -> None:
@@ -234,4 +300,5 @@ def guarded_protocol(
                 self.transport.write(_timeout_response(what, seconds))
             self.transport.close()
 
-    return GuardedH11Protocol
+    GuardedProtocol.__name__ = GuardedProtocol.__qualname__ = f"Guarded{base.__name__}"
+    return GuardedProtocol

@@ -189,10 +189,11 @@ def make_server(
     app, args: argparse.Namespace, on_graceful_timeout=None, shared_connections=None
 ) -> GracefulServer:
     """The uvicorn server for ``app`` with the parsed flags (also used by
-    bench/frontend_latency.py): the h11 protocol with request read deadlines
-    (:mod:`server.http_protocol`), the keep-alive timeout, the connection cap and the header
-    size limit. ``on_graceful_timeout(early)`` (the app's :meth:`ServerContext.end_in_flight`)
-    runs when --graceful-timeout expires during a shutdown, or at a second signal
+    bench/frontend_latency.py): the ``--http`` protocol (httptools or h11) with request read
+    deadlines (:mod:`server.http_protocol`), the keep-alive timeout, the connection cap and the
+    header size limit. ``on_graceful_timeout(early)`` (the app's
+    :meth:`ServerContext.end_in_flight`) runs when --graceful-timeout expires during a shutdown,
+    or at a second signal
     (:class:`GracefulServer`); uvicorn's own timeout, which cancels
     the requests' tasks, comes :data:`SHUTDOWN_BACKSTOP_S` later (without a hook, at the
     timeout itself). ``shared_connections``: the ``multiprocessing.Value`` in which several
@@ -213,6 +214,8 @@ def make_server(
                 float(args.timeout_request_header),
                 float(args.timeout_request_body),
                 ConnectionSlots(int(args.limit_concurrency), shared_connections),
+                http=args.http,
+                max_header_bytes=int(args.h11_max_incomplete_event_size),
             ),
             timeout_keep_alive=int(args.timeout_keep_alive),
             h11_max_incomplete_event_size=int(args.h11_max_incomplete_event_size),

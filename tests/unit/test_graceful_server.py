@@ -95,3 +95,23 @@ def test_the_server_runs_on_uvloop():
         assert isinstance(loop, uvloop.Loop)
     finally:
         loop.close()
+
+
+def test_the_server_parses_http_with_httptools_unless_asked_for_h11():
+    """httptools is a dependency and ``--http auto`` (the default) serves on it, the guard's
+    subclass of uvicorn's HttpToolsProtocol; ``--http h11`` keeps the pure-Python parser with the
+    same guard; an unknown parser is refused by name."""
+    import pytest
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from server.__main__ import build_parser
+    from server.http_protocol import protocol_base
+    from server.http_server import make_server
+
+    for flags, base in (([], HttpToolsProtocol), (["--http", "h11"], H11Protocol)):
+        server = make_server(None, build_parser().parse_args(["--port", "0", *flags]))
+        cls = server.config.http
+        assert issubclass(cls, base) and cls is not base, (flags, cls)
+    with pytest.raises(ValueError, match="unknown HTTP parser 'h2'"):
+        protocol_base("h2")
