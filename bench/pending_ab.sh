@@ -30,6 +30,7 @@
 #   ttftab: bench/prefill_profile.py --prompt 1024 in this tree then in $OLD (and each run's
 #           seconds, start-up and graph capture included); TTFT_ROUNDS alternations (1),
 #           TTFT_REPEATS unprofiled first tokens per run (3); this tree's script runs in both
+#   httpab: bench/serve.py at c=1/64/256 with --http h11, then httptools (this tree)
 #   attn:   bench/kernels.py --only prefill, then --only decode: the Triton attention kernels
 #           against torch SDPA in the same call (the engine's 128-token pages)
 #   sampling: bench/serve.py --sampling qwen3 (top_k 20, top_p 0.95) at c=1/64, $OLD and here
@@ -138,9 +139,17 @@ for stage in ${@:-tests dense}; do
              echo "-- prefill profile, $name ($root): $((SECONDS - t0)) s with start-up"
              grep -v "^| kernel\|^|---" "$OUT/ttft_$name.txt" | tail -24
            done; done ;;
-    attn)  for part in prefill decode; do  # the attention kernels against torch SDPA, 128-token pages
-             timeout "$(left 150)" python3 bench/kernels.py --only $part --out "$OUT/attn_$part" 2>&1 \
-               | grep -v Warning | grep "^| \|correctness" | tail -12
+    httpab) for h in h11 httptools; do  # the HTTP parser, this tree ($SERVE_ARGS: more flags)
+             timeout "$(left 220)" python3 bench/serve.py --ckpt $CKPT --skip-peer \
+               --tokenizer-from .benchassets/tokenizer --concurrency 1 64 256 \
+               --server-args="--http $h ${SERVE_ARGS:-}" --out "$OUT/http_$h" 2>&1 \
+               | grep -v "Warn\|Writing" > "$OUT/http_$h.log"
+             echo "-- serve --http $h ${SERVE_ARGS:-}"; grep "^|" "$OUT/http_$h.log" | tail -5
+           done ;;
+    attn)  for part in prefill decode; do  # the attention kernels against torch SDPA
+             echo "-- $part (128-token pages)"
+             timeout "$(left 150)" python3 bench/kernels.py --only $part --out "$OUT/attn_$part" \
+               2>&1 | grep -v Warning | grep "^| \|correctness" | tail -12
            done ;;
     ttft)  timeout "$(left 90)" python3 bench/prefill_profile.py --ckpt $CKPT --prompt 1024 --top 20 \
              2>&1 | grep -v Warning | tee "$OUT/ttft_profile.txt" | tail -40 ;;
@@ -164,7 +173,7 @@ for stage in ${@:-tests dense}; do
              tests/kernels/test_l2_prefetch.py tests/kernels/test_pdl.py 2>&1 | tail -4
            timeout "$(left 90)" python3 bench/l2_prefetch_probe.py 2>&1 | grep -v Warning \
              | tee "$OUT/l2pf_probe.txt" | tail -16 ;;
-    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab swiglu sampling serveab ttftab attn ttft peer front l2pf)"; exit 2 ;;
+    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab swiglu sampling serveab ttftab httpab attn ttft peer front l2pf)"; exit 2 ;;
   esac
   stamp "$stage"
 done
