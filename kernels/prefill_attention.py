@@ -391,6 +391,7 @@ def _prefill_kernel(
     SPLIT: tl.constexpr,
     GQA_PACK: tl.constexpr,
     KV_TMA: tl.constexpr,
+    ZIGZAG: tl.constexpr = False,
 ):
     # GQA_PACK: axis 0 is the KV head, and the BLOCK_M rows of a tile are TOK tokens x the
     # NUM_GROUPS query heads of that KV head (row r: token r // G, head r % G of the group), so
@@ -399,8 +400,18 @@ def _prefill_kernel(
     TOK: tl.constexpr = BLOCK_M // NUM_GROUPS if GQA_PACK else BLOCK_M
     head = tl.program_id(0)  # the KV head when packed
     # The flat slot axis is walked in reverse: within a sequence its last (heaviest under the
-    # causal mask) query tiles start first, which balances the tail of the launch.
-    tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    # causal mask) query tiles start first, which balances the tail of a launch of many waves.
+    # ZIGZAG (a launch of about two programs per SM, one wave): the first half of the programs
+    # takes the slots from the last one down, the second half from the first one up, so that
+    # the program an SM gets second (blocks are dispatched in launch order) is a light tile
+    # next to its heavy one (causal load balancing as in zigzag / striped attention).
+    n_slots = tl.num_programs(1)
+    p_slot = tl.program_id(1)
+    if ZIGZAG:
+        half = (n_slots + 1) // 2
+        tile = tl.where(p_slot < half, n_slots - 1 - p_slot, p_slot - half)
+    else:
+        tile = n_slots - 1 - p_slot
     seq, q_start, q_len, m_blk = _query_tile(cu_q_ptr, tile, num_seqs, TOK)
     # Spare slots have no rows: a sequence owns up to one more slot than cdiv(q_len, TOK)
     # (a padding sequence, q_len 0, owns just that one), and the slots that padding tokens past
@@ -638,6 +649,60 @@ def prefill_tiling(cfg: dict, num_heads: int, num_kv_heads: int) -> tuple[bool, 
     ):
         return True, block_m // groups, num_kv_heads
     return False, block_m, num_heads
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA ``device`` (cached per index; host-side, no sync)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
+def one_wave_tiles(
+    cfg: dict,
+    num_tokens: int,
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    page_size: int | None,
+) -> dict:
+    """Config keys for an unsplit causal launch whose grid under ``cfg`` leaves SMs idle: a
+    lone prompt of about a thousand tokens gets ``cdiv(T, BLOCK_M) * H`` = 128 programs of
+    128-row tiles on the H200's 132 SMs, each SM one program, and the launch lasts as long as
+    its last query tile, which sweeps every key tile (8) while the first sweeps one. With the
+    split row's tiles (:func:`prefill_config` ``split=True``: 64-row tiles, two programs per
+    SM) the grid is one wave of twice as many programs, and ``ZIGZAG`` pairs each SM's heavy
+    tile with a light one (see the kernel), so an SM's work is about the mean.
+
+    Returns ``{}`` (keep ``cfg``) unless the device is CUDA, ``cfg``'s grid (its real query
+    tiles: ``num_seqs * cdiv(num_tokens / num_seqs, TOK)`` at most) is below the SM count and the
+    split row's grid fills at most ``PROGRAMS_PER_SM`` (>= 2) programs per SM; else the split
+    row's tile keys and ``ZIGZAG``. Host ints only (a graph's padded ``T`` gives a fixed
+    choice).
+    """
+    if device.type != "cuda" or num_tokens == 0:
+        return {}
+    sms = _num_sms(device)
+
+    def programs(c: dict) -> int:
+        _, tok, grid_heads = prefill_tiling(c, num_heads, num_kv_heads)
+        return grid_heads * (-(-num_tokens // tok) + num_seqs - 1)
+
+    if programs(cfg) >= sms:
+        return {}
+    row = prefill_config(head_dim, dtype, device, causal=True, split=True, page_size=page_size)
+    per_sm = int(row.get("PROGRAMS_PER_SM", 1))
+    if per_sm < 2 or programs(row) > per_sm * sms or programs(row) <= programs(cfg):
+        return {}
+    keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BT_PREFETCH", "GQA_PACK", "KV_TMA")
+    return {**{k: row[k] for k in keys if k in row}, "ZIGZAG": True}
 
 
 def _dtype_key(dtype: torch.dtype) -> str:
@@ -960,6 +1025,8 @@ def prefill_attention(
     cfg = dict(prefill_config(d, q.dtype, q.device, causal, split=split, page_size=page_size))
     if config:
         cfg.update(config)
+    elif causal and not split:
+        cfg.update(one_wave_tiles(cfg, t, b, hq, hkv, d, q.dtype, q.device, page_size))
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     kv_tma = bool(cfg.get("KV_TMA", False))
     if kv_tma and not (config and config.get("KV_TMA")) and not _kv_tma_fits(k_cache, v_cache):
@@ -1038,6 +1105,7 @@ def prefill_attention(
         SPLIT=split,
         GQA_PACK=pack,
         KV_TMA=kv_tma,
+        ZIGZAG=bool(cfg.get("ZIGZAG", False)),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

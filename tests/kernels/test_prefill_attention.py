@@ -194,10 +194,14 @@ def test_prefill_all_padding_writes_nothing(device):
     assert (out == 7.0).all()
 
 
-@pytest.mark.parametrize("block_m,causal", [(16, True), (32, False), (64, True)])
-def test_prefill_mixed_batch_matches_reference(device, block_m, causal):
+@pytest.mark.parametrize(
+    "block_m,causal,zigzag", [(16, True, False), (32, False, False), (64, True, False),
+                              (16, True, True), (32, False, True)]
+)  # fmt: skip
+def test_prefill_mixed_batch_matches_reference(device, block_m, causal, zigzag):
     """Decode-like rows (q_len 1), rows crossing several query tiles and rows with a cached
-    prefix in one launch, each sequence starting at an arbitrary offset of the flat tile axis."""
+    prefix in one launch, each sequence starting at an arbitrary offset of the flat tile axis;
+    also with the slots walked zigzag (``ZIGZAG``: every tile computed once, in another order)."""
     seed = int.from_bytes(os.urandom(4), "little")
     g = torch.Generator().manual_seed(seed)
     q_lens = [1, 70, 1, 33, 1, 100, 5, 1]
@@ -210,7 +214,7 @@ def test_prefill_mixed_batch_matches_reference(device, block_m, causal):
     ref = torch.empty(q.shape)
     prefill_attention_ref(q, k_cache, v_cache, block_tables, cu, sl, ref, d**-0.5, causal)
     out = torch.full(q.shape, float("nan"), device=device)
-    cfg = {"BLOCK_M": block_m, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "ZIGZAG": zigzag}
     prefill_attention(
         q.to(device),
         k_cache.to(device),
@@ -226,6 +230,33 @@ def test_prefill_mixed_batch_matches_reference(device, block_m, causal):
     assert torch.isfinite(out).all(), f"unwritten or NaN output (seed={seed})"
     err = rel_err(out.cpu(), ref)
     assert err <= TOL[dtype], f"rel err {err:.2e} (seed={seed})"
+
+
+def test_one_wave_tiles_only_where_the_grid_leaves_sms_idle(monkeypatch):
+    """The lone-prompt policy (host ints only): a causal grid under the SM count takes the split
+    row's 64-row tiles and ZIGZAG where they fit two programs per SM; a grid that fills the GPU,
+    a split row of one program per SM, or the CPU keeps its tiles."""
+    import kernels.prefill_attention as pa
+
+    causal = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "KV_TMA": True}
+    split = dict(causal, BLOCK_M=64, BLOCK_N=64, num_warps=4, BT_PREFETCH=True, GQA_PACK=False)
+    split.update(PROGRAMS_PER_SM=2, MAX_SPLITS=16)
+    monkeypatch.setattr(pa, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(pa, "prefill_config", lambda *a, **k: dict(split))
+    cuda, bf = torch.device("cuda", 0), torch.bfloat16
+
+    def choose(t, b=1, cfg=causal, device=cuda):
+        return pa.one_wave_tiles(cfg, t, b, 16, 8, 128, bf, device, 128)
+
+    got = choose(1024)  # 8 x 16 = 128 programs < 132 SMs; 16 x 16 = 256 <= 2 x 132
+    assert got["BLOCK_M"] == 64 and got["ZIGZAG"] is True and got["num_warps"] == 4
+    assert "PROGRAMS_PER_SM" not in got and "MAX_SPLITS" not in got
+    assert choose(512)["BLOCK_M"] == 64  # 64 programs -> 128
+    assert choose(2048) == {}  # 256 programs fill the GPU already
+    assert choose(1024, b=2) == {}  # 9 x 16 = 144 tile slots at most: not under 132
+    assert choose(1024, device=torch.device("cpu")) == {}
+    split["PROGRAMS_PER_SM"] = 1
+    assert choose(1024) == {}  # the split row runs one program per SM: no pairing
 
 
 @pytest.mark.parametrize(
