@@ -681,11 +681,12 @@ def one_wave_tiles(
     SM) the grid is one wave of twice as many programs, and ``ZIGZAG`` pairs each SM's heavy
     tile with a light one (see the kernel), so an SM's work is about the mean.
 
-    Returns ``{}`` (keep ``cfg``) unless the device is CUDA, ``cfg``'s grid (its real query
-    tiles: ``num_seqs * cdiv(num_tokens / num_seqs, TOK)`` at most) is below the SM count and the
-    split row's grid fills at most ``PROGRAMS_PER_SM`` (>= 2) programs per SM; else the split
-    row's tile keys and ``ZIGZAG``. Host ints only (a graph's padded ``T`` gives a fixed
-    choice).
+    Returns ``{}`` (keep ``cfg``) unless the device is CUDA, ``cfg``'s grid (its query tiles
+    that can hold rows: ``cdiv(num_tokens, TOK) + num_seqs - 1`` at most, times the grid's
+    heads) is below the SM count and the split row's grid fills at most ``PROGRAMS_PER_SM``
+    (>= 2) programs per SM; else the split row's tile keys and ``ZIGZAG``. Host ints only (a
+    graph's padded ``T`` gives a fixed choice). :func:`prefill_attention` asks only when no
+    ``config`` is passed: any explicit config, even of one key, keeps the launch as it says.
     """
     if device.type != "cuda" or num_tokens == 0:
         return {}
@@ -701,8 +702,11 @@ def one_wave_tiles(
     per_sm = int(row.get("PROGRAMS_PER_SM", 1))
     if per_sm < 2 or programs(row) > per_sm * sms or programs(row) <= programs(cfg):
         return {}
-    keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BT_PREFETCH", "GQA_PACK", "KV_TMA")
-    return {**{k: row[k] for k in keys if k in row}, "ZIGZAG": True}
+    keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BT_PREFETCH")
+    tiles = {k: row[k] for k in keys if k in row}
+    # the flags the row leaves unset are off in it (as programs(row) counted them), not cfg's
+    tiles.update(GQA_PACK=bool(row.get("GQA_PACK", False)), KV_TMA=bool(row.get("KV_TMA", False)))
+    return {**tiles, "ZIGZAG": True}
 
 
 def _dtype_key(dtype: torch.dtype) -> str:

@@ -4,8 +4,9 @@
 The parser is uvicorn's choice for ``--http auto``: httptools (llhttp, in C) where it is
 installed, as in ``uvicorn[standard]``, which vLLM and SGLang serve on; h11 (pure Python)
 otherwise, or with ``--http h11``. The HTTP process pays the protocol's cost for every streamed
-token (one SSE chunk each): the h11 state machine took ~18 % of the loop's CPU time per token in
-``bench/frontend_tokens.py`` on the CPU, httptools' chunk framing a fraction of that
+token (one SSE chunk each): the protocol's own code took 16.6 % of the loop's CPU time with h11
+and 9.2 % with httptools in ``bench/frontend_tokens.py`` on the CPU, and on the H200 the p99
+inter-token latency at concurrency 64 fell from 22.7 to 12.4 ms with one API server
 (docs/benchmarks.md, 2026-12-05, seventh session).
 
 uvicorn bounds the idle time between requests (``timeout_keep_alive``) and, with
@@ -32,10 +33,19 @@ closed; an app waiting for the rest of the body sees a disconnect. A request tha
 is never timed: responses (streams included) take as long as they take.
 
 Header size: h11 refuses a request line + headers still incomplete past
-``h11_max_incomplete_event_size`` bytes after a read; llhttp has no such bound, so the guard
-counts what a connection sends while its headers are incomplete and applies the same bound
-(``max_header_bytes``). Either way the client gets ``400`` with an OpenAI error body, as for
-anything the parser refuses.
+``h11_max_incomplete_event_size`` bytes after a read; llhttp has no such bound, so with httptools
+the guard holds each request's header block until it is complete (``_header_block``) and applies
+the same bound (``max_header_bytes``) to what it holds. Either way the client gets ``400`` with
+an OpenAI error body, as for anything the parser refuses. The held block is also parsed without
+its ``Upgrade`` lines: this server never upgrades, and llhttp, offered an upgrade on a request
+with a body (Java clients offer ``h2c`` on ordinary POSTs), stops parsing at the headers and
+the body is lost (uvicorn issue 2722).
+
+Pipelined requests: a request's body deadline starts when its request starts (h11 parses a
+pipelined request only when the response before it is complete; httptools parses it at once and
+queues it), so a queued request neither times out while it waits nor escapes the deadline once
+it runs; a 400 for a request that cannot be parsed is written only where no response is under
+way.
 
 The connection cap (``--limit-concurrency N``) is admission per connection
 (:class:`ConnectionSlots`): the first N open connections are served; a connection opened while N
@@ -184,13 +194,16 @@ def guarded_protocol(
         ValueError: as :func:`protocol_base`.
     """
     base = protocol_base(http)
-    count_header_bytes = base is not H11Protocol
+    own_header_block = base is not H11Protocol  # httptools: the guard bounds and filters it
 
     class GuardedProtocol(base):
         def connection_made(self, transport) -> None:
             self._read_timer = None
             self._reading = None  # "headers" / "body" while a deadline runs
-            self._header_bytes = 0  # bytes received while the headers are incomplete
+            self._head = b""  # httptools: the bytes of a request's incomplete header block
+            self._at_start = True  # httptools: the next byte starts a request
+            self._active = None  # httptools: the cycle whose ASGI task runs (self.cycle is
+            # the newest parsed one, a pipelined request queued behind it)
             self._has_slot = slots is None or slots.acquire()
             self._refused = False  # the 503 was written
             super().connection_made(transport)
@@ -209,33 +222,82 @@ def guarded_protocol(
             if not self._has_slot:  # its request (whatever of it arrived) gets the 503
                 self._refuse()
                 return
-            if self._read_timer is None and (self.cycle is None or self.cycle.response_complete):
+            if self._read_timer is None and (
+                self._at_start
+                if own_header_block
+                else (self.cycle is None or self.cycle.response_complete)
+            ):
                 self._arm("headers", header_timeout)  # the next request on a kept-alive socket
+            if own_header_block and self._at_start:
+                data = self._header_block(data)
+                if data is None:  # incomplete (buffered), or refused
+                    return
             before = self.cycle
-            if self._reading == "headers":
-                self._header_bytes += len(data)
             super().data_received(data)
             cycle = self.cycle
             if cycle is not None and cycle is not before:  # its headers are in: a new request
                 self._cancel()
-                if cycle.more_body:
+                if cycle.more_body and self._started(cycle):  # a queued one: when it starts
                     self._arm("body", body_timeout)
             elif self._reading == "body" and cycle is not None and not cycle.more_body:
                 self._cancel()
-            elif (
-                count_header_bytes
-                and self._reading == "headers"
-                and self._header_bytes > max_header_bytes
-                and not self.transport.is_closing()
-            ):
-                self._cancel()
-                self.send_400_response(
-                    f"the request line and headers exceed {max_header_bytes} bytes"
-                )
+
+        def _header_block(self, data: bytes) -> bytes | None:
+            """httptools: the bytes to parse once a request's line and headers are all in,
+            without its ``Upgrade`` header lines; None while they are incomplete (kept here,
+            at most ``max_header_bytes``; past that the 400 is sent). llhttp, offered an
+            upgrade (``Upgrade: h2c`` on an ordinary POST, as Java clients send), would stop
+            parsing at the headers and lose the body (uvicorn issue 2722); this server never
+            upgrades, so it never shows llhttp the offer. A pipelined request that arrives in
+            the read that completes the one before is parsed as it came."""
+            head = self._head + data
+            ends = [i for i in (head.find(b"\r\n\r\n"), head.find(b"\n\n")) if i >= 0]
+            if not ends:
+                if len(head) > max_header_bytes:
+                    self._head = b""
+                    self._cancel()
+                    self.send_400_response(
+                        f"the request line and headers exceed {max_header_bytes} bytes"
+                    )
+                else:
+                    self._head = head
+                return None
+            self._head = b""
+            self._at_start = False
+            end = min(ends)
+            block, rest = head[:end], head[end:]
+            if b"upgrade:" not in block.lower():
+                return head
+            lines = block.split(b"\n")
+            kept = [ln for ln in lines if not ln.lstrip().lower().startswith(b"upgrade:")]
+            return b"\n".join(kept) + rest
+
+        def on_message_complete(self) -> None:  # httptools' parser callback (h11 has none)
+            super().on_message_complete()
+            self._at_start = True
+
+        def _start_asgi_task(self, cycle, app) -> None:  # httptools: a request's task starts
+            self._active = cycle
+            super()._start_asgi_task(cycle, app)
+
+        def _started(self, cycle) -> bool:
+            """Whether ``cycle``'s ASGI task runs (h11 starts every request it parses; httptools
+            queues a pipelined one until the response before it is complete)."""
+            return not own_header_block or cycle is self._active
+
+        def _in_flight(self):
+            """The request whose ASGI task runs, or None."""
+            return self._active if own_header_block else self.cycle
 
         def on_response_complete(self) -> None:
             self._cancel()  # idle until the next request: the keep-alive timeout applies
+            before = self._in_flight()
             super().on_response_complete()
+            # a pipelined request starts now (h11 parses it only now; httptools dequeues it):
+            # its body, if still to come, has the body deadline from here
+            cycle = self._in_flight()
+            if cycle is not before and cycle is not None and cycle.more_body:
+                self._arm("body", body_timeout)
 
         def _refuse(self) -> None:
             """Write the 503 once, then half-close and keep reading (and dropping) what the
@@ -262,7 +324,7 @@ def guarded_protocol(
             line or header, headers still incomplete past --h11-max-incomplete-event-size), as
             an OpenAI error body instead of plain text; only closes the connection when a
             response is under way (started, not complete)."""
-            cycle = self.cycle
+            cycle = self._in_flight()
             if cycle is None or not cycle.response_started or cycle.response_complete:
                 self.transport.write(_bad_request_response(msg))
             self.transport.close()
@@ -277,7 +339,6 @@ def guarded_protocol(
         def _arm(self, what: str, seconds: float) -> None:
             self._cancel()
             self._reading = what
-            self._header_bytes = 0
             self._read_timer = self.loop.call_later(seconds, self._expire, what, seconds)
 
         def _cancel(self) -> None:

@@ -1,0 +1,188 @@
+"""The slow-client guard of ``server/http_protocol.py`` over both HTTP parsers, on an in-process
+uvicorn server with a small ASGI app (bodies over 1,000 bytes get the server's 413 before they
+arrive): an upgrade offer on an ordinary POST keeps its body, the body left after an early 413
+is not taken for header bytes, a pipelined request neither cuts the response before it nor
+escapes the body deadline, the header bound holds while a response streams, and a header block
+split over several reads restarts its count with every request. Found by review of the
+httptools protocol (uvicorn issue 2722 for the upgrade offer); h11 is checked alike."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+import uvicorn
+
+from server.app import BodySizeLimit
+from server.http_protocol import guarded_protocol
+
+# timing checks (deadlines of 1 and 1.5 s): run alone, in `make test`'s serial run
+pytestmark = pytest.mark.serial
+
+PARSERS = ["httptools", "h11"]
+H2C = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n"
+
+
+async def _app(scope, receive, send):
+    """``/stream``: 30 chunks 0.1 s apart; any other path: ``b"<path> <body bytes>"``."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        return await send({"type": "lifespan.shutdown.complete"})
+    if scope["path"] == "/stream":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for i in range(30):
+            await send({"type": "http.response.body", "body": b"tok%d\n" % i, "more_body": True})
+            await asyncio.sleep(0.1)
+        return await send({"type": "http.response.body", "body": b""})
+    body = b""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+        body += msg.get("body", b"")
+        if not msg.get("more_body"):
+            break
+    out = b"%s %d" % (scope["path"].encode(), len(body))
+    headers = [(b"content-length", b"%d" % len(out))]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": out})
+
+
+class _Server:
+    """The guard (1 s for headers, 1.5 s for a body, 16 KiB of incomplete headers) around
+    ``_app`` behind the server's 1,000-byte body limit, on a loopback port."""
+
+    def __init__(self, http: str):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        protocol = guarded_protocol(1.0, 1.5, http=http, max_header_bytes=16384)
+        config = uvicorn.Config(
+            BodySizeLimit(_app, 1000),
+            http=protocol,
+            log_level="critical",
+            timeout_keep_alive=5,
+            timeout_graceful_shutdown=1,
+            h11_max_incomplete_event_size=16384,
+        )
+        self.server = uvicorn.Server(config)
+
+    async def __aenter__(self):
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+        while not self.server.started:
+            await asyncio.sleep(0.01)
+        return self.sock.getsockname()
+
+    async def __aexit__(self, *exc):
+        self.server.should_exit = True
+        await self.task
+
+
+async def _exchange(http: str, chunks: list[bytes], read_s: float, pause: float = 0.2):
+    """Send ``chunks`` (``pause`` s apart) on one connection; return what came back within
+    ``read_s`` s and whether the server kept the connection open."""
+    data, still_open = b"", True
+    async with _Server(http) as addr:
+        reader, writer = await asyncio.open_connection(*addr)
+        try:
+            for chunk in chunks:
+                writer.write(chunk)
+                await writer.drain()
+                await asyncio.sleep(pause)
+            loop = asyncio.get_running_loop()
+            end = loop.time() + read_s
+            while (left := end - loop.time()) > 0:
+                got = await asyncio.wait_for(reader.read(65536), left)
+                if not got:
+                    still_open = False
+                    break
+                data += got
+        except asyncio.TimeoutError:
+            pass
+        except ConnectionError:
+            still_open = False
+        finally:
+            writer.close()
+    return data, still_open
+
+
+@pytest.mark.parametrize("http", PARSERS)
+def test_an_upgrade_offer_on_a_post_keeps_its_body(http):
+    """Java clients offer h2c on ordinary POSTs; the server never upgrades, so the request is
+    served with its body, and the next request on the connection too."""
+    head = b"POST /p HTTP/1.1\r\nHost: x\r\n" + H2C + b"Content-Length: 7\r\n\r\n"
+    for chunks in ([head, b"abcdefg"], [head + b"abcdefg"]):
+        chunks = [*chunks, b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n"]
+        data, _ = asyncio.run(_exchange(http, chunks, read_s=1.0))
+        assert b"/p 7" in data and b"/next 0" in data and b" 400 " not in data, data
+
+
+@pytest.mark.parametrize("http", PARSERS)
+def test_the_body_after_an_early_413_is_not_taken_for_headers(http):
+    """A 40 KB body answered 413 before it arrives: the rest of it is read and dropped, the
+    413 reaches the client, and the connection serves the next request."""
+    chunks = [b"POST /big HTTP/1.1\r\nHost: x\r\nContent-Length: 40000\r\n\r\n"]
+    chunks += [b"a" * 10000] * 4 + [b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n"]
+    data, _ = asyncio.run(_exchange(http, chunks, read_s=0.5, pause=0.05))
+    assert b" 413 " in data and b"/next 0" in data and b" 400 " not in data, data
+
+
+@pytest.mark.parametrize("http", PARSERS)
+def test_a_pipelined_post_neither_cuts_the_stream_before_it_nor_escapes_its_deadline(http):
+    """GET /stream (3 s) with a POST pipelined behind it: the stream ends whole (the POST's
+    body deadline starts with its request, not while it waits); a POST whose body never comes
+    behind a short GET is dropped with a 408 within its body deadline."""
+    chunks = [
+        b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n"
+        b"POST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nabcde"
+    ]
+    data, _ = asyncio.run(_exchange(http, chunks, read_s=4.0))
+    assert b"tok29" in data and b" 408 " not in data and b"/b 5" in data, data[-300:]
+    chunks = [
+        b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n"
+        b"POST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+    ]
+    data, still_open = asyncio.run(_exchange(http, chunks, read_s=4.0))
+    assert b"/a 0" in data and b" 408 " in data and not still_open, data
+
+
+@pytest.mark.parametrize("http", PARSERS)
+def test_incomplete_headers_are_bounded_while_a_response_streams(http):
+    """A request line that never ends, written while the response before it streams: the
+    server stops it at the header bound (400 and close, or h11's paused reads) instead of
+    buffering it: at most a few MB go through in 2 s."""
+
+    async def push() -> int:
+        async with _Server(http) as addr:
+            reader, writer = await asyncio.open_connection(*addr)
+            writer.write(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\nGET /")
+            await asyncio.sleep(0.2)
+            loop, sent = asyncio.get_running_loop(), 0
+            end = loop.time() + 2.0
+            try:
+                while loop.time() < end:
+                    writer.write(b"a" * (1 << 20))
+                    await asyncio.wait_for(writer.drain(), end - loop.time())
+                    sent += 1
+            except (asyncio.TimeoutError, ConnectionError):
+                pass
+            writer.close()
+            return sent
+
+    assert asyncio.run(push()) < 16  # MB accepted
+
+
+@pytest.mark.parametrize("http", PARSERS)
+def test_a_header_block_in_several_reads_is_bounded_per_request(http):
+    """12 KB of headers in two writes, twice on one kept-alive connection, are served (the
+    count of incomplete header bytes restarts with each request; 24 KB together would be past
+    16 KiB); 24 KB of one request in three writes get the 400."""
+    pad = b"X-Pad: " + b"a" * 6000 + b"\r\n"
+    one = [b"GET /h HTTP/1.1\r\nHost: x\r\n" + pad, pad + b"\r\n"]
+    data, still_open = asyncio.run(_exchange(http, one + one, read_s=0.5, pause=0.1))
+    assert data.count(b"/h 0") == 2 and still_open, data
+    big = [b"GET /h HTTP/1.1\r\nHost: x\r\n" + pad, pad, pad + pad]
+    data, still_open = asyncio.run(_exchange(http, big, read_s=1.0, pause=0.1))
+    assert b" 400 " in data and b"invalid_http_request" in data and not still_open, data
