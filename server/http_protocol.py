@@ -200,10 +200,13 @@ def guarded_protocol(
         def connection_made(self, transport) -> None:
             self._read_timer = None
             self._reading = None  # "headers" / "body" while a deadline runs
-            self._head = b""  # httptools: the bytes of a request's incomplete header block
-            self._at_start = True  # httptools: the next byte starts a request
-            self._active = None  # httptools: the cycle whose ASGI task runs (self.cycle is
-            # the newest parsed one, a pipelined request queued behind it)
+            # httptools (own_header_block): the parser's position, from its callbacks
+            self._at_start = True  # between requests: the next byte starts one
+            self._in_headers = False  # a request began and its headers are not complete
+            self._head = b""  # a request's header block, held until complete
+            self._header_bytes = 0  # bytes fed to the parser while its headers are incomplete
+            self._active = None  # the cycle whose ASGI task runs (self.cycle is the newest
+            # parsed one: a pipelined request is parsed at once and queued behind it)
             self._has_slot = slots is None or slots.acquire()
             self._refused = False  # the 503 was written
             super().connection_made(transport)
@@ -222,82 +225,131 @@ def guarded_protocol(
             if not self._has_slot:  # its request (whatever of it arrived) gets the 503
                 self._refuse()
                 return
-            if self._read_timer is None and (
-                self._at_start
-                if own_header_block
-                else (self.cycle is None or self.cycle.response_complete)
-            ):
+            if own_header_block:
+                self._httptools_data(data)
+                return
+            if self._read_timer is None and (self.cycle is None or self.cycle.response_complete):
                 self._arm("headers", header_timeout)  # the next request on a kept-alive socket
-            if own_header_block and self._at_start:
-                data = self._header_block(data)
-                if data is None:  # incomplete (buffered), or refused
-                    return
             before = self.cycle
             super().data_received(data)
             cycle = self.cycle
             if cycle is not None and cycle is not before:  # its headers are in: a new request
                 self._cancel()
-                if cycle.more_body and self._started(cycle):  # a queued one: when it starts
+                if cycle.more_body:
+                    self._arm("body", body_timeout)
+            elif self._reading == "body" and cycle is not None and not cycle.more_body:
+                self._cancel()
+
+        def _httptools_data(self, data: bytes) -> None:
+            """httptools: hold a request's header block until it is complete (bounded), parse
+            it without its ``Upgrade`` lines, and keep the deadlines on the parser's position.
+
+            llhttp, offered an upgrade on a request with a body (``Upgrade: h2c`` on an
+            ordinary POST, as Java clients send), stops parsing at the headers and the body is
+            lost (uvicorn issue 2722); this server never upgrades, so it never shows llhttp the
+            offer. A request that begins inside a read the parser already has (pipelined behind
+            another) is parsed as it comes, its incomplete header bytes counted against the
+            same bound."""
+            self._unset_keepalive_if_required()  # any byte: the keep-alive wait is over
+            if self._read_timer is None and self._idle() and (self._at_start or self._in_headers):
+                self._arm("headers", header_timeout)  # the next request's first bytes
+            if self._at_start:
+                data = self._header_block(data)
+                if data is None:  # incomplete (held), or refused
+                    return
+            before = self.cycle
+            super().data_received(data)
+            cycle = self.cycle
+            if self._in_headers and not self.transport.is_closing():
+                self._header_bytes += len(data)
+                if self._header_bytes > max_header_bytes:
+                    self._too_large()
+                    return
+            if cycle is not None and cycle is not before:  # its headers are in: a new request
+                if self._reading == "headers":
+                    self._cancel()
+                if cycle.more_body and cycle is self._active:  # a queued one: when it starts
                     self._arm("body", body_timeout)
             elif self._reading == "body" and cycle is not None and not cycle.more_body:
                 self._cancel()
 
         def _header_block(self, data: bytes) -> bytes | None:
-            """httptools: the bytes to parse once a request's line and headers are all in,
-            without its ``Upgrade`` header lines; None while they are incomplete (kept here,
-            at most ``max_header_bytes``; past that the 400 is sent). llhttp, offered an
-            upgrade (``Upgrade: h2c`` on an ordinary POST, as Java clients send), would stop
-            parsing at the headers and lose the body (uvicorn issue 2722); this server never
-            upgrades, so it never shows llhttp the offer. A pipelined request that arrives in
-            the read that completes the one before is parsed as it came."""
+            """The bytes to parse once the held header block is complete (its ``Upgrade``
+            lines dropped), or None while it is not (held, at most ``max_header_bytes``; past
+            that the 400). Empty lines before a request line (HTTP allows them) are skipped
+            when looking for the block's end."""
+            old = len(self._head)
             head = self._head + data
-            ends = [i for i in (head.find(b"\r\n\r\n"), head.find(b"\n\n")) if i >= 0]
-            if not ends:
+            lead = len(head) - len(head.lstrip(b"\r\n"))
+            if lead == len(head):  # empty lines only, so far
+                end = -1
+            else:
+                start = max(lead, old - 3)
+                ends = [i for i in (head.find(b"\r\n\r\n", start), head.find(b"\n\n", start))]
+                end = min((i for i in ends if i >= 0), default=-1)
+            if end < 0:
+                self._head = head
                 if len(head) > max_header_bytes:
                     self._head = b""
-                    self._cancel()
-                    self.send_400_response(
-                        f"the request line and headers exceed {max_header_bytes} bytes"
-                    )
-                else:
-                    self._head = head
+                    self._too_large()
                 return None
             self._head = b""
             self._at_start = False
-            end = min(ends)
             block, rest = head[:end], head[end:]
             if b"upgrade:" not in block.lower():
                 return head
             lines = block.split(b"\n")
-            kept = [ln for ln in lines if not ln.lstrip().lower().startswith(b"upgrade:")]
+            kept = [ln for ln in lines if not ln.lower().startswith(b"upgrade:")]
             return b"\n".join(kept) + rest
 
-        def on_message_complete(self) -> None:  # httptools' parser callback (h11 has none)
-            super().on_message_complete()
+        def _too_large(self) -> None:
+            self._cancel()
+            self.send_400_response(f"the request line and headers exceed {max_header_bytes} bytes")
+
+        def on_message_begin(self) -> None:  # httptools' parser callbacks (h11 has none)
+            super().on_message_begin()
+            self._at_start, self._in_headers, self._header_bytes = False, True, 0
+
+        def on_headers_complete(self) -> None:
+            self._in_headers = False
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()  # returns early for a body read after its response
             self._at_start = True
+            if self._reading == "body":  # that body, dropped, is in: no deadline left
+                self._cancel()
 
         def _start_asgi_task(self, cycle, app) -> None:  # httptools: a request's task starts
             self._active = cycle
             super()._start_asgi_task(cycle, app)
 
-        def _started(self, cycle) -> bool:
-            """Whether ``cycle``'s ASGI task runs (h11 starts every request it parses; httptools
-            queues a pipelined one until the response before it is complete)."""
-            return not own_header_block or cycle is self._active
-
         def _in_flight(self):
             """The request whose ASGI task runs, or None."""
             return self._active if own_header_block else self.cycle
+
+        def _idle(self) -> bool:
+            """No request runs, or its response is complete."""
+            cycle = self._in_flight()
+            return cycle is None or cycle.response_complete
 
         def on_response_complete(self) -> None:
             self._cancel()  # idle until the next request: the keep-alive timeout applies
             before = self._in_flight()
             super().on_response_complete()
-            # a pipelined request starts now (h11 parses it only now; httptools dequeues it):
-            # its body, if still to come, has the body deadline from here
             cycle = self._in_flight()
-            if cycle is not before and cycle is not None and cycle.more_body:
+            if cycle is not before and cycle is not None:
+                # a pipelined request starts now (h11 parses it only now; httptools dequeues
+                # it): its body, if still to come, has the body deadline from here
+                if cycle.more_body:
+                    self._arm("body", body_timeout)
+            elif own_header_block and before is not None and before.more_body:
+                # answered before its body arrived (a 413): the rest of the body, which
+                # httptools reads and drops, must still come within the body deadline
                 self._arm("body", body_timeout)
+            elif own_header_block and (self._head or self._in_headers):
+                # the next request's first bytes came while this response was under way
+                self._arm("headers", header_timeout)
 
         def _refuse(self) -> None:
             """Write the 503 once, then half-close and keep reading (and dropping) what the
@@ -322,10 +374,13 @@ def guarded_protocol(
         def send_400_response(self, msg: str) -> None:
             """uvicorn's answer to a request the parser cannot parse (a malformed request
             line or header, headers still incomplete past --h11-max-incomplete-event-size), as
-            an OpenAI error body instead of plain text; only closes the connection when a
-            response is under way (started, not complete)."""
+            an OpenAI error body instead of plain text. Written only where it answers the
+            request that failed: no request runs, or the running one's response is complete, or
+            the error is in the running one's own body and nothing of its response was sent;
+            otherwise (a pipelined request fails behind one not yet answered) the connection is
+            just closed, as a 400 there would be read as the earlier request's answer."""
             cycle = self._in_flight()
-            if cycle is None or not cycle.response_started or cycle.response_complete:
+            if self._idle() or (cycle.more_body and not cycle.response_started):
                 self.transport.write(_bad_request_response(msg))
             self.transport.close()
 
@@ -356,8 +411,10 @@ def guarded_protocol(
                 what,
                 seconds,
             )
-            cycle = self.cycle
-            if what == "headers" or (cycle is not None and not cycle.response_started):
+            cycle = self._in_flight()
+            if (what == "headers" and self._idle()) or (
+                what == "body" and cycle is not None and not cycle.response_started
+            ):
                 self.transport.write(_timeout_response(what, seconds))
             self.transport.close()
 

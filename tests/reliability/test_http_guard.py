@@ -30,6 +30,8 @@ async def _app(scope, receive, send):
         while (await receive())["type"] == "lifespan.startup":
             await send({"type": "lifespan.startup.complete"})
         return await send({"type": "lifespan.shutdown.complete"})
+    if scope["path"] == "/slow":  # answers after 0.5 s
+        await asyncio.sleep(0.5)
     if scope["path"] == "/stream":
         await send({"type": "http.response.start", "status": 200, "headers": []})
         for i in range(30):
@@ -54,16 +56,16 @@ class _Server:
     """The guard (1 s for headers, 1.5 s for a body, 16 KiB of incomplete headers) around
     ``_app`` behind the server's 1,000-byte body limit, on a loopback port."""
 
-    def __init__(self, http: str):
+    def __init__(self, http: str, header_s: float = 1.0, keep_alive_s: int = 5):
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(8)
-        protocol = guarded_protocol(1.0, 1.5, http=http, max_header_bytes=16384)
+        protocol = guarded_protocol(header_s, 1.5, http=http, max_header_bytes=16384)
         config = uvicorn.Config(
             BodySizeLimit(_app, 1000),
             http=protocol,
             log_level="critical",
-            timeout_keep_alive=5,
+            timeout_keep_alive=keep_alive_s,
             timeout_graceful_shutdown=1,
             h11_max_incomplete_event_size=16384,
         )
@@ -80,11 +82,13 @@ class _Server:
         await self.task
 
 
-async def _exchange(http: str, chunks: list[bytes], read_s: float, pause: float = 0.2):
+async def _exchange(
+    http: str, chunks: list[bytes], read_s: float, pause: float = 0.2, **server
+) -> tuple[bytes, bool]:
     """Send ``chunks`` (``pause`` s apart) on one connection; return what came back within
     ``read_s`` s and whether the server kept the connection open."""
     data, still_open = b"", True
-    async with _Server(http) as addr:
+    async with _Server(http, **server) as addr:
         reader, writer = await asyncio.open_connection(*addr)
         try:
             for chunk in chunks:
@@ -186,3 +190,60 @@ def test_a_header_block_in_several_reads_is_bounded_per_request(http):
     big = [b"GET /h HTTP/1.1\r\nHost: x\r\n" + pad, pad, pad + pad]
     data, still_open = asyncio.run(_exchange(http, big, read_s=1.0, pause=0.1))
     assert b" 400 " in data and b"invalid_http_request" in data and not still_open, data
+
+
+@pytest.mark.parametrize("http", PARSERS)
+def test_a_pipelined_request_whose_header_end_spans_two_reads_is_served(http):
+    chunks = [b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n", b"\r\n"]
+    data, _ = asyncio.run(_exchange(http, chunks, read_s=1.0))
+    assert b"/a 0" in data and b"/b 0" in data and b" 400 " not in data, data
+
+
+@pytest.mark.parametrize("http", PARSERS)
+def test_a_body_that_stops_after_an_early_413_has_a_deadline(http):
+    """A declared 100 MB body answered 413 at once, then the client sends a byte and stops:
+    the connection is dropped within the deadlines instead of holding its slot."""
+    head = b"POST /big HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\n"
+    data, still_open = asyncio.run(_exchange(http, [head, b"a"], read_s=3.5))
+    assert data.startswith(b"HTTP/1.1 413") and not still_open, data
+
+
+@pytest.mark.parametrize("http", PARSERS)
+def test_headers_slower_than_the_keep_alive_wait_but_within_their_deadline_are_served(http):
+    """Keep-alive 1 s, header deadline 3 s: a next request whose first bytes come 0.5 s after
+    the response and the rest 1 s later is answered (its first byte ended the keep-alive)."""
+    chunks = [b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /c HTTP/1.1\r\n", b"Host: x\r\n\r\n"]
+    data, _ = asyncio.run(
+        _exchange(http, chunks, read_s=1.0, pause=0.6, header_s=3.0, keep_alive_s=1)
+    )
+    assert b"/a 0" in data and b"/c 0" in data, data
+
+
+@pytest.mark.parametrize("http", PARSERS)
+def test_slow_pipelined_headers_do_not_cut_the_stream_before_them(http):
+    """Part of a next request's headers arrives while /stream (3 s) runs, the header deadline
+    being 1 s: the stream ends whole, without a 408 inside it."""
+    chunks = [b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /b HTTP/1.1\r\n"]
+    data, _ = asyncio.run(_exchange(http, chunks, read_s=4.5))
+    assert b"tok29" in data and b" 408 " not in data.split(b"tok29")[0], data[-300:]
+
+
+@pytest.mark.parametrize("http", PARSERS)
+def test_a_malformed_pipelined_request_is_not_answered_in_place_of_the_one_before(http):
+    """GET /slow (answered after 0.5 s) with a malformed request behind it: the first
+    response on the connection is never the 400 (the client would take it for /slow's)."""
+    chunks = [b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nBAD\r\n\r\n"]
+    data, _ = asyncio.run(_exchange(http, chunks, read_s=1.5))
+    assert not data.startswith(b"HTTP/1.1 400"), data
+    assert b" 400 " not in data or data.index(b"/slow 0") < data.index(b" 400 "), data
+
+
+@pytest.mark.parametrize("http", PARSERS)
+def test_empty_lines_before_a_request_line_do_not_lift_the_header_bound(http):
+    """Empty lines, then a request line that never ends: closed at the bound (httptools: with
+    the 400; h11 refuses the empty lines themselves and closes), not buffered on."""
+    chunks = [b"\r\n\r\nGET /" + b"a" * 4000] + [b"a" * 4000] * 5
+    data, still_open = asyncio.run(_exchange(http, chunks, read_s=1.0, pause=0.05))
+    assert not still_open, data
+    if http == "httptools":
+        assert b" 400 " in data, data
