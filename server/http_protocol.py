@@ -205,6 +205,7 @@ def guarded_protocol(
             self._in_headers = False  # a request began and its headers are not complete
             self._head = b""  # a request's header block, held until complete
             self._header_bytes = 0  # bytes fed to the parser while its headers are incomplete
+            self._begun = False  # a request began inside the read being parsed
             self._active = None  # the cycle whose ASGI task runs (self.cycle is the newest
             # parsed one: a pipelined request is parsed at once and queued behind it)
             self._has_slot = slots is None or slots.acquire()
@@ -258,9 +259,14 @@ def guarded_protocol(
                 if data is None:  # incomplete (held), or refused
                     return
             before = self.cycle
+            self._begun = False
             super().data_received(data)
             cycle = self.cycle
-            if self._in_headers and not self.transport.is_closing():
+            if self.transport.is_closing():
+                return
+            # a request that began inside this read: its bytes here are bounded by the read
+            # size (and may be the body of the one before); counted from the next read on
+            if self._in_headers and not self._begun:
                 self._header_bytes += len(data)
                 if self._header_bytes > max_header_bytes:
                     self._too_large()
@@ -272,6 +278,13 @@ def guarded_protocol(
                     self._arm("body", body_timeout)
             elif self._reading == "body" and cycle is not None and not cycle.more_body:
                 self._cancel()
+            if self._read_timer is None and self._idle():  # nothing runs, nothing is timed
+                if self._in_headers or self._head:
+                    self._arm("headers", header_timeout)
+                elif self.timeout_keep_alive_task is None:  # between requests: uvicorn's wait
+                    self.timeout_keep_alive_task = self.loop.call_later(
+                        self.timeout_keep_alive, self.timeout_keep_alive_handler
+                    )
 
         def _header_block(self, data: bytes) -> bytes | None:
             """The bytes to parse once the held header block is complete (its ``Upgrade``
@@ -295,10 +308,11 @@ def guarded_protocol(
                 return None
             self._head = b""
             self._at_start = False
+            end += 2 if head[end : end + 1] == b"\r" else 1  # the last header line's ending
             block, rest = head[:end], head[end:]
             if b"upgrade:" not in block.lower():
                 return head
-            lines = block.split(b"\n")
+            lines = block.split(b"\n")  # each line keeps its \r; the last is empty
             kept = [ln for ln in lines if not ln.lower().startswith(b"upgrade:")]
             return b"\n".join(kept) + rest
 
@@ -309,6 +323,18 @@ def guarded_protocol(
         def on_message_begin(self) -> None:  # httptools' parser callbacks (h11 has none)
             super().on_message_begin()
             self._at_start, self._in_headers, self._header_bytes = False, True, 0
+            self._begun = True
+
+        def _unsupported_upgrade_warning(self) -> None:
+            """httptools met an upgrade offer it parsed itself (a request pipelined inside a
+            read, or CONNECT): llhttp then reads nothing more of the connection, so it closes
+            after the responses under way instead of waiting for a deadline."""
+            super()._unsupported_upgrade_warning()
+            for cycle in (self._active, self.cycle):
+                if cycle is not None:
+                    cycle.keep_alive = False
+            if self._idle():
+                self.transport.close()
 
         def on_headers_complete(self) -> None:
             self._in_headers = False
@@ -349,6 +375,7 @@ def guarded_protocol(
                 self._arm("body", body_timeout)
             elif own_header_block and (self._head or self._in_headers):
                 # the next request's first bytes came while this response was under way
+                self._unset_keepalive_if_required()
                 self._arm("headers", header_timeout)
 
         def _refuse(self) -> None:

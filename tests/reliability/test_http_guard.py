@@ -56,13 +56,15 @@ class _Server:
     """The guard (1 s for headers, 1.5 s for a body, 16 KiB of incomplete headers) around
     ``_app`` behind the server's 1,000-byte body limit, on a loopback port."""
 
-    def __init__(self, http: str, header_s: float = 1.0, keep_alive_s: int = 5):
+    def __init__(
+        self, http: str, header_s: float = 1.0, keep_alive_s: int = 5, body_limit: int = 1000
+    ):
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(8)
         protocol = guarded_protocol(header_s, 1.5, http=http, max_header_bytes=16384)
         config = uvicorn.Config(
-            BodySizeLimit(_app, 1000),
+            BodySizeLimit(_app, body_limit),
             http=protocol,
             log_level="critical",
             timeout_keep_alive=keep_alive_s,
@@ -247,3 +249,33 @@ def test_empty_lines_before_a_request_line_do_not_lift_the_header_bound(http):
     assert not still_open, data
     if http == "httptools":
         assert b" 400 " in data, data
+
+
+@pytest.mark.parametrize("http", PARSERS)
+def test_a_connection_quiet_after_an_early_413_and_its_body_is_closed(http):
+    """413 before the body, then the whole body, then nothing: the keep-alive wait (1 s)
+    applies again once the body is in, so the connection does not stay open untimed."""
+    head = b"POST /big HTTP/1.1\r\nHost: x\r\nContent-Length: 2000\r\n\r\n"
+    data, still_open = asyncio.run(_exchange(http, [head, b"a" * 2000], read_s=4.0, keep_alive_s=1))
+    assert data.startswith(b"HTTP/1.1 413") and not still_open, data
+
+
+@pytest.mark.parametrize("http", PARSERS)
+def test_an_upgrade_header_last_in_the_block_is_dropped_cleanly(http):
+    head = b"POST /p HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nContent-Length: 2\r\n"
+    data, _ = asyncio.run(_exchange(http, [head + b"Upgrade: h2c\r\n\r\n{}"], read_s=1.0))
+    assert b"/p 2" in data and b" 400 " not in data, data
+
+
+@pytest.mark.parametrize("http", PARSERS)
+def test_a_request_beginning_after_a_large_body_in_one_read_is_not_over_counted(http):
+    """A 20 KB body and the first line of the next request in one read: the bytes of the read
+    in which a request begins are not counted against its header bound."""
+    chunks = [
+        b"POST /p HTTP/1.1\r\nHost: x\r\nContent-Length: 20000\r\n\r\n"
+        + b"a" * 20000
+        + b"GET /next HTTP/1.1\r\n",
+        b"Host: x\r\n\r\n",
+    ]
+    data, _ = asyncio.run(_exchange(http, chunks, read_s=1.0, body_limit=100000))
+    assert b"/p 20000" in data and b"/next 0" in data and b" 400 " not in data, data
