@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.configs import device_name, kernel_table
+from kernels.configs import device_name, kernel_table, num_sms
 
 try:  # host-side tensor descriptors (TMA), triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -651,17 +651,6 @@ def prefill_tiling(cfg: dict, num_heads: int, num_kv_heads: int) -> tuple[bool, 
     return False, block_m, num_heads
 
 
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    """Multiprocessors of a CUDA ``device`` (cached per index; host-side, no sync)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _NUM_SMS[index]
-
-
 def one_wave_tiles(
     cfg: dict,
     num_tokens: int,
@@ -690,7 +679,7 @@ def one_wave_tiles(
     """
     if device.type != "cuda" or num_tokens == 0:
         return {}
-    sms = _num_sms(device)
+    sms = num_sms(device)
 
     def programs(c: dict) -> int:
         _, tok, grid_heads = prefill_tiling(c, num_heads, num_kv_heads)

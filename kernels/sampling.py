@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.configs import num_sms
+
 __all__ = ["sample_tokens", "choose_sampling_splits", "sampling_config", "GREEDY_TEMPERATURE"]
 
 GREEDY_TEMPERATURE = 1e-5  # rows with temperature <= this are greedy (SamplingParams.greedy)
@@ -170,16 +172,10 @@ def choose_sampling_splits(
     return int(max(1, min(want, cap, max_splits)))
 
 
-_NUM_SMS: dict = {}
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # interpreter: a few splits still exercise the reduction
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _NUM_SMS:
-        _NUM_SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _NUM_SMS[key]
+    return num_sms(device)
 
 
 def sample_tokens(

@@ -298,7 +298,7 @@ def guarded_protocol(
                 end = -1
             else:
                 start = max(lead, old - 3)
-                ends = [i for i in (head.find(b"\r\n\r\n", start), head.find(b"\n\n", start))]
+                ends = (head.find(b"\r\n\r\n", start), head.find(b"\n\n", start))
                 end = min((i for i in ends if i >= 0), default=-1)
             if end < 0:
                 self._head = head

@@ -39,6 +39,24 @@ def device_name(device: torch.device) -> str:
     return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA ``device`` (132 on an H200), cached per device index; host-side,
+    no sync.
+
+    Raises:
+        ValueError: ``device`` is not CUDA.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"num_sms: {device} is not a CUDA device")
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 @cache
 def _cuda_name(index: int) -> str:
     name = torch.cuda.get_device_name(index)

@@ -241,7 +241,7 @@ def test_one_wave_tiles_only_where_the_grid_leaves_sms_idle(monkeypatch):
     causal = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "KV_TMA": True}
     split = dict(causal, BLOCK_M=64, BLOCK_N=64, num_warps=4, BT_PREFETCH=True, GQA_PACK=False)
     split.update(PROGRAMS_PER_SM=2, MAX_SPLITS=16)
-    monkeypatch.setattr(pa, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(pa, "num_sms", lambda device: 132)
     monkeypatch.setattr(pa, "prefill_config", lambda *a, **k: dict(split))
     cuda, bf = torch.device("cuda", 0), torch.bfloat16
 
