@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.frontend.async_engine import EngineUnavailable
+from server.protocol import json_kind
 
 _TYPES = {
     400: "invalid_request_error",
@@ -114,9 +115,7 @@ def install_error_handlers(app: FastAPI) -> None:
             code = "invalid_type"
             content_type = request.headers.get("content-type", "")
             if "json" in content_type.split(";")[0].lower():
-                got = type(first.get("input")).__name__
-                got = {"list": "an array", "str": "a string", "NoneType": "null"}.get(got, got)
-                msg = f"the request body must be a JSON object, got {got}"
+                msg = f"the request body must be a JSON object, got {json_kind(first.get('input'))}"
             else:
                 msg = (
                     "the request body must be a JSON object "

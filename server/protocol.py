@@ -488,7 +488,7 @@ PROMPT_SHAPES = (
 )
 
 
-def _json_kind(value: Any) -> str:
+def json_kind(value: Any) -> str:
     """The JSON type of a parsed value, with its article ("a string", "an integer", ...)."""
     if isinstance(value, bool):
         return "a boolean"
@@ -513,21 +513,21 @@ class CompletionRequest(SamplingFields):
         if isinstance(v, str):
             return v
         if not isinstance(v, list):
-            raise ValueError(f"{PROMPT_SHAPES}, got {_json_kind(v)}")
+            raise ValueError(f"{PROMPT_SHAPES}, got {json_kind(v)}")
         if not v:
             raise ValueError("prompt must not be empty")
-        first = _json_kind(v[0])
+        first = json_kind(v[0])
         if first not in ("a string", "an integer", "an array"):
             raise ValueError(f"{PROMPT_SHAPES}; element 0 is {first}")
         for i, x in enumerate(v):
-            kind = _json_kind(x)
+            kind = json_kind(x)
             if kind != first:
                 raise ValueError(f"{PROMPT_SHAPES}; element {i} is {kind}, element 0 {first}")
             if kind == "an array":
-                bad = next((j for j, t in enumerate(x) if _json_kind(t) != "an integer"), None)
+                bad = next((j for j, t in enumerate(x) if json_kind(t) != "an integer"), None)
                 if bad is not None:
                     raise ValueError(
-                        f"{PROMPT_SHAPES}; element {i} is an array with {_json_kind(x[bad])} "
+                        f"{PROMPT_SHAPES}; element {i} is an array with {json_kind(x[bad])} "
                         f"at index {bad}"
                     )
         return v

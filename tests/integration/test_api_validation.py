@@ -511,7 +511,14 @@ def test_body_that_is_not_a_json_object_says_what_it_got(server):
     """A JSON array / string / null body names what it is; a JSON object sent as text/plain
     points at the content type. Both 400 with code invalid_type."""
     url = server.base_url + "/v1/completions"
-    for body, got in ((b"[1, 2]", "an array"), (b'"hi"', "a string"), (b"null", "null")):
+    for body, got in (
+        (b"[1, 2]", "an array"),
+        (b'"hi"', "a string"),
+        (b"null", "null"),
+        (b"5", "an integer"),
+        (b"2.5", "a number"),
+        (b"true", "a boolean"),
+    ):
         r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60)
         err = r.json()["error"]
         assert r.status_code == 400 and err["code"] == "invalid_type", err
