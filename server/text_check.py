@@ -29,11 +29,15 @@ def _bad(text: str) -> bool:
 def find_unencodable(value, path: str = "") -> str | None:
     """The dotted path (``messages.0.content``, the form validation errors use) of the first
     string in ``value`` (a pydantic model, list, dict or scalar) that is not encodable as UTF-8;
-    None when every string is. A bad dict key is reported at the dict's path."""
+    None when every string is. A bad dict key is reported at the dict's path. Of a model, the
+    fields set (``model_fields_set``: given by the client, or assigned since) are walked."""
     if isinstance(value, str):
         return path if _bad(value) else None
     if isinstance(value, BaseModel):
+        given = value.model_fields_set  # the others hold this server's own defaults
         for name in type(value).model_fields:
+            if name not in given:
+                continue
             found = find_unencodable(getattr(value, name), f"{path}.{name}" if path else name)
             if found is not None:
                 return found
