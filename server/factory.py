@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from engine.core.config import EngineConfig, ModelConfig, read_generation_config
@@ -124,8 +125,13 @@ def build_context(
     )
     model_config = ModelConfig.from_hf(model_dir)
     tokenizer = Tokenizer(model_dir)
-    if core is None:
-        core = start_engine_core(config, tokenizer.eos_token_ids, args.engine_mode)
+    with ThreadPoolExecutor(1, thread_name_prefix="prompt-encoder") as pool:
+        # the prompt encoder's load (~2 s for Qwen's 151k-token vocabulary; fastokens releases
+        # the GIL) overlaps the engine core's start-up
+        encoder = pool.submit(PromptEncoder, tokenizer)
+        if core is None:
+            core = start_engine_core(config, tokenizer.eos_token_ids, args.engine_mode)
+        encoder = encoder.result()
     limits = core.limits
     metrics = ServerMetrics(
         name,
@@ -155,7 +161,7 @@ def build_context(
         max_body_bytes=args.max_body_bytes,
         max_prompt_tokens=args.max_prompt_tokens and int(args.max_prompt_tokens),
         protect_metrics=args.protect_metrics,
-        encoder=PromptEncoder(tokenizer),
+        encoder=encoder,
         grammar_validator=GrammarValidator(
             Path(model_dir) / "tokenizer.json",
             limits.vocab_size,
