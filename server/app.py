@@ -6,13 +6,13 @@ import asyncio
 import hmac
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server.chat import ChatCompletions
 from server.completions import Completions
 from server.context import ServerContext
-from server.errors import APIError, error_body, install_error_handlers
+from server.errors import error_body, install_error_handlers
 from server.generation import EngineError, engine_api_error
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from server.tokenize import Tokenization
@@ -60,6 +60,48 @@ class BodySizeLimit:
             return await receive()
 
         return await self.app(scope, replay, send)
+
+
+class APIKeyCheck:
+    """ASGI middleware: the bearer key of the protected routes (``/v1/...``, ``/tokenize``,
+    ``/detokenize``, and ``/metrics`` with ``protect_metrics``), checked from the headers before
+    anything reads or parses the body, so a request without the key gets 401
+    ``invalid_api_key`` whatever its body holds (as vLLM's authentication middleware; FastAPI
+    dependencies run only after the typed body validated). The key is compared in constant
+    time (``hmac.compare_digest``). CORS preflights (``OPTIONS``) carry no credentials and pass.
+    """
+
+    def __init__(self, app, api_key: str, protect_metrics: bool):
+        self.app, self.key = app, api_key.encode()
+        self.protect_metrics = protect_metrics
+
+    def _protected(self, path: str) -> bool:
+        return (
+            path.startswith("/v1/")
+            or path in ("/v1", "/tokenize", "/detokenize")
+            or (self.protect_metrics and path == "/metrics")
+        )
+
+    async def __call__(self, scope, receive, send):
+        if (
+            scope["type"] != "http"
+            or scope["method"] == "OPTIONS"
+            or not self._protected(scope["path"])
+        ):
+            return await self.app(scope, receive, send)
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token, self.key):
+            return await self.app(scope, receive, send)
+        resp = JSONResponse(
+            error_body(
+                401,
+                "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                code="invalid_api_key",
+            ),
+            status_code=401,
+        )
+        await resp(scope, receive, send)
 
 
 class AbortingStreamingResponse(StreamingResponse):
@@ -116,23 +158,6 @@ def create_app(ctx: ServerContext) -> FastAPI:
     completions = Completions(ctx)
     tokenization = Tokenization(ctx)
 
-    async def check_key(request: Request) -> None:
-        """The API-key dependency (async: FastAPI would run a plain function in its thread pool,
-        a thread hop on every request)."""
-        if ctx.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.encode(), ctx.api_key.encode()
-        ):
-            raise APIError(
-                401,
-                "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                None,
-                "invalid_api_key",
-            )
-
     async def stream_response(gen_iter, aborts) -> StreamingResponse:
         return AbortingStreamingResponse(
             gen_iter,
@@ -141,7 +166,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         gen = await chat.start(req)
         if req.stream:
@@ -154,7 +179,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
             gen.abort()
         return resp if resp is not None else Response(status_code=499)
 
-    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    @app.post("/v1/completions")
     async def text_completions(req: CompletionRequest, raw: Request):
         gens, rid = await completions.start(req)
 
@@ -175,20 +200,20 @@ def create_app(ctx: ServerContext) -> FastAPI:
     def model_card() -> ModelCard:
         return ModelCard(id=ctx.model_name, root=ctx.model_name, max_model_len=ctx.max_model_len)
 
-    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    @app.get("/v1/models")
     async def models():
         return ModelList(data=[model_card()])
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(check_key)])
+    @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         ctx.check_model(model_id)  # 404 model_not_found for another id
         return model_card()
 
-    @app.post("/tokenize", dependencies=[Depends(check_key)])
+    @app.post("/tokenize")
     async def tokenize(raw: Request):
         return await tokenization.tokenize(raw)
 
-    @app.post("/detokenize", dependencies=[Depends(check_key)])
+    @app.post("/detokenize")
     async def detokenize(raw: Request):
         return await tokenization.detokenize(raw)
 
@@ -200,14 +225,10 @@ def create_app(ctx: ServerContext) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics(request: Request):
-        if ctx.protect_metrics:
-            await check_key(request)
+    async def metrics():
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    return BodySizeLimit(app, ctx.max_body_bytes) if ctx.max_body_bytes else app
-
-
-def openapi_app(app) -> FastAPI:
-    """The FastAPI object inside the middleware (for its OpenAPI schema)."""
-    return getattr(app, "app", app)
+    outer = BodySizeLimit(app, ctx.max_body_bytes) if ctx.max_body_bytes else app
+    if ctx.api_key is not None:  # outermost: no body is read for a request without the key
+        outer = APIKeyCheck(outer, ctx.api_key, ctx.protect_metrics)
+    return outer

@@ -63,6 +63,43 @@ def test_api_key_required_on_v1_only(keyed_server):
     assert httpx.get(base + "/metrics").status_code == 200
 
 
+@pytest.mark.parametrize("body", [b"{bad", b"\xff\xfe", b"[" * 100_000, b'{"n": "x"}'])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/tokenize"])
+def test_the_key_is_checked_before_the_body(keyed_server, path, body):
+    """Without the key a request gets 401 whatever its body: no JSON error, no validation error
+    (they would tell an unauthenticated client about the API, after parsing its body)."""
+    r = httpx.post(
+        keyed_server.base_url + path,
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+    # an unknown /v1 route too; a CORS preflight carries no credentials and is not refused
+    assert httpx.get(keyed_server.base_url + "/v1/nothing").status_code == 401
+    pre = httpx.options(
+        keyed_server.base_url + path,
+        headers={"Origin": "http://a.example", "Access-Control-Request-Method": "POST"},
+    )
+    assert pre.status_code != 401
+
+
+
+def test_protect_metrics_puts_metrics_behind_the_key():
+    """--protect-metrics: /metrics needs the key as /v1 does; /health stays open."""
+    args = ["--max-model-len", "512", "--api-key", KEY, "--protect-metrics"]
+    ctx = build_context(build_parser().parse_args(args))
+
+    async def scenario():
+        async with app_client(ctx) as c:
+            r = await c.get("/metrics")
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            r = await c.get("/metrics", headers={"Authorization": f"Bearer {KEY}"})
+            assert r.status_code == 200 and "prompt_tokens_total" in r.text
+            assert (await c.get("/health")).status_code == 200
+
+    asyncio.run(scenario())
+
 def test_limits(keyed_server):
     base = keyed_server.base_url
     auth = {"Authorization": f"Bearer {KEY}"}
