@@ -51,6 +51,7 @@ from multiprocessing.connection import wait
 from engine.core.config import EngineConfig
 from engine.core.limits import EngineLimits
 from engine.core.parent_death import set_parent_death_signal
+from server.signal_repeats import SignalRepeats
 
 log = logging.getLogger("server")
 
@@ -172,6 +173,7 @@ class _Supervisor:
     def __init__(self):
         self.procs: list[mp.Process] = []  # the API servers started so far
         self.signals = 0
+        self._repeats = SignalRepeats()
         self.failed = False
         self._sent: dict[int, int] = {}  # pid -> stop signals sent to it
         self._wakeup_r, self._wakeup_w = os.pipe()
@@ -179,8 +181,11 @@ class _Supervisor:
         os.set_blocking(self._wakeup_r, False)
 
     def forward(self, sig, frame) -> None:
-        """The signal handler: count the SIGTERM/SIGINT (:meth:`deliver` forwards it)."""
-        self.signals += 1
+        """The signal handler: count the SIGTERM/SIGINT (:meth:`deliver` forwards it); the
+        same signal again within :data:`~server.signal_repeats.REPEAT_WINDOW_S` is one signal
+        delivered twice (make's copy) and is not counted."""
+        if not self._repeats.is_repeat(sig):
+            self.signals += 1
 
     def install(self) -> dict:
         """Install the handler for SIGTERM/SIGINT (and a wake-up of :meth:`run` on each);

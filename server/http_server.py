@@ -16,6 +16,8 @@ import threading
 
 import uvicorn
 
+from server.signal_repeats import SignalRepeats
+
 log = logging.getLogger("server")
 
 
@@ -69,6 +71,7 @@ class GracefulServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ended = False  # the hook ran
         self._signals_in_shutdown = 0
+        self._repeats = SignalRepeats()  # make's copy of a SIGTERM is not a second signal
         #: called once the server listens (set by ``server.api_servers`` to report readiness)
         self.on_started = None
         #: the signals that shut the server down (an API server of several: the supervisor's
@@ -98,7 +101,11 @@ class GracefulServer(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         """The signal handler (run by Python in the main thread, between two bytecodes of
-        whatever runs there, so it only sets flags and hands work to the loop)."""
+        whatever runs there, so it only sets flags and hands work to the loop). The same
+        signal again within :data:`~server.signal_repeats.REPEAT_WINDOW_S` is one signal
+        delivered twice and is dropped."""
+        if self._repeats.is_repeat(sig):
+            return
         if self.on_graceful_timeout is None or not self.should_exit or self._loop is None:
             first = self.on_graceful_timeout is not None and not self.should_exit
             super().handle_exit(sig, frame)

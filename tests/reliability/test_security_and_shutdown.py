@@ -248,15 +248,27 @@ def _assert_ended_cleanly(srv: ServerProcess, out: dict, plain: dict, message: s
     return log
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_sigterm_aborts_requests_past_the_timeout(sig):
+#: the signal, and how many copies of it arrive 20 ms apart (2: a SIGTERM to the process group
+#: of `make serve`, which GNU make sends its child again once it ran its own handler; copies
+#: that arrive before Python ran the handler are merged by Python itself)
+SIGNALS = pytest.mark.parametrize(
+    "sig,copies",
+    [(signal.SIGTERM, 1), (signal.SIGINT, 1), (signal.SIGTERM, 2)],
+    ids=["SIGTERM", "SIGINT", "SIGTERM-delivered-twice"],
+)
+
+
+@SIGNALS
+def test_sigterm_aborts_requests_past_the_timeout(sig, copies):
     """Past --graceful-timeout the server ends its requests itself: a stream gets an error event
     and [DONE], a non-streamed request a 503, both code server_shutting_down; no traceback, the
-    lifespan shutdown completes, exit 0."""
+    lifespan shutdown completes, exit 0. A signal delivered twice at once is one signal."""
     srv = ServerProcess("--max-model-len", "4096", "--graceful-timeout", "2").wait_ready()
     out, plain, threads = _start_stream_and_plain(srv)
     t0 = time.monotonic()
-    srv.proc.send_signal(sig)
+    for i in range(copies):
+        time.sleep(0.02 if i else 0)
+        srv.proc.send_signal(sig)
     srv.proc.wait(60)  # one signal only: a second one would end the requests itself
     srv.stop()
     for t in threads:
@@ -264,6 +276,8 @@ def test_sigterm_aborts_requests_past_the_timeout(sig):
     assert time.monotonic() - t0 < 30
     log = _assert_ended_cleanly(srv, out, plain, "2 s graceful timeout")
     assert "aborting 2 in-flight engine request(s) (choices)" in log, log[-6000:]
+    assert out["ended_at"] - t0 > 1.5, out["ended_at"] - t0  # at the timeout, not at once
+    assert "second shutdown signal" not in log, log[-6000:]
 
 
 def test_second_sigint_ends_in_flight_requests_at_once():
@@ -289,8 +303,8 @@ def test_second_sigint_ends_in_flight_requests_at_once():
     assert "forcing the quit" not in log, log[-6000:]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_two_api_servers_end_requests_past_the_timeout_and_exit_cleanly(sig):
+@SIGNALS
+def test_two_api_servers_end_requests_past_the_timeout_and_exit_cleanly(sig, copies):
     """With --api-server-count 2 the supervisor forwards the signal to both API servers, each
     ends its own requests at --graceful-timeout (error event + [DONE] / 503), both run their
     lifespan shutdown, the engine core stops once both left it, and the server exits 0."""
@@ -302,13 +316,17 @@ def test_two_api_servers_end_requests_past_the_timeout_and_exit_cleanly(sig):
     srv.api_server_pids(2)
     out, plain, threads = _start_stream_and_plain(srv)
     t0 = time.monotonic()
-    srv.proc.send_signal(sig)
+    for i in range(copies):
+        time.sleep(0.02 if i else 0)
+        srv.proc.send_signal(sig)
     srv.proc.wait(60)
     srv.stop()
     for t in threads:
         t.join(30)
     assert time.monotonic() - t0 < 40
     log = _assert_ended_cleanly(srv, out, plain, "2 s graceful timeout")
+    assert out["ended_at"] - t0 > 1.5, out["ended_at"] - t0  # at the timeout, not at once
+    assert "second shutdown signal" not in log, log[-6000:]
     ended = re.findall(r"aborting (\d) in-flight engine request", log)
     assert sum(map(int, ended)) == 2, log[-6000:]  # both requests, whichever server had them
     assert log.count("Application shutdown complete") == 2, log[-6000:]
