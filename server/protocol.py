@@ -190,6 +190,8 @@ class ChatMessage(_Lenient):
         data = info.data
         if v is None and not (data.get("role") == "assistant" and data.get("tool_calls")):
             raise ValueError("content must be a string or a list of text parts")
+        if isinstance(v, list) and not v:  # OpenAI: an array of at least one part
+            raise ValueError("content given as a list needs at least one text part")
         return v
 
     def text(self) -> str | None:
@@ -216,7 +218,12 @@ class StreamOptions(_Lenient):
 
 
 class FunctionDef(_Lenient):
-    name: str
+    """A tool's function. ``name`` must not be empty (a call to it could not be told apart);
+    OpenAI also holds it to ``^[a-zA-Z0-9_-]{1,64}$``, which this server does not, as vLLM
+    does not (see :class:`JsonSchemaFormat`: the openai client names tools after model
+    classes too); names are unique within a request (:func:`unique_tool_names`)."""
+
+    name: str = Field(min_length=1, strict=True)
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
@@ -269,6 +276,24 @@ def thinking_switch(v):
 class ToolDef(_Lenient):
     type: Literal["function"] = "function"
     function: FunctionDef
+
+
+def unique_tool_names(v):
+    """``tools``: no two with one function name (a call, or a ``tool_choice`` naming it, would
+    not say which of them is meant).
+
+    Raises:
+        ValueError: naming the repeated name and both places.
+    """
+    seen: dict[str, int] = {}
+    for i, tool in enumerate(v or ()):
+        first = seen.setdefault(tool.function.name, i)
+        if first != i:
+            raise ValueError(
+                f"tools {first} and {i} are both named {tool.function.name!r}: "
+                "function names must be unique"
+            )
+    return v
 
 
 class JsonSchemaFormat(_Lenient):
@@ -477,6 +502,7 @@ class ChatCompletionRequest(SamplingFields):
     mm_processor_kwargs: Any = None
 
     _tool_choice = field_validator("tool_choice", mode="before")(named_tool_choice)
+    _tool_names = field_validator("tools")(unique_tool_names)
     _template_kwargs = field_validator("chat_template_kwargs")(thinking_switch)
     _chat_not_applied = field_validator(*CHAT_NOT_APPLIED, mode="before")(no_op_only)
 
@@ -561,6 +587,7 @@ class TokenizeChatRequest(_Request):
     mm_processor_kwargs: Any = None
 
     _tool_choice = field_validator("tool_choice", mode="before")(named_tool_choice)
+    _tool_names = field_validator("tools")(unique_tool_names)
     _template_kwargs = field_validator("chat_template_kwargs")(thinking_switch)
     _not_applied = field_validator("chat_template", "mm_processor_kwargs", mode="before")(
         no_op_only

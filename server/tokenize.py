@@ -61,11 +61,21 @@ async def parse_body(raw: Request, model_for):
 
 
 def _tokenize_model(body) -> type:
-    return (
-        TokenizeChatRequest
-        if isinstance(body, dict) and "messages" in body
-        else (TokenizeCompletionRequest)
-    )
+    """The request shape of a ``/tokenize`` body: chat (``messages``) or completion.
+
+    Raises:
+        APIError: 400 naming ``messages`` when the body has both ``prompt`` and ``messages``
+            (either shape would call the other field unknown).
+    """
+    if isinstance(body, dict) and "messages" in body:
+        if "prompt" in body:
+            raise APIError(
+                400,
+                "send either prompt (text or token ids) or messages (a chat), not both",
+                "messages",
+            )
+        return TokenizeChatRequest
+    return TokenizeCompletionRequest
 
 
 class Tokenization:

@@ -105,6 +105,13 @@ BAD_REQUESTS = [
         "messages.1.content",
     ),
     ("chat", {"tools": [{"type": "function"}]}, "tools.0.function"),
+    ("chat", {"messages": [{"role": "user", "content": []}]}, "messages.0.content"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": ""}}]}, "tools.0.function.name"),
+    (
+        "chat",
+        {"tools": [{"type": "function", "function": {"name": "f"}}] * 2, "tool_choice": "auto"},
+        "tools",
+    ),
     ("chat", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ("chat", {"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
     # sampling ranges

@@ -129,6 +129,13 @@ def test_detokenize_round_trip(server, hf_tok):
         ),
         ("/tokenize", "not an object", 400, None),
         ("/tokenize", {"messages": MESSAGES, "tool_choice": "bogus"}, 400, "tool_choice"),
+        ("/tokenize", {"messages": MESSAGES, "prompt": "x"}, 400, "messages"),
+        (
+            "/tokenize",
+            {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}] * 2},
+            400,
+            "tools",
+        ),
         ("/tokenize", {"messages": MESSAGES, "tool_choice": "required"}, 400, "tool_choice"),
         (
             "/tokenize",
