@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import math
 import os
@@ -158,6 +159,23 @@ class _EnvCheckedParser(argparse.ArgumentParser):
                     "(hub names are not downloaded), or leave it unset for the embedded model"
                 )
         return ns, extra
+
+
+def _string_list(value: str) -> list[str]:
+    """A flag's JSON list of strings (``'["https://a.example", "*"]'``).
+
+    Raises:
+        argparse.ArgumentTypeError: not JSON, or not a list of strings.
+    """
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a JSON list of strings (e.g. '[\"*\"]')"
+        ) from None
+    if not isinstance(parsed, list) or not all(isinstance(x, str) for x in parsed):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a JSON list of strings")
+    return parsed
 
 
 def _cuda_available() -> bool:
@@ -378,6 +396,31 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         default=_env("protect_metrics", False),
         help="require the API key on /metrics too",
+    )
+    a(
+        "--allowed-origins",
+        type=_string_list,
+        default=_env("allowed_origins", '["*"]'),
+        help="CORS: origins whose browser pages may call the API, a JSON list (as vLLM's "
+        'flag); ["*"]: any origin, [] : no CORS headers',
+    )
+    a(
+        "--allowed-methods",
+        type=_string_list,
+        default=_env("allowed_methods", '["*"]'),
+        help="CORS: the methods allowed from those origins, a JSON list",
+    )
+    a(
+        "--allowed-headers",
+        type=_string_list,
+        default=_env("allowed_headers", '["*"]'),
+        help="CORS: the request headers allowed from those origins, a JSON list",
+    )
+    a(
+        "--allow-credentials",
+        action="store_true",
+        default=_env("allow_credentials", False),
+        help="CORS: let browsers send cookies and HTTP authentication to those origins",
     )
     a(
         "--max-body-bytes",

@@ -1,4 +1,5 @@
-"""FastAPI application: routes, API-key check, body-size limit, lifespan of the engine loop."""
+"""FastAPI application: routes, CORS, API-key check, body-size limit, lifespan of the engine
+loop."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.middleware.cors import CORSMiddleware
 
 from server.chat import ChatCompletions
 from server.completions import Completions
@@ -229,6 +231,15 @@ def create_app(ctx: ServerContext) -> FastAPI:
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     outer = BodySizeLimit(app, ctx.max_body_bytes) if ctx.max_body_bytes else app
-    if ctx.api_key is not None:  # outermost: no body is read for a request without the key
+    if ctx.api_key is not None:  # before the body: none is read for a request without the key
         outer = APIKeyCheck(outer, ctx.api_key, ctx.protect_metrics)
+    cors = ctx.cors
+    if cors.allowed_origins:  # outermost: preflights answered, errors (401 too) carry the headers
+        outer = CORSMiddleware(
+            outer,
+            allow_origins=list(cors.allowed_origins),
+            allow_methods=list(cors.allowed_methods),
+            allow_headers=list(cors.allowed_headers),
+            allow_credentials=cors.allow_credentials,
+        )
     return outer

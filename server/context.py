@@ -29,6 +29,19 @@ def _unencodable(param: str, exc: Exception) -> APIError:
     )
 
 
+@dataclass(frozen=True)
+class CorsPolicy:
+    """Cross-origin resource sharing of the API (Starlette's ``CORSMiddleware`` applies it):
+    the origins, methods and request headers browsers may use (``"*"``: any), and whether
+    they may send credentials. Empty ``allowed_origins``: no CORS headers at all. The defaults
+    allow any origin, as vLLM's (its ``--allowed-origins`` etc.) and OpenAI's API do."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
 @dataclass
 class ServerContext:
     """Attributes:
@@ -43,6 +56,7 @@ class ServerContext:
         None: ``tokenizer.encode``.
     grammar_validator: compiles structured-output grammars before a request is queued
         (None: structured outputs are refused with a 400).
+    cors: the API's CORS policy (:class:`CorsPolicy`).
     """
 
     engine: AsyncEngine
@@ -57,6 +71,7 @@ class ServerContext:
     protect_metrics: bool = False
     encoder: PromptEncoder | None = None
     grammar_validator: GrammarValidator | None = None
+    cors: CorsPolicy = field(default_factory=CorsPolicy)
 
     #: prompts of at least this many characters are encoded in a worker thread, shorter ones
     #: inline, by ``tokenizers`` (its worst case on the dev VM at 2,047 characters: ~5 ms)...

@@ -13,7 +13,7 @@ from engine.frontend.core_client import EngineCoreClient
 from engine.frontend.launch import is_worker_rank, run_worker_rank, start_engine_core
 from engine.frontend.tokenizer import Tokenizer
 from engine.loader.gguf_loader import is_gguf, resolve_model_path
-from server.context import ServerContext
+from server.context import CorsPolicy, ServerContext
 from server.metrics import ServerMetrics
 from server.params import generation_defaults
 from server.prompt_encoder import PromptEncoder
@@ -162,6 +162,12 @@ def build_context(
         max_prompt_tokens=args.max_prompt_tokens and int(args.max_prompt_tokens),
         protect_metrics=args.protect_metrics,
         encoder=encoder,
+        cors=CorsPolicy(
+            tuple(args.allowed_origins),
+            tuple(args.allowed_methods),
+            tuple(args.allowed_headers),
+            args.allow_credentials,
+        ),
         grammar_validator=GrammarValidator(
             Path(model_dir) / "tokenizer.json",
             limits.vocab_size,
