@@ -33,6 +33,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 MAX_N = 16
 MAX_STOP = 16
@@ -63,8 +64,8 @@ _NOT_APPLIED_WHY = {
     "functions": "use tools",
     "function_call": "use tool_choice with tools",
     "store": "completions are not stored",
-    "service_tier": "only 'auto' or 'default' is served",
-    "modalities": 'only ["text"] is served',
+    "service_tier": "one tier is served",
+    "modalities": "text is the only output",
 }
 
 #: fields of OpenAI's and vLLM's completion bodies that this server does not apply, and the
@@ -540,8 +541,8 @@ class CompletionRequest(SamplingFields):
             return v
         if not isinstance(v, list):
             raise ValueError(f"{PROMPT_SHAPES}, got {json_kind(v)}")
-        if not v:
-            raise ValueError("prompt must not be empty")
+        if not v:  # the code the endpoint gives an empty string (server.completions)
+            raise PydanticCustomError("invalid_value", "prompt must not be empty")
         first = json_kind(v[0])
         if first not in ("a string", "an integer", "an array"):
             raise ValueError(f"{PROMPT_SHAPES}; element 0 is {first}")

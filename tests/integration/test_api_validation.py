@@ -361,6 +361,7 @@ def test_prompt_of_no_allowed_shape_says_which(client, prompt, says):
     "prompt,says",
     [
         ("", "prompt must not be empty"),
+        ([], "prompt must not be empty"),
         ([[]], "prompt must not be empty"),
         (["a", ""], "element 1 is empty"),
         ([[1, 2], []], "element 1 is empty"),
@@ -650,7 +651,7 @@ def test_fields_without_effect_accepted_and_text_parts_accepted(client, baseline
         ("chat", {"chat_template": "{{ 1/0 }}"}, "chat_template", "not supported"),
         ("chat", {"reasoning_effort": "high"}, "reasoning_effort", "not supported"),
         ("chat", {"store": True}, "store", "not stored"),
-        ("chat", {"service_tier": "flex"}, "service_tier", "'auto' or 'default'"),
+        ("chat", {"service_tier": "flex"}, "service_tier", '"auto" or "default"'),
         (
             "chat",
             {"stream": True, "stream_options": {"continuous_usage_stats": True}},
