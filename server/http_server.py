@@ -53,7 +53,13 @@ class GracefulServer(uvicorn.Server):
     the captured signals are dropped and the process exits 0.
     """
 
-    def __init__(self, config: uvicorn.Config, graceful_timeout=None, on_graceful_timeout=None):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        graceful_timeout=None,
+        on_graceful_timeout=None,
+        signal_repeats: SignalRepeats | None = None,
+    ):
         """
         Args:
             config: uvicorn's configuration; its ``timeout_graceful_shutdown`` (seconds) is when
@@ -64,6 +70,10 @@ class GracefulServer(uvicorn.Server):
                 as ``on_graceful_timeout(early)``: ``early`` is False when ``graceful_timeout``
                 expired, True when a second signal came first. None: no hook (uvicorn's
                 behaviour, a second SIGINT forces the quit).
+            signal_repeats: tells a SIGTERM/SIGINT that is a copy of the one just handled
+                (:class:`~server.signal_repeats.SignalRepeats`; None: a new one). Other exit
+                signals (an API server's stop signal, which its supervisor sends once per
+                signal counted) are never taken for copies.
         """
         super().__init__(config)
         self.graceful_timeout = graceful_timeout
@@ -71,7 +81,8 @@ class GracefulServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ended = False  # the hook ran
         self._signals_in_shutdown = 0
-        self._repeats = SignalRepeats()  # make's copy of a SIGTERM is not a second signal
+        # make's copy of a SIGTERM is not a second signal
+        self._repeats = signal_repeats if signal_repeats is not None else SignalRepeats()
         #: called once the server listens (set by ``server.api_servers`` to report readiness)
         self.on_started = None
         #: the signals that shut the server down (an API server of several: the supervisor's
@@ -102,9 +113,9 @@ class GracefulServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         """The signal handler (run by Python in the main thread, between two bytecodes of
         whatever runs there, so it only sets flags and hands work to the loop). The same
-        signal again within :data:`~server.signal_repeats.REPEAT_WINDOW_S` is one signal
-        delivered twice and is dropped."""
-        if self._repeats.is_repeat(sig):
+        SIGTERM/SIGINT again within :data:`~server.signal_repeats.REPEAT_WINDOW_S` is one
+        signal delivered twice and is dropped."""
+        if sig in (signal.SIGTERM, signal.SIGINT) and self._repeats.is_repeat(sig):
             return
         if self.on_graceful_timeout is None or not self.should_exit or self._loop is None:
             first = self.on_graceful_timeout is not None and not self.should_exit

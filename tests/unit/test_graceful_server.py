@@ -8,20 +8,48 @@ import signal
 import uvicorn
 
 from server.http_server import GracefulServer
+from server.signal_repeats import SignalRepeats
+
+#: the clock the servers' SignalRepeats read (seconds)
+NOW = [0.0]
 
 
 def _server(hook=None) -> GracefulServer:
-    return GracefulServer(uvicorn.Config(app=None), graceful_timeout=60, on_graceful_timeout=hook)
+    return GracefulServer(
+        uvicorn.Config(app=None),
+        graceful_timeout=60,
+        on_graceful_timeout=hook,
+        signal_repeats=SignalRepeats(window_s=0.1, clock=lambda: NOW[0]),
+    )
 
 
-def _signals(server: GracefulServer, sigs: list[int]) -> None:
+def _signals(server: GracefulServer, sigs: list[int], apart_s: float = 1.0) -> None:
+    """Deliver ``sigs`` ``apart_s`` seconds apart (a person's signals: 1 s)."""
+
     async def run():
         server._loop = asyncio.get_running_loop()
         for sig in sigs:
+            NOW[0] += apart_s
             server.handle_exit(sig, None)
             await asyncio.sleep(0)  # the loop runs what the handler handed it
 
     asyncio.run(run())
+
+
+def test_a_signal_delivered_twice_is_one_signal():
+    """A SIGTERM to make's process group arrives from the kernel and again from make, within
+    milliseconds: one signal (the graceful timeout is kept); a person's second signal later
+    still ends the requests. An API server's stop signal is never taken for a copy."""
+    calls = []
+    server = _server(calls.append)
+    _signals(server, [signal.SIGTERM, signal.SIGTERM], apart_s=0.005)
+    assert server.should_exit and calls == []
+    _signals(server, [signal.SIGTERM])
+    assert calls == [True]
+    stopper = _server(calls.append)
+    stopper.exit_signals = (signal.SIGUSR1,)
+    _signals(stopper, [signal.SIGUSR1, signal.SIGUSR1], apart_s=0.005)
+    assert calls == [True, True]  # the supervisor's two stops are two
 
 
 def test_second_signal_ends_in_flight_requests_and_a_third_forces():
