@@ -191,7 +191,8 @@ class ChatMessage(_Lenient):
         data = info.data
         if v is None and not (data.get("role") == "assistant" and data.get("tool_calls")):
             raise ValueError("content must be a string or a list of text parts")
-        if isinstance(v, list) and not v:  # OpenAI: an array of at least one part
+        calls = data.get("role") == "assistant" and data.get("tool_calls")
+        if isinstance(v, list) and not v and not calls:  # OpenAI: at least one part
             raise ValueError("content given as a list needs at least one text part")
         return v
 
@@ -218,15 +219,30 @@ class StreamOptions(_Lenient):
         return v
 
 
+def non_empty_name(v: str) -> str:
+    """A name that must not be empty (a plain ``str`` field with this after-validator, not
+    ``min_length``: a length constraint makes pydantic-core refuse a lone surrogate itself,
+    with its own error, before :mod:`server.text_check` can name the field as ``invalid_text``).
+
+    Raises:
+        ValueError: for ``""``.
+    """
+    if not v:
+        raise ValueError("the name must not be empty")
+    return v
+
+
 class FunctionDef(_Lenient):
     """A tool's function. ``name`` must not be empty (a call to it could not be told apart);
     OpenAI also holds it to ``^[a-zA-Z0-9_-]{1,64}$``, which this server does not, as vLLM
     does not (see :class:`JsonSchemaFormat`: the openai client names tools after model
     classes too); names are unique within a request (:func:`unique_tool_names`)."""
 
-    name: str = Field(min_length=1, strict=True)
+    name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
+
+    _name = field_validator("name")(non_empty_name)
 
 
 class NamedFunction(_Lenient):
@@ -308,10 +324,12 @@ class JsonSchemaFormat(_Lenient):
     the output.
     """
 
-    name: str = Field(min_length=1, strict=True)
+    name: str
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
     strict: bool | None = Field(None, strict=True)
+
+    _name = field_validator("name")(non_empty_name)
 
 
 class ResponseFormat(_Lenient):

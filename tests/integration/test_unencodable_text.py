@@ -113,6 +113,16 @@ CASES = [
         },
         "tools.0.function.parameters.properties",
     ),
+    (
+        "/v1/chat/completions",
+        {"tools": [{**TOOL, "function": {"name": f"f{LONE}"}}]},
+        "tools.0.function.name",
+    ),
+    (
+        "/v1/chat/completions",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": f"n{LONE}"}}},
+        "response_format.json_schema.name",
+    ),
     ("/v1/chat/completions", {"chat_template_kwargs": {"x": f"{LONE}"}}, "chat_template_kwargs.x"),
     ("/v1/chat/completions", {"stop": f"s{LONE}"}, "stop.0"),
     ("/v1/chat/completions", {"stop": ["ok", f"{LONE}"]}, "stop.1"),
