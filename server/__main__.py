@@ -123,6 +123,13 @@ class _EnvCheckedParser(argparse.ArgumentParser):
                 protocol_base(http)
             except ValueError as e:
                 self.error(f"argument --http: {e}")
+        if getattr(ns, "allow_credentials", False) and "*" in (ns.allowed_origins or ()):
+            # Starlette would echo every Origin back with credentials allowed: any site could
+            # then call the API with the user's cookies or proxy login
+            self.error(
+                'argument --allow-credentials: not with "*" among --allowed-origins; list the '
+                "origins allowed to send credentials"
+            )
         device = getattr(ns, "device", None)
         if device is not None and not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
             self.error(f"argument --device: invalid device {device!r} (auto, cpu, cuda or cuda:N)")
@@ -400,9 +407,11 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--allowed-origins",
         type=_string_list,
-        default=_env("allowed_origins", '["*"]'),
+        default=_env("allowed_origins", "[]"),
         help="CORS: origins whose browser pages may call the API, a JSON list (as vLLM's "
-        'flag); ["*"]: any origin, [] : no CORS headers',
+        'flag, whose default is ["*"]); ["*"]: any origin (with no --api-key, any web page '
+        "the user opens may then use the server); []: no CORS headers, browsers refuse "
+        "cross-origin calls",
     )
     a(
         "--allowed-methods",
@@ -420,7 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-credentials",
         action="store_true",
         default=_env("allow_credentials", False),
-        help="CORS: let browsers send cookies and HTTP authentication to those origins",
+        help="CORS: let browsers send cookies and HTTP authentication from those origins "
+        '(not with "*" among --allowed-origins)',
     )
     a(
         "--max-body-bytes",

@@ -64,6 +64,16 @@ class BodySizeLimit:
         return await self.app(scope, replay, send)
 
 
+def route_path(scope) -> str:
+    """The path the router matches: ``scope["path"]`` without the ``root_path`` prefix the
+    server was mounted under (ASGI; Starlette routes on this, so a check of the raw path would
+    miss ``/api/v1/...`` served under ``--root-path /api``)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :]
+    return path
+
+
 class APIKeyCheck:
     """ASGI middleware: the bearer key of the protected routes (``/v1/...``, ``/tokenize``,
     ``/detokenize``, and ``/metrics`` with ``protect_metrics``), checked from the headers before
@@ -77,7 +87,8 @@ class APIKeyCheck:
         self.app, self.key = app, api_key.encode()
         self.protect_metrics = protect_metrics
 
-    def _protected(self, path: str) -> bool:
+    def _protected(self, scope) -> bool:
+        path = route_path(scope)
         return (
             path.startswith("/v1/")
             or path in ("/v1", "/tokenize", "/detokenize")
@@ -86,15 +97,18 @@ class APIKeyCheck:
 
     async def __call__(self, scope, receive, send):
         if (
-            scope["type"] != "http"
-            or scope["method"] == "OPTIONS"
-            or not self._protected(scope["path"])
+            scope["type"] not in ("http", "websocket")
+            or scope.get("method") == "OPTIONS"
+            or not self._protected(scope)
         ):
             return await self.app(scope, receive, send)
         header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         scheme, _, token = header.partition(b" ")
         if scheme.lower() == b"bearer" and hmac.compare_digest(token, self.key):
             return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":  # refused before the handshake (HTTP 403)
+            await send({"type": "websocket.close", "code": 1008})
+            return
         resp = JSONResponse(
             error_body(
                 401,
@@ -141,9 +155,10 @@ async def _until_disconnect(raw: Request, coro):
     return None
 
 
-def create_app(ctx: ServerContext) -> FastAPI:
-    """Build the application over a ready :class:`ServerContext` (the engine loop starts with the
-    app)."""
+def create_app(ctx: ServerContext):
+    """Build the ASGI application over a ready :class:`ServerContext` (the engine loop starts
+    with the app): the FastAPI app inside the body-size limit, the API-key check and CORS
+    where configured (so the returned object is not always the FastAPI app itself)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

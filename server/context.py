@@ -33,10 +33,11 @@ def _unencodable(param: str, exc: Exception) -> APIError:
 class CorsPolicy:
     """Cross-origin resource sharing of the API (Starlette's ``CORSMiddleware`` applies it):
     the origins, methods and request headers browsers may use (``"*"``: any), and whether
-    they may send credentials. Empty ``allowed_origins``: no CORS headers at all. The defaults
-    allow any origin, as vLLM's (its ``--allowed-origins`` etc.) and OpenAI's API do."""
+    they may send credentials. Empty ``allowed_origins`` (the default): no CORS headers at
+    all, so browsers refuse cross-origin calls; vLLM's default is any origin (``["*"]``),
+    which lets every web page a user opens use a server without an API key."""
 
-    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
