@@ -8,13 +8,13 @@ import hmac
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.middleware.cors import CORSMiddleware
 
 from server.chat import ChatCompletions
 from server.completions import Completions
 from server.context import ServerContext
-from server.errors import error_body, install_error_handlers
+from server.errors import error_response, install_error_handlers
 from server.generation import EngineError, engine_api_error
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from server.tokenize import Tokenization
@@ -48,11 +48,8 @@ class BodySizeLimit:
                 if not msg.get("more_body", False):
                     break
         if too_big:
-            resp = JSONResponse(
-                error_body(
-                    413, f"request body exceeds {self.max_bytes} bytes", code="request_too_large"
-                ),
-                status_code=413,
+            resp = error_response(
+                413, f"request body exceeds {self.max_bytes} bytes", code="request_too_large"
             )
             return await resp(scope, receive, send)
 
@@ -109,13 +106,10 @@ class APIKeyCheck:
         if scope["type"] == "websocket":  # refused before the handshake (HTTP 403)
             await send({"type": "websocket.close", "code": 1008})
             return
-        resp = JSONResponse(
-            error_body(
-                401,
-                "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                code="invalid_api_key",
-            ),
-            status_code=401,
+        resp = error_response(
+            401,
+            "invalid or missing API key (send 'Authorization: Bearer <key>')",
+            code="invalid_api_key",
         )
         await resp(scope, receive, send)
 
@@ -238,7 +232,7 @@ def create_app(ctx: ServerContext):
     @app.get("/health")
     async def health():
         if not ctx.engine.is_running:
-            return JSONResponse(error_body(503, "engine loop is not running"), status_code=503)
+            return error_response(503, "engine loop is not running")
         return {"status": "ok"}
 
     @app.get("/metrics")

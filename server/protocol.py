@@ -189,9 +189,9 @@ class ChatMessage(_Lenient):
         """content may be null or absent only on an assistant message with tool_calls; the error
         names ``messages.<i>.content``."""
         data = info.data
-        if v is None and not (data.get("role") == "assistant" and data.get("tool_calls")):
-            raise ValueError("content must be a string or a list of text parts")
         calls = data.get("role") == "assistant" and data.get("tool_calls")
+        if v is None and not calls:
+            raise ValueError("content must be a string or a list of text parts")
         if isinstance(v, list) and not v and not calls:  # OpenAI: at least one part
             raise ValueError("content given as a list needs at least one text part")
         return v
