@@ -26,7 +26,8 @@
 #   swiglu: the Triton SwiGLU (kernels/swiglu.py): its GPU test, bench/swiglu.py against the
 #           compiled composition, engine_check and the 1k prefill profile with it on and off
 #   serveab: bench/serve.py at c=1/64/256 (greedy, 1,024-token prompts), $OLD then this tree,
-#           the server flags from $SERVE_ARGS (e.g. "--api-server-count 2")
+#           the server flags from $SERVE_ARGS (e.g. "--api-server-count 2"), the concurrencies
+#           from $SERVE_CONC
 #   ttftab: bench/prefill_profile.py --prompt 1024 in this tree then in $OLD (and each run's
 #           seconds, start-up and graph capture included); TTFT_ROUNDS alternations (1),
 #           TTFT_REPEATS unprofiled first tokens per run (3); this tree's script runs in both
@@ -125,7 +126,7 @@ for stage in ${@:-tests dense}; do
     serveab) for root in "$OLD" .; do  # greedy serving, $OLD then this tree ($SERVE_ARGS: flags)
              name=$([ "$root" = . ] && echo new || echo old)
              timeout "$(left 200)" python3 bench/serve.py --ckpt $CKPT --skip-peer \
-               --tokenizer-from .benchassets/tokenizer --concurrency 1 64 256 \
+               --tokenizer-from .benchassets/tokenizer --concurrency ${SERVE_CONC:-1 64 256} \
                --server-args="${SERVE_ARGS:-}" --server-root "$root" --out "$OUT/serveab_$name" \
                2>&1 | grep -v "Warn\|Writing" > "$OUT/serveab_$name.log"
              echo "-- serve $name ($root) ${SERVE_ARGS:-}"; grep "^|" "$OUT/serveab_$name.log" | tail -5
