@@ -9,9 +9,11 @@ on the CPU, to check the script's logic under the Triton interpreter: ``python b
 
 Shapes: Qwen3-0.6B's projections (qkv 1024->4096, o 2048->1024, gate_up 1024->6144, down
 3072->1024) and Qwen3-8B's, at M = 1 and 16; ``--fused``: qkv and gate_up with the residual add
-+ RMSNorm before them, down with SwiGLU. Each timing is the median of CUDA-graph replays over
-enough weight copies (>= 256 MB) that no weight is still in the 50 MB L2 from the last call, as
-in a real step where every layer reads its own weights. Every configuration's result is checked
++ RMSNorm before them, down with SwiGLU, o with split-KV decode attention's merge
+(``kernels/gemv_merge.py``; unfused: the decode kernel's reduce launch, then the product).
+Each timing is the median of CUDA-graph replays over enough weight copies (>= 256 MB) that no
+weight is still in the 50 MB L2 from the last call, as in a real step where every layer reads
+its own weights. Every configuration's result is checked
 against a float32 reference before it is timed (relative error at most twice the cuBLAS /
 unfused path's plus 1e-3, and for the norm the new residual bit for bit); one that fails to
 compile or is wrong is never chosen.
@@ -58,8 +60,10 @@ from engine.layers.activation import silu_and_mul  # noqa: E402
 from engine.layers.dense_linear import _small_m_product  # noqa: E402
 from engine.layers.norm import add_rms_norm  # noqa: E402
 from kernels.configs import current_table, device_name, table_path  # noqa: E402
+from kernels.decode_attention import choose_num_splits, merge_splits  # noqa: E402
 from kernels.gemv import GemvConfig, gemv  # noqa: E402
 from kernels.gemv_fused import gemv_rms_norm, gemv_swiglu  # noqa: E402
+from kernels.gemv_merge import gemv_attn_merge  # noqa: E402
 
 EPS = 1e-6
 
@@ -156,6 +160,22 @@ def sweep_plain(args, dev, g) -> tuple[dict, list[dict]]:
     return table, rows
 
 
+def merge_case(m: int, k: int, dev, g, tiny: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV decode partials of ``m`` sequences for a K = heads x 128 output projection (64
+    under ``--tiny``): the engine's split count for Qwen3-0.6B's 8 KV heads on this GPU
+    (``TritonAttentionBackend.partial_splits``), the later half of the splits empty, as a
+    context of ~splits x 32 keys leaves them (the partial output 0 and ``lse = -inf`` there,
+    as the decode kernel writes them)."""
+    d = 64 if tiny else 128
+    sms = 4 if tiny else torch.cuda.get_device_properties(dev).multi_processor_count
+    s = choose_num_splits(m, 8, 1 << 30, sms)
+    po = torch.randn(m, k // d, s, d, device=dev, generator=g)
+    lse = torch.randn(m, k // d, s, device=dev, generator=g) * 4
+    lse[:, :, (s + 1) // 2 :] = float("-inf")
+    po[:, :, (s + 1) // 2 :] = 0.0
+    return po, lse
+
+
 def fused_case(kind: str, m: int, k: int, dev, g, tiny: bool):
     """(inputs, float32 reference of the product's input ``[M, K]``, the unfused elementwise op
     (Inductor-compiled on the GPU, as the compiled model runs it; eager under ``--tiny``),
@@ -169,6 +189,15 @@ def fused_case(kind: str, m: int, k: int, dev, g, tiny: bool):
         unfused_act = lambda: norm(x, res, nw, EPS)[0]  # noqa: E731
         fused = lambda w, c: gemv_rms_norm(x, nw, EPS, w, None, res, c)  # noqa: E731
         return act32, unfused_act, fused, res + x
+    if kind == "attn_merge":
+        po, lse = merge_case(m, k, dev, g, tiny)
+        w8 = torch.exp2(lse - lse.amax(2, keepdim=True))
+        act32 = ((po * w8[..., None]).sum(2) / w8.sum(2)[..., None]).reshape(m, k)
+        heads, d = po.shape[1], po.shape[3]
+        out = torch.empty(m, heads, d, device=dev, dtype=torch.bfloat16)
+        unfused_act = lambda: merge_splits(po, lse, out).view(m, k)  # noqa: E731
+        fused = lambda w, c: (gemv_attn_merge(po, lse, w, None, c), None)  # noqa: E731
+        return act32, unfused_act, fused, None
     gate_up = torch.randn(m, 2 * k, device=dev, generator=g, dtype=torch.bfloat16) * 2
     act32 = F.silu(gate_up[:, :k].float()) * gate_up[:, k:].float()
     swiglu = silu_and_mul if tiny else torch.compile(silu_and_mul, dynamic=False)
@@ -190,6 +219,8 @@ def _warm_one(job: tuple) -> tuple[tuple, str | None]:
         if kind == "rms_norm":
             x = torch.zeros(m, k, device=dev, dtype=torch.bfloat16)
             gemv_rms_norm(x, x[0], EPS, w, None, x.clone(), cfg)
+        elif kind == "attn_merge":
+            gemv_attn_merge(*merge_case(m, k, dev, torch.Generator(device=dev), tiny), w, None, cfg)
         else:
             gemv_swiglu(torch.zeros(m, 2 * k, device=dev, dtype=torch.bfloat16), w, None, cfg)
         if dev.type == "cuda":

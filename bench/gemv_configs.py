@@ -20,17 +20,23 @@ SHAPES = {
     "8B gate_up": (24576, 4096),
     "8B down": (4096, 12288),
 }
-#: the fused sweep's shapes: (kind, N, K); K is the product's inputs (I for SwiGLU)
+#: the fused sweep's shapes: (kind, N, K); K is the product's inputs (I for SwiGLU, the query
+#: heads times head_dim for the split merge)
 FUSED_SHAPES = {
     "0.6B qkv+norm": ("rms_norm", 4096, 1024),
     "0.6B gate_up+norm": ("rms_norm", 6144, 1024),
     "0.6B down+swiglu": ("swiglu", 1024, 3072),
+    "0.6B o+merge": ("attn_merge", 1024, 2048),
     "8B qkv+norm": ("rms_norm", 6144, 4096),
     "8B gate_up+norm": ("rms_norm", 24576, 4096),
     "8B down+swiglu": ("swiglu", 4096, 12288),
 }
 TINY_SHAPES = {"tiny qkv": (96, 64), "tiny down": (64, 160)}
-TINY_FUSED_SHAPES = {"tiny qkv+norm": ("rms_norm", 96, 64), "tiny down+swiglu": ("swiglu", 64, 160)}
+TINY_FUSED_SHAPES = {
+    "tiny qkv+norm": ("rms_norm", 96, 64),
+    "tiny down+swiglu": ("swiglu", 64, 160),
+    "tiny o+merge": ("attn_merge", 64, 128),
+}
 TINY_CONFIGS = [GemvConfig(16, 32, 1, 4, 1), GemvConfig(32, 32, 2, 4, 1)]
 
 

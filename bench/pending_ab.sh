@@ -39,6 +39,12 @@
 #   front:  bench/frontend_latency.py: a 1,024-token request's time outside the engine by stage,
 #           $OLD and this tree, then --engine-idle-poll-ms 1000, then 5 ms between requests
 #           (FRONT="new gap" picks variants)
+#   mergeab: the split merge in the o projection (kernels/gemv_merge.py): its GPU tests,
+#           bench/gemv.py --fused on "0.6B o+merge" (this GPU's table written), then
+#           bench/decode_profile.py at batch 1 and 64 in $OLD, here with the fusion off
+#           (QWEN_SERVE_FUSED_MERGE_GEMV=0), here with it on (its table entry set to fused
+#           for the run, whatever the sweep said), alternating MERGE_ROUNDS (1) times, and
+#           engine_check with it on
 #   l2pf:   the L2 prefetch kernel's GPU tests and the PDL ones, bench/l2_prefetch_probe.py (a
 #           28-layer GEMV chain with weights cold, hot in L2, and prefetched on a side stream)
 # Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD, all three made
@@ -170,6 +176,25 @@ for stage in ${@:-tests dense}; do
                --prompt-tokens 1024 --gap $g -- --model $CKPT "${a[@]}") 2>&1 | grep -v Warning \
                | tee "$OUT/front-$v.txt" | tail -22
            done ;;
+    mergeab) TRITON_INTERPRET=0 timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider \
+             tests/kernels/test_gemv_merge.py 2>&1 | tail -3
+           timeout "$(left 120)" python3 bench/gemv.py --fused --fused-shapes "0.6B o+merge" \
+             --write-table --budget-s 60 --out "$OUT" 2>&1 | grep -v Warning | grep "^| \|wrote" | tail -5
+           python3 -c "import json, torch; from kernels.configs import device_name, table_path; \
+             p = table_path('gemv_fused', device_name(torch.device('cuda'))); \
+             t = json.loads(p.read_text()); e = t['attn_merge:1024,2048']; \
+             print('attn_merge entry as swept:', e); \
+             [r.update(fused_faster=True) for r in e.values()]; p.write_text(json.dumps(t, indent=1))"
+           for round in $(seq ${MERGE_ROUNDS:-1}); do
+             for v in old off on; do
+               d=.; sw=1; [ $v = old ] && d=$OLD; [ $v = off ] && sw=0
+               QWEN_SERVE_FUSED_MERGE_GEMV=$sw timeout "$(left 80)" python3 bench/decode_profile.py \
+                 --tree $d --ckpt $CKPT --batch 1 64 --top 8 --label "$v$round" 2>&1 \
+                 | grep -v Warning | grep -E '^\||"tpot_ms"' | cut -c1-300 | head -24
+             done
+           done
+           timeout "$(left 110)" python3 bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning \
+             | tail -5 ;;
     l2pf)  TRITON_INTERPRET=0 timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider \
              tests/kernels/test_l2_prefetch.py tests/kernels/test_pdl.py 2>&1 | tail -4
            timeout "$(left 90)" python3 bench/l2_prefetch_probe.py 2>&1 | grep -v Warning \

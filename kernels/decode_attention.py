@@ -671,6 +671,48 @@ def decode_scratch(
     return po, plse
 
 
+def merge_splits(
+    partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """The split merge of :func:`decode_attention` alone (its second launch): ``out[b, h] =
+    sum_s w_s partial_out[b, h, s] / sum_s w_s``, ``w_s = 2^(lse_s - max lse)``, for every split
+    of the scratch (benchmarks and tests of a consumer that merges them itself,
+    ``kernels.gemv_merge``).
+
+    Args:
+        partial_out: float32 ``[B, H, S, D]``, last dimension contiguous; partial_lse: float32
+            ``[B, H, S]`` (log2 domain, ``-inf`` for an empty split), last dimension contiguous.
+        out: ``[B, H, D]`` float16 / bfloat16 / float32, written and returned.
+
+    Raises:
+        ValueError: mismatched shapes, dtypes, strides or devices.
+    """
+    b, h, s, d = partial_out.shape
+    if (
+        partial_out.dtype != torch.float32
+        or partial_lse.dtype != torch.float32
+        or partial_lse.shape != (b, h, s)
+        or out.shape != (b, h, d)
+        or partial_out.stride(3) != 1
+        or partial_lse.stride(2) != 1
+        or len({partial_out.device, partial_lse.device, out.device}) != 1
+    ):
+        raise ValueError(
+            f"merge_splits: partials {tuple(partial_out.shape)} {partial_out.dtype} and "
+            f"{tuple(partial_lse.shape)} {partial_lse.dtype}, out {tuple(out.shape)} do not match"
+        )
+    if b and h:
+        _decode_reduce_kernel[(h, b)](
+            out, partial_out, partial_lse, partial_lse, s,
+            out.stride(0), out.stride(1), out.stride(2),
+            partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+            partial_lse.stride(0), partial_lse.stride(1),
+            HEAD_DIM=d, BLOCK_S=max(16, triton.next_power_of_2(s)), VARLEN=False, num_warps=4,
+            **pdl_kwargs(out.device),
+        )  # fmt: skip
+    return out
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -687,7 +729,8 @@ def decode_attention(
     cu_seqlens_q: torch.Tensor | None = None,
     min_split_keys: int = 0,
     qk_rope: QKRope | None = None,
-) -> torch.Tensor:
+    merge: bool = True,
+) -> torch.Tensor | None:
     """Paged decode attention, one query token per sequence, split-KV (Triton).
 
     Same semantics as :func:`kernels.reference.decode_attention_ref`. With ``cu_seqlens_q``
@@ -705,7 +748,7 @@ def decode_attention(
             D a power of two in [16, 256].
         block_tables: int32 ``[B, max_blocks]`` (rows contiguous); seq_lens: int32 ``[B]``, each
             ``>= 1`` (for the computed sequences).
-        out: like ``q``; written in place and returned.
+        out: like ``q``; written in place and returned. May be None with ``merge=False``.
         scale: softmax scale.
         partial_out: float32 ``[B, H_q, S, D]`` with ``S >= num_splits``, last dim contiguous;
             partial_lse: float32 ``[B, H_q, S]`` (log2-domain log-sum-exp), last dim contiguous.
@@ -729,9 +772,12 @@ def decode_attention(
             so that a decode layer needs one launch less; the result equals that kernel followed
             by this one up to the float32 order of the mean square (an ulp of the dtype at
             most). The new token must be the last of each sequence.
+        merge: False: stop after the splits (pure decode only): every split's partial output
+            and log-sum-exp are written to the scratch, even with one split, and nothing is
+            merged into ``out`` (the consumer merges them: ``kernels.gemv_merge``).
 
     Returns:
-        ``out``.
+        ``out`` (None with ``merge=False``).
 
     Raises:
         ValueError: on inconsistent shapes, dtypes, devices, strides, ``num_splits < 1`` or
@@ -759,7 +805,11 @@ def decode_attention(
         ):
             raise ValueError("cu_seqlens_q must be an int32 [B + 1] tensor on q's device")
         b = cu_seqlens_q.shape[0] - 1
-    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+    if not merge and varlen:
+        raise ValueError("merge=False is for pure decode launches (no cu_seqlens_q)")
+    if out is None and merge:
+        raise ValueError("out is required unless merge=False")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
         raise ValueError("out must match q's shape, dtype and device")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"unsupported dtype {q.dtype}")
@@ -814,7 +864,9 @@ def decode_attention(
         raise ValueError("qk_rope is for pure decode launches (no cu_seqlens_q)")
     rope_args, has_norm = _qk_rope_args(qk_rope, q, k_cache.shape[2])
     if b == 0 or t == 0:
-        return out
+        return out if merge else None
+    if out is None:
+        out = q  # an unused placeholder pointer: nothing is stored to it without the merge
     # Triton's CPU interpreter multiplies bf16 as raw uint16 in tl.dot: compute 16-bit in fp32
     # there.
     upcast = q.device.type != "cuda" and q.dtype != torch.float32
@@ -822,9 +874,9 @@ def decode_attention(
     if config:
         cfg.update(config)
     group = hq // hkv
-    split = num_splits > 1
+    split = num_splits > 1 or not merge
     fused = bool(cfg.get("FUSED_REDUCE", FUSED_REDUCE_SWITCH))
-    fused = fused and split and b * hkv <= NUM_REDUCE_COUNTERS
+    fused = fused and merge and split and b * hkv <= NUM_REDUCE_COUNTERS
     counters = reduce_counters(q.device) if fused else seq_lens  # placeholder when unused
     block_s = max(16, triton.next_power_of_2(num_splits))
     block_n = cfg["BLOCK_N"]
@@ -884,6 +936,8 @@ def decode_attention(
         num_stages=cfg["num_stages"],
         **pdl,
     )
+    if not merge:
+        return None
     if split and not fused:
         _decode_reduce_kernel[(hq, b)](
             out,

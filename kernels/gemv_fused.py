@@ -50,7 +50,8 @@ from kernels.interpreter import interpreting as _interpreting
 from kernels.pdl import pdl_wait, prefetch_l2
 
 #: the fused prologues, as :func:`fused_gemv_config` names them in the table's keys
-FUSED_KINDS = ("swiglu", "rms_norm")
+#: ("attn_merge": :mod:`kernels.gemv_merge`)
+FUSED_KINDS = ("swiglu", "rms_norm", "attn_merge")
 
 
 @triton.jit
@@ -240,7 +241,7 @@ def _gemv_rms_norm_kernel(
 
 
 def fused_gemv_config(kind: str, m: int, n: int, k: int, device: torch.device) -> GemvConfig | None:
-    """The tiles of the fused ``kind`` ("swiglu" or "rms_norm") GEMV for ``[M, K] x [K, N]``
+    """The tiles of the fused ``kind`` (one of :data:`FUSED_KINDS`) GEMV for ``[M, K] x [K, N]``
     (``K``: the product's inputs, I for SwiGLU) on ``device``, or None where the fusion is not
     to be used: ``M`` over ``GEMV_MAX_M``, no table entry (never timed on this device), or the
     table says the unfused pair was faster or the fused result less accurate.

@@ -211,3 +211,122 @@ def paged_attention_qk_rope(
         k_weight,
         eps,
     )
+
+
+@torch.library.custom_op(
+    "qwen_serve::paged_decode_partials_qk_rope", mutates_args=("k_cache", "v_cache")
+)
+def paged_decode_partials_qk_rope_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    is_decode: bool,
+    scale: float,
+    backend: str,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`paged_attention_qk_rope_op` of a pure decode step up to the split-KV partials
+    (the backend's ``decode_partials_qk_rope``; the Triton backend only): the output projection
+    merges them (``qwen_serve::gemv_attn_merge``).
+
+    Args:
+        num_splits: host int >= 1, the partials' split count (the backend's
+            ``partial_splits``); the others as in :func:`paged_attention_qk_rope_op`.
+
+    Returns:
+        New float32 ``(partial_out [T, H_q, num_splits, D], partial_lse [T, H_q, num_splits])``.
+
+    Raises:
+        ValueError: unknown backend name, a backend without partials, or what it raises.
+    """
+    meta = AttentionMetadata(
+        slot_mapping, block_tables, seq_lens, cu_seqlens_q, max_query_len, max_seq_len, is_decode
+    )
+    impl = get_attention_backend(backend)
+    if not hasattr(impl, "decode_partials_qk_rope"):
+        raise ValueError(f"attention backend {backend!r} has no split-KV decode partials")
+    return impl.decode_partials_qk_rope(
+        q, k, v, k_cache, v_cache, meta, scale, cos, sin, q_weight, k_weight, eps, num_splits
+    )
+
+
+@paged_decode_partials_qk_rope_op.register_fake
+def _paged_decode_partials_qk_rope_fake(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    block_tables,
+    seq_lens,
+    cu_seqlens_q,
+    max_query_len,
+    max_seq_len,
+    is_decode,
+    scale,
+    backend,
+    cos,
+    sin,
+    q_weight,
+    k_weight,
+    eps,
+    num_splits,
+):
+    t, h, d = q.shape
+    f32 = torch.float32
+    return q.new_empty((t, h, num_splits, d), dtype=f32), q.new_empty((t, h, num_splits), dtype=f32)
+
+
+def paged_decode_partials_qk_rope(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    scale: float,
+    backend: str,
+    cos,
+    sin,
+    q_weight,
+    k_weight,
+    eps: float,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`paged_decode_partials_qk_rope_op` with the metadata unpacked."""
+    return paged_decode_partials_qk_rope_op(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta.slot_mapping,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.cu_seqlens_q,
+        meta.max_query_len,
+        meta.max_seq_len,
+        meta.is_decode,
+        scale,
+        backend,
+        cos,
+        sin,
+        q_weight,
+        k_weight,
+        eps,
+        num_splits,
+    )

@@ -6,7 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention.custom_op import paged_attention, paged_attention_qk_rope
+from engine.attention.custom_op import (
+    paged_attention,
+    paged_attention_qk_rope,
+    paged_decode_partials_qk_rope,
+)
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.registry import get_attention_backend
 
@@ -98,3 +102,43 @@ class PagedAttention(nn.Module):
         return self.backend.forward_qk_rope(
             q, k, v, k_cache, v_cache, meta, self.scale, cos, sin, q_weight, k_weight, eps
         )
+
+    def has_decode_partials(self) -> bool:
+        """Whether the backend can stop a pure decode step at the split-KV partials
+        (:meth:`decode_partials_qk_rope`; the Triton backend)."""
+        return hasattr(self.backend, "decode_partials_qk_rope")
+
+    def decode_partials_qk_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_weight: torch.Tensor | None,
+        k_weight: torch.Tensor | None,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward_qk_rope` of a pure decode step (one new token per sequence) up to the
+        split-KV partials, for an output projection that merges them
+        (:func:`kernels.gemv_merge.gemv_attn_merge`). The split count is the backend's
+        ``partial_splits`` for ``T`` sequences: host ints only, constant in a traced graph.
+
+        Returns:
+            float32 ``(partial_out [T, H_q, S, D], partial_lse [T, H_q, S])``.
+
+        Raises:
+            ValueError: a backend without partials (:meth:`has_decode_partials`), not a pure
+                decode step, or what the backend raises.
+        """
+        if not self.has_decode_partials():
+            raise ValueError(f"attention backend {self.backend_name!r} has no decode partials")
+        splits = self.backend.partial_splits(q.shape[0], self.num_kv_heads, q.device)
+        k_cache, v_cache = kv_cache
+        args = (q, k, v, k_cache, v_cache, meta, self.scale)
+        rest = (cos, sin, q_weight, k_weight, eps, splits)
+        if self.custom_op:
+            return paged_decode_partials_qk_rope(*args, self.backend_name, *rest)
+        return self.backend.decode_partials_qk_rope(*args, *rest)

@@ -304,6 +304,76 @@ class TritonAttentionBackend:
         )
         return self._attend(q, k_cache, v_cache, meta, scale)
 
+    def partial_splits(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+        """The split count of :meth:`decode_partials_qk_rope` for ``num_seqs`` decoding
+        sequences: the count that fills the GPU (:func:`choose_num_splits` for a context too
+        long to cap it), a host int fixed by the batch size and the device alone, so a traced
+        graph's partials have a constant shape (a short context leaves the later splits empty,
+        as a CUDA graph captured at the model length does)."""
+        return choose_num_splits(num_seqs, num_kv_heads, 1 << 30, self._sm_count(device))
+
+    def decode_partials_qk_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_weight: torch.Tensor | None,
+        k_weight: torch.Tensor | None,
+        eps: float,
+        num_splits: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward_qk_rope` of a pure decode step up to the split-KV partials: q/k norm,
+        rotary and the k/v store as there, then the decode kernel's splits without their merge
+        (``decode_attention(..., merge=False)``); the caller merges them, fused into the output
+        projection (:func:`kernels.gemv_merge.gemv_attn_merge`).
+
+        Args:
+            q, k, v, k_cache, v_cache, meta, scale, cos, sin, q_weight, k_weight, eps: as in
+                :meth:`forward_qk_rope`.
+            num_splits: host int >= 1 (:meth:`partial_splits`).
+
+        Returns:
+            New float32 tensors ``(partial_out [T, H_q, num_splits, D], partial_lse [T, H_q,
+            num_splits])`` (log2-domain log-sum-exps, ``-inf`` for an empty split).
+
+        Raises:
+            ValueError: not a pure decode step (one new token per sequence), a non-CUDA device
+                without ``TRITON_INTERPRET=1``, or what the kernels raise.
+        """
+        _check_device(q)
+        if not self._pure_decode(q, meta):
+            raise ValueError("decode_partials_qk_rope needs a pure decode step")
+        t, num_heads, head_dim = q.shape
+        po, plse = decode_scratch(t, num_heads, head_dim, num_splits, q.device)
+        rope = None
+        if self.fused_decode_qk_rope:
+            rope = QKRope(k, v, meta.slot_mapping, cos, sin, q_weight, k_weight, eps)
+        else:
+            q = qk_norm_rope_store(
+                q, k, v, k_cache, v_cache, meta.slot_mapping, cos, sin, q_weight, k_weight, eps
+            )
+        decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            None,
+            scale,
+            po,
+            plse,
+            num_splits,
+            qk_rope=rope,
+            merge=False,
+        )
+        return po, plse
+
     @staticmethod
     def _pure_decode(q: torch.Tensor, meta: AttentionMetadata) -> bool:
         """One new token per sequence (the decode launch alone computes the step)."""

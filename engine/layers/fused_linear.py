@@ -3,7 +3,9 @@ measured to win (:mod:`kernels.gemv_fused`), else the two as before.
 
 * :func:`norm_linear`: residual add + RMSNorm, then a column-parallel projection (q/k/v after
   ``input_layernorm``, gate/up after ``post_attention_layernorm``);
-* :func:`swiglu_linear`: SwiGLU, then the down projection.
+* :func:`swiglu_linear`: SwiGLU, then the down projection;
+* :func:`merge_linear`: split-KV decode attention's merge of its partials, then the output
+  projection (:func:`merge_tiles` says whether to ask the attention layer for partials).
 
 Each takes a ``mode``: None ("auto", the model's default) fuses exactly where today's dispatch
 (:mod:`engine.layers.dense_linear`) would run the small-M GEMV -- bf16/fp16 on CUDA, at most
@@ -15,7 +17,7 @@ only (an FP8 layer keeps its own product).
 
 Inside a compiled (``torch.compile``) forward the choice is made while tracing, from the static
 row count: the batch-1 graph (T == 1 is specialised, see ``engine.models.compile``) gets the
-fused custom op (``qwen_serve::gemv_rms_norm`` / ``qwen_serve::gemv_swiglu``, opaque to
+fused custom op (``qwen_serve::gemv_rms_norm`` / ``gemv_swiglu`` / ``gemv_attn_merge``, opaque to
 Inductor, CUDA-graph capturable), and a graph whose row count is symbolic (every T >= 2, prefill
 included) keeps the unfused ops, which Inductor compiles as before -- a runtime choice there
 would have to run the unfused norm eagerly inside the op for large T.
@@ -160,3 +162,43 @@ def swiglu_linear(gate_up, linear, ops, mode: bool | None = None):
     from kernels.gemv_fused import gemv_swiglu
 
     return gemv_swiglu(gate_up, linear.weight, linear.bias, _config(tiles))
+
+
+@torch.library.custom_op("qwen_serve::gemv_attn_merge", mutates_args=())
+def gemv_attn_merge_op(
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tiles: list[int],
+) -> torch.Tensor:
+    """:func:`kernels.gemv_merge.gemv_attn_merge` with ``tiles``: ``[T, N]``."""
+    from kernels.gemv_merge import gemv_attn_merge
+
+    return gemv_attn_merge(partial_out, partial_lse, weight, bias, _config(tiles))
+
+
+@gemv_attn_merge_op.register_fake
+def _gemv_attn_merge_fake(partial_out, partial_lse, weight, bias, tiles):
+    return weight.new_empty((partial_out.shape[0], weight.shape[0]))
+
+
+def merge_tiles(q_rows: torch.Tensor, linear, mode: bool | None = None) -> list[int] | None:
+    """The tiles of the merge-fused output projection, or None to attend and project as
+    before (see the module docstring for ``mode``). ``q_rows``: ``[T, H_q * D]``, a stand-in
+    with the attention output's rows, features, dtype and device (a view of the q projection:
+    nothing is read); ``linear``: the o projection (weight ``[N, H_q * D]``). The caller
+    checks the rest (a pure decode step, a backend with partials)."""
+    return _tiles("attn_merge", mode, q_rows, linear, kernel_switches.FUSED_MERGE_GEMV)
+
+
+def merge_linear(partial_out, partial_lse, linear, tiles: list[int]) -> torch.Tensor:
+    """``linear(merge(partials))``: the split-KV partials (float32 ``[T, H_q, S, D]`` and
+    ``[T, H_q, S]``, from ``PagedAttention.decode_partials_qk_rope``) merged inside the o
+    projection's small-M kernel with ``tiles`` (:func:`merge_tiles`) -> ``[T, N]`` in the
+    weight's dtype."""
+    if torch.compiler.is_compiling():
+        return gemv_attn_merge_op(partial_out, partial_lse, linear.weight, linear.bias, tiles)
+    from kernels.gemv_merge import gemv_attn_merge
+
+    return gemv_attn_merge(partial_out, partial_lse, linear.weight, linear.bias, _config(tiles))

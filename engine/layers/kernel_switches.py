@@ -9,6 +9,8 @@ one tree (``bench/latency_ab.sh``) and as an escape hatch should a kernel misbeh
   runs as its own kernel (``kernels/gemv_fused.py``'s ``gemv_rms_norm`` not used);
 * ``QWEN_SERVE_FUSED_SWIGLU_GEMV=0``: SwiGLU runs as its own kernel before the down projection
   (``gemv_swiglu`` not used).
+* ``QWEN_SERVE_FUSED_MERGE_GEMV=0``: split-KV decode attention merges its splits in its own
+  launch before the output projection (``kernels/gemv_merge.py`` not used).
 * ``QWEN_SERVE_TRITON_SWIGLU=0``: SwiGLU outside the fused GEMV (prompt steps) runs as the
   compiled composition (``engine.layers.pointwise``) instead of ``kernels/swiglu.py``'s Triton
   kernel (2.8 against 1.4-1.7 TB/s on an H100; docs/benchmarks.md, 2026-12-05, fourth session).
@@ -30,4 +32,5 @@ FUSED_QK_ROPE = env_switch("QWEN_SERVE_FUSED_QK_ROPE")
 SMALL_M_GEMV = env_switch("QWEN_SERVE_SMALL_M_GEMV")
 FUSED_NORM_GEMV = env_switch("QWEN_SERVE_FUSED_NORM_GEMV")
 FUSED_SWIGLU_GEMV = env_switch("QWEN_SERVE_FUSED_SWIGLU_GEMV")
+FUSED_MERGE_GEMV = env_switch("QWEN_SERVE_FUSED_MERGE_GEMV")
 TRITON_SWIGLU = env_switch("QWEN_SERVE_TRITON_SWIGLU")

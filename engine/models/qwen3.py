@@ -29,7 +29,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.core.config import ModelConfig
 from engine.layers import kernel_switches
 from engine.layers.embedding import VocabParallelEmbedding
-from engine.layers.fused_linear import norm_linear, swiglu_linear
+from engine.layers.fused_linear import merge_linear, merge_tiles, norm_linear, swiglu_linear
 from engine.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -57,7 +57,9 @@ class Qwen3Attention(nn.Module):
     ``fuse_qk_rope``: hand the attention layer the raw q/k/v views with the q/k norm weights
     and the rotary rows (:meth:`PagedAttention.forward_qk_rope`: the Triton backend normalizes,
     rotates and stores in one launch); False: q/k norm + rotary through ``ops`` here, then
-    :meth:`PagedAttention.forward`.
+    :meth:`PagedAttention.forward`. ``fuse_merge_gemv`` (with ``fuse_qk_rope``, pure decode
+    steps): the attention layer stops at the split-KV partials and ``o_proj``'s small-M kernel
+    merges them (:func:`engine.layers.fused_linear.merge_linear`; mode None auto, True, False).
     """
 
     def __init__(
@@ -68,11 +70,13 @@ class Qwen3Attention(nn.Module):
         custom_op: bool,
         tp: TensorParallel | None = None,
         fuse_qk_rope: bool = False,
+        fuse_merge_gemv: bool | None = None,
     ):
         super().__init__()
         self.ops = ops
         self.tp = tp
         self.fuse_qk_rope = fuse_qk_rope
+        self.fuse_merge_gemv = fuse_merge_gemv
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size,
             cfg.head_dim,
@@ -117,6 +121,15 @@ class Qwen3Attention(nn.Module):
             q_w = None if self.q_norm is None else self.q_norm.weight
             k_w = None if self.k_norm is None else self.k_norm.weight
             eps = 0.0 if self.q_norm is None else self.q_norm.eps
+            tiles = None
+            if meta.is_decode and self.attn.has_decode_partials():
+                tiles = merge_tiles(qkv[:, : self.q_size], self.o_proj, self.fuse_merge_gemv)
+            if tiles is not None:  # the split merge inside o_proj's kernel
+                po, plse = self.attn.decode_partials_qk_rope(
+                    q, k, v, kv_cache, meta, cos, sin, q_w, k_w, eps
+                )
+                o = merge_linear(po, plse, self.o_proj, tiles)
+                return o if self.tp is None else self.tp.all_reduce(o)
             attn = self.attn.forward_qk_rope(q, k, v, kv_cache, meta, cos, sin, q_w, k_w, eps)
         else:
             if self.q_norm is not None:
@@ -179,10 +192,10 @@ class Qwen3DecoderLayer(nn.Module):
 
     ``mlp``: the MLP module, any ``[T, H] -> [T, H]`` (default: the dense :class:`Qwen3MLP`;
     Qwen3-MoE passes a sparse MoE block). ``tp``: the tensor-parallel group or None.
-    ``fuse_qk_rope``: see :class:`Qwen3Attention`. ``fuse_norm_gemv``: each RMSNorm (with
-    its residual add) inside the small-M kernel of the projection after it, q/k/v and (dense
-    MLP) gate/up (:func:`engine.layers.fused_linear.norm_linear`'s mode: None auto, True,
-    False); ``fuse_swiglu_gemv``: see :class:`Qwen3MLP`.
+    ``fuse_qk_rope``, ``fuse_merge_gemv``: see :class:`Qwen3Attention`. ``fuse_norm_gemv``:
+    each RMSNorm (with its residual add) inside the small-M kernel of the projection after it,
+    q/k/v and (dense MLP) gate/up (:func:`engine.layers.fused_linear.norm_linear`'s mode: None
+    auto, True, False); ``fuse_swiglu_gemv``: see :class:`Qwen3MLP`.
     """
 
     def __init__(
@@ -196,11 +209,14 @@ class Qwen3DecoderLayer(nn.Module):
         fuse_qk_rope: bool = False,
         fuse_norm_gemv: bool | None = None,
         fuse_swiglu_gemv: bool | None = None,
+        fuse_merge_gemv: bool | None = None,
     ):
         super().__init__()
         self.ops = ops
         self.fuse_norm_gemv = fuse_norm_gemv
-        self.self_attn = Qwen3Attention(cfg, ops, attention_backend, custom_op, tp, fuse_qk_rope)
+        self.self_attn = Qwen3Attention(
+            cfg, ops, attention_backend, custom_op, tp, fuse_qk_rope, fuse_merge_gemv
+        )
         self.mlp = mlp if mlp is not None else Qwen3MLP(cfg, ops, tp, fuse_swiglu_gemv)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -234,6 +250,7 @@ class Qwen3Model(nn.Module):
         fuse_qk_rope: bool = False,
         fuse_norm_gemv: bool | None = None,
         fuse_swiglu_gemv: bool | None = None,
+        fuse_merge_gemv: bool | None = None,
     ):
         super().__init__()
         if tp is None:
@@ -251,6 +268,7 @@ class Qwen3Model(nn.Module):
                 fuse_qk_rope,
                 fuse_norm_gemv,
                 fuse_swiglu_gemv,
+                fuse_merge_gemv,
             )
             for i in range(cfg.num_hidden_layers)
         )
@@ -289,6 +307,10 @@ class Qwen3ForCausalLM(nn.Module):
             ``QWEN_SERVE_FUSED_NORM_GEMV=0`` / ``QWEN_SERVE_FUSED_SWIGLU_GEMV=0`` /
             ``QWEN_SERVE_SMALL_M_GEMV=0``; True: wherever the kernels run (the Triton
             interpreter on the CPU included: tests); False: never.
+        fuse_merge_gemv: split-KV decode attention's merge inside the output projection's
+            small-M kernel in pure decode steps (``kernels/gemv_merge.py``; needs
+            ``fuse_qk_rope`` and the Triton backend); None (auto) as above, with the
+            ``attn_merge`` table entries and ``QWEN_SERVE_FUSED_MERGE_GEMV=0``.
 
     ``cfg.quantization`` (block FP8 or None) quantizes the decoder's linear layers (q/k/v, o,
     gate/up, down); the embeddings, norms and LM head stay in the model dtype.
@@ -318,6 +340,7 @@ class Qwen3ForCausalLM(nn.Module):
         fuse_qk_rope: bool | None = None,
         fuse_norm_gemv: bool | None = None,
         fuse_swiglu_gemv: bool | None = None,
+        fuse_merge_gemv: bool | None = None,
     ):
         super().__init__()
         if compile_mode not in COMPILE_MODES:
@@ -341,6 +364,7 @@ class Qwen3ForCausalLM(nn.Module):
             fuse_qk_rope=fuse_qk_rope,
             fuse_norm_gemv=fuse_norm_gemv,
             fuse_swiglu_gemv=fuse_swiglu_gemv,
+            fuse_merge_gemv=fuse_merge_gemv,
         )
         if cfg.tie_word_embeddings:
             self.lm_head = None

@@ -16,6 +16,7 @@ kernels there; auto mode fuses on CUDA only):
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -129,6 +130,67 @@ def test_compiled_model_uses_the_fused_ops_for_one_token(counted, one_torch_thre
         assert fused._compiled._compiled is not None, "compilation failed and fell back to eager"
     finally:
         torch._dynamo.reset()
+
+
+@pytest.fixture
+def merges(monkeypatch):
+    """Row counts of the merge-fused o projection's launches (``kernels/gemv_merge.py``)."""
+    import kernels.gemv_merge as gm
+
+    rows = []
+    real = gm.gemv_attn_merge
+
+    def wrapper(partial_out, *args, **kwargs):
+        rows.append(partial_out.shape[0])
+        return real(partial_out, *args, **kwargs)
+
+    monkeypatch.setattr(gm, "gemv_attn_merge", wrapper)
+    return rows
+
+
+@pytest.mark.parametrize("compile_mode", ["none", "model"])
+def test_merge_fused_o_proj_matches_attention_then_projection(merges, compile_mode):
+    """The Triton backend, float32: with ``fuse_merge_gemv=True`` pure decode steps stop the
+    attention at the split-KV partials and the o projection merges them -- eagerly in every
+    decode step of at most 16 rows, compiled only in the T == 1 graph (a symbolic T keeps the
+    merged attention); the hidden states match the unfused model's, prompt steps included."""
+    torch._dynamo.reset()
+    try:
+        cfg = _config()
+        unfused = Qwen3ForCausalLM(cfg, 512, "triton", fuse_merge_gemv=False)
+        init_random_weights(unfused, 0, std=0.08)
+        fused = Qwen3ForCausalLM(cfg, 512, "triton", compile_mode, fuse_merge_gemv=True)
+        fused.load_state_dict(unfused.state_dict())
+        caches_u, caches_f = _caches(), _caches()
+        gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+        layers = cfg.num_hidden_layers
+        with torch.inference_mode():
+            for q_lens, cached in [([6], [0]), ([1], [6]), ([1, 1], [7, 3]), ([1], [7])]:
+                ids, pos, meta = _step(gen, q_lens, cached)
+                want = unfused.eval()(ids, pos, caches_u, meta)
+                before = len(merges)
+                got = fused.eval()(ids, pos, caches_f, meta)
+                decode = max(q_lens) == 1
+                fuses = decode and (compile_mode == "none" or len(q_lens) == 1)
+                assert merges[before:] == ([len(q_lens)] * layers if fuses else []), q_lens
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for (ku, vu), (kf, vf) in zip(caches_u, caches_f):  # the same k/v stored
+            torch.testing.assert_close(kf, ku, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(vf, vu, rtol=1e-5, atol=1e-5)
+        if compile_mode == "model":
+            assert fused._compiled._compiled is not None, "compilation fell back to eager"
+    finally:
+        torch._dynamo.reset()
+
+
+def test_merge_fusion_stays_off_for_the_torch_backend_and_in_auto_mode_on_the_cpu(merges):
+    ids, pos, meta = _step(torch.Generator().manual_seed(2), [1], [4])
+    for backend, mode in (("torch", True), ("triton", None)):
+        model = Qwen3ForCausalLM(_config(), 512, backend, fuse_merge_gemv=mode).eval()
+        init_random_weights(model, 0, std=0.08)
+        with torch.inference_mode():
+            model(ids, pos, _caches(), meta)
+    assert merges == []
 
 
 def _set_fusions(engine, on: bool) -> None:
