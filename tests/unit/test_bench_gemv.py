@@ -32,8 +32,9 @@ def test_tiny_fused_sweep_writes_a_table_the_kernels_read(tmp_path, monkeypatch)
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "| tiny qkv+norm 64->96 | 1 |" in r.stdout and "| tiny down+swiglu" in r.stdout
+    assert "| tiny o+merge 128->64 | 16 |" in r.stdout
     table = json.loads((tmp_path / "gemv_fused_cpu.json").read_text())
-    assert set(table) == {"rms_norm:96,64", "swiglu:64,160"}
+    assert set(table) == {"rms_norm:96,64", "swiglu:64,160", "attn_merge:64,128"}
     import kernels.gemv_fused as gf
     from kernels.gemv import GemvConfig
 
