@@ -783,10 +783,10 @@ def decode_attention(
         ValueError: on inconsistent shapes, dtypes, devices, strides, ``num_splits < 1`` or
             ``min_split_keys < 0``.
 
-    Grid: ``(H_kv, B, num_splits)`` and, without the fused merge, ``(H_q, B)`` for the
-    reduction, from shapes and the host int ``num_splits`` only (with ``cu_seqlens_q``, skipped
-    sequences' programs return at once), so a launch can be captured in a CUDA graph at a
-    padded ``T`` and ``B``.
+    Grid: ``(H_kv, B, num_splits)`` and, without the fused merge (and with ``merge``),
+    ``(H_q, B)`` for the reduction, from shapes and the host int ``num_splits`` only (with
+    ``cu_seqlens_q``, skipped sequences' programs return at once), so a launch can be captured
+    in a CUDA graph at a padded ``T`` and ``B``.
 
     Algorithm: Flash-Decoding (Dao et al. 2023 blog) with FlashAttention-2's online softmax;
     the query heads of one KV head form one tile so each KV block is read once.

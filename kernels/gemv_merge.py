@@ -219,7 +219,8 @@ def gemv_attn_merge(
     Args:
         partial_out: float32 ``[B, H_q, S, D]`` (``B <= 16``; every split's normalized partial
             output, as ``kernels.decode_attention.decode_attention(..., merge=False)`` writes
-            it), last dimension contiguous.
+            it), last dimension contiguous. All ``S`` splits are merged: a scratch with more
+            splits than the decode launch wrote must be sliced to those first.
         partial_lse: float32 ``[B, H_q, S]`` log2-domain log-sum-exps (``-inf``: empty split),
             last dimension contiguous.
         w: ``[N, H_q * D]`` bf16, fp16 or fp32 with unit stride on K (the o projection; a

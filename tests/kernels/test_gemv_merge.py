@@ -31,12 +31,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16] if DEVICE == "cuda" else [torch.float32, torch.bfloat16]
 
 #: (B, H, S, D, N, tiles, bias): one split, a pass of 16 and more, K tiles below / above a
-#: head, K tails (a split of 48 features with 32-wide tiles), N tails, 16 rows
+#: head, a partial K tile (K 96 in splits of 64 with 64-wide tiles), N tails, 16 rows
 CASES = [
     (1, 4, 5, 32, 48, GemvConfig(16, 32, 1, 4, 1), False),
     (1, 4, 1, 16, 40, GemvConfig(16, 32, 2, 4, 1), True),
     (3, 2, 17, 64, 33, GemvConfig(16, 32, 3, 4, 1), True),
-    (2, 3, 33, 32, 64, GemvConfig(32, 64, 2, 4, 1), False),
+    (2, 3, 33, 32, 64, GemvConfig(32, 64, 2, 4, 1), False),  # K = 96: a half tile
     (16, 2, 4, 16, 24, GemvConfig(16, 16, 1, 4, 1), True),
     (1, 6, 9, 16, 40, GemvConfig(16, 32, 2, 4, 1), False),
 ]

@@ -149,7 +149,9 @@ def merges(monkeypatch):
 
 
 @pytest.mark.parametrize("compile_mode", ["none", "model"])
-def test_merge_fused_o_proj_matches_attention_then_projection(merges, compile_mode):
+def test_merge_fused_o_proj_matches_attention_then_projection(
+    merges, compile_mode, one_torch_thread
+):
     """The Triton backend, float32: with ``fuse_merge_gemv=True`` pure decode steps stop the
     attention at the split-KV partials and the o projection merges them -- eagerly in every
     decode step of at most 16 rows, compiled only in the T == 1 graph (a symbolic T keeps the
