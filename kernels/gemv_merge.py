@@ -9,10 +9,10 @@ Merge (Flash-Decoding, Dao et al. 2023; the same arithmetic as the reduce kernel
 ``b`` and feature ``k = h * D + d`` (head ``h``, dimension ``d``), with ``lse[s]`` the
 log2-domain log-sum-exp of split ``s`` (``-inf`` for an empty split) and ``w_s = 2^(lse[s] -
 max_s lse)``: ``x[b, k] = sum_s w_s * po[b, h, s, d] / sum_s w_s``, rounded to the weight's
-dtype as the reduce kernel rounds its output; then ``y = x @ W^T (+ bias)``. The splits are
-taken 16 at a time (a max pass over the log-sum-exps, then the weighted sums), so the float32
-sums may differ from the reduce kernel's single block in their order: an ulp of float32 before
-the rounding to the model dtype. An empty split's partial output is not read.
+dtype as the reduce kernel rounds its output; then ``y = x @ W^T (+ bias)``. A K tile lies
+inside one head (``BLOCK_K`` at most ``D``): its ``S`` log-sum-exps and ``[S, BLOCK_K]`` partial
+outputs are loaded together, in one block of all the splits (``S`` is a compile-time constant:
+the split count is fixed per batch size), and merged in the reduce kernel's order.
 
 Where the merge costs less than the launch it removes is a measurement
 (``bench/gemv.py --fused`` writes the ``attn_merge`` entries of
@@ -21,6 +21,8 @@ reduction by the last-arriving program and counters are :mod:`kernels.gemv`'s.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -40,46 +42,37 @@ from kernels.gemv import (
 from kernels.gemv_fused import fused_gemv_config
 from kernels.pdl import pdl_wait, prefetch_l2
 
-#: splits merged per pass of the prologue (the register tile is ``[MERGE_S, BLOCK_K]``)
-MERGE_S = 16
-
 
 @triton.jit
 def _merged_features(
     po_row,
     plse_row,
     head,
-    dim,
-    k_ok,
-    num_splits,
+    d0,
     stride_poh,
     stride_pos,
-    stride_plh,
+    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """One row's merged attention output on a K tile: float32 ``[BLOCK_K]`` for features
-    ``head * D + dim`` (0 where not ``k_ok``), from ``po_row`` (``[H, S, D]`` at strides
-    ``stride_poh``, ``stride_pos``, 1) and ``plse_row`` (``[H, S]`` at ``stride_plh``, 1)."""
+    """One row's merged attention output on a K tile inside head ``head``: float32
+    ``[BLOCK_K]`` for dimensions ``d0 .. d0 + BLOCK_K - 1``, from ``po_row`` (``[H, S, D]`` at
+    strides ``stride_poh``, ``stride_pos``, 1) and ``plse_row`` (the head's ``[S]``
+    log-sum-exps, contiguous). The log-sum-exps and the partials load together (neither
+    waits for the other: one round trip to L2), then the reduce kernel's arithmetic."""
     rs = tl.arange(0, BLOCK_S)
-    lse_cols = plse_row + head[None, :] * stride_plh
-    top = tl.full([BLOCK_K], float("-inf"), tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        ok = ((s0 + rs) < num_splits)[:, None] & k_ok[None, :]
-        lse = tl.load(lse_cols + (s0 + rs)[:, None], mask=ok, other=float("-inf"))
-        top = tl.maximum(top, tl.max(lse, 0))
-    top = tl.where(k_ok, top, 0.0)  # no -inf - -inf in the masked features
-    num = tl.zeros([BLOCK_K], tl.float32)
-    den = tl.zeros([BLOCK_K], tl.float32)
-    po_cols = po_row + head[None, :] * stride_poh + dim[None, :]
-    for s0 in range(0, num_splits, BLOCK_S):
-        ok = ((s0 + rs) < num_splits)[:, None] & k_ok[None, :]
-        lse = tl.load(lse_cols + (s0 + rs)[:, None], mask=ok, other=float("-inf"))
-        w = tl.math.exp2(lse - top[None, :])
-        po = tl.load(po_cols + (s0 + rs)[:, None] * stride_pos, mask=ok & (w > 0.0), other=0.0)
-        num += tl.sum(po * w, 0)
-        den += tl.sum(w, 0)
-    return tl.where(k_ok, num / tl.where(k_ok, den, 1.0), 0.0)
+    s_ok = rs < NUM_SPLITS
+    lse = tl.load(plse_row + rs, mask=s_ok, other=float("-inf"))
+    po = tl.load(
+        po_row
+        + head * stride_poh
+        + rs[:, None] * stride_pos
+        + (d0 + tl.arange(0, BLOCK_K))[None, :],
+        mask=s_ok[:, None],
+        other=0.0,
+    )
+    w = tl.math.exp2(lse - tl.max(lse, 0))
+    return tl.sum(po * w[:, None], 0) / tl.sum(w, 0)
 
 
 @triton.jit
@@ -95,7 +88,6 @@ def _gemv_attn_merge_kernel(
     N,
     K,
     K_PER_SPLIT,
-    num_splits,
     stride_pob,
     stride_poh,
     stride_pos,
@@ -104,13 +96,14 @@ def _gemv_attn_merge_kernel(
     stride_wn,
     stride_om,
     HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    ONE_ROW: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -127,39 +120,32 @@ def _gemv_attn_merge_kernel(
     rn_c = (rn % N).to(tl.int64)  # rows past N read row n % N (in bounds) and are not stored
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
-    rk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    w_ptrs = w_ptr + rn_c[:, None] * stride_wn + (k_lo + rk)[None, :]
+    w_ptrs = w_ptr + rn_c[:, None] * stride_wn + (k_lo + tl.arange(0, BLOCK_K))[None, :]
     if PREFETCH:
         prefetch_l2(w_ptr, rn_c, stride_wn, k_lo, k_hi, 64, BLOCK_K // 64)
     pdl_wait(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + rk
-        k_ok = kk < k_hi
-        if EVEN_K:
-            wt = tl.load(w_ptrs)
-        else:
-            wt = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-        head = kk // HEAD_DIM
-        dim = kk % HEAD_DIM
-        xt = tl.zeros((BLOCK_K, BLOCK_M), dtype=dtype)
-        for m in range(0, M):
+    for k0 in range(k_lo, k_hi, BLOCK_K):  # K tiles never straddle a head (BLOCK_K | HEAD_DIM)
+        wt = tl.load(w_ptrs)
+        head = k0 // HEAD_DIM
+        d0 = k0 % HEAD_DIM
+        if ONE_ROW:  # M == 1: no row loop around the loads
             col = _merged_features(
-                po_ptr + m * stride_pob,
-                plse_ptr + m * stride_plb,
-                head,
-                dim,
-                k_ok,
-                num_splits,
-                stride_poh,
-                stride_pos,
-                stride_plh,
-                BLOCK_S,
-                BLOCK_K,
-            )
-            xt = tl.where(rm[None, :] == m, col.to(dtype)[:, None], xt)  # the reduce's rounding
+                po_ptr, plse_ptr + head * stride_plh, head, d0, stride_poh, stride_pos,
+                NUM_SPLITS, BLOCK_S, BLOCK_K,
+            )  # fmt: skip
+            xt = tl.where(rm[None, :] == 0, col.to(dtype)[:, None], tl.zeros_like(col)[:, None])
+            xt = xt.to(dtype)
+        else:
+            xt = tl.zeros((BLOCK_K, BLOCK_M), dtype=dtype)
+            for m in range(0, M):
+                col = _merged_features(
+                    po_ptr + m * stride_pob, plse_ptr + m * stride_plb + head * stride_plh, head,
+                    d0, stride_poh, stride_pos, NUM_SPLITS, BLOCK_S, BLOCK_K,
+                )  # fmt: skip
+                xt = tl.where(rm[None, :] == m, col.to(dtype)[:, None], xt)  # the reduce's rounding
         if UPCAST:  # the CPU interpreter's dot multiplies bfloat16 as raw integers
             acc += tl.dot(wt.to(tl.float32), xt.to(tl.float32))
         else:
@@ -190,6 +176,8 @@ def gemv_attn_merge_supports(
         and partial_lse.stride(2) == 1
         and 1 <= b <= GEMV_MAX_M
         and s >= 1
+        and d >= 16
+        and d & (d - 1) == 0
         and w.shape[1] == h * d
         and w.stride(1) == 1
         and w.dtype in (torch.float16, torch.bfloat16, torch.float32)
@@ -248,6 +236,8 @@ def gemv_attn_merge(
     n, k = w.shape
     out = torch.empty((b, n), dtype=w.dtype, device=w.device)
     cfg = config or fused_gemv_config("attn_merge", b, n, k, w.device) or GemvConfig()
+    if cfg.block_k > d:  # a K tile stays inside one head
+        cfg = dataclasses.replace(cfg, block_k=d)
     plan = split_plan(b, n, k, cfg, out)
     _gemv_attn_merge_kernel[plan.grid](
         partial_out,
@@ -261,7 +251,6 @@ def gemv_attn_merge(
         n,
         k,
         plan.k_per_split,
-        s,
         partial_out.stride(0),
         partial_out.stride(1),
         partial_out.stride(2),
@@ -270,13 +259,14 @@ def gemv_attn_merge(
         w.stride(0),
         out.stride(0),
         HEAD_DIM=d,
+        NUM_SPLITS=s,
         BLOCK_M=16,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
-        BLOCK_S=MERGE_S,
+        BLOCK_S=max(16, triton.next_power_of_2(s)),
         SPLIT_K=plan.split_k,
         HAS_BIAS=bias is not None,
-        EVEN_K=plan.even_k,
+        ONE_ROW=b == 1,
         UPCAST=upcast_dot(w.device, w.dtype),
         DOT_PREC=dot_precision(w.dtype),
         num_warps=cfg.num_warps,
