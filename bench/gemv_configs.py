@@ -56,16 +56,21 @@ def candidates(n: int, k: int, sweep: bool, tiny: bool) -> list[GemvConfig]:
 
 
 def fused_candidates(kind: str, k: int, tiny: bool) -> list[GemvConfig]:
-    """8 per kind: 32/64 wide N tiles, K tiles of 128/256 (64/128 for the split merge), and the
-    two split counts that suit its K (the norm's prologue re-reads the rows in every program:
-    fewer splits)."""
+    """8 per kind: 32/64 wide N tiles, K tiles of 128/256, and the two split counts that suit
+    its K (the norm's prologue re-reads the rows in every program: fewer splits; the split
+    merge's K tiles are 64/128, inside a head, and 4 or 16 splits: each program's merges wait
+    on L2 before its products, so fewer K tiles per program)."""
     if tiny:
         return TINY_CONFIGS
+    if kind == "attn_merge":  # K tiles inside a head; more splits: fewer merges per program
+        return [
+            GemvConfig(bn, bk, split, 4, 3)
+            for bn, bk, split in itertools.product((32, 64), (64, 128), (4, 16))
+            if k // split >= bk
+        ]
     splits = (1, 2) if kind == "rms_norm" else (2, 4)
-    # the merge's K tile stays inside a head (128 wide) and holds all the splits' partials
-    k_tiles = (64, 128) if kind == "attn_merge" else (128, 256)
     return [
         GemvConfig(bn, bk, split, 4, 3)
-        for bn, bk, split in itertools.product((32, 64), k_tiles, splits)
+        for bn, bk, split in itertools.product((32, 64), (128, 256), splits)
         if k // split >= bk
     ]
