@@ -60,6 +60,7 @@ from kernels.switches import env_switch
 __all__ = [
     "decode_attention",
     "decode_scratch",
+    "merge_splits",
     "choose_num_splits",
     "choose_mixed_splits",
     "decode_config",
