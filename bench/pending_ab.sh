@@ -45,6 +45,9 @@
 #           (QWEN_SERVE_FUSED_MERGE_GEMV=0), here with it on (its table entry set to fused
 #           for the run, whatever the sweep said), alternating MERGE_ROUNDS (1) times, and
 #           engine_check with it on
+#   splits: bench/decode_profile.py at batch 1 and 4 in $OLD, then here with the pure decode
+#           launches' split count capped (QWEN_SERVE_DECODE_MAX_SPLITS in $SPLITS, "64 16 4 1";
+#           1: no merge launch)
 #   l2pf:   the L2 prefetch kernel's GPU tests and the PDL ones, bench/l2_prefetch_probe.py (a
 #           28-layer GEMV chain with weights cold, hot in L2, and prefetched on a side stream)
 # Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD, all three made
@@ -195,6 +198,13 @@ for stage in ${@:-tests dense}; do
            done
            timeout "$(left 110)" python3 bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning \
              | tail -5 ;;
+    splits) timeout "$(left 60)" python3 bench/decode_profile.py --tree $OLD --ckpt $CKPT \
+             --batch 1 4 --top 6 --label old 2>&1 | grep -v Warning | grep -E '"tpot_ms"' | cut -c1-330
+           for n in ${SPLITS:-64 16 4 1}; do
+             QWEN_SERVE_DECODE_MAX_SPLITS=$n timeout "$(left 60)" python3 bench/decode_profile.py \
+               --tree . --ckpt $CKPT --batch 1 4 --top 6 --label "max_splits=$n" 2>&1 \
+               | grep -v Warning | grep -E '"tpot_ms"' | cut -c1-330
+           done ;;
     l2pf)  TRITON_INTERPRET=0 timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider \
              tests/kernels/test_l2_prefetch.py tests/kernels/test_pdl.py 2>&1 | tail -4
            timeout "$(left 90)" python3 bench/l2_prefetch_probe.py 2>&1 | grep -v Warning \

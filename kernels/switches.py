@@ -41,3 +41,26 @@ def env_switch(name: str, default: bool = True, environ=None) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{name}={value!r}: use 1/true/yes/on or 0/false/no/off")
+
+
+#: the integer settings read by :func:`env_count` (benchmark knobs, A/B runs of one tree)
+COUNT_NAMES = ("QWEN_SERVE_DECODE_MAX_SPLITS",)
+
+
+def env_count(name: str, default: int, environ=None) -> int:
+    """The positive integer environment variable ``name`` (one of :data:`COUNT_NAMES`);
+    ``default`` when unset or empty.
+
+    Raises:
+        ValueError: a value that is not an integer >= 1, naming the variable; a name not in
+            :data:`COUNT_NAMES`.
+    """
+    if name not in COUNT_NAMES:
+        raise ValueError(f"{name} is not a registered count (kernels.switches.COUNT_NAMES)")
+    environ = os.environ if environ is None else environ
+    value = environ.get(name, "").strip()
+    if not value:
+        return default
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{name}={value!r}: use an integer >= 1")
+    return int(value)

@@ -45,7 +45,7 @@ from kernels.prefill_split import (
     scratch_numel,
 )
 from kernels.qk_norm_rope import qk_norm_rope_store
-from kernels.switches import env_switch
+from kernels.switches import env_count, env_switch
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,12 @@ class TritonAttentionBackend:
             (``decode_attention(..., qk_rope=...)``: one launch per layer less). None = the
             ``QWEN_SERVE_DECODE_FUSED_QK_ROPE`` switch, off when unset (until the GPU measures
             it).
+        max_decode_splits: most KV splits of a pure decode launch (``choose_num_splits``'
+            ``max_splits``; 1: one program per (sequence, KV head) and no merge launch). None
+            = ``QWEN_SERVE_DECODE_MAX_SPLITS``, 64 when unset (a benchmark knob).
+
+    Raises:
+        ValueError: ``max_decode_splits`` below 1, or a malformed environment value.
     """
 
     name = "triton"
@@ -122,8 +128,14 @@ class TritonAttentionBackend:
         split_prefill: bool = True,
         dense_prefill_min_tokens: int | None = None,
         fused_decode_qk_rope: bool | None = None,
+        max_decode_splits: int | None = None,
     ) -> None:
         self.split_mixed_steps = split_mixed_steps
+        if max_decode_splits is None:
+            max_decode_splits = env_count("QWEN_SERVE_DECODE_MAX_SPLITS", 64)
+        if max_decode_splits < 1:
+            raise ValueError(f"max_decode_splits must be >= 1, got {max_decode_splits}")
+        self.max_decode_splits = max_decode_splits
         if fused_decode_qk_rope is None:
             fused_decode_qk_rope = env_switch("QWEN_SERVE_DECODE_FUSED_QK_ROPE", default=False)
         self.fused_decode_qk_rope = fused_decode_qk_rope
@@ -310,7 +322,10 @@ class TritonAttentionBackend:
         long to cap it), a host int fixed by the batch size and the device alone, so a traced
         graph's partials have a constant shape (a short context leaves the later splits empty,
         as a CUDA graph captured at the model length does)."""
-        return choose_num_splits(num_seqs, num_kv_heads, 1 << 30, self._sm_count(device))
+        return choose_num_splits(
+            num_seqs, num_kv_heads, 1 << 30, self._sm_count(device),
+            max_splits=self.max_decode_splits,
+        )  # fmt: skip
 
     def decode_partials_qk_rope(
         self,
@@ -396,7 +411,7 @@ class TritonAttentionBackend:
         _, num_heads, head_dim = q.shape
         args = (num_seqs, k_cache.shape[2], meta.max_seq_len, self._sm_count(q.device))
         if decode:
-            splits, min_keys = choose_num_splits(*args), 0
+            splits, min_keys = choose_num_splits(*args, max_splits=self.max_decode_splits), 0
         else:
             splits, min_keys = choose_mixed_splits(*args)
         po, plse = self.scratch(num_seqs, num_heads, head_dim, splits, q.device)

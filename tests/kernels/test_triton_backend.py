@@ -397,3 +397,42 @@ def test_wide_mixed_step_of_short_contexts_runs_the_prefill_unsplit(device):
                 v_cache.to(device), meta, d**-0.5,
             ).cpu()  # fmt: skip
             assert rel_err(out, ref) <= 1e-5
+
+
+def test_max_decode_splits_caps_pure_decode_launches(device, monkeypatch):
+    """``max_decode_splits`` (``QWEN_SERVE_DECODE_MAX_SPLITS``) caps the split count of a pure
+    decode launch, the decode partials' included; with 1 the launch writes the output without
+    a merge, equal to the uncapped backend's result."""
+    import engine.attention.triton_backend as tb
+
+    calls = []
+    real = tb.decode_attention
+
+    def recording(*args, **kwargs):
+        calls.append(args[9])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tb, "decode_attention", recording)
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    hq, hkv, d, bs = 4, 2, 32, 16
+    ctx_lens, q_lens = [300, 70], [1, 1]
+    seq_lens = [c + 1 for c in ctx_lens]
+    k_cache, v_cache, block_tables = make_paged(seq_lens, hkv, d, bs, torch.float32, g)
+    meta = _meta(block_tables, ctx_lens, q_lens, bs, device)
+    q = torch.randn(2, hq, d, generator=g).to(device)
+    kv = [torch.randn(2, hkv, d, generator=g).to(device) for _ in range(2)]
+    outs = []
+    monkeypatch.setenv("QWEN_SERVE_DECODE_MAX_SPLITS", "1")
+    for be in (TritonAttentionBackend(max_decode_splits=64), TritonAttentionBackend()):
+        be._num_sms[torch.device(device)] = 132
+        kc, vc = k_cache.clone().to(device), v_cache.clone().to(device)
+        outs.append(be.forward(q, *kv, kc, vc, meta, d**-0.5))
+        want = 1 if len(outs) == 2 else choose_num_splits(2, hkv, 1 << 30, 132)
+        assert be.partial_splits(2, hkv, torch.device(device)) == want
+    assert calls[0] > 1 and calls[1] == 1
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("QWEN_SERVE_DECODE_MAX_SPLITS", "0")
+    with pytest.raises(ValueError, match="QWEN_SERVE_DECODE_MAX_SPLITS='0'"):
+        TritonAttentionBackend()
+    with pytest.raises(ValueError, match="max_decode_splits must be >= 1"):
+        TritonAttentionBackend(max_decode_splits=0)
