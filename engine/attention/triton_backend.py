@@ -307,14 +307,26 @@ class TritonAttentionBackend:
                 raises (shapes, dtypes).
         """
         _check_device(q)
-        if self.fused_decode_qk_rope and self._pure_decode(q, meta):
-            rope = QKRope(k, v, meta.slot_mapping, cos, sin, q_weight, k_weight, eps)
+        decode = self._pure_decode(q, meta)
+        q, rope = self._qk_rope(
+            decode, q, k, v, k_cache, v_cache, meta, cos, sin, q_weight, k_weight, eps
+        )
+        if rope is not None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q is a strided view
             return self._decode(q, k_cache, v_cache, meta, scale, out, rope)
-        q = qk_norm_rope_store(
-            q, k, v, k_cache, v_cache, meta.slot_mapping, cos, sin, q_weight, k_weight, eps
-        )
         return self._attend(q, k_cache, v_cache, meta, scale)
+
+    def _qk_rope(self, decode: bool, q, k, v, k_cache, v_cache, meta, cos, sin, q_w, k_w, eps):
+        """``(q, None)`` with q/k normalized and rotated and k/v stored
+        (:func:`qk_norm_rope_store`), or, in a pure decode step (``decode``) with
+        ``fused_decode_qk_rope``, ``(q, QKRope)``: the raw q and the work left to the decode
+        launch's prologue."""
+        if self.fused_decode_qk_rope and decode:
+            return q, QKRope(k, v, meta.slot_mapping, cos, sin, q_w, k_w, eps)
+        q = qk_norm_rope_store(
+            q, k, v, k_cache, v_cache, meta.slot_mapping, cos, sin, q_w, k_w, eps
+        )
+        return q, None
 
     def partial_splits(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
         """The split count of :meth:`decode_partials_qk_rope` for ``num_seqs`` decoding
@@ -366,13 +378,9 @@ class TritonAttentionBackend:
             raise ValueError("decode_partials_qk_rope needs a pure decode step")
         t, num_heads, head_dim = q.shape
         po, plse = decode_scratch(t, num_heads, head_dim, num_splits, q.device)
-        rope = None
-        if self.fused_decode_qk_rope:
-            rope = QKRope(k, v, meta.slot_mapping, cos, sin, q_weight, k_weight, eps)
-        else:
-            q = qk_norm_rope_store(
-                q, k, v, k_cache, v_cache, meta.slot_mapping, cos, sin, q_weight, k_weight, eps
-            )
+        q, rope = self._qk_rope(
+            True, q, k, v, k_cache, v_cache, meta, cos, sin, q_weight, k_weight, eps
+        )
         decode_attention(
             q,
             k_cache,
