@@ -703,15 +703,34 @@ def merge_splits(
             f"{tuple(partial_lse.shape)} {partial_lse.dtype}, out {tuple(out.shape)} do not match"
         )
     if b and h:
-        _decode_reduce_kernel[(h, b)](
-            out, partial_out, partial_lse, partial_lse, s,
-            out.stride(0), out.stride(1), out.stride(2),
-            partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-            partial_lse.stride(0), partial_lse.stride(1),
-            HEAD_DIM=d, BLOCK_S=max(16, triton.next_power_of_2(s)), VARLEN=False, num_warps=4,
-            **pdl_kwargs(out.device),
-        )  # fmt: skip
+        _launch_reduce(out, partial_out, partial_lse, s, b)
     return out
+
+
+def _launch_reduce(out, partial_out, partial_lse, num_splits: int, num_seqs: int, cu_q=None):
+    """The split merge's launch, grid ``(H_q, num_seqs)``: the first ``num_splits`` splits of
+    the scratch into ``out`` (``cu_q``: a mixed step's ``cu_seqlens_q``, its packed decode rows
+    only; None: row ``b`` is sequence ``b``)."""
+    _decode_reduce_kernel[(partial_out.shape[1], num_seqs)](
+        out,
+        partial_out,
+        partial_lse,
+        partial_lse if cu_q is None else cu_q,  # an unused placeholder without VARLEN
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        partial_out.stride(0),
+        partial_out.stride(1),
+        partial_out.stride(2),
+        partial_lse.stride(0),
+        partial_lse.stride(1),
+        HEAD_DIM=out.shape[-1],
+        BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
+        VARLEN=cu_q is not None,
+        num_warps=4,
+        **pdl_kwargs(out.device),
+    )
 
 
 def decode_attention(
@@ -940,24 +959,5 @@ def decode_attention(
     if not merge:
         return None
     if split and not fused:
-        _decode_reduce_kernel[(hq, b)](
-            out,
-            partial_out,
-            partial_lse,
-            cu_q,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            out.stride(2),
-            partial_out.stride(0),
-            partial_out.stride(1),
-            partial_out.stride(2),
-            partial_lse.stride(0),
-            partial_lse.stride(1),
-            HEAD_DIM=d,
-            BLOCK_S=block_s,
-            VARLEN=varlen,
-            num_warps=4,
-            **pdl,
-        )
+        _launch_reduce(out, partial_out, partial_lse, num_splits, b, cu_seqlens_q)
     return out
