@@ -131,15 +131,14 @@ def _gemv_attn_merge_kernel(
         wt = tl.load(w_ptrs)
         head = k0 // HEAD_DIM
         d0 = k0 % HEAD_DIM
+        xt = tl.zeros((BLOCK_K, BLOCK_M), dtype=dtype)
         if ONE_ROW:  # M == 1: no row loop around the loads
             col = _merged_features(
                 po_ptr, plse_ptr + head * stride_plh, head, d0, stride_poh, stride_pos,
                 NUM_SPLITS, BLOCK_S, BLOCK_K,
             )  # fmt: skip
-            xt = tl.where(rm[None, :] == 0, col.to(dtype)[:, None], tl.zeros_like(col)[:, None])
-            xt = xt.to(dtype)
+            xt = tl.where(rm[None, :] == 0, col.to(dtype)[:, None], xt)  # the reduce's rounding
         else:
-            xt = tl.zeros((BLOCK_K, BLOCK_M), dtype=dtype)
             for m in range(0, M):
                 col = _merged_features(
                     po_ptr + m * stride_pob, plse_ptr + m * stride_plb + head * stride_plh, head,
