@@ -154,25 +154,56 @@ def _gemv_epilogue(
     kernel (whose split count is a launch argument: ``tl.num_programs(1)``)."""
     mask = m_ok[None, :] & (rn[:, None] < N)
     o_ptrs = out_ptr + rm[None, :] * stride_om + rn[:, None]
-    if not SPLIT:
+    total, last = split_k_total(
+        acc, part_ptr, counter_ptr, M, N, pid_n, pid_k, rn, rm, mask, splits, BLOCK_N, BLOCK_M,
+        SPLIT,
+    )  # fmt: skip
+    if last:
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn_c).to(tl.float32)[:, None]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
+            total += tl.load(bias_ptr + rn_c).to(tl.float32)[:, None]
+        tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def split_k_total(
+    acc,
+    part_ptr,
+    counter_ptr,
+    M,
+    N,
+    pid_n,
+    pid_k,
+    rn,
+    rm,
+    mask,
+    splits,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Serial split-K of program ``(pid_n, pid_k)``'s fp32 ``acc [BLOCK_N, BLOCK_M]``: returns
+    ``(total, last)``, ``last`` true in the one program of N tile ``pid_n`` that holds the
+    finished sum ``total`` (every program when not ``SPLIT``: ``acc`` itself). With ``SPLIT``
+    each program stores its partial (``[splits, M, N]`` at ``part_ptr``, where ``mask``), counts
+    its arrival, and the last to arrive sums the partials in split order (so the result does not
+    depend on the arrival order) and sets the tile's counter back to zero (the module
+    docstring). The caller stores ``total`` where ``last``; in other programs it is ``acc``."""
+    total = acc
+    last = True
+    if SPLIT:
         tile = (rm[None, :] * N + rn[:, None]).to(tl.int64)  # [BLOCK_N, BLOCK_M] in one partial
         tl.store(part_ptr + pid_k * M * N + tile, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the arrival below
         arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == splits - 1:
+        last = arrived == splits - 1
+        if last:
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in range(0, splits):
                 total += tl.load(
                     part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg"
                 )
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + rn_c).to(tl.float32)[:, None]
-            tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    return total, last
 
 
 def gemv_counters(device: torch.device) -> torch.Tensor:
