@@ -50,8 +50,9 @@ from kernels.interpreter import interpreting as _interpreting
 from kernels.pdl import pdl_wait, prefetch_l2
 
 #: the fused prologues, as :func:`fused_gemv_config` names them in the table's keys
-#: ("attn_merge": :mod:`kernels.gemv_merge`)
-FUSED_KINDS = ("swiglu", "rms_norm", "attn_merge")
+#: ("attn_merge": :mod:`kernels.gemv_merge`; "qkv_rope": :mod:`kernels.gemv_qk_rope`, the norm
+#: before q/k/v and the q/k norm + rotary + KV store after it)
+FUSED_KINDS = ("swiglu", "rms_norm", "attn_merge", "qkv_rope")
 
 
 @triton.jit
@@ -172,17 +173,63 @@ def _gemv_rms_norm_kernel(
     PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
 ):
-    """Program ``(n tile, k split)`` of ``rms_norm(x (+ res)) W^T``: a first pass over the
-    full rows for each row's ``rsqrt(mean(h^2) + eps)``, then the K slice normalized as it
-    loads; programs of N tile 0 store ``h = x + res`` (their K slices cover the rows).
-    ``PDL`` / ``PREFETCH`` as in :func:`kernels.gemv._gemv_kernel`."""
+    """Program ``(n tile, k split)`` of ``rms_norm(x (+ res)) W^T`` (:func:`rms_norm_gemv_acc`),
+    stored by the GEMV's split-K epilogue."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    dtype = x_ptr.dtype.element_ty
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_c = (rn % N).to(tl.int64)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
+    acc = rms_norm_gemv_acc(
+        x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, M, K, K_PER_SPLIT, stride_xm, stride_rm,
+        stride_rom, stride_wn, eps, pid_n, pid_k, rn_c, rm, m_ok, BLOCK_M, BLOCK_N, BLOCK_K,
+        HAS_RESIDUAL, EVEN_K, UPCAST, DOT_PREC, EMULATE_RNE, PDL, PREFETCH,
+    )  # fmt: skip
+    _gemv_epilogue(
+        acc, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, stride_om, pid_n, pid_k,
+        rn, rn_c, rm, m_ok, SPLIT_K, BLOCK_N, BLOCK_M, SPLIT_K > 1, HAS_BIAS,
+    )  # fmt: skip
+
+
+@triton.jit
+def rms_norm_gemv_acc(
+    x_ptr,
+    res_ptr,
+    norm_w_ptr,
+    res_out_ptr,
+    w_ptr,
+    M,
+    K,
+    K_PER_SPLIT,
+    stride_xm,
+    stride_rm,
+    stride_rom,
+    stride_wn,
+    eps,
+    pid_n,
+    pid_k,
+    rn_c,
+    rm,
+    m_ok,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """The fp32 ``acc [BLOCK_N, BLOCK_M]`` of program ``(pid_n, pid_k)`` of ``rms_norm(x (+
+    res)) W^T`` (weight rows ``rn_c``, activation rows ``rm`` valid where ``m_ok``): a first
+    pass over the full rows for each row's ``rsqrt(mean(h^2) + eps)``, then the K slice
+    normalized as it loads; programs of N tile 0 store ``h = x + res`` (their K slices cover
+    the rows). ``PDL`` / ``PREFETCH`` as in :func:`kernels.gemv._gemv_kernel` (the wait is in
+    here). Shared by :func:`_gemv_rms_norm_kernel` and ``kernels.gemv_qk_rope``."""
+    dtype = x_ptr.dtype.element_ty
     rk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * K_PER_SPLIT  # this program's K slice (pass 2)
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
@@ -234,10 +281,7 @@ def _gemv_rms_norm_kernel(
         r_ptrs += BLOCK_K
         ro_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    _gemv_epilogue(
-        acc, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, stride_om, pid_n, pid_k,
-        rn, rn_c, rm, m_ok, SPLIT_K, BLOCK_N, BLOCK_M, SPLIT_K > 1, HAS_BIAS,
-    )  # fmt: skip
+    return acc
 
 
 def fused_gemv_config(kind: str, m: int, n: int, k: int, device: torch.device) -> GemvConfig | None:
@@ -344,12 +388,7 @@ def gemv_swiglu(
         SPLIT_K=plan.split_k,
         HAS_BIAS=bias is not None,
         EVEN_K=plan.even_k,
-        UPCAST=upcast_dot(gate_up.device, w.dtype),
-        DOT_PREC=dot_precision(w.dtype),
-        EMULATE_RNE=_interpreting() and w.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **pdl_launch_args(gate_up.device, prefetchable(w, cfg.block_k)),
+        **launch_flags(gate_up, w, cfg),
     )
     return out
 
@@ -395,25 +434,13 @@ def gemv_rms_norm(
             f"gemv_rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match x "
             f"{tuple(x.shape)} {x.dtype}"
         )
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    res_out = (
-        torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
-    )
+    out, res_out = norm_outputs(x, residual, n)
     if m == 0:
         return out, res_out
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if residual is not None and residual.stride(1) != 1:
-        residual = residual.contiguous()
-    norm_weight = norm_weight.contiguous()
     cfg = config or fused_gemv_config("rms_norm", m, n, k, x.device) or GemvConfig()
     plan = split_plan(m, n, k, cfg, out)
-    res = residual if residual is not None else x
     _gemv_rms_norm_kernel[plan.grid](
-        x,
-        res,
-        norm_weight,
-        res_out if res_out is not None else x,
+        *norm_operands(x, residual, norm_weight, res_out),
         w,
         bias if bias is not None else w,
         out,
@@ -423,9 +450,7 @@ def gemv_rms_norm(
         n,
         k,
         plan.k_per_split,
-        x.stride(0),
-        res.stride(0),
-        res_out.stride(0) if res_out is not None else x.stride(0),
+        *norm_strides(x, residual, res_out),
         w.stride(0),
         out.stride(0),
         float(eps),
@@ -436,11 +461,51 @@ def gemv_rms_norm(
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
         EVEN_K=plan.even_k,
-        UPCAST=upcast_dot(x.device, w.dtype),
-        DOT_PREC=dot_precision(w.dtype),
-        EMULATE_RNE=_interpreting() and w.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **pdl_launch_args(x.device, prefetchable(w, cfg.block_k)),
+        **launch_flags(x, w, cfg),
     )
     return out, res_out
+
+
+def norm_outputs(x: torch.Tensor, residual: torch.Tensor | None, n: int):
+    """The outputs of a norm GEMV launch: ``(y [M, n] new, new residual [M, K] contiguous or
+    None without a residual)``."""
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    res_out = None
+    if residual is not None:
+        res_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return out, res_out
+
+
+def _k_dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def norm_operands(x, residual, norm_weight, res_out) -> tuple:
+    """The first four pointers of a norm GEMV launch (:func:`rms_norm_gemv_acc`'s ``x_ptr,
+    res_ptr, norm_w_ptr, res_out_ptr``): unit K strides (copies where needed), and ``x`` in
+    place of a missing residual (never read then)."""
+    x = _k_dense(x)
+    res = _k_dense(residual) if residual is not None else x
+    return x, res, norm_weight.contiguous(), res_out if res_out is not None else x
+
+
+def norm_strides(x, residual, res_out) -> tuple[int, int, int]:
+    """``(stride_xm, stride_rm, stride_rom)`` of the operands :func:`norm_operands` passes
+    (row strides are kept; a K-strided input is copied to a contiguous one)."""
+    xs = x.stride(0) if x.stride(1) == 1 else x.shape[1]
+    rs = xs if residual is None else residual.stride(0) if residual.stride(1) == 1 else x.shape[1]
+    return xs, rs, res_out.stride(0) if res_out is not None else xs
+
+
+def launch_flags(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig) -> dict:
+    """The keyword arguments every small-M fused launch shares: the interpreter's upcast and
+    round-to-nearest emulation, the dot precision, warps and stages, and PDL with the weight
+    prefetch (:func:`kernels.gemv.pdl_launch_args`)."""
+    return {
+        "UPCAST": upcast_dot(x.device, w.dtype),
+        "DOT_PREC": dot_precision(w.dtype),
+        "EMULATE_RNE": _interpreting() and w.dtype == torch.bfloat16,
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+        **pdl_launch_args(x.device, prefetchable(w, cfg.block_k)),
+    }
