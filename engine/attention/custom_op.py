@@ -213,6 +213,54 @@ def paged_attention_qk_rope(
     )
 
 
+@torch.library.custom_op("qwen_serve::paged_attention_stored", mutates_args=())
+def paged_attention_stored_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    is_decode: bool,
+    scale: float,
+    backend: str,
+) -> torch.Tensor:
+    """Attention over caches that already hold this step's k/v (the backend's
+    ``forward_stored``; the q/k/v projection stored them). Reads the caches, which the
+    projection's op declares mutated, so Inductor orders this op after it.
+
+    Returns:
+        A new ``[T, H_q, D]`` tensor in ``q.dtype``.
+
+    Raises:
+        ValueError: unknown backend name, a backend without ``forward_stored``, or what it
+            raises.
+    """
+    meta = AttentionMetadata(
+        slot_mapping, block_tables, seq_lens, cu_seqlens_q, max_query_len, max_seq_len, is_decode
+    )
+    impl = get_attention_backend(backend)
+    if not hasattr(impl, "forward_stored"):
+        raise ValueError(f"attention backend {backend!r} cannot attend over stored k/v")
+    return impl.forward_stored(q, k_cache, v_cache, meta, scale)
+
+
+@paged_attention_stored_op.register_fake
+def _paged_attention_stored_fake(q, k_cache, v_cache, *rest):
+    return q.new_empty(q.shape)  # contiguous whatever q's strides
+
+
+def paged_attention_stored(q, k_cache, v_cache, meta: AttentionMetadata, scale, backend):
+    """:func:`paged_attention_stored_op` with the metadata unpacked."""
+    return paged_attention_stored_op(
+        q, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+        meta.cu_seqlens_q, meta.max_query_len, meta.max_seq_len, meta.is_decode, scale, backend,
+    )  # fmt: skip
+
+
 @torch.library.custom_op(
     "qwen_serve::paged_decode_partials_qk_rope", mutates_args=("k_cache", "v_cache")
 )

@@ -9,6 +9,7 @@ from torch import nn
 from engine.attention.custom_op import (
     paged_attention,
     paged_attention_qk_rope,
+    paged_attention_stored,
     paged_decode_partials_qk_rope,
 )
 from engine.attention.metadata import AttentionMetadata
@@ -102,6 +103,29 @@ class PagedAttention(nn.Module):
         return self.backend.forward_qk_rope(
             q, k, v, k_cache, v_cache, meta, self.scale, cos, sin, q_weight, k_weight, eps
         )
+
+    def has_stored_attend(self) -> bool:
+        """Whether the backend attends over caches the q/k/v projection already filled
+        (:meth:`forward_stored`; the Triton backend)."""
+        return hasattr(self.backend, "forward_stored")
+
+    def forward_stored(
+        self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Attention of ``q`` ``[T, H_q, D]`` (normalized and rotated, any strides) over this
+        layer's caches, which already hold this step's k/v (``kernels.gemv_qk_rope`` stored
+        them). Returns ``[T, H_q, D]``.
+
+        Raises:
+            ValueError: a backend without it (:meth:`has_stored_attend`), or what it raises.
+        """
+        k_cache, v_cache = kv_cache
+        if self.custom_op:
+            return paged_attention_stored(q, k_cache, v_cache, meta, self.scale, self.backend_name)
+        if not self.has_stored_attend():
+            name = self.backend_name
+            raise ValueError(f"attention backend {name!r} cannot attend over stored k/v")
+        return self.backend.forward_stored(q, k_cache, v_cache, meta, self.scale)
 
     def has_decode_partials(self) -> bool:
         """Whether the backend can stop a pure decode step at the split-KV partials

@@ -280,6 +280,30 @@ class TritonAttentionBackend:
         store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         return self._attend(q, k_cache, v_cache, meta, scale)
 
+    def forward_stored(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention over caches that already hold this step's keys and values, for a ``q``
+        already normalized and rotated: what :meth:`forward_qk_rope` does after its q/k norm +
+        rotary + store launch, when the q/k/v projection did that work in its epilogue
+        (``kernels.gemv_qk_rope``). ``q``: ``[T, H_q, D]``, any strides (a view of the
+        projection output).
+
+        Returns:
+            ``[T, H_q, D]`` in ``q.dtype``.
+
+        Raises:
+            ValueError: on a non-CUDA device without ``TRITON_INTERPRET=1``; what the kernels
+                raise.
+        """
+        _check_device(q)
+        return self._attend(q, k_cache, v_cache, meta, scale)
+
     def forward_qk_rope(
         self,
         q: torch.Tensor,

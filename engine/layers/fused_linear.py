@@ -5,7 +5,10 @@ measured to win (:mod:`kernels.gemv_fused`), else the two as before.
   ``input_layernorm``, gate/up after ``post_attention_layernorm``);
 * :func:`swiglu_linear`: SwiGLU, then the down projection;
 * :func:`merge_linear`: split-KV decode attention's merge of its partials, then the output
-  projection (:func:`merge_tiles` says whether to ask the attention layer for partials).
+  projection (:func:`merge_tiles` says whether to ask the attention layer for partials);
+* :func:`norm_qkv_rope`: residual add + RMSNorm, the q/k/v projection, then Qwen3's q/k
+  RMSNorm, the rotary embedding and the KV-cache store (:func:`qkv_rope_tiles` says whether;
+  the attention layer then attends over the stored cache).
 
 Each takes a ``mode``: None ("auto", the model's default) fuses exactly where today's dispatch
 (:mod:`engine.layers.dense_linear`) would run the small-M GEMV -- bf16/fp16 on CUDA, at most
@@ -17,7 +20,8 @@ only (an FP8 layer keeps its own product).
 
 Inside a compiled (``torch.compile``) forward the choice is made while tracing, from the static
 row count: the batch-1 graph (T == 1 is specialised, see ``engine.models.compile``) gets the
-fused custom op (``qwen_serve::gemv_rms_norm`` / ``gemv_swiglu`` / ``gemv_attn_merge``, opaque to
+fused custom op (``qwen_serve::gemv_rms_norm`` / ``gemv_swiglu`` / ``gemv_attn_merge`` /
+``gemv_rms_norm_qk_rope``, opaque to
 Inductor, CUDA-graph capturable), and a graph whose row count is symbolic (every T >= 2, prefill
 included) keeps the unfused ops, which Inductor compiles as before -- a runtime choice there
 would have to run the unfused norm eagerly inside the op for large T.
@@ -202,3 +206,95 @@ def merge_linear(partial_out, partial_lse, linear, tiles: list[int]) -> torch.Te
     from kernels.gemv_merge import gemv_attn_merge
 
     return gemv_attn_merge(partial_out, partial_lse, linear.weight, linear.bias, _config(tiles))
+
+
+@torch.library.custom_op("qwen_serve::gemv_rms_norm_qk_rope", mutates_args=("k_cache", "v_cache"))
+def gemv_rms_norm_qk_rope_op(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    num_q_heads: int,
+    num_kv_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    qk_eps: float,
+    tiles: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kernels.gemv_qk_rope.gemv_rms_norm_qk_rope` with ``tiles``: ``(qkv [M, N] with q
+    and k normalized and rotated, new residual [M, K])`` (an empty ``[0, K]`` when ``residual``
+    is None); the caches are updated in place (declared mutated, so Inductor orders the
+    attention op that reads them after this one)."""
+    from kernels.gemv_qk_rope import gemv_rms_norm_qk_rope
+
+    y, res = gemv_rms_norm_qk_rope(
+        x, norm_weight, eps, weight, bias, residual, num_q_heads, num_kv_heads, k_cache,
+        v_cache, slot_mapping, cos, sin, q_weight, k_weight, qk_eps, _config(tiles),
+    )  # fmt: skip
+    return y, res if res is not None else x.new_empty((0, x.shape[1]))
+
+
+@gemv_rms_norm_qk_rope_op.register_fake
+def _gemv_rms_norm_qk_rope_fake(x, residual, norm_weight, eps, weight, bias, *rest):
+    rows = x.shape[0] if residual is not None else 0
+    return x.new_empty((x.shape[0], weight.shape[0])), x.new_empty((rows, x.shape[1]))
+
+
+def qkv_rope_tiles(x, residual, norm, linear, head_dim: int, mode: bool | None = None):
+    """The tiles of :func:`norm_qkv_rope` (N tiles of one head: ``block_n == head_dim``), or
+    None to keep the norm GEMV and the separate q/k norm + rotary + store launch (``mode`` and
+    the rest as in :func:`norm_linear`; ``QWEN_SERVE_FUSED_QKV_ROPE_GEMV=0`` off). A table
+    entry whose tiles are not one head wide is not used; a forced fusion (``mode`` True) gets
+    the default tiles one head wide."""
+    if norm.weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
+        return None
+    if head_dim % 16 or head_dim & (head_dim - 1):  # the kernel's N tile: a power of two >= 16
+        return None
+    tiles = _tiles("qkv_rope", mode, x, linear, kernel_switches.FUSED_QKV_ROPE_GEMV)
+    if tiles is None or tiles[0] == head_dim:
+        return tiles
+    return None if mode is None else [head_dim, *tiles[1:]]
+
+
+def norm_qkv_rope(x, residual, norm, linear, tiles: list[int], heads: tuple[int, int], kv_cache,
+                  slot_mapping, rope, q_norm, k_norm):  # fmt: skip
+    """The input norm, q/k/v projection, q/k norm + rotary and the KV-cache store of a decoder
+    layer in one small-M launch (:mod:`kernels.gemv_qk_rope`).
+
+    Args:
+        x, residual, norm, linear: as in :func:`norm_linear` (``linear`` the q/k/v projection,
+            weight ``[(Hq + 2 Hkv) D, H]``).
+        tiles: from :func:`qkv_rope_tiles`.
+        heads: ``(Hq, Hkv)`` of this rank.
+        kv_cache: this layer's ``(k_cache, v_cache)``, ``[num_blocks, block_size, Hkv, D]``,
+            updated in place at ``slot_mapping`` (int64 ``[T]``, negative: not stored).
+        rope: ``(cos, sin)`` ``[T, 1, D]`` rows of the tokens' positions.
+        q_norm, k_norm: the per-head ``RMSNorm`` modules (Qwen3), or both None (Qwen2).
+
+    Returns:
+        ``(qkv [T, (Hq + 2 Hkv) D], residual [T, H])``: q and k normalized and rotated, v as
+        projected, in the model dtype.
+    """
+    cos, sin = rope
+    q_w = None if q_norm is None else q_norm.weight
+    k_w = None if k_norm is None else k_norm.weight
+    qk_eps = 0.0 if q_norm is None else q_norm.eps
+    args = (x, residual, norm.weight, norm.eps, linear.weight, linear.bias, *heads, *kv_cache,
+            slot_mapping, cos, sin, q_w, k_w, qk_eps)  # fmt: skip
+    if torch.compiler.is_compiling():
+        y, new_res = gemv_rms_norm_qk_rope_op(*args, tiles)
+    else:
+        from kernels.gemv_qk_rope import gemv_rms_norm_qk_rope
+
+        y, new_res = gemv_rms_norm_qk_rope(
+            x, norm.weight, norm.eps, linear.weight, linear.bias, residual, *heads, *kv_cache,
+            slot_mapping, cos, sin, q_w, k_w, qk_eps, _config(tiles),
+        )  # fmt: skip
+    return y, (x if residual is None else new_res)

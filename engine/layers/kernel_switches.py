@@ -11,6 +11,8 @@ one tree (``bench/latency_ab.sh``) and as an escape hatch should a kernel misbeh
   (``gemv_swiglu`` not used).
 * ``QWEN_SERVE_FUSED_MERGE_GEMV=0``: split-KV decode attention merges its splits in its own
   launch before the output projection (``kernels/gemv_merge.py`` not used).
+* ``QWEN_SERVE_FUSED_QKV_ROPE_GEMV=0``: the q/k norm + rotary + KV store runs as its own
+  launch after the q/k/v projection (``kernels/gemv_qk_rope.py`` not used).
 * ``QWEN_SERVE_TRITON_SWIGLU=0``: SwiGLU outside the fused GEMV (prompt steps) runs as the
   compiled composition (``engine.layers.pointwise``) instead of ``kernels/swiglu.py``'s Triton
   kernel (2.8 against 1.4-1.7 TB/s on an H100; docs/benchmarks.md, 2026-12-05, fourth session).
@@ -33,4 +35,5 @@ SMALL_M_GEMV = env_switch("QWEN_SERVE_SMALL_M_GEMV")
 FUSED_NORM_GEMV = env_switch("QWEN_SERVE_FUSED_NORM_GEMV")
 FUSED_SWIGLU_GEMV = env_switch("QWEN_SERVE_FUSED_SWIGLU_GEMV")
 FUSED_MERGE_GEMV = env_switch("QWEN_SERVE_FUSED_MERGE_GEMV")
+FUSED_QKV_ROPE_GEMV = env_switch("QWEN_SERVE_FUSED_QKV_ROPE_GEMV")
 TRITON_SWIGLU = env_switch("QWEN_SERVE_TRITON_SWIGLU")

@@ -29,7 +29,14 @@ from engine.attention.metadata import AttentionMetadata
 from engine.core.config import ModelConfig
 from engine.layers import kernel_switches
 from engine.layers.embedding import VocabParallelEmbedding
-from engine.layers.fused_linear import merge_linear, merge_tiles, norm_linear, swiglu_linear
+from engine.layers.fused_linear import (
+    merge_linear,
+    merge_tiles,
+    norm_linear,
+    norm_qkv_rope,
+    qkv_rope_tiles,
+    swiglu_linear,
+)
 from engine.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -60,6 +67,10 @@ class Qwen3Attention(nn.Module):
     :meth:`PagedAttention.forward`. ``fuse_merge_gemv`` (with ``fuse_qk_rope``, pure decode
     steps): the attention layer stops at the split-KV partials and ``o_proj``'s small-M kernel
     merges them (:func:`engine.layers.fused_linear.merge_linear`; mode None auto, True, False).
+    ``fuse_qkv_rope_gemv`` (with ``fuse_qk_rope`` and a backend that attends over stored k/v):
+    :meth:`forward_norm` runs the input norm, q/k/v, the q/k norm + rotary and the KV store as
+    one small-M kernel (:func:`engine.layers.fused_linear.norm_qkv_rope`; same modes); the split
+    merge is then not fused.
     """
 
     def __init__(
@@ -71,12 +82,14 @@ class Qwen3Attention(nn.Module):
         tp: TensorParallel | None = None,
         fuse_qk_rope: bool = False,
         fuse_merge_gemv: bool | None = None,
+        fuse_qkv_rope_gemv: bool | None = None,
     ):
         super().__init__()
         self.ops = ops
         self.tp = tp
         self.fuse_qk_rope = fuse_qk_rope
         self.fuse_merge_gemv = fuse_merge_gemv
+        self.fuse_qkv_rope_gemv = fuse_qkv_rope_gemv
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size,
             cfg.head_dim,
@@ -107,6 +120,31 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, x, rope, kv_cache, meta: AttentionMetadata):
         return self.attend(self.qkv_proj(x), rope, kv_cache, meta)
+
+    def forward_norm(self, x, residual, norm, norm_mode, rope, kv_cache, meta: AttentionMetadata):
+        """The layer's input norm (``norm``, with the residual add) and attention: ``(attention
+        output after o_proj [T, H], residual [T, H])``. The norm, q/k/v, q/k norm + rotary and
+        the KV store are one kernel where :func:`qkv_rope_tiles` says so (the attention then
+        reads the stored cache), else the norm is fused into q/k/v as ``norm_mode`` says
+        (:func:`norm_linear`) and :meth:`attend` does the rest."""
+        tiles = None
+        if self.fuse_qk_rope and self.attn.has_stored_attend():
+            tiles = qkv_rope_tiles(
+                x, residual, norm, self.qkv_proj, self.head_dim, self.fuse_qkv_rope_gemv
+            )
+        if tiles is None:
+            qkv, residual = norm_linear(x, residual, norm, self.qkv_proj, self.ops, norm_mode)
+            return self.attend(qkv, rope, kv_cache, meta), residual
+        heads = (self.num_heads, self.num_kv_heads)
+        qkv, residual = norm_qkv_rope(
+            x, residual, norm, self.qkv_proj, tiles, heads, kv_cache, meta.slot_mapping, rope,
+            self.q_norm, self.k_norm,
+        )  # fmt: skip
+        t = qkv.shape[0]
+        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        attn = self.attn.forward_stored(q, kv_cache, meta)
+        o = self.o_proj(attn.reshape(t, self.q_size))
+        return (o if self.tp is None else self.tp.all_reduce(o)), residual
 
     def attend(self, qkv, rope, kv_cache, meta: AttentionMetadata):
         """Attention from the q/k/v projection's output ``qkv [T, (Hq + 2 Hkv) D]`` (the
@@ -192,10 +230,11 @@ class Qwen3DecoderLayer(nn.Module):
 
     ``mlp``: the MLP module, any ``[T, H] -> [T, H]`` (default: the dense :class:`Qwen3MLP`;
     Qwen3-MoE passes a sparse MoE block). ``tp``: the tensor-parallel group or None.
-    ``fuse_qk_rope``, ``fuse_merge_gemv``: see :class:`Qwen3Attention`. ``fuse_norm_gemv``:
-    each RMSNorm (with its residual add) inside the small-M kernel of the projection after it,
-    q/k/v and (dense MLP) gate/up (:func:`engine.layers.fused_linear.norm_linear`'s mode: None
-    auto, True, False); ``fuse_swiglu_gemv``: see :class:`Qwen3MLP`.
+    ``fuse_qk_rope``, ``fuse_merge_gemv``, ``fuse_qkv_rope_gemv``: see :class:`Qwen3Attention`.
+    ``fuse_norm_gemv``: each RMSNorm (with its residual add) inside the small-M kernel of the
+    projection after it, q/k/v and (dense MLP) gate/up
+    (:func:`engine.layers.fused_linear.norm_linear`'s mode: None auto, True, False);
+    ``fuse_swiglu_gemv``: see :class:`Qwen3MLP`.
     """
 
     def __init__(
@@ -210,13 +249,15 @@ class Qwen3DecoderLayer(nn.Module):
         fuse_norm_gemv: bool | None = None,
         fuse_swiglu_gemv: bool | None = None,
         fuse_merge_gemv: bool | None = None,
+        fuse_qkv_rope_gemv: bool | None = None,
     ):
         super().__init__()
         self.ops = ops
         self.fuse_norm_gemv = fuse_norm_gemv
         self.self_attn = Qwen3Attention(
-            cfg, ops, attention_backend, custom_op, tp, fuse_qk_rope, fuse_merge_gemv
-        )
+            cfg, ops, attention_backend, custom_op, tp, fuse_qk_rope, fuse_merge_gemv,
+            fuse_qkv_rope_gemv,
+        )  # fmt: skip
         self.mlp = mlp if mlp is not None else Qwen3MLP(cfg, ops, tp, fuse_swiglu_gemv)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -224,11 +265,10 @@ class Qwen3DecoderLayer(nn.Module):
     def forward(self, x, residual, rope, kv_cache, meta):
         """``x``: the previous layer's output (not yet added to ``residual``; None residual for
         the first layer). Returns (this layer's MLP output, residual stream)."""
-        attn, mode = self.self_attn, self.fuse_norm_gemv
-        qkv, residual = norm_linear(
-            x, residual, self.input_layernorm, attn.qkv_proj, self.ops, mode
+        mode = self.fuse_norm_gemv
+        h, residual = self.self_attn.forward_norm(
+            x, residual, self.input_layernorm, mode, rope, kv_cache, meta
         )
-        h = attn.attend(qkv, rope, kv_cache, meta)
         ln = self.post_attention_layernorm
         if isinstance(self.mlp, Qwen3MLP):
             gate_up, residual = norm_linear(h, residual, ln, self.mlp.gate_up_proj, self.ops, mode)
@@ -251,6 +291,7 @@ class Qwen3Model(nn.Module):
         fuse_norm_gemv: bool | None = None,
         fuse_swiglu_gemv: bool | None = None,
         fuse_merge_gemv: bool | None = None,
+        fuse_qkv_rope_gemv: bool | None = None,
     ):
         super().__init__()
         if tp is None:
@@ -269,6 +310,7 @@ class Qwen3Model(nn.Module):
                 fuse_norm_gemv,
                 fuse_swiglu_gemv,
                 fuse_merge_gemv,
+                fuse_qkv_rope_gemv,
             )
             for i in range(cfg.num_hidden_layers)
         )
@@ -311,6 +353,10 @@ class Qwen3ForCausalLM(nn.Module):
             small-M kernel in pure decode steps (``kernels/gemv_merge.py``; needs
             ``fuse_qk_rope`` and the Triton backend); None (auto) as above, with the
             ``attn_merge`` table entries and ``QWEN_SERVE_FUSED_MERGE_GEMV=0``.
+        fuse_qkv_rope_gemv: the input norm, q/k/v projection, q/k norm + rotary and KV store of
+            each layer in one small-M kernel (``kernels/gemv_qk_rope.py``; needs
+            ``fuse_qk_rope`` and the Triton backend); None (auto) as above, with the
+            ``qkv_rope`` table entries and ``QWEN_SERVE_FUSED_QKV_ROPE_GEMV=0``.
 
     ``cfg.quantization`` (block FP8 or None) quantizes the decoder's linear layers (q/k/v, o,
     gate/up, down); the embeddings, norms and LM head stay in the model dtype.
@@ -341,6 +387,7 @@ class Qwen3ForCausalLM(nn.Module):
         fuse_norm_gemv: bool | None = None,
         fuse_swiglu_gemv: bool | None = None,
         fuse_merge_gemv: bool | None = None,
+        fuse_qkv_rope_gemv: bool | None = None,
     ):
         super().__init__()
         if compile_mode not in COMPILE_MODES:
@@ -365,6 +412,7 @@ class Qwen3ForCausalLM(nn.Module):
             fuse_norm_gemv=fuse_norm_gemv,
             fuse_swiglu_gemv=fuse_swiglu_gemv,
             fuse_merge_gemv=fuse_merge_gemv,
+            fuse_qkv_rope_gemv=fuse_qkv_rope_gemv,
         )
         if cfg.tie_word_embeddings:
             self.lm_head = None

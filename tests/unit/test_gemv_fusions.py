@@ -195,6 +195,87 @@ def test_merge_fusion_stays_off_for_the_torch_backend_and_in_auto_mode_on_the_cp
     assert merges == []
 
 
+@pytest.fixture
+def qkv_ropes(monkeypatch):
+    """Row counts of the fused q/k/v + q/k norm + rotary + store launches
+    (``kernels/gemv_qk_rope.py``)."""
+    import kernels.gemv_qk_rope as gq
+
+    rows = []
+    real = gq.gemv_rms_norm_qk_rope
+
+    def wrapper(x, *args, **kwargs):
+        rows.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(gq, "gemv_rms_norm_qk_rope", wrapper)
+    return rows
+
+
+@pytest.mark.parametrize(
+    "compile_mode, dtype, bias",
+    [("none", "float32", False), ("none", "bfloat16", True), ("model", "float32", False)],
+    ids=["eager", "eager_bf16_qwen2", "compiled"],
+)
+def test_qkv_rope_fused_model_matches_unfused(
+    qkv_ropes, compile_mode, dtype, bias, one_torch_thread
+):
+    """The Triton backend with ``fuse_qkv_rope_gemv=True``: the input norm, q/k/v, q/k norm +
+    rotary and KV store of each layer run as one kernel -- eagerly in every step of at most 16
+    tokens (prompt steps included), compiled only in the T == 1 graph -- and the hidden states
+    and the stored k/v match the unfused model's (Qwen3, and Qwen2's bias without the q/k
+    norm)."""
+    torch._dynamo.reset()
+    try:
+        cfg = dataclasses.replace(_config(), dtype=dtype, attention_bias=bias, qk_norm=not bias)
+        tdt = getattr(torch, dtype)
+        unfused = Qwen3ForCausalLM(cfg, 512, "triton", fuse_qkv_rope_gemv=False)
+        init_random_weights(unfused, 0, std=0.08)
+        fused = Qwen3ForCausalLM(cfg, 512, "triton", compile_mode, fuse_qkv_rope_gemv=True)
+        fused.load_state_dict(unfused.state_dict())
+        unfused, fused = unfused.to(tdt).eval(), fused.to(tdt).eval()
+        caches_u = [(k.to(tdt), v.to(tdt)) for k, v in _caches()]
+        caches_f = [(k.to(tdt), v.to(tdt)) for k, v in _caches()]
+        gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+        layers = cfg.num_hidden_layers
+        tol = 1e-5 if dtype == "float32" else 2e-2
+        with torch.inference_mode():
+            for q_lens, cached in [
+                ([6], [0]),
+                ([1], [6]),
+                ([1, 1], [7, 3]),
+                ([1], [7]),
+                ([20], [0]),
+            ]:
+                ids, pos, meta = _step(gen, q_lens, cached)
+                want = unfused(ids, pos, caches_u, meta)
+                before = len(qkv_ropes)
+                got = fused(ids, pos, caches_f, meta)
+                t = sum(q_lens)
+                fuses = t <= 16 and (compile_mode == "none" or t == 1)
+                assert qkv_ropes[before:] == ([t] * layers if fuses else []), q_lens
+                rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                assert rel < tol, f"{q_lens}: relative difference {rel:.2e}"
+        for (ku, vu), (kf, vf) in zip(caches_u, caches_f):  # the same k/v stored
+            for a, b in ((kf, ku), (vf, vu)):
+                rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+                assert rel < tol, f"stored k/v differ by {rel:.2e}"
+        if compile_mode == "model":
+            assert fused._compiled._compiled is not None, "compilation fell back to eager"
+    finally:
+        torch._dynamo.reset()
+
+
+def test_qkv_rope_fusion_stays_off_for_the_torch_backend_and_in_auto_mode_on_the_cpu(qkv_ropes):
+    ids, pos, meta = _step(torch.Generator().manual_seed(2), [1], [4])
+    for backend, mode in (("torch", True), ("triton", None)):
+        model = Qwen3ForCausalLM(_config(), 512, backend, fuse_qkv_rope_gemv=mode).eval()
+        init_random_weights(model, 0, std=0.08)
+        with torch.inference_mode():
+            model(ids, pos, _caches(), meta)
+    assert qkv_ropes == []
+
+
 def _set_fusions(engine, on: bool) -> None:
     for layer in engine.executor.model.model.layers:
         layer.fuse_norm_gemv = on
