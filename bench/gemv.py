@@ -49,6 +49,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.gemv_configs import (  # noqa: E402
     FUSED_SHAPES,
+    QKV_ROPE_HEAD_DIM,
+    QKV_ROPE_KV_HEADS,
     SHAPES,
     TINY_FUSED_SHAPES,
     TINY_SHAPES,
@@ -62,8 +64,11 @@ from engine.layers.norm import add_rms_norm  # noqa: E402
 from kernels.configs import current_table, device_name, table_path  # noqa: E402
 from kernels.decode_attention import choose_num_splits, merge_splits  # noqa: E402
 from kernels.gemv import GemvConfig, gemv  # noqa: E402
-from kernels.gemv_fused import gemv_rms_norm, gemv_swiglu  # noqa: E402
+from kernels.gemv_fused import fused_gemv_config, gemv_rms_norm, gemv_swiglu  # noqa: E402
 from kernels.gemv_merge import gemv_attn_merge  # noqa: E402
+from kernels.gemv_qk_rope import gemv_rms_norm_qk_rope  # noqa: E402
+from kernels.qk_norm_rope import qk_norm_rope_store  # noqa: E402
+from kernels.reference import qk_norm_rope_store_ref  # noqa: E402
 
 EPS = 1e-6
 
@@ -174,10 +179,73 @@ def merge_case(m: int, k: int, dev, g, tiny: bool) -> tuple[torch.Tensor, torch.
     return po, lse
 
 
-def fused_case(kind: str, m: int, k: int, dev, g, tiny: bool):
-    """(inputs, float32 reference of the product's input ``[M, K]``, the unfused elementwise op
-    (Inductor-compiled on the GPU, as the compiled model runs it; eager under ``--tiny``),
-    fused call ``(w, cfg) -> (y, new residual or None)``, expected new residual or None)."""
+class QKRopeCase:
+    """A decode step's q/k/v inputs for ``m`` tokens of the ``qkv_rope`` fusion (head size 128,
+    8 KV heads; 16 and 1 under ``--tiny``): the layer input, residual and norm weights, q/k
+    norm weights, rotary rows of random positions, a paged cache of 16-token blocks and
+    distinct slots."""
+
+    def __init__(self, m: int, n: int, k: int, dev, g, tiny: bool):
+        bf = torch.bfloat16
+        self.d = d = 16 if tiny else QKV_ROPE_HEAD_DIM
+        self.hkv = 1 if tiny else QKV_ROPE_KV_HEADS
+        self.hq = n // d - 2 * self.hkv
+        self.x = torch.randn(m, k, device=dev, generator=g, dtype=bf)
+        self.res = torch.randn(m, k, device=dev, generator=g, dtype=bf)
+        self.nw = (1 + 0.1 * torch.randn(k, device=dev, generator=g)).to(bf)
+        self.qk_w = [(1 + 0.2 * torch.randn(d, device=dev, generator=g)).to(bf) for _ in "qk"]
+        pos = torch.randint(0, 8192, (m, 1), device=dev, generator=g).float()
+        inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev).float() / d))
+        ang = torch.cat([pos * inv] * 2, dim=1)
+        self.cos, self.sin = ang.cos().to(bf), ang.sin().to(bf)
+        self.cache = [torch.zeros(m, 16, self.hkv, d, device=dev, dtype=bf) for _ in "kv"]
+        self.slots = torch.arange(m, device=dev) * 16 + 3
+
+    def q_ref(self, w: torch.Tensor) -> torch.Tensor:
+        """float32 rotated q ``[M, Hq * D]`` (torch's RMSNorm, product, the torch q/k norm +
+        rotary reference)."""
+        h = self.x.float() + self.res.float()
+        y = F.rms_norm(h, (h.shape[1],), self.nw.float(), EPS) @ w.float().T
+        return self._rope(y, self.cos.float(), self.sin.float(), [t.float() for t in self.qk_w],
+                          [c.float() for c in self.cache])  # fmt: skip
+
+    def _rope(self, y, cos, sin, qk_w, cache):
+        m, d = y.shape[0], self.d
+        q, k, v = y.split([self.hq * d, self.hkv * d, self.hkv * d], dim=1)
+        view = (m, -1, d)
+        args = (*cache, self.slots, cos, sin, *qk_w, EPS)
+        return qk_norm_rope_store_ref(q.view(view), k.view(view), v.view(view), *args).view(m, -1)
+
+    def unfused(self, w: torch.Tensor, tiles: GemvConfig | None) -> torch.Tensor:
+        """Today's pair: the norm GEMV (``tiles``: its table's) then the q/k norm + rotary +
+        store launch; the rotated q ``[M, Hq * D]``."""
+        m, d = self.x.shape[0], self.d
+        y, _ = gemv_rms_norm(self.x, self.nw, EPS, w, None, self.res, tiles)
+        q, k, v = y.split([self.hq * d, self.hkv * d, self.hkv * d], dim=1)
+        view = (m, -1, d)
+        args = (*self.cache, self.slots, self.cos, self.sin, *self.qk_w, EPS)
+        return qk_norm_rope_store(q.view(view), k.view(view), v.view(view), *args).view(m, -1)
+
+    def fused(self, w: torch.Tensor, cfg: GemvConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused launch: ``(rotated q [M, Hq * D], new residual)``."""
+        y, new_res = gemv_rms_norm_qk_rope(
+            self.x, self.nw, EPS, w, None, self.res, self.hq, self.hkv, *self.cache, self.slots,
+            self.cos, self.sin, *self.qk_w, EPS, cfg,
+        )  # fmt: skip
+        return y[:, : self.hq * self.d], new_res
+
+
+def fused_case(kind: str, m: int, n: int, k: int, dev, g, tiny: bool):
+    """``(float32 reference (w -> [M, N']), unfused pair (w -> [M, N']), fused call ((w, cfg)
+    -> ([M, N'], new residual or None)), expected new residual or None)`` for one kind: the
+    unfused pair is the elementwise op (Inductor-compiled on the GPU, as the compiled model
+    runs it; eager under ``--tiny``) then today's product, except for ``qkv_rope``, whose pair
+    is today's norm GEMV then the q/k norm + rotary + store launch (N': the rotated q's
+    columns there, else N)."""
+    if kind == "qkv_rope":
+        c = QKRopeCase(m, n, k, dev, g, tiny)
+        tiles = fused_gemv_config("rms_norm", m, n, k, dev)
+        return c.q_ref, lambda w: c.unfused(w, tiles), c.fused, c.res + c.x
     if kind == "rms_norm":
         x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
         res = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
@@ -186,8 +254,8 @@ def fused_case(kind: str, m: int, k: int, dev, g, tiny: bool):
         norm = add_rms_norm if tiny else torch.compile(add_rms_norm, dynamic=False)
         unfused_act = lambda: norm(x, res, nw, EPS)[0]  # noqa: E731
         fused = lambda w, c: gemv_rms_norm(x, nw, EPS, w, None, res, c)  # noqa: E731
-        return act32, unfused_act, fused, res + x
-    if kind == "attn_merge":
+        want_res = res + x
+    elif kind == "attn_merge":
         po, lse = merge_case(m, k, dev, g, tiny)
         w8 = torch.exp2(lse - lse.amax(2, keepdim=True))
         act32 = ((po * w8[..., None]).sum(2) / w8.sum(2)[..., None]).reshape(m, k)
@@ -195,13 +263,16 @@ def fused_case(kind: str, m: int, k: int, dev, g, tiny: bool):
         out = torch.empty(m, heads, d, device=dev, dtype=torch.bfloat16)
         unfused_act = lambda: merge_splits(po, lse, out).view(m, k)  # noqa: E731
         fused = lambda w, c: (gemv_attn_merge(po, lse, w, None, c), None)  # noqa: E731
-        return act32, unfused_act, fused, None
-    gate_up = torch.randn(m, 2 * k, device=dev, generator=g, dtype=torch.bfloat16) * 2
-    act32 = F.silu(gate_up[:, :k].float()) * gate_up[:, k:].float()
-    swiglu = silu_and_mul if tiny else torch.compile(silu_and_mul, dynamic=False)
-    unfused_act = lambda: swiglu(gate_up)  # noqa: E731
-    fused = lambda w, c: (gemv_swiglu(gate_up, w, None, c), None)  # noqa: E731
-    return act32, unfused_act, fused, None
+        want_res = None
+    else:
+        gate_up = torch.randn(m, 2 * k, device=dev, generator=g, dtype=torch.bfloat16) * 2
+        act32 = F.silu(gate_up[:, :k].float()) * gate_up[:, k:].float()
+        swiglu = silu_and_mul if tiny else torch.compile(silu_and_mul, dynamic=False)
+        unfused_act = lambda: swiglu(gate_up)  # noqa: E731
+        fused = lambda w, c: (gemv_swiglu(gate_up, w, None, c), None)  # noqa: E731
+        want_res = None
+    ref = lambda w: act32 @ w.float().T  # noqa: E731
+    return ref, lambda w: _small_m_product(unfused_act(), w, None), fused, want_res
 
 
 def _warm_one(job: tuple) -> tuple[tuple, str | None]:
@@ -219,6 +290,8 @@ def _warm_one(job: tuple) -> tuple[tuple, str | None]:
             gemv_rms_norm(x, x[0], EPS, w, None, x.clone(), cfg)
         elif kind == "attn_merge":
             gemv_attn_merge(*merge_case(m, k, dev, torch.Generator(device=dev), tiny), w, None, cfg)
+        elif kind == "qkv_rope":
+            QKRopeCase(m, n, k, dev, torch.Generator(device=dev), tiny).fused(w, cfg)
         else:
             gemv_swiglu(torch.zeros(m, 2 * k, device=dev, dtype=torch.bfloat16), w, None, cfg)
         if dev.type == "cuda":
@@ -274,12 +347,10 @@ def sweep_fused(args, dev, g) -> tuple[dict, list[dict]]:
         kind, n, k = shapes[name]
         ws = weight_copies(n, k, dev, g, args.tiny)
         for m in (1, 16):
-            act32, unfused_act, fused, want_res = fused_case(kind, m, k, dev, g, args.tiny)
-            ref = act32 @ ws[0].float().T
-            unfused_err = rel(_small_m_product(unfused_act(), ws[0], None), ref)
-            unfused_ms = graph_ms(
-                [lambda w=w, a=unfused_act: _small_m_product(a(), w, None) for w in ws]
-            )
+            ref_of, unfused, fused, want_res = fused_case(kind, m, n, k, dev, g, args.tiny)
+            ref = ref_of(ws[0])
+            unfused_err = rel(unfused(ws[0]), ref)
+            unfused_ms = graph_ms([lambda w=w, f=unfused: f(w) for w in ws])
             best = None
             for i, cfg in enumerate(fused_candidates(kind, k, args.tiny)):
                 if i and time.perf_counter() - t0 > args.budget_s:

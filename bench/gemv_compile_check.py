@@ -42,8 +42,24 @@ from bench.prefill_compile_check import compile_all, compile_sm90, ptxas_usage  
 from kernels.configs import table_path  # noqa: E402
 from kernels.gemv import GemvConfig, _gemv_kernel, prefetchable  # noqa: E402
 from kernels.gemv_fused import _gemv_rms_norm_kernel, _gemv_swiglu_kernel  # noqa: E402
+from kernels.gemv_qk_rope import _gemv_rms_norm_qk_rope_kernel  # noqa: E402
 
-PTR_TYPES = {"part_ptr": "*fp32", "counter_ptr": "*i32"}  # every other pointer: bf16
+#: every other pointer: bf16
+PTR_TYPES = {"part_ptr": "*fp32", "counter_ptr": "*i32", "slot_ptr": "*i64"}
+#: the q/k/v + rotary kernel's other integers: a Qwen3-0.6B layer over 128-token blocks
+#: (cos/sin ``[M, 1, 128]`` rows, cache ``[blocks, 128, 8, 128]``, 16 q and 8 KV heads)
+QK_ROPE_INTS = {
+    "stride_cos_t": 128,
+    "stride_cos_d": 1,
+    "stride_sin_t": 128,
+    "stride_sin_d": 1,
+    "stride_cb": 128 * 8 * 128,
+    "stride_co": 8 * 128,
+    "stride_ch": 128,
+    "stride_cd": 1,
+    "num_q_heads": 16,
+    "num_kv_heads": 8,
+}
 
 
 def specialize(fn, constexprs: dict, m: int, n: int, k: int) -> tuple[dict, dict, dict]:
@@ -60,15 +76,19 @@ def specialize(fn, constexprs: dict, m: int, n: int, k: int) -> tuple[dict, dict
         "stride_rom": k,
         "stride_wn": k,
         "stride_om": n,
+        **QK_ROPE_INTS,
     }
-    sig, consts, attrs = {}, dict(constexprs), {}
+    # (constexprs the kernel does not take are dropped: the q/k/v + rotary kernel's N tile is
+    # HEAD_DIM, not BLOCK_N)
+    sig, attrs = {}, {}
+    consts = {name: v for name, v in constexprs.items() if name in fn.arg_names}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
             sig[name] = PTR_TYPES.get(name, "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "eps":
+        elif name in ("eps", "qk_eps"):
             sig[name] = "fp32"
         elif ints[name] == 1:
             sig[name] = "constexpr"
@@ -142,6 +162,15 @@ def jobs(quick: bool) -> list:
         extra = {"HAS_RESIDUAL": True} if kind == "rms_norm" else {}
         add(kind, fn, GemvConfig(), (n, k), HAS_BIAS=True, **extra, **rne)
         add(kind, fn, GemvConfig(), (n, k - 40), EVEN_K=False, **extra, **rne)
+    # q/k/v with the q/k norm + rotary + KV store: N tiles of one head (BLOCK_N is HEAD_DIM)
+    cfgs = {GemvConfig(block_n=128)}
+    if not quick:
+        cfgs.update(fused_candidates("qkv_rope", 1024, tiny=False))
+    rope = {"HEAD_DIM": 128, "BLOCK_SIZE": 128, "HAS_RESIDUAL": True, "HAS_QK_NORM": True, **rne}
+    for cfg in sorted(cfgs, key=str):
+        add("qkv_rope", _gemv_rms_norm_qk_rope_kernel, cfg, (4096, 1024), **rope)
+    first = {**rope, "HAS_RESIDUAL": False, "HAS_QK_NORM": False, "HAS_BIAS": True}
+    add("qkv_rope", _gemv_rms_norm_qk_rope_kernel, GemvConfig(block_n=128), (4096, 1024), **first)
     return out
 
 

@@ -48,6 +48,13 @@
 #   splits: bench/decode_profile.py at batch 1 and 4 in $OLD, then here with the pure decode
 #           launches' split count capped (QWEN_SERVE_DECODE_MAX_SPLITS in $SPLITS, "64 16 4 1";
 #           1: no merge launch)
+#   qkvrope: the fused q/k/v + q/k norm + rotary + KV store kernel's GPU tests, then its sweep
+#           against today's pair (norm GEMV, then the q/k norm + rotary + store launch) for
+#           Qwen3-0.6B (bench/gemv.py --fused; the table comes back in $OUT, not committed here)
+#   qkvab:  that sweep with --write-table (this GPU's fused table, in the device's tree and
+#           $OUT), then bench/decode_profile.py at batch 1 and 4 with the fusion off and on
+#           (QWEN_SERVE_FUSED_QKV_ROPE_GEMV 0/1, alternating, ${QKV_ROUNDS:-2} rounds), and
+#           engine_check with it on
 #   l2pf:   the L2 prefetch kernel's GPU tests and the PDL ones, bench/l2_prefetch_probe.py (a
 #           28-layer GEMV chain with weights cold, hot in L2, and prefetched on a side stream)
 # Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD, all three made
@@ -205,11 +212,28 @@ for stage in ${@:-tests dense}; do
                --tree . --ckpt $CKPT --batch 1 4 --top 6 --label "max_splits=$n" 2>&1 \
                | grep -v Warning | grep -E '"tpot_ms"' | cut -c1-330
            done ;;
+    qkvrope) TRITON_INTERPRET=0 timeout "$(left 120)" python3 -m pytest -q -p no:cacheprovider \
+             tests/kernels/test_gemv_qk_rope.py 2>&1 | tail -3
+           timeout "$(left 150)" python3 bench/gemv.py --fused --out "$OUT" \
+             --fused-shapes "0.6B qkv+norm+rope" "0.6B qkv+norm" 2>&1 | grep -v Warning \
+             | tee "$OUT/qkvrope_sweep.txt" | grep -v '^{' | tail -12 ;;
+    qkvab) timeout "$(left 150)" python3 bench/gemv.py --fused --write-table --out "$OUT" \
+             --fused-shapes "0.6B qkv+norm+rope" 2>&1 | grep -v Warning \
+             | tee "$OUT/qkvab_sweep.txt" | grep -v '^{' | tail -6
+           for r in $(seq "${QKV_ROUNDS:-2}"); do
+             for on in 0 1; do
+               QWEN_SERVE_FUSED_QKV_ROPE_GEMV=$on timeout "$(left 60)" python3 \
+                 bench/decode_profile.py --tree . --ckpt $CKPT --batch 1 4 --top 8 \
+                 --label "qkv_rope=$on" 2>&1 | grep -v Warning | grep -E '"tpot_ms"' | cut -c1-400
+             done
+           done
+           timeout "$(left 110)" python3 bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning \
+             | tee "$OUT/check.txt" | tail -4 ;;
     l2pf)  TRITON_INTERPRET=0 timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider \
              tests/kernels/test_l2_prefetch.py tests/kernels/test_pdl.py 2>&1 | tail -4
            timeout "$(left 90)" python3 bench/l2_prefetch_probe.py 2>&1 | grep -v Warning \
              | tee "$OUT/l2pf_probe.txt" | tail -16 ;;
-    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab swiglu sampling serveab ttftab httpab attn ttft peer front l2pf)"; exit 2 ;;
+    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab swiglu sampling serveab ttftab httpab attn ttft peer front l2pf qkvrope qkvab splits mergeab)"; exit 2 ;;
   esac
   stamp "$stage"
 done

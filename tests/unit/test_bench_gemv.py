@@ -1,7 +1,7 @@
 """``bench/gemv.py``'s sweeps on the CPU (``--tiny``, the Triton interpreter): the fused sweep
 writes a table ``kernels.gemv_fused.fused_gemv_config`` reads, a configuration whose result is
 wrong is never chosen; and ``bench/gemv_compile_check.py --quick`` compiles the plain and fused
-GEMVs for sm_90 without a GPU."""
+GEMVs (the q/k/v + rotary one included) for sm_90 without a GPU."""
 
 from __future__ import annotations
 
@@ -33,8 +33,14 @@ def test_tiny_fused_sweep_writes_a_table_the_kernels_read(tmp_path, monkeypatch)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "| tiny qkv+norm 64->96 | 1 |" in r.stdout and "| tiny down+swiglu" in r.stdout
     assert "| tiny o+merge 128->64 | 16 |" in r.stdout
+    assert "| tiny qkv+norm+rope 64->64 | 1 |" in r.stdout
     table = json.loads((tmp_path / "gemv_fused_cpu.json").read_text())
-    assert set(table) == {"rms_norm:96,64", "swiglu:64,160", "attn_merge:64,128"}
+    assert set(table) == {
+        "rms_norm:96,64",
+        "swiglu:64,160",
+        "attn_merge:64,128",
+        "qkv_rope:64,64",
+    }
     import kernels.gemv_fused as gf
     from kernels.gemv import GemvConfig
 
@@ -79,5 +85,5 @@ def test_a_wrong_fused_configuration_is_never_chosen(monkeypatch):
 
 def test_gemv_compile_check_quick_compiles_for_sm90():
     stdout = run_compile_check("gemv_compile_check.py", "--quick")
-    assert "FAIL" not in stdout and "16/16 compiled for sm_90" in stdout
-    assert "swiglu" in stdout and "rms_norm" in stdout
+    assert "FAIL" not in stdout and "20/20 compiled for sm_90" in stdout
+    assert "swiglu" in stdout and "rms_norm" in stdout and "qkv_rope" in stdout
