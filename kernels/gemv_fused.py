@@ -48,24 +48,12 @@ from kernels.gemv import (
 )
 from kernels.interpreter import interpreting as _interpreting
 from kernels.pdl import pdl_wait, prefetch_l2
+from kernels.rounding import round_to
 
 #: the fused prologues, as :func:`fused_gemv_config` names them in the table's keys
 #: ("attn_merge": :mod:`kernels.gemv_merge`; "qkv_rope": :mod:`kernels.gemv_qk_rope`, the norm
 #: before q/k/v and the q/k norm + rotary + KV store after it)
 FUSED_KINDS = ("swiglu", "rms_norm", "attn_merge", "qkv_rope")
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    """float32 ``x`` rounded to ``dtype`` to nearest, ties to even (as torch casts), returned in
-    ``dtype``. ``EMULATE_RNE``: the Triton interpreter's float32 -> bfloat16 cast truncates, so
-    round the float32 bits first (add ``0x7FFF`` plus the lowest kept bit, clear the low 16;
-    then the cast is exact). On the GPU the cast itself rounds to nearest even."""
-    if EMULATE_RNE:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit
@@ -125,8 +113,8 @@ def _gemv_swiglu_kernel(
             gt = tl.load(g_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
             ut = tl.load(g_ptrs + K, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
         g = gt.to(tl.float32)
-        silu = _round(g / (1.0 + tl.exp(-g)), dtype, EMULATE_RNE)  # F.silu: float math, rounded
-        xt = _round(silu.to(tl.float32) * ut.to(tl.float32), dtype, EMULATE_RNE)  # * up
+        silu = round_to(g / (1.0 + tl.exp(-g)), dtype, EMULATE_RNE)  # F.silu: float math, rounded
+        xt = round_to(silu.to(tl.float32) * ut.to(tl.float32), dtype, EMULATE_RNE)  # * up
         if UPCAST:  # the CPU interpreter's dot multiplies bfloat16 as raw integers
             acc += tl.dot(wt.to(tl.float32), xt.to(tl.float32))
         else:
@@ -244,7 +232,7 @@ def rms_norm_gemv_acc(
         h = tl.load(x_ptr + rm[None, :] * stride_xm + (k0 + rk)[:, None], mask=ok, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + rm[None, :] * stride_rm + (k0 + rk)[:, None], mask=ok, other=0.0)
-            h = _round(h.to(tl.float32) + r.to(tl.float32), dtype, EMULATE_RNE)
+            h = round_to(h.to(tl.float32) + r.to(tl.float32), dtype, EMULATE_RNE)
         hf = h.to(tl.float32)
         sq += tl.sum(hf * hf, axis=0)
     rstd = tl.rsqrt(sq / K + eps)  # [BLOCK_M], as torch.rsqrt
@@ -268,11 +256,11 @@ def rms_norm_gemv_acc(
         h = tl.load(x_ptrs, mask=ok, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(r_ptrs, mask=ok, other=0.0)
-            h = _round(h.to(tl.float32) + r.to(tl.float32), dtype, EMULATE_RNE)
+            h = round_to(h.to(tl.float32) + r.to(tl.float32), dtype, EMULATE_RNE)
             if pid_n == 0:  # one set of programs writes the new residual
                 tl.store(ro_ptrs, h, mask=ok)
-        normed = _round(h.to(tl.float32) * rstd[None, :], dtype, EMULATE_RNE)  # x * rsqrt(.)
-        xt = _round(nw.to(tl.float32)[:, None] * normed.to(tl.float32), dtype, EMULATE_RNE)
+        normed = round_to(h.to(tl.float32) * rstd[None, :], dtype, EMULATE_RNE)  # x * rsqrt(.)
+        xt = round_to(nw.to(tl.float32)[:, None] * normed.to(tl.float32), dtype, EMULATE_RNE)
         if UPCAST:
             acc += tl.dot(wt.to(tl.float32), xt.to(tl.float32))
         else:

@@ -9,12 +9,12 @@ whose cost is the kernel boundary (issue 19). Here each N tile of the projection
 (``BLOCK_N == head_dim``), so the program that finishes a tile -- the only one with a split, the
 last-arriving one with split-K (:func:`kernels.gemv.split_k_total`) -- holds the whole head row
 of every token and applies the rest in registers: the output rounded to the model dtype as the
-plain GEMV stores it, then for a query head RMSNorm (Qwen3) and rotate-half rotary (each
-element's partner ``d +- D/2`` from the same tile, :func:`triton.language.flip` over the two
-halves), for a key head the same and the store into the token's cache slot, for a value head
-the store alone. Roundings are :func:`kernels.qk_norm_rope.norm_rope_rows`' (those of
-``kernels.reference.qk_norm_rope_store_ref``), so the fused and unfused launches give the same
-bits wherever the float32 math agrees.
+plain GEMV stores it, then for a query head RMSNorm (Qwen3) and rotate-half rotary (the tile's
+two halves ``d < D/2`` and ``d >= D/2`` split apart in registers), for a key head the same and
+the store into the token's cache slot, for a value head the store alone. The norm and rotary
+are :func:`kernels.qk_norm_rope.norm_rope_halves`, with the roundings of
+``kernels.reference.qk_norm_rope_store_ref`` (eager torch's), so the fused q/k/v equal the plain
+projection followed by the eager ops wherever the float32 math agrees.
 
 The tile layout (``[Hq + 2 Hkv] x D`` output features: this rank's q heads, then its k heads,
 then its v heads) is ``engine.layers.linear.QKVParallelLinear``'s. Tiles come from the fused
@@ -31,7 +31,6 @@ import triton.language as tl
 from kernels.gemv import GemvConfig, split_k_total, split_plan
 from kernels.gemv_fused import (
     _check,
-    _round,
     fused_gemv_config,
     launch_flags,
     norm_operands,
@@ -40,7 +39,7 @@ from kernels.gemv_fused import (
     rms_norm_gemv_acc,
 )
 from kernels.interpreter import interpreting as _interpreting
-from kernels.qk_norm_rope import rope_table_strides
+from kernels.qk_norm_rope import norm_rope_halves, rope_table_strides
 
 __all__ = ["gemv_rms_norm_qk_rope"]
 
@@ -83,46 +82,48 @@ def _qk_rope_epilogue(
     head written to its ``out`` columns."""
     dtype = out_ptr.dtype.element_ty
     half: tl.constexpr = HEAD_DIM // 2
-    d = tl.arange(0, HEAD_DIM)
-    mask = m_ok[None, :] & (d < HEAD_DIM)[:, None]
+    j = tl.arange(0, half)
+    lo = (head * HEAD_DIM + j)[:, None]  # output columns of the first half
+    o_row = out_ptr + rm[None, :] * stride_om
+    mask = m_ok[None, :] & (j < half)[:, None]  # [half, BLOCK_M]
     is_q = head < num_q_heads
     is_v = head >= num_q_heads + num_kv_heads
-    yf = y.to(tl.float32)
-    if head < num_q_heads + num_kv_heads:  # a q or k head
-        # each element's rotate-half partner: the two halves swapped
-        pf = tl.reshape(tl.flip(tl.reshape(yf, (2, half, BLOCK_M)), 0), (HEAD_DIM, BLOCK_M))
+    slot = tl.load(slot_ptr + rm, mask=m_ok, other=-1).to(tl.int64)  # (unused for a q head)
+    safe = tl.maximum(slot, 0)
+    kv_head = tl.where(is_v, head - num_q_heads - num_kv_heads, head - num_q_heads)
+    c_off = ((safe // BLOCK_SIZE) * stride_cb + (safe % BLOCK_SIZE) * stride_co
+             + kv_head * stride_ch)[None, :] + j[:, None] * stride_cd  # fmt: skip
+    c_ok = mask & (slot >= 0)[None, :]
+    # the tile's two halves [half, BLOCK_M] (rows d and d + D/2): [D, M] -> [D/2, M, 2] -> split
+    y1, y2 = tl.split(tl.permute(tl.reshape(y, (2, half, BLOCK_M)), (1, 2, 0)))
+    if is_v:  # as projected: the output and the token's v cache slot
+        tl.store(o_row + lo, y1, mask=mask)
+        tl.store(o_row + lo + half, y2, mask=mask)
+        tl.store(v_cache_ptr + c_off, y1, mask=c_ok)
+        tl.store(v_cache_ptr + c_off + half * stride_cd, y2, mask=c_ok)
+    else:  # q or k: normalized and rotated
+        w1 = 0.0
+        w2 = 0.0
         if HAS_QK_NORM:
-            wq = tl.load(q_w_ptr + d).to(tl.float32)
-            wk = tl.load(k_w_ptr + d).to(tl.float32)
-            w = tl.where(is_q, wq, wk)
-            wp = tl.reshape(tl.flip(tl.reshape(w, (2, half)), 0), (HEAD_DIM,))
-            r = tl.rsqrt(tl.sum(yf * yf, axis=0) / HEAD_DIM + qk_eps)[None, :]
-            yf = _round(w[:, None] * _round(yf * r, dtype, EMULATE_RNE).to(tl.float32), dtype,
-                        EMULATE_RNE).to(tl.float32)  # fmt: skip
-            pf = _round(wp[:, None] * _round(pf * r, dtype, EMULATE_RNE).to(tl.float32), dtype,
-                        EMULATE_RNE).to(tl.float32)  # fmt: skip
-        c = tl.load(cos_ptr + rm[None, :] * stride_cos_t + d[:, None] * stride_cos_d, mask=mask,
-                    other=0.0).to(tl.float32)  # fmt: skip
-        s = tl.load(sin_ptr + rm[None, :] * stride_sin_t + d[:, None] * stride_sin_d, mask=mask,
-                    other=0.0).to(tl.float32)  # fmt: skip
-        a = _round(yf * c, dtype, EMULATE_RNE).to(tl.float32)
-        b = _round(pf * s, dtype, EMULATE_RNE).to(tl.float32)
-        # rotate-half: the first half takes x1 cos - x2 sin, the second x2 cos + x1 sin
-        yf = tl.where((d < half)[:, None], a - b, a + b)
-    y = _round(yf, dtype, EMULATE_RNE)
-    tl.store(out_ptr + rm[None, :] * stride_om + (head * HEAD_DIM + d)[:, None], y, mask=mask)
-    if head >= num_q_heads:  # a k or v head: its cache slots
-        slot = tl.load(slot_ptr + rm, mask=m_ok, other=-1).to(tl.int64)
-        safe = tl.maximum(slot, 0)
-        kv_head = tl.where(is_v, head - num_q_heads - num_kv_heads, head - num_q_heads)
-        off = (
-            (safe // BLOCK_SIZE) * stride_cb + (safe % BLOCK_SIZE) * stride_co + kv_head * stride_ch
-        )[None, :] + d[:, None] * stride_cd
-        ok = mask & (slot >= 0)[None, :]
-        if is_v:
-            tl.store(v_cache_ptr + off, y, mask=ok)
-        else:
-            tl.store(k_cache_ptr + off, y, mask=ok)
+            w1 = tl.where(is_q, tl.load(q_w_ptr + j), tl.load(k_w_ptr + j)).to(tl.float32)
+            w2 = tl.where(is_q, tl.load(q_w_ptr + half + j), tl.load(k_w_ptr + half + j))
+            w1 = w1[:, None]
+            w2 = w2.to(tl.float32)[:, None]
+        cos = cos_ptr + rm[None, :] * stride_cos_t + j[:, None] * stride_cos_d
+        sin = sin_ptr + rm[None, :] * stride_sin_t + j[:, None] * stride_sin_d
+        c1 = tl.load(cos, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos + half * stride_cos_d, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin + half * stride_sin_d, mask=mask, other=0.0).to(tl.float32)
+        o1, o2 = norm_rope_halves(
+            y1.to(tl.float32), y2.to(tl.float32), w1, w2, c1, c2, s1, s2, HEAD_DIM, qk_eps,
+            dtype, 0, HAS_QK_NORM, EMULATE_RNE,
+        )  # fmt: skip
+        tl.store(o_row + lo, o1, mask=mask)
+        tl.store(o_row + lo + half, o2, mask=mask)
+        if head >= num_q_heads:  # a key head: into the token's k cache slot
+            tl.store(k_cache_ptr + c_off, o1, mask=c_ok)
+            tl.store(k_cache_ptr + c_off + half * stride_cd, o2, mask=c_ok)
 
 
 @triton.jit
@@ -267,8 +268,9 @@ def gemv_rms_norm_qk_rope(
 
     Raises:
         ValueError: more than 16 rows, shapes that disagree (weight rows not ``(Hq + 2 Hkv)
-            D``, caches, tables, slots), ``config.block_n != D``, mixed dtypes or devices, only
-            one q/k norm weight, or what :func:`kernels.gemv.gemv` refuses.
+            D``, caches, tables, slots), a head size that is not a power of two of at least 16
+            (the N tile of the MMA), ``config.block_n != D``, mixed dtypes or devices, only one
+            q/k norm weight, or what :func:`kernels.gemv.gemv` refuses.
     """
     _check(x, w, bias, "gemv_rms_norm_qk_rope")
     m, k = x.shape
@@ -281,8 +283,8 @@ def gemv_rms_norm_qk_rope(
             f"gemv_rms_norm_qk_rope: weight rows {n} and cache {tuple(k_cache.shape)} do not "
             f"hold {num_q_heads} q + 2 x {num_kv_heads} kv heads"
         )
-    if k_cache.stride(3) != 1 or d % 2 or d & (d - 1):
-        raise ValueError(f"head_dim {d} must be an even power of two, the cache's last dim dense")
+    if k_cache.stride(3) != 1 or d < 16 or d & (d - 1):
+        raise ValueError(f"head_dim {d} must be a power of two >= 16, the cache's last dim dense")
     if norm_weight.shape != (k,) or slot_mapping.shape != (m,):
         raise ValueError(
             f"norm weight {tuple(norm_weight.shape)} must be [{k}], slot_mapping "

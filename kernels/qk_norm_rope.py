@@ -18,8 +18,49 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_kwargs, pdl_wait
+from kernels.rounding import round_to
 
-__all__ = ["qk_norm_rope_store", "norm_rope_rows", "rope_table_strides"]
+__all__ = ["qk_norm_rope_store", "norm_rope_rows", "norm_rope_halves", "rope_table_strides"]
+
+
+@triton.jit
+def norm_rope_halves(
+    x1f,
+    x2f,
+    w1,
+    w2,
+    c1,
+    c2,
+    s1,
+    s2,
+    head_dim,
+    eps,
+    dtype: tl.constexpr,
+    AXIS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    """The two halves ``x1f``, ``x2f`` (float32 holding values of ``dtype``; the head dimension
+    along ``AXIS``) of rows normalized (HAS_NORM: RMSNorm over the ``head_dim`` features, weight
+    halves ``w1``, ``w2``) and rotated (rotate-half: ``o1 = x1 cos1 - x2 sin1``, ``o2 = x2 cos2
+    + x1 sin2``); ``w*``, ``c*``, ``s*`` broadcast against the halves. Returns ``(o1, o2)`` in
+    ``dtype``, rounded wherever eager torch rounds (rms_norm_ref's cast before the weight, each
+    product and the sum of rope_ref), so the results match the reference composition.
+    ``EMULATE_RNE``: round to nearest even under the interpreter too
+    (:func:`kernels.rounding.round_to`). Shared by :func:`_norm_rope_tile` and the q/k/v
+    projection's epilogue (``kernels.gemv_qk_rope``)."""
+    if HAS_NORM:
+        mean_sq = (tl.sum(x1f * x1f, axis=AXIS) + tl.sum(x2f * x2f, axis=AXIS)) / head_dim
+        r = tl.expand_dims(tl.rsqrt(mean_sq + eps), AXIS)
+        x1f = round_to(w1 * round_to(x1f * r, dtype, EMULATE_RNE).to(tl.float32), dtype,
+                       EMULATE_RNE).to(tl.float32)  # fmt: skip
+        x2f = round_to(w2 * round_to(x2f * r, dtype, EMULATE_RNE).to(tl.float32), dtype,
+                       EMULATE_RNE).to(tl.float32)  # fmt: skip
+    a1 = round_to(x1f * c1, dtype, EMULATE_RNE).to(tl.float32)
+    b1 = round_to(x2f * s1, dtype, EMULATE_RNE).to(tl.float32)
+    a2 = round_to(x2f * c2, dtype, EMULATE_RNE).to(tl.float32)
+    b2 = round_to(x1f * s2, dtype, EMULATE_RNE).to(tl.float32)
+    return round_to(a1 - b1, dtype, EMULATE_RNE), round_to(a2 + b2, dtype, EMULATE_RNE)
 
 
 @triton.jit
@@ -41,27 +82,21 @@ def _norm_rope_tile(
     HAS_NORM: tl.constexpr,
 ):
     """Rows ``offs_h`` of one token's ``[H, D]`` slice at ``x_ptr``, normalized (HAS_NORM) and
-    rotated: returns the two halves ``[BLOCK_H, BLOCK_HALF]`` in the input dtype. Rounds to the
-    input dtype wherever eager torch does (rms_norm_ref's cast before the weight, each product
-    and the sum of rope_ref), so the results match the reference composition."""
+    rotated: returns the two halves ``[BLOCK_H, BLOCK_HALF]`` in the input dtype
+    (:func:`norm_rope_halves`)."""
     base = x_ptr + offs_h[:, None] * stride_h
     x1 = tl.load(base + offs_j[None, :] * stride_d, mask=mask, other=0.0)
     x2 = tl.load(base + (offs_j[None, :] + half) * stride_d, mask=mask, other=0.0)
-    dtype = x1.dtype
-    x1f = x1.to(tl.float32)
-    x2f = x2.to(tl.float32)
+    w1 = 0.0
+    w2 = 0.0
     if HAS_NORM:
         j_mask = offs_j < half
-        w1 = tl.load(w_ptr + offs_j, mask=j_mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + half + offs_j, mask=j_mask, other=0.0).to(tl.float32)
-        mean_sq = (tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) / head_dim
-        r = tl.rsqrt(mean_sq + eps)[:, None]
-        x1f = (w1[None, :] * (x1f * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        x2f = (w2[None, :] * (x2f * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    # rotate-half: out1 = x1 cos1 - x2 sin1, out2 = x2 cos2 + x1 sin2
-    o1 = (x1f * c1).to(dtype).to(tl.float32) - (x2f * s1).to(dtype).to(tl.float32)
-    o2 = (x2f * c2).to(dtype).to(tl.float32) + (x1f * s2).to(dtype).to(tl.float32)
-    return o1.to(dtype), o2.to(dtype)
+        w1 = tl.load(w_ptr + offs_j, mask=j_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + half + offs_j, mask=j_mask, other=0.0).to(tl.float32)[None, :]
+    return norm_rope_halves(
+        x1.to(tl.float32), x2.to(tl.float32), w1, w2, c1, c2, s1, s2, head_dim, eps, x1.dtype,
+        1, HAS_NORM, False,
+    )  # fmt: skip
 
 
 @triton.jit
