@@ -216,11 +216,15 @@ class QKRopeCase:
         args = (*cache, self.slots, cos, sin, *qk_w, EPS)
         return qk_norm_rope_store_ref(q.view(view), k.view(view), v.view(view), *args).view(m, -1)
 
-    def unfused(self, w: torch.Tensor, tiles: GemvConfig | None) -> torch.Tensor:
-        """Today's pair: the norm GEMV (``tiles``: its table's) then the q/k norm + rotary +
-        store launch; the rotated q ``[M, Hq * D]``."""
+    def unfused(self, w: torch.Tensor, tiles: GemvConfig | None, norm) -> torch.Tensor:
+        """Today's pair: the norm GEMV where its table entry won (``tiles``), else the compiled
+        norm (``norm``) then today's product, as the model dispatches; then the q/k norm +
+        rotary + store launch. Returns the rotated q ``[M, Hq * D]``."""
         m, d = self.x.shape[0], self.d
-        y, _ = gemv_rms_norm(self.x, self.nw, EPS, w, None, self.res, tiles)
+        if tiles is not None:
+            y, _ = gemv_rms_norm(self.x, self.nw, EPS, w, None, self.res, tiles)
+        else:
+            y = _small_m_product(norm(self.x, self.res, self.nw, EPS)[0], w, None)
         q, k, v = y.split([self.hq * d, self.hkv * d, self.hkv * d], dim=1)
         view = (m, -1, d)
         args = (*self.cache, self.slots, self.cos, self.sin, *self.qk_w, EPS)
@@ -245,7 +249,8 @@ def fused_case(kind: str, m: int, n: int, k: int, dev, g, tiny: bool):
     if kind == "qkv_rope":
         c = QKRopeCase(m, n, k, dev, g, tiny)
         tiles = fused_gemv_config("rms_norm", m, n, k, dev)
-        return c.q_ref, lambda w: c.unfused(w, tiles), c.fused, c.res + c.x
+        norm = add_rms_norm if tiny else torch.compile(add_rms_norm, dynamic=False)
+        return c.q_ref, lambda w: c.unfused(w, tiles, norm), c.fused, c.res + c.x
     if kind == "rms_norm":
         x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
         res = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)

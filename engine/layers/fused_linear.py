@@ -95,7 +95,9 @@ def gemv_rms_norm_op(
 
 
 @gemv_rms_norm_op.register_fake
-def _gemv_rms_norm_fake(x, residual, norm_weight, eps, weight, bias, tiles):
+def _gemv_rms_norm_fake(x, residual, norm_weight, eps, weight, bias, *rest):
+    """The fake of the norm GEMVs' ops (``gemv_rms_norm``, ``gemv_rms_norm_qk_rope``): ``y [M,
+    N]`` and the new residual (``[0, K]`` without one)."""
     rows = x.shape[0] if residual is not None else 0
     return x.new_empty((x.shape[0], weight.shape[0])), x.new_empty((rows, x.shape[1]))
 
@@ -232,32 +234,43 @@ def gemv_rms_norm_qk_rope_op(
     and k normalized and rotated, new residual [M, K])`` (an empty ``[0, K]`` when ``residual``
     is None); the caches are updated in place (declared mutated, so Inductor orders the
     attention op that reads them after this one)."""
-    from kernels.gemv_qk_rope import gemv_rms_norm_qk_rope
-
-    y, res = gemv_rms_norm_qk_rope(
-        x, norm_weight, eps, weight, bias, residual, num_q_heads, num_kv_heads, k_cache,
-        v_cache, slot_mapping, cos, sin, q_weight, k_weight, qk_eps, _config(tiles),
+    y, res = _qkv_rope(
+        x, residual, norm_weight, eps, weight, bias, num_q_heads, num_kv_heads, k_cache, v_cache,
+        slot_mapping, cos, sin, q_weight, k_weight, qk_eps, tiles,
     )  # fmt: skip
     return y, res if res is not None else x.new_empty((0, x.shape[1]))
 
 
-@gemv_rms_norm_qk_rope_op.register_fake
-def _gemv_rms_norm_qk_rope_fake(x, residual, norm_weight, eps, weight, bias, *rest):
-    rows = x.shape[0] if residual is not None else 0
-    return x.new_empty((x.shape[0], weight.shape[0])), x.new_empty((rows, x.shape[1]))
+def _qkv_rope(x, residual, norm_weight, eps, weight, bias, *rest):
+    """The kernel call behind the custom op and the eager path: the op's arguments, ``rest``
+    ending with the tiles."""
+    from kernels.gemv_qk_rope import gemv_rms_norm_qk_rope
+
+    *rope_args, tiles = rest
+    return gemv_rms_norm_qk_rope(
+        x, norm_weight, eps, weight, bias, residual, *rope_args, _config(tiles)
+    )
 
 
-def qkv_rope_tiles(x, residual, norm, linear, head_dim: int, mode: bool | None = None):
+gemv_rms_norm_qk_rope_op.register_fake(_gemv_rms_norm_fake)
+
+
+def qkv_rope_tiles(x, residual, norm, linear, head_dim: int, mode=None, norm_mode=None):
     """The tiles of :func:`norm_qkv_rope` (N tiles of one head: ``block_n == head_dim``), or
-    None to keep the norm GEMV and the separate q/k norm + rotary + store launch (``mode`` and
-    the rest as in :func:`norm_linear`; ``QWEN_SERVE_FUSED_QKV_ROPE_GEMV=0`` off). A table
-    entry whose tiles are not one head wide is not used; a forced fusion (``mode`` True) gets
-    the default tiles one head wide."""
-    if norm.weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
+    None to keep :func:`norm_linear` and the separate q/k norm + rotary + store launch
+    (``mode`` as in :func:`norm_linear`; ``QWEN_SERVE_FUSED_QKV_ROPE_GEMV=0`` off). The norm
+    runs in this kernel's prologue, so ``norm_mode`` (the norm fusion's mode) False, or in
+    auto mode ``QWEN_SERVE_FUSED_NORM_GEMV=0``, keeps it unfused too. A table entry whose tiles
+    are not one head wide is not used; a forced fusion (``mode`` True) gets the default tiles
+    one head wide."""
+    if norm_mode is False or norm.weight.dtype != x.dtype:
+        return None
+    if residual is not None and residual.dtype != x.dtype:
         return None
     if head_dim % 16 or head_dim & (head_dim - 1):  # the kernel's N tile: a power of two >= 16
         return None
-    tiles = _tiles("qkv_rope", mode, x, linear, kernel_switches.FUSED_QKV_ROPE_GEMV)
+    switch = kernel_switches.FUSED_QKV_ROPE_GEMV and kernel_switches.FUSED_NORM_GEMV
+    tiles = _tiles("qkv_rope", mode, x, linear, switch)
     if tiles is None or tiles[0] == head_dim:
         return tiles
     return None if mode is None else [head_dim, *tiles[1:]]
@@ -287,14 +300,7 @@ def norm_qkv_rope(x, residual, norm, linear, tiles: list[int], heads: tuple[int,
     k_w = None if k_norm is None else k_norm.weight
     qk_eps = 0.0 if q_norm is None else q_norm.eps
     args = (x, residual, norm.weight, norm.eps, linear.weight, linear.bias, *heads, *kv_cache,
-            slot_mapping, cos, sin, q_w, k_w, qk_eps)  # fmt: skip
-    if torch.compiler.is_compiling():
-        y, new_res = gemv_rms_norm_qk_rope_op(*args, tiles)
-    else:
-        from kernels.gemv_qk_rope import gemv_rms_norm_qk_rope
-
-        y, new_res = gemv_rms_norm_qk_rope(
-            x, norm.weight, norm.eps, linear.weight, linear.bias, residual, *heads, *kv_cache,
-            slot_mapping, cos, sin, q_w, k_w, qk_eps, _config(tiles),
-        )  # fmt: skip
+            slot_mapping, cos, sin, q_w, k_w, qk_eps, tiles)  # fmt: skip
+    call = gemv_rms_norm_qk_rope_op if torch.compiler.is_compiling() else _qkv_rope
+    y, new_res = call(*args)
     return y, (x if residual is None else new_res)

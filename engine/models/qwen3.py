@@ -129,9 +129,8 @@ class Qwen3Attention(nn.Module):
         (:func:`norm_linear`) and :meth:`attend` does the rest."""
         tiles = None
         if self.fuse_qk_rope and self.attn.has_stored_attend():
-            tiles = qkv_rope_tiles(
-                x, residual, norm, self.qkv_proj, self.head_dim, self.fuse_qkv_rope_gemv
-            )
+            mode = self.fuse_qkv_rope_gemv
+            tiles = qkv_rope_tiles(x, residual, norm, self.qkv_proj, self.head_dim, mode, norm_mode)
         if tiles is None:
             qkv, residual = norm_linear(x, residual, norm, self.qkv_proj, self.ops, norm_mode)
             return self.attend(qkv, rope, kv_cache, meta), residual

@@ -231,6 +231,12 @@ def test_qkv_rope_fused_model_matches_unfused(
         tdt = getattr(torch, dtype)
         unfused = Qwen3ForCausalLM(cfg, 512, "triton", fuse_qkv_rope_gemv=False)
         init_random_weights(unfused, 0, std=0.08)
+        g = torch.Generator().manual_seed(3)
+        for layer in unfused.model.layers:  # norm weights of their own (the init sets ones)
+            attn = layer.self_attn
+            for norm in (layer.input_layernorm, attn.q_norm, attn.k_norm):
+                if norm is not None:
+                    norm.weight.data = 1 + 0.2 * torch.randn(norm.weight.shape, generator=g)
         fused = Qwen3ForCausalLM(cfg, 512, "triton", compile_mode, fuse_qkv_rope_gemv=True)
         fused.load_state_dict(unfused.state_dict())
         unfused, fused = unfused.to(tdt).eval(), fused.to(tdt).eval()
@@ -246,6 +252,7 @@ def test_qkv_rope_fused_model_matches_unfused(
                 ([1, 1], [7, 3]),
                 ([1], [7]),
                 ([20], [0]),
+                ([1], [0]),  # a one-token prompt
             ]:
                 ids, pos, meta = _step(gen, q_lens, cached)
                 want = unfused(ids, pos, caches_u, meta)
@@ -267,9 +274,14 @@ def test_qkv_rope_fused_model_matches_unfused(
 
 
 def test_qkv_rope_fusion_stays_off_for_the_torch_backend_and_in_auto_mode_on_the_cpu(qkv_ropes):
+    """No fused q/k/v + rotary launch with the torch backend, in auto mode on the CPU, or with
+    the norm fusion off (the kernel's prologue is that norm)."""
     ids, pos, meta = _step(torch.Generator().manual_seed(2), [1], [4])
-    for backend, mode in (("torch", True), ("triton", None)):
-        model = Qwen3ForCausalLM(_config(), 512, backend, fuse_qkv_rope_gemv=mode).eval()
+    cases = (("torch", True, None), ("triton", None, None), ("triton", True, False))
+    for backend, mode, norm in cases:
+        model = Qwen3ForCausalLM(
+            _config(), 512, backend, fuse_qkv_rope_gemv=mode, fuse_norm_gemv=norm
+        ).eval()
         init_random_weights(model, 0, std=0.08)
         with torch.inference_mode():
             model(ids, pos, _caches(), meta)
@@ -301,7 +313,7 @@ def test_engine_greedy_tokens_and_logits_same_with_fusions_on_and_off(tiny_check
         async_scheduling=False,
     )
     tokens, logits = {}, {}
-    for on in (False, True):
+    for on in (False, True):  # (the q/k/v + rotary fusion follows the norm fusion's mode)
         eng = build_engine(cfg, eos_token_ids=frozenset())
         _set_fusions(eng, on)
         eng.add_request("probe", prompts[1], SamplingParams(max_tokens=1))
