@@ -368,3 +368,58 @@ def test_tensor_parallel_shards_fused_equal_the_full_layers(counted):
             partials.append(swiglu_linear(shard, dn, ops, True))
     assert counted == {"rms_norm": tp, "swiglu": tp}
     torch.testing.assert_close(sum(partials), want, rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_parallel_qkv_rope_shards_equal_the_full_layer(qkv_ropes):
+    """Two tensor-parallel ranks' q/k/v shards (column-parallel: a rank holds its q heads and
+    its KV heads), fused and forced, float32: each rank's rotated q and the k/v it stores in its
+    own cache equal the heads the full unfused layer computes for that rank."""
+    from engine.layers.fused_linear import norm_linear, norm_qkv_rope
+    from engine.layers.linear import QKVParallelLinear
+    from engine.layers.norm import RMSNorm
+    from engine.layers.pointwise import PointwiseOps
+    from kernels.reference import qk_norm_rope_store_ref
+
+    g = torch.Generator().manual_seed(17)
+    h, d, hq, hkv, tp, t = 64, 16, 4, 2, 2, 3
+    ops = PointwiseOps(False)
+    norm = RMSNorm(h, 1e-6)
+    norm.weight.data = 1 + 0.1 * torch.randn(h, generator=g)
+    q_norm, k_norm = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6)
+    q_norm.weight.data = 1 + 0.2 * torch.randn(d, generator=g)
+    k_norm.weight.data = 1 + 0.2 * torch.randn(d, generator=g)
+    wq, wk, wv = (torch.randn(n * d, h, generator=g) / 8 for n in (hq, hkv, hkv))
+
+    def qkv(rank, size):
+        layer = QKVParallelLinear(h, d, hq, hkv, tp_rank=rank, tp_size=size)
+        for w, shard in ((wq, "q"), (wk, "k"), (wv, "v")):
+            layer.weight_loader(layer.weight, w, shard)
+        return layer
+
+    x, res = torch.randn(t, h, generator=g), torch.randn(t, h, generator=g)
+    ang = torch.randn(t, 1, d // 2, generator=g).repeat(1, 1, 2)
+    rope = (ang.cos(), ang.sin())
+    slots = torch.tensor([5, 17, 2])
+    with torch.inference_mode():
+        full, full_res = norm_linear(x, res, norm, qkv(0, 1), ops, False)
+        q, k, v = full.split([hq * d, hkv * d, hkv * d], dim=1)
+        caches = [torch.zeros(2, 16, hkv, d) for _ in "kv"]
+        q_ref = qk_norm_rope_store_ref(
+            q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d), *caches, slots, *rope,
+            q_norm.weight, k_norm.weight, 1e-6,
+        )  # fmt: skip
+        for rank in range(tp):
+            layer = qkv(rank, tp)
+            tiles = [d, 32, 2, 4, 1]
+            mine = [torch.zeros(2, 16, hkv // tp, d) for _ in "kv"]
+            heads = (hq // tp, hkv // tp)
+            y, new_res = norm_qkv_rope(
+                x, res, norm, layer, tiles, heads, mine, slots, rope, q_norm, k_norm
+            )
+            qs, ks = slice(rank * hq // tp, (rank + 1) * hq // tp), slice(rank, rank + 1)
+            got_q = y[:, : hq // tp * d].view(t, hq // tp, d)
+            torch.testing.assert_close(got_q, q_ref[:, qs], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(mine[0], caches[0][:, :, ks], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(mine[1], caches[1][:, :, ks], rtol=1e-5, atol=1e-5)
+            assert torch.equal(new_res, full_res)
+    assert qkv_ropes == [t] * tp
