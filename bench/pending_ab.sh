@@ -52,9 +52,9 @@
 #           against today's pair (norm GEMV, then the q/k norm + rotary + store launch) for
 #           Qwen3-0.6B (bench/gemv.py --fused; the table comes back in $OUT, not committed here)
 #   qkvab:  that sweep with --write-table (this GPU's fused table, in the device's tree and
-#           $OUT), then bench/decode_profile.py at batch 1 and 4 with the fusion off and on
-#           (QWEN_SERVE_FUSED_QKV_ROPE_GEMV 0/1, alternating, ${QKV_ROUNDS:-2} rounds), and
-#           engine_check with it on
+#           $OUT; the tree's copy then forced to fuse), then bench/decode_profile.py at batch 1
+#           and 4 in $OLD, here with the fusion off, and on (QWEN_SERVE_FUSED_QKV_ROPE_GEMV 0/1,
+#           ${QKV_ROUNDS:-2} rounds), and engine_check with it on
 #   l2pf:   the L2 prefetch kernel's GPU tests and the PDL ones, bench/l2_prefetch_probe.py (a
 #           28-layer GEMV chain with weights cold, hot in L2, and prefetched on a side stream)
 # Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD, all three made
@@ -220,11 +220,18 @@ for stage in ${@:-tests dense}; do
     qkvab) timeout "$(left 150)" python3 bench/gemv.py --fused --write-table --out "$OUT" \
              --fused-shapes "0.6B qkv+norm+rope" 2>&1 | grep -v Warning \
              | tee "$OUT/qkvab_sweep.txt" | grep -v '^{' | tail -6
+           # the A/B runs the fusion whatever the sweep said (the swept table is in $OUT as is)
+           python3 -c "import json, torch; from kernels.configs import device_name, table_path; \
+             p = table_path('gemv_fused', device_name(torch.device('cuda'))); \
+             t = json.loads(p.read_text()); e = t['qkv_rope:4096,1024']; \
+             print('qkv_rope entry as swept:', e); \
+             [r.update(fused_faster=True) for r in e.values()]; p.write_text(json.dumps(t, indent=1))"
            for r in $(seq "${QKV_ROUNDS:-2}"); do
-             for on in 0 1; do
-               QWEN_SERVE_FUSED_QKV_ROPE_GEMV=$on timeout "$(left 60)" python3 \
-                 bench/decode_profile.py --tree . --ckpt $CKPT --batch 1 4 --top 8 \
-                 --label "qkv_rope=$on" 2>&1 | grep -v Warning | grep -E '"tpot_ms"' | cut -c1-400
+             for v in old off on; do
+               d=.; sw=1; [ $v = old ] && d=$OLD; [ $v = off ] && sw=0
+               QWEN_SERVE_FUSED_QKV_ROPE_GEMV=$sw timeout "$(left 60)" python3 \
+                 bench/decode_profile.py --tree $d --ckpt $CKPT --batch 1 4 --top 8 \
+                 --label "$v$r" 2>&1 | grep -v Warning | grep -E '"tpot_ms"' | cut -c1-400
              done
            done
            timeout "$(left 110)" python3 bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning \
