@@ -321,11 +321,11 @@ def gemv_rms_norm_qk_rope(
         out,
         plan.partials,
         plan.counters,
-        slot_mapping,
+        slot_mapping.contiguous(),  # (the kernel reads unit strides; no copy when they are)
         cos,
         sin,
-        q_weight if q_weight is not None else w,  # unused pointers without the q/k norm
-        k_weight if k_weight is not None else w,
+        q_weight.contiguous() if q_weight is not None else w,  # unused without the q/k norm
+        k_weight.contiguous() if k_weight is not None else w,
         k_cache,
         v_cache,
         m,

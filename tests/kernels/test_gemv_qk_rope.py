@@ -146,6 +146,12 @@ def test_first_layer_and_refusals():
     assert new_res is None and qkv.shape == (2, 64)
     plain, _ = gemv_rms_norm(x, norm_w, EPS, w, None, None)
     assert _rel(qkv[:, 48:], plain[:, 48:]) < 1e-6  # v unchanged
+    # strided slots and norm weights (views) give the same result and the same stores
+    kc2, vc2 = cache.clone(), cache.clone()
+    strided = [torch.stack([t, t], 1)[:, 0] for t in (slots, *qk_w)]
+    qkv2, _ = gemv_rms_norm_qk_rope(x, norm_w, EPS, w, None, None, 2, 1, kc2, vc2, strided[0],
+                                    cos, sin, *strided[1:], EPS)  # fmt: skip
+    assert torch.equal(qkv2, qkv) and torch.equal(kc2, kc) and torch.equal(vc2, vc)
     with pytest.raises(ValueError, match="block_n"):
         gemv_rms_norm_qk_rope(x, norm_w, EPS, w, None, None, *args, GemvConfig(block_n=32))
     with pytest.raises(ValueError, match="heads"):
