@@ -21,6 +21,20 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.registry import get_attention_backend
 
 
+def _meta_fields(meta: AttentionMetadata) -> tuple:
+    """The metadata's fields in their declared order, as the ops below take them (and
+    ``AttentionMetadata(*fields)`` rebuilds it): the custom ops' schema has no dataclass."""
+    return (
+        meta.slot_mapping,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.cu_seqlens_q,
+        meta.max_query_len,
+        meta.max_seq_len,
+        meta.is_decode,
+    )
+
+
 @torch.library.custom_op("qwen_serve::paged_attention", mutates_args=("k_cache", "v_cache"))
 def paged_attention_op(
     q: torch.Tensor,
@@ -91,13 +105,7 @@ def paged_attention(
         v,
         k_cache,
         v_cache,
-        meta.slot_mapping,
-        meta.block_tables,
-        meta.seq_lens,
-        meta.cu_seqlens_q,
-        meta.max_query_len,
-        meta.max_seq_len,
-        meta.is_decode,
+        *_meta_fields(meta),
         scale,
         backend,
     )
@@ -196,13 +204,7 @@ def paged_attention_qk_rope(
         v,
         k_cache,
         v_cache,
-        meta.slot_mapping,
-        meta.block_tables,
-        meta.seq_lens,
-        meta.cu_seqlens_q,
-        meta.max_query_len,
-        meta.max_seq_len,
-        meta.is_decode,
+        *_meta_fields(meta),
         scale,
         backend,
         cos,
@@ -255,10 +257,7 @@ def _paged_attention_stored_fake(q, k_cache, v_cache, *rest):
 
 def paged_attention_stored(q, k_cache, v_cache, meta: AttentionMetadata, scale, backend):
     """:func:`paged_attention_stored_op` with the metadata unpacked."""
-    return paged_attention_stored_op(
-        q, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-        meta.cu_seqlens_q, meta.max_query_len, meta.max_seq_len, meta.is_decode, scale, backend,
-    )  # fmt: skip
+    return paged_attention_stored_op(q, k_cache, v_cache, *_meta_fields(meta), scale, backend)
 
 
 @torch.library.custom_op(
@@ -362,13 +361,7 @@ def paged_decode_partials_qk_rope(
         v,
         k_cache,
         v_cache,
-        meta.slot_mapping,
-        meta.block_tables,
-        meta.seq_lens,
-        meta.cu_seqlens_q,
-        meta.max_query_len,
-        meta.max_seq_len,
-        meta.is_decode,
+        *_meta_fields(meta),
         scale,
         backend,
         cos,
