@@ -13,7 +13,7 @@ import sys
 
 from engine.core.config import DEFAULT_MAX_PREFILL_ATTENTION_WITH_DECODES
 from kernels.interpreter import interpreting
-from kernels.switches import SWITCH_NAMES, env_switch
+from kernels.switches import COUNT_NAMES, SWITCH_NAMES, env_count, env_switch
 from server.http_protocol import HTTP_PARSERS, protocol_base
 from server.http_server import listen_socket, make_server
 
@@ -543,9 +543,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-#: QWEN_SERVE_* variables read outside the flags: the kernel switches
-#: (kernels.switches.SWITCH_NAMES), the cache folder, the test, bench and load-test hooks
-_OTHER_ENV = frozenset(SWITCH_NAMES) | frozenset(
+#: QWEN_SERVE_* variables read outside the flags: the kernel switches and counts
+#: (kernels.switches.SWITCH_NAMES, COUNT_NAMES), the cache folder, the test, bench and
+#: load-test hooks
+_OTHER_ENV = frozenset(SWITCH_NAMES + COUNT_NAMES) | frozenset(
     ENV_PREFIX + name
     for name in (
         "CACHE",
@@ -565,13 +566,16 @@ def unknown_env(parser: argparse.ArgumentParser, environ=os.environ) -> list[str
 
 
 def bad_switches(environ=os.environ) -> list[str]:
-    """Why each kernel switch set in ``environ`` has an unreadable value (the kernels read them
-    only on the devices they run on: a bad value would otherwise pass unseen elsewhere)."""
+    """Why each kernel switch or count set in ``environ`` has an unreadable value (the kernels
+    read them only on the devices they run on: a bad value would otherwise pass unseen
+    elsewhere)."""
     errors = []
-    for name in SWITCH_NAMES:
+    checks = [(name, env_switch, True) for name in SWITCH_NAMES]
+    checks += [(name, env_count, 1) for name in COUNT_NAMES]
+    for name, read, default in checks:
         if name in environ:
             try:
-                env_switch(name, environ=environ)
+                read(name, default, environ=environ)
             except ValueError as exc:
                 errors.append(str(exc))
     return errors

@@ -223,9 +223,9 @@ def test_misspelt_env_variables_are_reported():
         "OTHER": "1",
     }
     assert unknown_env(build_parser(), env) == ["QWEN_SERVE_BLOK_SIZE"]
-    from kernels.switches import SWITCH_NAMES, env_switch
+    from kernels.switches import COUNT_NAMES, SWITCH_NAMES, env_switch
 
-    assert unknown_env(build_parser(), dict.fromkeys(SWITCH_NAMES, "1")) == []
+    assert unknown_env(build_parser(), dict.fromkeys(SWITCH_NAMES + COUNT_NAMES, "1")) == []
     with pytest.raises(ValueError, match="not a registered switch"):
         env_switch("QWEN_SERVE_NOT_A_SWITCH")
 
@@ -238,6 +238,10 @@ def test_a_bad_switch_value_stops_the_start_up(monkeypatch, capsys):
     assert bad_switches({"QWEN_SERVE_PDL": "0", "QWEN_SERVE_DENSE_PREFILL": "on"}) == []
     problems = bad_switches({"QWEN_SERVE_DECODE_FUSED_REDUCE": "maybe", "QWEN_SERVE_PDL": "1"})
     assert len(problems) == 1 and "QWEN_SERVE_DECODE_FUSED_REDUCE" in problems[0]
+    assert bad_switches({"QWEN_SERVE_DECODE_MAX_SPLITS": "8"}) == []
+    for bad in ("0", "eight"):  # the integer knobs too
+        problems = bad_switches({"QWEN_SERVE_DECODE_MAX_SPLITS": bad})
+        assert len(problems) == 1 and "QWEN_SERVE_DECODE_MAX_SPLITS" in problems[0]
     monkeypatch.setenv("QWEN_SERVE_DECODE_FUSED_QK_ROPE", "sometimes")
     with pytest.raises(SystemExit) as exc:
         main(["--port", "0"])
