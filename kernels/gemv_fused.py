@@ -427,8 +427,9 @@ def gemv_rms_norm(
         return out, res_out
     cfg = config or fused_gemv_config("rms_norm", m, n, k, x.device) or GemvConfig()
     plan = split_plan(m, n, k, cfg, out)
+    operands, strides = norm_operands(x, residual, norm_weight, res_out)
     _gemv_rms_norm_kernel[plan.grid](
-        *norm_operands(x, residual, norm_weight, res_out),
+        *operands,
         w,
         bias if bias is not None else w,
         out,
@@ -438,7 +439,7 @@ def gemv_rms_norm(
         n,
         k,
         plan.k_per_split,
-        *norm_strides(x, residual, res_out),
+        *strides,
         w.stride(0),
         out.stride(0),
         float(eps),
@@ -468,21 +469,15 @@ def _k_dense(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def norm_operands(x, residual, norm_weight, res_out) -> tuple:
+def norm_operands(x, residual, norm_weight, res_out) -> tuple[tuple, tuple[int, int, int]]:
     """The first four pointers of a norm GEMV launch (:func:`rms_norm_gemv_acc`'s ``x_ptr,
-    res_ptr, norm_w_ptr, res_out_ptr``): unit K strides (copies where needed), and ``x`` in
-    place of a missing residual (never read then)."""
+    res_ptr, norm_w_ptr, res_out_ptr``) and their row strides (``stride_xm, stride_rm,
+    stride_rom``): unit K strides (copies where needed), and ``x`` in place of a missing
+    residual (never read then)."""
     x = _k_dense(x)
     res = _k_dense(residual) if residual is not None else x
-    return x, res, norm_weight.contiguous(), res_out if res_out is not None else x
-
-
-def norm_strides(x, residual, res_out) -> tuple[int, int, int]:
-    """``(stride_xm, stride_rm, stride_rom)`` of the operands :func:`norm_operands` passes
-    (row strides are kept; a K-strided input is copied to a contiguous one)."""
-    xs = x.stride(0) if x.stride(1) == 1 else x.shape[1]
-    rs = xs if residual is None else residual.stride(0) if residual.stride(1) == 1 else x.shape[1]
-    return xs, rs, res_out.stride(0) if res_out is not None else xs
+    ro = res_out if res_out is not None else x
+    return (x, res, norm_weight.contiguous(), ro), (x.stride(0), res.stride(0), ro.stride(0))
 
 
 def launch_flags(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig) -> dict:

@@ -35,7 +35,6 @@ from kernels.gemv_fused import (
     launch_flags,
     norm_operands,
     norm_outputs,
-    norm_strides,
     rms_norm_gemv_acc,
 )
 from kernels.interpreter import interpreting as _interpreting
@@ -314,8 +313,9 @@ def gemv_rms_norm_qk_rope(
     if m == 0:
         return out, res_out
     plan = split_plan(m, n, k, cfg, out)
+    operands, strides = norm_operands(x, residual, norm_weight, res_out)
     _gemv_rms_norm_qk_rope_kernel[plan.grid](
-        *norm_operands(x, residual, norm_weight, res_out),
+        *operands,
         w,
         bias if bias is not None else w,
         out,
@@ -332,7 +332,7 @@ def gemv_rms_norm_qk_rope(
         n,
         k,
         plan.k_per_split,
-        *norm_strides(x, residual, res_out),
+        *strides,
         w.stride(0),
         out.stride(0),
         *cos_strides,
