@@ -39,6 +39,7 @@ from kernels.gemv_fused import (
 )
 from kernels.interpreter import interpreting as _interpreting
 from kernels.qk_norm_rope import norm_rope_halves, rope_table_strides
+from kernels.rounding import rounded
 
 __all__ = ["gemv_rms_norm_qk_rope"]
 
@@ -73,12 +74,11 @@ def _qk_rope_epilogue(
     BLOCK_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HAS_QK_NORM: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
 ):
-    """Head ``head`` of the projection, ``y [HEAD_DIM, BLOCK_M]`` in the model dtype (token
-    ``rm`` in column ``rm``, valid where ``m_ok``): q/k heads normalized and rotated, k and v
-    heads stored into their tokens' cache slots (a negative slot stores nothing), and every
-    head written to its ``out`` columns."""
+    """Head ``head`` of the projection, ``y [HEAD_DIM, BLOCK_M]`` (float32 holding the values the
+    GEMV stores in the model dtype; token ``rm`` in column ``rm``, valid where ``m_ok``): q/k heads
+    normalized and rotated, k and v heads stored into their tokens' cache slots (a negative slot
+    stores nothing), and every head written to its ``out`` columns."""
     dtype = out_ptr.dtype.element_ty
     half: tl.constexpr = HEAD_DIM // 2
     j = tl.arange(0, half)
@@ -95,11 +95,12 @@ def _qk_rope_epilogue(
     c_ok = mask & (slot >= 0)[None, :]
     # the tile's two halves [half, BLOCK_M] (rows d and d + D/2): [D, M] -> [D/2, M, 2] -> split
     y1, y2 = tl.split(tl.permute(tl.reshape(y, (2, half, BLOCK_M)), (1, 2, 0)))
-    if is_v:  # as projected: the output and the token's v cache slot
-        tl.store(o_row + lo, y1, mask=mask)
-        tl.store(o_row + lo + half, y2, mask=mask)
-        tl.store(v_cache_ptr + c_off, y1, mask=c_ok)
-        tl.store(v_cache_ptr + c_off + half * stride_cd, y2, mask=c_ok)
+    if is_v:  # as projected: the output and the token's v cache slot (exact casts)
+        v1, v2 = y1.to(dtype), y2.to(dtype)
+        tl.store(o_row + lo, v1, mask=mask)
+        tl.store(o_row + lo + half, v2, mask=mask)
+        tl.store(v_cache_ptr + c_off, v1, mask=c_ok)
+        tl.store(v_cache_ptr + c_off + half * stride_cd, v2, mask=c_ok)
     else:  # q or k: normalized and rotated
         w1 = 0.0
         w2 = 0.0
@@ -114,10 +115,11 @@ def _qk_rope_epilogue(
         c2 = tl.load(cos + half * stride_cos_d, mask=mask, other=0.0).to(tl.float32)
         s1 = tl.load(sin, mask=mask, other=0.0).to(tl.float32)
         s2 = tl.load(sin + half * stride_sin_d, mask=mask, other=0.0).to(tl.float32)
+        # rounded by integer ops (EXACT): with plain casts the GPU compiler folded roundings
+        # away in some tile shapes (up to 60 ulps off eager near cancellation)
         o1, o2 = norm_rope_halves(
-            y1.to(tl.float32), y2.to(tl.float32), w1, w2, c1, c2, s1, s2, HEAD_DIM, qk_eps,
-            dtype, 0, HAS_QK_NORM, EMULATE_RNE,
-        )  # fmt: skip
+            y1, y2, w1, w2, c1, c2, s1, s2, HEAD_DIM, qk_eps, dtype, 0, HAS_QK_NORM, True
+        )
         tl.store(o_row + lo, o1, mask=mask)
         tl.store(o_row + lo + half, o2, mask=mask)
         if head >= num_q_heads:  # a key head: into the token's k cache slot
@@ -201,12 +203,18 @@ def _gemv_rms_norm_qk_rope_kernel(
     if last:
         if HAS_BIAS:
             total += tl.load(bias_ptr + rn_c).to(tl.float32)[:, None]
-        y = total.to(out_ptr.dtype.element_ty)  # the projection's output, cast as the GEMV's
+        # the projection's output as the plain GEMV stores it, kept in float32: on the GPU
+        # rounded by integer ops (a cast and its way back were folded into the math after them);
+        # the interpreter's cast truncates bfloat16, as the plain GEMV's does there
+        if EMULATE_RNE:
+            y = total.to(out_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            y = rounded(total, out_ptr.dtype.element_ty)
         _qk_rope_epilogue(
             y, pid_n, rm, m_ok, out_ptr, stride_om, slot_ptr, cos_ptr, sin_ptr, stride_cos_t,
             stride_cos_d, stride_sin_t, stride_sin_d, q_w_ptr, k_w_ptr, k_cache_ptr,
             v_cache_ptr, stride_cb, stride_co, stride_ch, stride_cd, num_q_heads, num_kv_heads,
-            qk_eps, HEAD_DIM, BLOCK_M, BLOCK_SIZE, HAS_QK_NORM, EMULATE_RNE,
+            qk_eps, HEAD_DIM, BLOCK_M, BLOCK_SIZE, HAS_QK_NORM,
         )  # fmt: skip
 
 

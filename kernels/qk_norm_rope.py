@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_kwargs, pdl_wait
-from kernels.rounding import round_to
+from kernels.rounding import round_as
 
 __all__ = ["qk_norm_rope_store", "norm_rope_rows", "norm_rope_halves", "rope_table_strides"]
 
@@ -38,29 +38,30 @@ def norm_rope_halves(
     dtype: tl.constexpr,
     AXIS: tl.constexpr,
     HAS_NORM: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     """The two halves ``x1f``, ``x2f`` (float32 holding values of ``dtype``; the head dimension
     along ``AXIS``) of rows normalized (HAS_NORM: RMSNorm over the ``head_dim`` features, weight
-    halves ``w1``, ``w2``) and rotated (rotate-half: ``o1 = x1 cos1 - x2 sin1``, ``o2 = x2 cos2
-    + x1 sin2``); ``w*``, ``c*``, ``s*`` broadcast against the halves. Returns ``(o1, o2)`` in
-    ``dtype``, rounded wherever eager torch rounds (rms_norm_ref's cast before the weight, each
-    product and the sum of rope_ref), so the results match the reference composition.
-    ``EMULATE_RNE``: round to nearest even under the interpreter too
-    (:func:`kernels.rounding.round_to`). Shared by :func:`_norm_rope_tile` and the q/k/v
-    projection's epilogue (``kernels.gemv_qk_rope``)."""
+    halves ``w1``, ``w2``) and rotated (rotate-half: ``o1 = x1 cos1 - x2 sin1``, ``o2 = x2 cos2 + x1
+    sin2``); ``w*``, ``c*``, ``s*`` broadcast against the halves. Returns ``(o1, o2)`` in ``dtype``,
+    rounded wherever eager torch rounds (rms_norm_ref's cast before the weight, each product and the
+    sum of rope_ref), so the results match the reference composition where the roundings happen.
+    ``EXACT``: each rounding by :func:`kernels.rounding.rounded`, which the GPU compiler cannot fold
+    away (an H100 run found the plain casts' results off eager's by up to 60 bf16 ulps near
+    cancellation in some tile shapes, ~20 % of the elements differing) and the interpreter cannot
+    truncate; else the plain casts (cheaper: exact roundings here and in the plain GEMV's epilogue
+    cost an H100's batch-1 decode step ~2.5 %). Shared by :func:`_norm_rope_tile` (not exact) and
+    the q/k/v projection's epilogue (``kernels.gemv_qk_rope``, exact)."""
     if HAS_NORM:
         mean_sq = (tl.sum(x1f * x1f, axis=AXIS) + tl.sum(x2f * x2f, axis=AXIS)) / head_dim
         r = tl.expand_dims(tl.rsqrt(mean_sq + eps), AXIS)
-        x1f = round_to(w1 * round_to(x1f * r, dtype, EMULATE_RNE).to(tl.float32), dtype,
-                       EMULATE_RNE).to(tl.float32)  # fmt: skip
-        x2f = round_to(w2 * round_to(x2f * r, dtype, EMULATE_RNE).to(tl.float32), dtype,
-                       EMULATE_RNE).to(tl.float32)  # fmt: skip
-    a1 = round_to(x1f * c1, dtype, EMULATE_RNE).to(tl.float32)
-    b1 = round_to(x2f * s1, dtype, EMULATE_RNE).to(tl.float32)
-    a2 = round_to(x2f * c2, dtype, EMULATE_RNE).to(tl.float32)
-    b2 = round_to(x1f * s2, dtype, EMULATE_RNE).to(tl.float32)
-    return round_to(a1 - b1, dtype, EMULATE_RNE), round_to(a2 + b2, dtype, EMULATE_RNE)
+        x1f = round_as(w1 * round_as(x1f * r, dtype, EXACT), dtype, EXACT)
+        x2f = round_as(w2 * round_as(x2f * r, dtype, EXACT), dtype, EXACT)
+    a1 = round_as(x1f * c1, dtype, EXACT)
+    b1 = round_as(x2f * s1, dtype, EXACT)
+    a2 = round_as(x2f * c2, dtype, EXACT)
+    b2 = round_as(x1f * s2, dtype, EXACT)
+    return round_as(a1 - b1, dtype, EXACT).to(dtype), round_as(a2 + b2, dtype, EXACT).to(dtype)
 
 
 @triton.jit
