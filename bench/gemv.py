@@ -23,7 +23,9 @@ best configuration per shape and M bucket, ``cublas_faster`` where cuBLAS won. `
 stores ``gemv_fused_<device>.json``: per ``"<kind>:<N>,<K>"`` and M bucket the best fused
 configuration and ``fused_faster``, true only where the fused kernel beat the unfused pair --
 the elementwise op compiled by Inductor (as the compiled model runs it) followed by today's
-product (the plain table's choice, kernel or cuBLAS). Both tables also land in ``--out``.
+product (the plain table's choice, kernel or cuBLAS); a row whose verdict came from a
+decode-step A/B (``decode_step_ab``) keeps it (:func:`keep_step_verdicts`). Both tables also land
+in ``--out``.
 ``--fused`` sweeps 8 configurations per kind, compiled first in ``--compile-workers`` spawned
 processes (filling Triton's disk cache), and stops timing new ones after ``--budget-s`` seconds.
 """
@@ -425,6 +427,30 @@ def sweep_fused(args, dev, g) -> tuple[dict, list[dict]]:
     return table, rows
 
 
+#: a fused-table row's key recording an end-to-end decode-step A/B (bench/decode_profile.py)
+STEP_VERDICT = "decode_step_ab"
+
+
+def keep_step_verdicts(table: dict, current: dict) -> list[str]:
+    """Carry each ``current`` fused-table row's end-to-end verdict (``STEP_VERDICT``, with its
+    ``fused_faster``) into the newly swept ``table`` (in place), so a kernel-only re-sweep does
+    not undo what a decode-step A/B decided: the kernel timing can favour a fusion that makes the
+    step slower (the batch-1 q/k/v + rotary fusion on the H200: faster alone, 1 % slower in the
+    step). Returns one line per kept verdict."""
+    notes = []
+    for key, rows in table.items():
+        for bucket, row in rows.items():
+            old = current.get(key, {}).get(bucket, {})
+            if STEP_VERDICT in old:
+                row[STEP_VERDICT] = old[STEP_VERDICT]
+                row["fused_faster"] = old["fused_faster"]
+                notes.append(
+                    f"{key} {bucket}: fused_faster {old['fused_faster']} kept from the "
+                    f"decode-step A/B ({old[STEP_VERDICT][:60]}...)"
+                )
+    return notes
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="all plain tile configurations")
@@ -452,6 +478,9 @@ def main() -> int:
         # a partial sweep: the shapes it did not time keep the entries this device reads now
         # (its own table's, or its architecture's: an H100 without one reads the H200's)
         table = {**current_table(kernel, name), **table}
+    if args.fused and not args.tiny:
+        for note in keep_step_verdicts(table, current_table(kernel, name)):
+            print(note)
     blob = json.dumps(table, indent=1, sort_keys=True) + "\n"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / path.name).write_text(blob)

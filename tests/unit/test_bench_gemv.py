@@ -87,3 +87,35 @@ def test_gemv_compile_check_quick_compiles_for_sm90():
     stdout = run_compile_check("gemv_compile_check.py", "--quick")
     assert "FAIL" not in stdout and "20/20 compiled for sm_90" in stdout
     assert "swiglu" in stdout and "rms_norm" in stdout and "qkv_rope" in stdout
+
+
+def test_a_resweep_keeps_the_decode_step_verdict():
+    """A fused row decided by an end-to-end decode-step A/B keeps that verdict through a
+    kernel-only re-sweep (new tiles and times, the old fused_faster and its note); rows without
+    one take the sweep's."""
+    from bench.gemv import STEP_VERDICT, keep_step_verdicts
+
+    current = {
+        "qkv_rope:4096,1024": {
+            "m1": {"fused_faster": False, STEP_VERDICT: "slower in the step", "split_k": 4},
+            "m16": {"fused_faster": True, "split_k": 4},
+        }
+    }
+    swept = {
+        "qkv_rope:4096,1024": {
+            "m1": {"fused_faster": True, "split_k": 2, "fused_us": 7.0},
+            "m16": {"fused_faster": False, "split_k": 2},
+        },
+        "rms_norm:4096,1024": {"m1": {"fused_faster": True}},
+    }
+    notes = keep_step_verdicts(swept, current)
+    m1 = swept["qkv_rope:4096,1024"]["m1"]
+    assert m1 == {
+        "fused_faster": False,
+        "split_k": 2,
+        "fused_us": 7.0,
+        STEP_VERDICT: "slower in the step",
+    }
+    assert swept["qkv_rope:4096,1024"]["m16"] == {"fused_faster": False, "split_k": 2}
+    assert swept["rms_norm:4096,1024"]["m1"] == {"fused_faster": True}
+    assert len(notes) == 1 and "qkv_rope:4096,1024 m1" in notes[0]
