@@ -52,9 +52,10 @@
 #           against today's pair (norm GEMV, then the q/k norm + rotary + store launch) for
 #           Qwen3-0.6B (bench/gemv.py --fused; the table comes back in $OUT, not committed here)
 #   qkvab:  that sweep with --write-table (this GPU's fused table, in the device's tree and
-#           $OUT; the tree's copy then forced to fuse), then bench/decode_profile.py at batch 1
-#           and 4 in $OLD, here with the fusion off, and on (QWEN_SERVE_FUSED_QKV_ROPE_GEMV 0/1,
-#           ${QKV_ROUNDS:-2} rounds), and engine_check with it on
+#           $OUT; the tree's copy then forced to fuse), then bench/decode_profile.py at batch
+#           ${QKV_BATCHES:-1 2 4 16} in $OLD (120 s: its kernels compile afresh), here with the
+#           fusion off, and on (QWEN_SERVE_FUSED_QKV_ROPE_GEMV 0/1, ${QKV_ROUNDS:-2} rounds),
+#           and engine_check with it on
 #   l2pf:   the L2 prefetch kernel's GPU tests and the PDL ones, bench/l2_prefetch_probe.py (a
 #           28-layer GEMV chain with weights cold, hot in L2, and prefetched on a side stream)
 # Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD, all three made
@@ -229,8 +230,9 @@ for stage in ${@:-tests dense}; do
            for r in $(seq "${QKV_ROUNDS:-2}"); do
              for v in old off on; do
                d=.; sw=1; [ $v = old ] && d=$OLD; [ $v = off ] && sw=0
-               QWEN_SERVE_FUSED_QKV_ROPE_GEMV=$sw timeout "$(left 60)" python3 \
-                 bench/decode_profile.py --tree $d --ckpt $CKPT --batch 1 4 --top 8 \
+               QWEN_SERVE_FUSED_QKV_ROPE_GEMV=$sw timeout "$(left 120)" python3 \
+                 bench/decode_profile.py --tree $d --ckpt $CKPT --batch ${QKV_BATCHES:-1 2 4 16} \
+                 --top 8 \
                  --label "$v$r" 2>&1 | grep -v Warning | grep -E '"tpot_ms"' | cut -c1-400
              done
            done

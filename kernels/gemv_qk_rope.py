@@ -13,13 +13,16 @@ plain GEMV stores it, then for a query head RMSNorm (Qwen3) and rotate-half rota
 two halves ``d < D/2`` and ``d >= D/2`` split apart in registers), for a key head the same and
 the store into the token's cache slot, for a value head the store alone. The norm and rotary
 are :func:`kernels.qk_norm_rope.norm_rope_halves`, with the roundings of
-``kernels.reference.qk_norm_rope_store_ref`` (eager torch's), so the fused q/k/v equal the plain
-projection followed by the eager ops wherever the float32 math agrees.
+``kernels.reference.qk_norm_rope_store_ref`` (eager torch's) done by integer ops
+(:func:`kernels.rounding.rounded`; plain casts were folded away by the GPU compile in some tile
+shapes), so the fused q/k/v equal the plain projection followed by the eager ops wherever the
+float32 math agrees.
 
 The tile layout (``[Hq + 2 Hkv] x D`` output features: this rank's q heads, then its k heads,
 then its v heads) is ``engine.layers.linear.QKVParallelLinear``'s. Tiles come from the fused
 table (kind ``qkv_rope``, :func:`kernels.gemv_fused.fused_gemv_config`) and must have
-``block_n == head_dim``.
+``block_n == head_dim``; the H200's enables it for M = 2..16 only (at batch 1 the decode step was
+1 % slower with it, the decode kernel waiting out the last program's whole-head epilogue).
 """
 
 from __future__ import annotations
