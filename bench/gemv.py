@@ -432,22 +432,26 @@ STEP_VERDICT = "decode_step_ab"
 
 
 def keep_step_verdicts(table: dict, current: dict) -> list[str]:
-    """Carry each ``current`` fused-table row's end-to-end verdict (``STEP_VERDICT``, with its
-    ``fused_faster``) into the newly swept ``table`` (in place), so a kernel-only re-sweep does
-    not undo what a decode-step A/B decided: the kernel timing can favour a fusion that makes the
-    step slower (the batch-1 q/k/v + rotary fusion on the H200: faster alone, 1 % slower in the
-    step). Returns one line per kept verdict."""
+    """Carry each ``current`` fused-table row's end-to-end verdict (``STEP_VERDICT``) into the
+    newly swept ``table`` (in place), so a kernel-only re-sweep does not undo what a decode-step
+    A/B decided: the kernel timing can favour a fusion that makes the step slower (the batch-1
+    q/k/v + rotary fusion on the H200: faster alone, 1 % slower in the step). A "not fused"
+    verdict is always kept; a "fused" one only where the sweep found tiles that passed (a row
+    the sweep rejected stays off). ``current`` must be this device's own table, not one it
+    borrows from its architecture (the A/B ran on another GPU). Returns one line per kept
+    verdict."""
     notes = []
     for key, rows in table.items():
         for bucket, row in rows.items():
             old = current.get(key, {}).get(bucket, {})
-            if STEP_VERDICT in old:
-                row[STEP_VERDICT] = old[STEP_VERDICT]
-                row["fused_faster"] = old["fused_faster"]
-                notes.append(
-                    f"{key} {bucket}: fused_faster {old['fused_faster']} kept from the "
-                    f"decode-step A/B ({old[STEP_VERDICT][:60]}...)"
-                )
+            if STEP_VERDICT not in old:
+                continue
+            faster = bool(old.get("fused_faster", False))
+            if faster and not all(f in row for f in GemvConfig.__dataclass_fields__):
+                continue  # the sweep found no tiles that passed: no fusion to keep on
+            row[STEP_VERDICT] = old[STEP_VERDICT]
+            row["fused_faster"] = faster
+            notes.append(f"{key} {bucket}: fused_faster {faster} kept from the decode-step A/B")
     return notes
 
 
@@ -478,8 +482,8 @@ def main() -> int:
         # a partial sweep: the shapes it did not time keep the entries this device reads now
         # (its own table's, or its architecture's: an H100 without one reads the H200's)
         table = {**current_table(kernel, name), **table}
-    if args.fused and not args.tiny:
-        for note in keep_step_verdicts(table, current_table(kernel, name)):
+    if args.fused and not args.tiny and path.exists():  # (this device's own table only)
+        for note in keep_step_verdicts(table, json.loads(path.read_text())):
             print(note)
     blob = json.dumps(table, indent=1, sort_keys=True) + "\n"
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from kernels.arrival_counters import arrival_counters
+from kernels.interpreter import interpreting as _interpreting
 from kernels.pdl import pdl_kwargs, pdl_wait
 from kernels.prefill_attention import _paged_attn_tile
 from kernels.qk_norm_rope import norm_rope_rows, rope_table_strides
@@ -220,6 +221,7 @@ def _decode_split_kernel(
     BLOCK_S: tl.constexpr = 16,
     FUSED_QK: tl.constexpr = False,
     HAS_NORM: tl.constexpr = False,
+    EXACT_ROPE: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)  # programmatic dependent launch (kernels.pdl): q and this step's k/v are new
@@ -262,6 +264,7 @@ def _decode_split_kernel(
             eps,
             HEAD_DIM,
             HAS_NORM,
+            EXACT_ROPE,
         )
     else:
         q = tl.load(
@@ -301,6 +304,7 @@ def _decode_split_kernel(
                 eps,
                 HEAD_DIM,
                 HAS_NORM,
+                EXACT_ROPE,
             )
             v_new = tl.load(
                 new_v_ptr
@@ -952,6 +956,9 @@ def decode_attention(
         BLOCK_S=block_s,
         FUSED_QK=qk_rope is not None,
         HAS_NORM=has_norm,
+        # the prologue's roundings by integer ops under the interpreter (its bfloat16 cast
+        # truncates), as qk_norm_rope_store's there; on the GPU casts (FP fusion stays on)
+        EXACT_ROPE=qk_rope is not None and _interpreting(),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl,

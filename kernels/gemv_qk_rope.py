@@ -14,9 +14,10 @@ two halves ``d < D/2`` and ``d >= D/2`` split apart in registers), for a key hea
 the store into the token's cache slot, for a value head the store alone. The norm and rotary
 are :func:`kernels.qk_norm_rope.norm_rope_halves`, with the roundings of
 ``kernels.reference.qk_norm_rope_store_ref`` (eager torch's) done by integer ops
-(:func:`kernels.rounding.rounded`; plain casts were folded away by the GPU compile in some tile
-shapes), so the fused q/k/v equal the plain projection followed by the eager ops wherever the
-float32 math agrees.
+(:func:`kernels.rounding.rounded`: with plain casts the GPU compile contracted rounded products
+into FMAs, and the GEMV's loop keeps FP fusion on), so for bfloat16 the fused q/k/v equal the
+plain projection followed by the eager ops wherever the float32 math agrees (float16's
+roundings are casts, which FMAs may still skip).
 
 The tile layout (``[Hq + 2 Hkv] x D`` output features: this rank's q heads, then its k heads,
 then its v heads) is ``engine.layers.linear.QKVParallelLinear``'s. Tiles come from the fused
@@ -118,8 +119,8 @@ def _qk_rope_epilogue(
         c2 = tl.load(cos + half * stride_cos_d, mask=mask, other=0.0).to(tl.float32)
         s1 = tl.load(sin, mask=mask, other=0.0).to(tl.float32)
         s2 = tl.load(sin + half * stride_sin_d, mask=mask, other=0.0).to(tl.float32)
-        # rounded by integer ops (EXACT): with plain casts the GPU compiler folded roundings
-        # away in some tile shapes (up to 60 ulps off eager near cancellation)
+        # rounded by integer ops (EXACT): plain casts were contracted into FMAs with rotary's
+        # add on the GPU (up to 60 ulps off eager near cancellation)
         o1, o2 = norm_rope_halves(
             y1, y2, w1, w2, c1, c2, s1, s2, HEAD_DIM, qk_eps, dtype, 0, HAS_QK_NORM, True
         )
@@ -207,8 +208,8 @@ def _gemv_rms_norm_qk_rope_kernel(
         if HAS_BIAS:
             total += tl.load(bias_ptr + rn_c).to(tl.float32)[:, None]
         # the projection's output as the plain GEMV stores it, kept in float32: on the GPU
-        # rounded by integer ops (a cast and its way back were folded into the math after them);
-        # the interpreter's cast truncates bfloat16, as the plain GEMV's does there
+        # rounded by integer ops (no FMA contraction can skip it); the interpreter's cast
+        # truncates bfloat16, as the plain GEMV's does there
         if EMULATE_RNE:
             y = total.to(out_ptr.dtype.element_ty).to(tl.float32)
         else:

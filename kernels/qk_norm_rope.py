@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.interpreter import interpreting as _interpreting
 from kernels.pdl import pdl_kwargs, pdl_wait
 from kernels.rounding import round_as
 
@@ -46,12 +47,14 @@ def norm_rope_halves(
     sin2``); ``w*``, ``c*``, ``s*`` broadcast against the halves. Returns ``(o1, o2)`` in ``dtype``,
     rounded wherever eager torch rounds (rms_norm_ref's cast before the weight, each product and the
     sum of rope_ref), so the results match the reference composition where the roundings happen.
-    ``EXACT``: each rounding by :func:`kernels.rounding.rounded`, which the GPU compiler cannot fold
-    away (an H100 run found the plain casts' results off eager's by up to 60 bf16 ulps near
-    cancellation in some tile shapes, ~20 % of the elements differing) and the interpreter cannot
-    truncate; else the plain casts (cheaper: exact roundings here and in the plain GEMV's epilogue
-    cost an H100's batch-1 decode step ~2.5 %). Shared by :func:`_norm_rope_tile` (not exact) and
-    the q/k/v projection's epilogue (``kernels.gemv_qk_rope``, exact)."""
+    ``EXACT``: each rounding by :func:`kernels.rounding.rounded` (integer ops: exact on the GPU
+    with FP fusion on, and under the interpreter); else the plain casts, exact on the GPU only in
+    a kernel launched with ``enable_fp_fusion=False`` (with fusion on, a rounded product and
+    rotary's add become one FMA: up to 60 bf16 ulps off eager near cancellation, ~20 % of the
+    elements differing, H100/H200 2026-12-06; module docstring of ``kernels.rounding``). Shared
+    by :func:`_norm_rope_tile` (``qk_norm_rope_store``: casts with FP fusion off on the GPU,
+    exact under the interpreter) and the q/k/v projection's epilogue (``kernels.gemv_qk_rope``:
+    exact, its GEMV keeping FP fusion)."""
     if HAS_NORM:
         mean_sq = (tl.sum(x1f * x1f, axis=AXIS) + tl.sum(x2f * x2f, axis=AXIS)) / head_dim
         r = tl.expand_dims(tl.rsqrt(mean_sq + eps), AXIS)
@@ -81,10 +84,11 @@ def _norm_rope_tile(
     half,
     eps,
     HAS_NORM: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     """Rows ``offs_h`` of one token's ``[H, D]`` slice at ``x_ptr``, normalized (HAS_NORM) and
     rotated: returns the two halves ``[BLOCK_H, BLOCK_HALF]`` in the input dtype
-    (:func:`norm_rope_halves`)."""
+    (:func:`norm_rope_halves`, ``EXACT`` as there)."""
     base = x_ptr + offs_h[:, None] * stride_h
     x1 = tl.load(base + offs_j[None, :] * stride_d, mask=mask, other=0.0)
     x2 = tl.load(base + (offs_j[None, :] + half) * stride_d, mask=mask, other=0.0)
@@ -96,7 +100,7 @@ def _norm_rope_tile(
         w2 = tl.load(w_ptr + half + offs_j, mask=j_mask, other=0.0).to(tl.float32)[None, :]
     return norm_rope_halves(
         x1.to(tl.float32), x2.to(tl.float32), w1, w2, c1, c2, s1, s2, head_dim, eps, x1.dtype,
-        1, HAS_NORM, False,
+        1, HAS_NORM, EXACT,
     )  # fmt: skip
 
 
@@ -115,14 +119,15 @@ def norm_rope_rows(
     eps,
     HEAD_DIM: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     """Rows ``offs_h`` (``[BLOCK]``, valid where ``h_mask``) of one token's ``[H, D]`` slice at
     ``x_ptr``, RMS-normalized (HAS_NORM, weight ``w_ptr [D]``) and rotated with the token's
     ``cos_row`` / ``sin_row`` (``[D]``): ``[BLOCK, HEAD_DIM]`` in the input dtype (0 in masked
     rows), for a consumer that wants whole rows (the fused decode prologue). Each element's
     rotate-half partner (``d +- D/2``) is loaded beside it; the roundings to the input dtype are
-    :func:`_norm_rope_tile`'s, so both match the reference composition. ``HEAD_DIM``: a power of
-    two."""
+    :func:`_norm_rope_tile`'s, ``EXACT`` as in :func:`norm_rope_halves` (the decode kernel keeps FP
+    fusion on: exact only under the interpreter). ``HEAD_DIM``: a power of two."""
     half: tl.constexpr = HEAD_DIM // 2
     offs_d = tl.arange(0, HEAD_DIM)
     partner = (offs_d + half) % HEAD_DIM
@@ -136,14 +141,14 @@ def norm_rope_rows(
         w = tl.load(w_ptr + offs_d).to(tl.float32)[None, :]
         wp = tl.load(w_ptr + partner).to(tl.float32)[None, :]
         r = tl.rsqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)[:, None]
-        xf = (w * (xf * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        xpf = (wp * (xpf * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        xf = round_as(w * round_as(xf * r, dtype, EXACT), dtype, EXACT)
+        xpf = round_as(wp * round_as(xpf * r, dtype, EXACT), dtype, EXACT)
     c = tl.load(cos_row + offs_d * stride_cos_d).to(tl.float32)[None, :]
     sn = tl.load(sin_row + offs_d * stride_sin_d).to(tl.float32)[None, :]
-    a = (xf * c).to(dtype).to(tl.float32)
-    b = (xpf * sn).to(dtype).to(tl.float32)
+    a = round_as(xf * c, dtype, EXACT)
+    b = round_as(xpf * sn, dtype, EXACT)
     # rotate-half: the first half takes x1 cos - x2 sin, the second x2 cos + x1 sin
-    return tl.where(offs_d[None, :] < half, a - b, a + b).to(dtype)
+    return round_as(tl.where(offs_d[None, :] < half, a - b, a + b), dtype, EXACT).to(dtype)
 
 
 @triton.jit
@@ -188,6 +193,7 @@ def _qk_norm_rope_store_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    EXACT: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)  # programmatic dependent launch (kernels.pdl): q/k/v come from the last kernel
@@ -229,6 +235,7 @@ def _qk_norm_rope_store_kernel(
             half,
             eps,
             HAS_NORM,
+            EXACT,
         )
         dst = q_out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh
         tl.store(dst + offs_j[None, :] * stride_od, o1, mask=mask)
@@ -254,6 +261,7 @@ def _qk_norm_rope_store_kernel(
             half,
             eps,
             HAS_NORM,
+            EXACT,
         )
         safe_slot = tl.maximum(slot, 0)
         # (a name of its own: Triton merges a variable assigned in both branches, and this one is
@@ -412,6 +420,11 @@ def qk_norm_rope_store(
         BLOCK_H=block_h,
         BLOCK_HALF=block_half,
         HAS_NORM=has_norm,
+        # the roundings of eager torch: under the interpreter (whose bfloat16 cast truncates)
+        # by integer ops; on the GPU by the casts, with FP fusion off, else LLVM turns a rounded
+        # product into a bfloat16 multiply and contracts it with rotary's add into an FMA
+        EXACT=_interpreting(),
+        enable_fp_fusion=False,
         **pdl,
     )
     return q_out

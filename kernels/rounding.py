@@ -1,6 +1,13 @@
 """Rounding of float32 kernel intermediates to the model dtype as torch rounds them (to nearest,
 ties to even), also under the Triton CPU interpreter (whose float32 -> bfloat16 cast truncates)
-and where the GPU compiler would drop a cast round trip."""
+and where the GPU compile would contract a rounding into a fused multiply-add.
+
+On the GPU a ``(a * b).to(bf16)`` of float32 values widened from bf16 becomes an exact bf16
+multiply, and with FP fusion on (Triton's default) it is contracted with a following add or
+subtract into ``fma.rn.bf16``: the product's rounding is skipped. In the q/k norm + rotary
+(``x1 cos - x2 sin``) that put results up to 60 bf16 ulps off eager torch near cancellation
+(H200 and H100, 2026-12-06). Either round by integer ops (:func:`rounded`) or launch the
+kernel with ``enable_fp_fusion=False``."""
 
 from __future__ import annotations
 
@@ -14,12 +21,10 @@ def rounded(x, dtype: tl.constexpr):
     value eager torch holds between two ops that each round to ``dtype``.
 
     For bfloat16 the rounding is integer arithmetic on the float32 bits (add ``0x7FFF`` plus the
-    lowest kept bit, clear the low 16; NaN passes through), on every device: a plain
-    ``x.to(bf16).to(float32)`` round trip may be folded away by the GPU compiler (an H100/H200 run
-    found the q/k norm + rotary epilogue off eager's results by up to 60 bf16 ulps near cancellation
-    with such round trips), and the interpreter's cast truncates. Integer work: keep it out of hot
-    loops (in the GEMV prologues it cost an H100 11 % of a batch-1 decode step). float16 takes the
-    cast round trip (float32: none)."""
+    lowest kept bit, clear the low 16; NaN passes through), on every device: no FMA contraction
+    can skip it (module docstring), and no interpreter cast truncates it. Integer work: keep it
+    out of hot loops (in the GEMV prologues it cost an H100 11 % of a batch-1 decode step).
+    float16 takes the cast round trip, which FP fusion can still contract (float32: none)."""
     if dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
@@ -32,8 +37,8 @@ def rounded(x, dtype: tl.constexpr):
 @triton.jit
 def round_as(x, dtype: tl.constexpr, EXACT: tl.constexpr):
     """float32 ``x`` rounded to ``dtype`` and returned as float32: ``EXACT`` by :func:`rounded`,
-    else by the plain cast round trip (cheaper; the GPU compiler may drop it, the interpreter
-    truncates bfloat16)."""
+    else by the plain cast round trip (cheaper; exact on the GPU only with FP fusion off, and the
+    interpreter truncates bfloat16)."""
     if EXACT:
         y = rounded(x, dtype)
     else:
@@ -45,8 +50,8 @@ def round_as(x, dtype: tl.constexpr, EXACT: tl.constexpr):
 def round_to(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
     """float32 ``x`` rounded to nearest even and returned in ``dtype`` (as torch casts).
     ``EMULATE_RNE`` (the interpreter with bfloat16, whose cast truncates): through
-    :func:`rounded` first; on the GPU the cast itself rounds to nearest even (but a following
-    ``.to(float32)`` may be folded with it: :func:`rounded` where that matters)."""
+    :func:`rounded` first; on the GPU the cast itself rounds to nearest even (but FP fusion may
+    contract it into an FMA with what follows: module docstring)."""
     if EMULATE_RNE:
         x = rounded(x, dtype)
     return x.to(dtype)

@@ -417,8 +417,9 @@ def test_decode_with_the_qk_rope_prologue_equals_the_two_launches(
     )
     tol = dict(rtol=4 * torch.finfo(dtype).eps, atol=4 * torch.finfo(dtype).eps)
     # no float32 reduction: in the interpreter the same roundings give the same bits; compiled,
-    # the rotary's multiply-adds contract into FMAs differently in the two kernels (on the
-    # H200, 2026-12-05: one-ulp differences in 11% of the rows' elements), so the tolerance holds
+    # the decode prologue's rotary multiply-adds contract into FMAs (FP fusion on; the unfused
+    # launch has it off; on the H200, 2026-12-05: one-ulp differences in 11% of the rows'
+    # elements), so the tolerance holds
     if not norm and interpreting():
         torch.testing.assert_close(caches[1][0][written], caches[0][0][written], **same)
     for other in (caches[0][0], kc_ref):

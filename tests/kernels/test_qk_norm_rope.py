@@ -51,12 +51,15 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype) -> bool:
     float32 and float16: within 1e-5 / one unit in the last place (the float32 mean square may
     differ from torch's in its last bit, which can move one rounding to float16 by an ulp; the
     kernel rounds at the same points as the reference, so float16 is otherwise bit-exact).
-    bfloat16: on CUDA two ulps of max(|value|, 1) and a whole-tensor relative error below 5e-3
-    (see the comment in the code); under the Triton interpreter, whose float32 -> bfloat16 cast
-    truncates instead of rounding to nearest (triton/runtime/interpreter.py
-    ``_convert_float``), each of the kernel's roundings may lose up to an ulp of its
-    intermediate, all toward zero (about 1% in all): 8 ulps, and a relative error of the whole
-    tensor below 3e-2 (float16 checks the rounding points tightly).
+    bfloat16: the same bits but for under 2 % of the elements, each within two ulps of
+    max(|value|, 1), and a whole-tensor relative error below 5e-3. The kernel rounds where eager
+    torch rounds: under the interpreter (whose float32 -> bfloat16 cast truncates) by integer
+    ops, on the GPU by the casts in a launch with FP fusion off (with it on, a rounded product
+    and rotary's add became one FMA: ~20 % of q off by an ulp or more). What differs: the
+    float32 mean square's order, and on the GPU its rsqrt (approximate in the last float32
+    bits), each moving an intermediate rounding by one ulp now and then; rotary's difference of
+    two rounded products then carries that ulp of the products (~1), not of the (possibly
+    cancelled) result.
     """
     a, b = a.float(), b.float()
     if dtype == torch.float32:
@@ -64,14 +67,10 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype) -> bool:
     eps = torch.finfo(dtype).eps
     if dtype == torch.float16:
         return bool(((a - b).abs() <= eps * b.abs() + 1e-3).all())
-    if os.environ.get("TRITON_INTERPRET") != "1":  # bfloat16 on CUDA
-        # the GPU's rsqrt is not torch's (approximate in its last float32 bits), which moves a
-        # rounding of an intermediate by one ulp; rotary's difference of two rounded products
-        # then carries that ulp of the products (~1), not of the (possibly cancelled) result
-        rel = ((a - b).norm() / b.norm()).item()
-        return rel < 5e-3 and bool(((a - b).abs() <= 2 * eps * b.abs().clamp_min(1.0)).all())
     rel = ((a - b).norm() / b.norm()).item()
-    return rel < 3e-2 and bool(((a - b).abs() <= 8 * eps * b.abs().clamp_min(1.0)).all())
+    frac = (a != b).float().mean().item()
+    ulps = bool(((a - b).abs() <= 2 * eps * b.abs().clamp_min(1.0)).all())
+    return frac < 0.02 and rel < 5e-3 and ulps
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> str:

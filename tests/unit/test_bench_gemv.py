@@ -91,31 +91,32 @@ def test_gemv_compile_check_quick_compiles_for_sm90():
 
 def test_a_resweep_keeps_the_decode_step_verdict():
     """A fused row decided by an end-to-end decode-step A/B keeps that verdict through a
-    kernel-only re-sweep (new tiles and times, the old fused_faster and its note); rows without
-    one take the sweep's."""
+    kernel-only re-sweep (new tiles and times, the old fused_faster and its note): "off" always,
+    "on" only where the sweep found tiles that passed; rows without one take the sweep's."""
     from bench.gemv import STEP_VERDICT, keep_step_verdicts
 
+    tiles = {"block_n": 128, "block_k": 256, "split_k": 2, "num_warps": 4, "num_stages": 2}
     current = {
         "qkv_rope:4096,1024": {
-            "m1": {"fused_faster": False, STEP_VERDICT: "slower in the step", "split_k": 4},
-            "m16": {"fused_faster": True, "split_k": 4},
-        }
+            "m1": {"fused_faster": False, STEP_VERDICT: "slower in the step", **tiles},
+            "m16": {"fused_faster": True, STEP_VERDICT: "faster in the step", **tiles},
+        },
+        "swiglu:1024,3072": {"m16": {STEP_VERDICT: "no verdict field"}},
+        "rms_norm:4096,1024": {"m1": {"fused_faster": True, **tiles}},
     }
     swept = {
         "qkv_rope:4096,1024": {
-            "m1": {"fused_faster": True, "split_k": 2, "fused_us": 7.0},
-            "m16": {"fused_faster": False, "split_k": 2},
+            "m1": {"fused_faster": True, **tiles, "split_k": 4, "fused_us": 7.0},
+            "m16": {"fused_faster": False},  # no configuration passed
         },
-        "rms_norm:4096,1024": {"m1": {"fused_faster": True}},
+        "swiglu:1024,3072": {"m16": {"fused_faster": True, **tiles}},
+        "rms_norm:4096,1024": {"m1": {"fused_faster": False, **tiles}},
     }
     notes = keep_step_verdicts(swept, current)
     m1 = swept["qkv_rope:4096,1024"]["m1"]
-    assert m1 == {
-        "fused_faster": False,
-        "split_k": 2,
-        "fused_us": 7.0,
-        STEP_VERDICT: "slower in the step",
-    }
-    assert swept["qkv_rope:4096,1024"]["m16"] == {"fused_faster": False, "split_k": 2}
-    assert swept["rms_norm:4096,1024"]["m1"] == {"fused_faster": True}
-    assert len(notes) == 1 and "qkv_rope:4096,1024 m1" in notes[0]
+    want = {**tiles, "split_k": 4, "fused_us": 7.0, STEP_VERDICT: "slower in the step"}
+    assert m1 == {"fused_faster": False, **want}
+    assert swept["qkv_rope:4096,1024"]["m16"] == {"fused_faster": False}
+    assert swept["swiglu:1024,3072"]["m16"]["fused_faster"] is False  # a note without a verdict
+    assert swept["rms_norm:4096,1024"]["m1"]["fused_faster"] is False  # no note: the sweep's
+    assert len(notes) == 2 and all("from the decode-step A/B" in n for n in notes)
