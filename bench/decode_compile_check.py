@@ -176,6 +176,7 @@ def jobs(quick: bool) -> list:
                     "BLOCK_S": 32,
                     "FUSED_QK": False,
                     "HAS_NORM": False,
+                    "EXACT_ROPE": False,  # (as on the GPU: integer roundings interpreter-only)
                     "PDL": True,
                     **flags,
                 }
