@@ -957,7 +957,8 @@ def decode_attention(
         FUSED_QK=qk_rope is not None,
         HAS_NORM=has_norm,
         # the prologue's roundings by integer ops under the interpreter (its bfloat16 cast
-        # truncates), as qk_norm_rope_store's there; on the GPU casts (FP fusion stays on)
+        # truncates), as qk_norm_rope_store's there; on the GPU casts (FP fusion stays on: no
+        # bf16 FMA in the prologue's sm_90 PTX, only the float32 sum of squares contracted)
         EXACT_ROPE=qk_rope is not None and _interpreting(),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

@@ -127,7 +127,8 @@ def norm_rope_rows(
     rows), for a consumer that wants whole rows (the fused decode prologue). Each element's
     rotate-half partner (``d +- D/2``) is loaded beside it; the roundings to the input dtype are
     :func:`_norm_rope_tile`'s, ``EXACT`` as in :func:`norm_rope_halves` (the decode kernel keeps FP
-    fusion on: exact only under the interpreter). ``HEAD_DIM``: a power of two."""
+    fusion on; its sm_90 PTX has no bf16 FMA here, only the float32 sum of squares contracted).
+    ``HEAD_DIM``: a power of two."""
     half: tl.constexpr = HEAD_DIM // 2
     offs_d = tl.arange(0, HEAD_DIM)
     partner = (offs_d + half) % HEAD_DIM

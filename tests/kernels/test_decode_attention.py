@@ -416,10 +416,10 @@ def test_decode_with_the_qk_rope_prologue_equals_the_two_launches(
         caches[1][0][~written], k_cache[~written], **same, msg=f"k cache, seed={seed}"
     )
     tol = dict(rtol=4 * torch.finfo(dtype).eps, atol=4 * torch.finfo(dtype).eps)
-    # no float32 reduction: in the interpreter the same roundings give the same bits; compiled,
-    # the decode prologue's rotary multiply-adds contract into FMAs (FP fusion on; the unfused
-    # launch has it off; on the H200, 2026-12-05: one-ulp differences in 11% of the rows'
-    # elements), so the tolerance holds
+    # no float32 reduction: in the interpreter the same roundings give the same bits; compiled
+    # (on the H200, 2026-12-05: one-ulp differences in 11% of the rows' elements) the unfused
+    # launch then contracted its rotary into bf16 FMAs (now launched with FP fusion off; the
+    # prologue's sm_90 PTX has no bf16 FMA): bits on the GPU too once a GPU run confirms it
     if not norm and interpreting():
         torch.testing.assert_close(caches[1][0][written], caches[0][0][written], **same)
     for other in (caches[0][0], kc_ref):
@@ -430,9 +430,8 @@ def test_decode_with_the_qk_rope_prologue_equals_the_two_launches(
     for out in outs:
         assert torch.isfinite(out).all(), f"a key read before it was stored (seed={seed})"
         err = rel_err(out, ref)
-        # both paths round q and k to the dtype after the norm and rotary as the reference does,
-        # but the interpreter's bf16 cast truncates (up to ~3e-2 of q alone:
-        # tests/kernels/test_qk_norm_rope.py), which the attention output carries
+        # both paths round q and k to the dtype after the norm and rotary as the reference does
+        # (integer roundings under the interpreter); the bound is the attention's
         assert err <= TOL[dtype] * 3, f"rel err {err:.2e} (seed={seed})"
     assert rel_err(outs[1], outs[0]) <= TOL[dtype], f"fused vs two launches (seed={seed})"
 
