@@ -237,5 +237,10 @@ def test_encoders_release_the_gil(tok, encoder, backend):
     t.join()
     inside = [x for x in ticks if start <= x <= end]
     gaps = [b - a for a, b in zip(inside, inside[1:])]
-    # with the GIL held for a whole encode call the other thread would stall for the call's length
-    assert inside and max(gaps) < 0.5 * (end - start) / 5
+    # with the GIL held for a whole encode call the other thread would stall for each call's
+    # length: stalls of over half a call would cover nearly all of the time. A busy machine
+    # preempts the ticker now and then (one 7 ms stall in 47 ms seen on a 2-core CI host), so
+    # the bound is on the stalls' share, not on the longest one
+    call = (end - start) / 5
+    stalled = sum(g for g in gaps if g > 0.5 * call)
+    assert inside and stalled < 0.5 * (end - start), f"{stalled * 1e3:.1f} ms stalled"
