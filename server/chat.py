@@ -274,6 +274,16 @@ class ChatCompletions:
         tc = req.tool_choice
         return None if tc is None or isinstance(tc, str) else tc.function.name
 
+    @classmethod
+    def _finish_reason(cls, req: ChatCompletionRequest, called: bool, finish: str) -> str:
+        """OpenAI's ``finish_reason`` for a choice that ended with ``finish``: "tool_calls"
+        where the model called a tool and stopped by itself with ``tool_choice`` "auto" or
+        "required"; a named function (``tool_choice: {"type": "function", ...}``) keeps "stop",
+        as OpenAI answers (and vLLM since vllm-project/vllm#25054), streamed or not."""
+        if called and finish == "stop" and cls._named_function(req) is None:
+            return "tool_calls"
+        return finish
+
     def _processor(self, req: ChatCompletionRequest, gen: Generation) -> ChatOutputProcessor:
         return ChatOutputProcessor(
             reasoning=self.ctx.reasoning_parser == "qwen3",
@@ -292,7 +302,7 @@ class ChatCompletions:
             r1, c1, t1 = proc.feed(r.text)
             r2, c2, t2 = proc.finish()
             reasoning, content, calls = r1 + r2, c1 + c2, t1 + t2
-            finish = "tool_calls" if calls and r.finish_reason == "stop" else r.finish_reason
+            finish = self._finish_reason(req, bool(calls), r.finish_reason)
             msg = ResponseMessage(
                 content=content if (content or not calls) else None,
                 reasoning_content=(reasoning or None) if req.include_reasoning else None,
@@ -386,11 +396,7 @@ class ChatCompletions:
                         ]
                     yield chunk(ev.index, delta, logprobs=lps)
                 if ev.finish_reason is not None:
-                    finish = (
-                        "tool_calls"
-                        if proc.num_tool_calls and ev.finish_reason == "stop"
-                        else ev.finish_reason
-                    )
+                    finish = self._finish_reason(req, proc.num_tool_calls > 0, ev.finish_reason)
                     yield chunk(ev.index, {}, finish, stop_reason=ev.stop_reason)
         except EngineError as exc:
             yield engine_error_event(exc)

@@ -240,7 +240,8 @@ def test_enforced_tool_calls_non_streamed(srv, choice, parallel):
         assert r.status_code == 200, r.text
         c = r.json()["choices"][0]
         calls = c["message"]["tool_calls"]
-        assert c["finish_reason"] == "tool_calls" and calls, c
+        # OpenAI's: "tool_calls" for "required", "stop" for a named function
+        assert c["finish_reason"] == ("stop" if choice == "named" else "tool_calls") and calls, c
         if not parallel or choice == "named":
             assert len(calls) == 1
         if choice == "named":
@@ -282,6 +283,31 @@ def test_enforced_tool_calls_streamed(oai, parallel):
         assert len({c["id"] for c in calls.values()}) == len(calls)
         for c in calls.values():
             _tool_args_ok(c, tools)
+
+
+def test_named_tool_call_streamed_finishes_with_stop(oai):
+    """A named function streamed: one call of that function, and OpenAI's finish_reason for a
+    named tool choice, "stop" (not "tool_calls")."""
+    stream = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "use a tool"}],
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=1.0,
+        max_tokens=300,
+        seed=0,
+        stream=True,
+    )
+    names, args, finish = set(), "", None
+    for chunk in stream:
+        for ch in chunk.choices:
+            for tc in ch.delta.tool_calls or []:
+                if tc.function.name:
+                    names.add(tc.function.name)
+                args += tc.function.arguments or ""
+            finish = ch.finish_reason or finish
+    assert finish == "stop" and names == {"get_weather"}, (finish, names)
+    _tool_args_ok({"function": {"name": "get_weather", "arguments": args}}, [WEATHER])
 
 
 #: JSON schemas whose required nesting never ends
