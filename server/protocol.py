@@ -191,7 +191,14 @@ class ChatMessage(_Lenient):
         data = info.data
         calls = data.get("role") == "assistant" and data.get("tool_calls")
         if v is None and not calls:
-            raise ValueError("content must be a string or a list of text parts")
+            if data.get("role") == "assistant":
+                raise ValueError(
+                    "an assistant message needs content (a string or a list of text parts) "
+                    "or tool_calls; it has neither (content is null or missing)"
+                )
+            raise ValueError(
+                "content is null or missing: a string or a list of text parts is required"
+            )
         if isinstance(v, list) and not v and not calls:  # OpenAI: at least one part
             raise ValueError("content given as a list needs at least one text part")
         return v

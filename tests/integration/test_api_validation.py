@@ -333,6 +333,19 @@ def test_non_text_content_parts_are_named_as_unsupported(client):
         assert f"content parts of type '{part['type']}' are not supported" in err["message"]
 
 
+def test_null_content_says_what_the_message_needs(client):
+    """An assistant message with neither content nor tool_calls is told it needs one of them;
+    another role's null content is told the content is null or missing."""
+    for messages, param, says in (
+        ([{"role": "user", "content": "hi"}, {"role": "assistant"}], "messages.1.content",
+         "needs content (a string or a list of text parts) or tool_calls"),
+        ([{"role": "user", "content": None}], "messages.0.content", "content is null or missing"),
+    ):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            send(client, "chat", {"messages": messages})
+        assert e.value.body["param"] == param and says in e.value.body["message"], e.value.body
+
+
 @pytest.mark.parametrize(
     "prompt,says",
     [
