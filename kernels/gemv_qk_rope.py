@@ -43,7 +43,7 @@ from kernels.gemv_fused import (
 )
 from kernels.interpreter import interpreting as _interpreting
 from kernels.qk_norm_rope import norm_rope_halves, rope_table_strides
-from kernels.rounding import rounded
+from kernels.rounding import round_as
 
 __all__ = ["gemv_rms_norm_qk_rope"]
 
@@ -208,12 +208,9 @@ def _gemv_rms_norm_qk_rope_kernel(
         if HAS_BIAS:
             total += tl.load(bias_ptr + rn_c).to(tl.float32)[:, None]
         # the projection's output as the plain GEMV stores it, kept in float32: on the GPU
-        # rounded by integer ops (no FMA contraction can skip it); the interpreter's cast
-        # truncates bfloat16, as the plain GEMV's does there
-        if EMULATE_RNE:
-            y = total.to(out_ptr.dtype.element_ty).to(tl.float32)
-        else:
-            y = rounded(total, out_ptr.dtype.element_ty)
+        # rounded by integer ops (no FMA contraction can skip it); under the interpreter by its
+        # truncating cast, as the plain GEMV's store is there
+        y = round_as(total, out_ptr.dtype.element_ty, not EMULATE_RNE)
         _qk_rope_epilogue(
             y, pid_n, rm, m_ok, out_ptr, stride_om, slot_ptr, cos_ptr, sin_ptr, stride_cos_t,
             stride_cos_d, stride_sin_t, stride_sin_d, q_w_ptr, k_w_ptr, k_cache_ptr,
