@@ -51,11 +51,14 @@
 #   qkvrope: the fused q/k/v + q/k norm + rotary + KV store kernel's GPU tests, then its sweep
 #           against today's pair (norm GEMV, then the q/k norm + rotary + store launch) for
 #           Qwen3-0.6B (bench/gemv.py --fused; the table comes back in $OUT, not committed here)
-#   qkvab:  that sweep with --write-table (this GPU's fused table, in the device's tree and
+#   qkvab:  (QKV_SWEEP=0: without) that sweep with --write-table (this GPU's fused table, in the device's tree and
 #           $OUT; the tree's copy then forced to fuse), then bench/decode_profile.py at batch
 #           ${QKV_BATCHES:-1 2 4 16} in $OLD (120 s: its kernels compile afresh), here with the
 #           fusion off, and on (QWEN_SERVE_FUSED_QKV_ROPE_GEMV 0/1, ${QKV_ROUNDS:-2} rounds),
 #           and engine_check with it on
+#   gridbar: bench/grid_barrier_probe.py (a grid barrier in one persistent kernel against a kernel
+#           boundary with PDL, on the 112-GEMV chain of pdl_probe) with the arguments in $GRIDBAR
+#           (argument lists separated by ';'), after its GPU test
 #   l2pf:   the L2 prefetch kernel's GPU tests and the PDL ones, bench/l2_prefetch_probe.py (a
 #           28-layer GEMV chain with weights cold, hot in L2, and prefetched on a side stream)
 # Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD, all three made
@@ -218,9 +221,9 @@ for stage in ${@:-tests dense}; do
            timeout "$(left 150)" python3 bench/gemv.py --fused --out "$OUT" \
              --fused-shapes "0.6B qkv+norm+rope" "0.6B qkv+norm" 2>&1 | grep -v Warning \
              | tee "$OUT/qkvrope_sweep.txt" | grep -v '^{' | tail -12 ;;
-    qkvab) timeout "$(left 150)" python3 bench/gemv.py --fused --write-table --out "$OUT" \
-             --fused-shapes "0.6B qkv+norm+rope" 2>&1 | grep -v Warning \
-             | tee "$OUT/qkvab_sweep.txt" | grep -v '^{' | tail -6
+    qkvab) [ "${QKV_SWEEP:-1}" = 1 ] && timeout "$(left 150)" python3 bench/gemv.py --fused \
+             --write-table --out "$OUT" --fused-shapes "0.6B qkv+norm+rope" 2>&1 \
+             | grep -v Warning | tee "$OUT/qkvab_sweep.txt" | grep -v '^{' | tail -6
            # the A/B runs the fusion whatever the sweep said (the swept table is in $OUT as is)
            python3 -c "import json, torch; from kernels.configs import device_name, table_path; \
              p = table_path('gemv_fused', device_name(torch.device('cuda'))); \
@@ -238,11 +241,19 @@ for stage in ${@:-tests dense}; do
            done
            timeout "$(left 110)" python3 bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning \
              | tee "$OUT/check.txt" | tail -4 ;;
+    gridbar) TRITON_INTERPRET=0 timeout "$(left 120)" python3 -m pytest -q -p no:cacheprovider \
+             tests/kernels/test_grid_barrier_probe.py 2>&1 | tail -2
+           IFS=';' read -ra runs <<< "${GRIDBAR:---tiles 16 8 16 8;--tiles 32 8 32 8;--programs 264}"
+           for v in "${runs[@]}"; do
+             echo "-- grid_barrier_probe.py $v"
+             timeout "$(left 90)" python3 bench/grid_barrier_probe.py $v 2>&1 | grep -v Warning \
+               | tee -a "$OUT/gridbar.txt" | grep -v "^|---\|^| variant" | tail -5
+           done ;;
     l2pf)  TRITON_INTERPRET=0 timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider \
              tests/kernels/test_l2_prefetch.py tests/kernels/test_pdl.py 2>&1 | tail -4
            timeout "$(left 90)" python3 bench/l2_prefetch_probe.py 2>&1 | grep -v Warning \
              | tee "$OUT/l2pf_probe.txt" | tail -16 ;;
-    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab swiglu sampling serveab ttftab httpab attn ttft peer front l2pf qkvrope qkvab splits mergeab)"; exit 2 ;;
+    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab swiglu sampling serveab ttftab httpab attn ttft peer front l2pf qkvrope qkvab splits mergeab gridbar)"; exit 2 ;;
   esac
   stamp "$stage"
 done
