@@ -16,10 +16,17 @@ distinct weights):
 * ``pdl+prefetch``: the engine's GEMV kernel, one launch each (PDL, L2 weight prefetch), the
   tiles of ``kernels/configs/gemv_<device>.json`` -- today's cost of a boundary;
 * ``persistent``: one launch of ``--programs`` programs (default: the SM count, all resident)
-  that walks the 112 GEMVs, each program taking N tiles in a grid-stride loop, with a grid
+  that walks the 112 GEMVs, each program taking ``--tiles`` rows at a time in a grid-stride
+  loop (default: ``ceil(N / programs)`` rows, one tile per program), with a grid
   barrier after each GEMV (an acquire-release arrival counter at GPU scope, spun on);
-* ``persistent+prefetch``: the same, each program asking L2 for its next GEMV's weight tiles
-  before it arrives at the barrier (their fetch overlaps the wait);
+* ``persistent+L2 prefetch``: the same, each program asking L2 for its next GEMV's weight tiles
+  between its arrival at the barrier and its wait (their fetch overlaps the wait);
+* ``persistent+preload P``: instead, each program loads the first ``P`` columns of its next
+  GEMV's first tile into registers there;
+* ``pdl+prefetch, one tile per program``: one PDL launch per GEMV again (the L2 prefetch
+  before the wait, as the engine), but of the persistent chain's tiles (``ceil(N / programs)``
+  rows x the whole K per program, no split-K, ``--rows-warps`` warps): which part of a
+  difference is the barrier and which the tiles;
 * ``barriers only``: the persistent launch with the GEMVs left out: 112 barriers' cost alone.
 
 Every variant's last output is checked against a float32 torch chain of the same bf16 weights
@@ -39,6 +46,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from kernels.interpreter import interpreting  # noqa: E402
+from kernels.pdl import launch_options, pdl_wait, prefetch_l2  # noqa: E402
 from kernels.rounding import round_to  # noqa: E402
 
 #: Qwen3-0.6B at TP 1: hidden size, q/k/v outputs, o input, intermediate size
@@ -46,14 +54,21 @@ HIDDEN, QKV, ATTN, INTER = 1024, 4096, 2048, 3072
 
 
 @triton.jit
-def grid_barrier(bar_ptr, target):
-    """Wait until the int32 counter at ``bar_ptr`` reaches ``target`` after adding this
-    program's arrival: every thread's stores before the call are visible to every program
-    after it (a CTA barrier, then one acquire-release atomic per program at GPU scope, then
-    acquire loads of the counter until it reaches ``target``). All programs of the grid must be
-    resident at once (a grid no larger than the SMs' capacity), or this never returns."""
+def grid_arrive(bar_ptr):
+    """Count this program's arrival at a grid barrier: a CTA barrier (every thread's stores are
+    issued), then one release atomic per program at GPU scope on the int32 ``bar_ptr``."""
     tl.debug_barrier()
-    seen = tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu") + 1
+    tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def grid_wait(bar_ptr, target):
+    """Spin (acquire atomics at GPU scope) until the counter at ``bar_ptr`` reaches ``target``:
+    then every store issued before the arrivals counted is visible. Loads issued between
+    :func:`grid_arrive` and this call (weights, which no program writes) are not ordered by the
+    barrier: their latency overlaps the wait. All programs of the grid must be resident at once
+    (a grid within the SMs' capacity), or this never returns."""
+    seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
     while seen < target:
         seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
@@ -61,13 +76,16 @@ def grid_barrier(bar_ptr, target):
 
 @triton.jit
 def _prefetch_tiles(
-    w_ptr, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, pid, nprog
-):
+    w_ptr, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
+    BK: tl.constexpr, pid, nprog,
+):  # fmt: skip
     """Ask L2 for every 128-byte line of this program's ``[BN, K]`` weight tiles of a GEMV
     (``prefetch.global.L2``, ``BK // 64`` lines per row at a time: reads nothing into
-    registers)."""
-    for t in range(pid, N // BN, nprog):
-        rows = (t * BN + tl.arange(0, BN)).to(tl.int64)
+    registers; ``BP``: ``BN`` rounded up to a power of two, the rows past ``BN`` or ``N``
+    clamped)."""
+    for t in range(pid, (N + BN - 1) // BN, nprog):
+        r = tl.minimum(t * BN + tl.minimum(tl.arange(0, BP), BN - 1), N - 1)
+        rows = r.to(tl.int64)
         for k0 in tl.static_range(0, K, BK):
             ptrs = w_ptr + rows[:, None] * K + (k0 + tl.arange(0, BK // 64) * 64)[None, :]
             tl.inline_asm_elementwise(
@@ -76,37 +94,67 @@ def _prefetch_tiles(
 
 
 @triton.jit
-def _gemv_tiles(
-    w_ptr, x_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    pid, nprog, EMULATE_RNE: tl.constexpr,
+def _preload(
+    w_ptr, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
+    BK: tl.constexpr, PRE: tl.constexpr, pid, nprog, PREFETCH: tl.constexpr,
 ):  # fmt: skip
-    """``y[n] = sum_k W[n, k] x[k]`` (bf16 in, float32 sums, bf16 out) for this program's
-    ``[BN, K]`` tiles of ``W [N, K]`` in a grid-stride loop; ``x`` is read at L2 (``.cg``):
-    another program wrote it before the last barrier. ``EMULATE_RNE``: the interpreter's
-    rounding (:func:`kernels.rounding.round_to`)."""
-    for t in range(pid, N // BN, nprog):
-        rows = (t * BN + tl.arange(0, BN)).to(tl.int64)
-        acc = tl.zeros((BN, BK), dtype=tl.float32)
-        for k0 in tl.static_range(0, K, BK):
-            cols = k0 + tl.arange(0, BK)
-            xv = tl.load(x_ptr + cols, cache_modifier=".cg").to(tl.float32)
-            wv = tl.load(w_ptr + rows[:, None] * K + cols[None, :]).to(tl.float32)
-            acc += wv * xv[None, :]
-        y = round_to(tl.sum(acc, axis=1), y_ptr.dtype.element_ty, EMULATE_RNE)
-        tl.store(y_ptr + rows, y)
+    """The next GEMV's weights asked for before its barrier: with ``PREFETCH`` every line of
+    this program's tiles into L2 (:func:`_prefetch_tiles`); with ``PRE > 0`` the first ``PRE``
+    columns of its first tile (tile ``pid``; zeros where ``pid`` has none) loaded into
+    registers, returned as bf16 ``[BP, PRE]`` (else 0)."""
+    if PREFETCH:
+        _prefetch_tiles(w_ptr, N, K, BN, BP, BK, pid, nprog)
+    if PRE > 0:
+        i = tl.arange(0, BP)
+        rows = pid * BN + i
+        ok = (i < BN) & (rows < N)
+        ptrs = w_ptr + rows.to(tl.int64)[:, None] * K + tl.arange(0, PRE)[None, :]
+        w0 = tl.load(ptrs, mask=ok[:, None], other=0.0)
+    else:
+        w0 = 0
+    return w0
 
 
 @triton.jit
-def _phase_end(
-    w_next, bar_ptr, phase, nprog, pid, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, SYNC: tl.constexpr, PREFETCH: tl.constexpr,
+def _gemv_tile(
+    w_ptr, x_ptr, y_ptr, t, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
+    BP: tl.constexpr, BK: tl.constexpr, w0, PRE: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):  # fmt: skip
-    """After GEMV ``phase``: optionally ask L2 for the next GEMV's tiles (``[N, K]`` at
-    ``w_next``), then the grid barrier (its counter target: ``(phase + 1) * nprog``)."""
-    if PREFETCH:
-        _prefetch_tiles(w_next, N, K, BN, BK, pid, nprog)
-    if SYNC:
-        grid_barrier(bar_ptr, (phase + 1) * nprog)
+    """``y[n] = sum_k W[n, k] x[k]`` (bf16 in, float32 sums, bf16 out) for the rows of tile
+    ``t`` (``BN`` rows of ``W [N, K]``, ``BP`` its power-of-two width, the rows past ``BN`` or
+    ``N`` masked); its first ``PRE`` columns come from ``w0`` (bf16 ``[BP, PRE]``, loaded
+    earlier) when ``PRE > 0``. ``x`` is read at L2 (``.cg``): another
+    program wrote it before the last barrier. ``EMULATE_RNE``: the interpreter's rounding
+    (:func:`kernels.rounding.round_to`)."""
+    i = tl.arange(0, BP)
+    rows = (t * BN + i).to(tl.int64)
+    ok = (i < BN) & (rows < N)
+    part = tl.zeros((BP,), dtype=tl.float32)
+    if PRE > 0:
+        x0 = tl.load(x_ptr + tl.arange(0, PRE), cache_modifier=".cg").to(tl.float32)
+        part = tl.sum(w0.to(tl.float32) * x0[None, :], axis=1)
+    acc = tl.zeros((BP, BK), dtype=tl.float32)
+    for k0 in tl.static_range(PRE, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        xv = tl.load(x_ptr + cols, cache_modifier=".cg").to(tl.float32)
+        wv = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=ok[:, None], other=0.0)
+        wv = wv.to(tl.float32)
+        acc += wv * xv[None, :]
+    y = round_to(part + tl.sum(acc, axis=1), y_ptr.dtype.element_ty, EMULATE_RNE)
+    tl.store(y_ptr + rows, y, mask=ok)
+
+
+@triton.jit
+def _gemv_tiles(
+    w_ptr, x_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
+    BK: tl.constexpr, pid, nprog, w0, PRE: tl.constexpr, EMULATE_RNE: tl.constexpr,
+):  # fmt: skip
+    """This program's tiles of one GEMV (:func:`_gemv_tile`) in a grid-stride loop: tile
+    ``pid`` with the preloaded ``w0`` (:func:`_preload`), then ``pid + nprog``, ..."""
+    if pid < (N + BN - 1) // BN:
+        _gemv_tile(w_ptr, x_ptr, y_ptr, pid, N, K, BN, BP, BK, w0, PRE, EMULATE_RNE)
+    for t in range(pid + nprog, (N + BN - 1) // BN, nprog):
+        _gemv_tile(w_ptr, x_ptr, y_ptr, t, N, K, BN, BP, BK, 0, 0, EMULATE_RNE)
 
 
 @triton.jit
@@ -114,44 +162,139 @@ def _chain_kernel(
     w_ptr, a_ptr, b_ptr, bar_ptr, LAYERS,
     H: tl.constexpr, Q: tl.constexpr, A: tl.constexpr, FF: tl.constexpr,
     BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
+    BP_QKV: tl.constexpr, BP_O: tl.constexpr, BP_GU: tl.constexpr, BP_DOWN: tl.constexpr,
     BK: tl.constexpr, WORK: tl.constexpr, SYNC: tl.constexpr, PREFETCH: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
+    PRE: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):  # fmt: skip
     """``LAYERS`` x (qkv ``[Q, H]``, o ``[H, A]``, gate_up ``[2FF, H]``, down ``[H, FF]``) GEMVs
     chained through two bf16 activation buffers (``a`` ``[H]`` in and out, ``b`` between), the
-    weights of layer ``l`` packed at ``w_ptr + l * (Q*H + H*A + 2FF*H + H*FF)`` in that order.
-    ``WORK`` False leaves the GEMVs out (barriers only); ``SYNC`` False leaves the barriers out
-    (correct only with one program: the interpreter test); ``PREFETCH``: see
-    :func:`_phase_end`. The last program to leave resets the two counters (``bar_ptr[0]``: the
-    barrier, ``bar_ptr[1]``: departures), so every launch starts from zero."""
+    weights of layer ``l`` packed at ``w_ptr + l * (Q*H + H*A + 2FF*H + H*FF)`` in that order,
+    a grid barrier between GEMVs (:func:`grid_arrive`, then the next GEMV's weights asked for
+    (:func:`_preload`: ``PREFETCH``, ``PRE``), then :func:`grid_wait`). ``WORK`` False leaves the
+    GEMVs out (barriers only); ``SYNC`` False leaves the barriers out (correct only with one
+    program). The last program to leave resets the two counters (``bar_ptr[0]``: the barrier,
+    ``bar_ptr[1]``: departures), so every launch starts from zero."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     OFF_O: tl.constexpr = Q * H
     OFF_GU: tl.constexpr = OFF_O + H * A
     OFF_DOWN: tl.constexpr = OFF_GU + 2 * FF * H
     LAYER: tl.constexpr = OFF_DOWN + H * FF
+    wq = _preload(w_ptr, Q, H, BN_QKV, BP_QKV, BK, PRE, pid, nprog, PREFETCH)
     for layer in range(LAYERS):
         w = w_ptr + layer * LAYER  # < 2**31 elements for up to 136 layers of 0.6B
         ph = layer * 4
         if WORK:
-            _gemv_tiles(w, a_ptr, b_ptr, Q, H, BN_QKV, BK, pid, nprog, EMULATE_RNE)
-        _phase_end(w + OFF_O, bar_ptr, ph, nprog, pid, H, A, BN_O, BK, SYNC, PREFETCH)
+            _gemv_tiles(w, a_ptr, b_ptr, Q, H, BN_QKV, BP_QKV, BK, pid, nprog, wq, PRE, EMULATE_RNE)
+        if SYNC:
+            grid_arrive(bar_ptr)
+        wo = _preload(w + OFF_O, H, A, BN_O, BP_O, BK, PRE, pid, nprog, PREFETCH)
+        if SYNC:
+            grid_wait(bar_ptr, (ph + 1) * nprog)
         if WORK:
-            _gemv_tiles(w + OFF_O, b_ptr, a_ptr, H, A, BN_O, BK, pid, nprog, EMULATE_RNE)
-        _phase_end(w + OFF_GU, bar_ptr, ph + 1, nprog, pid, 2 * FF, H, BN_GU, BK, SYNC, PREFETCH)
+            _gemv_tiles(
+                w + OFF_O, b_ptr, a_ptr, H, A, BN_O, BP_O, BK, pid, nprog, wo, PRE, EMULATE_RNE
+            )
+        if SYNC:
+            grid_arrive(bar_ptr)
+        wg = _preload(w + OFF_GU, 2 * FF, H, BN_GU, BP_GU, BK, PRE, pid, nprog, PREFETCH)
+        if SYNC:
+            grid_wait(bar_ptr, (ph + 2) * nprog)
         if WORK:
-            _gemv_tiles(w + OFF_GU, a_ptr, b_ptr, 2 * FF, H, BN_GU, BK, pid, nprog, EMULATE_RNE)
-        _phase_end(w + OFF_DOWN, bar_ptr, ph + 2, nprog, pid, H, FF, BN_DOWN, BK, SYNC, PREFETCH)
+            _gemv_tiles(
+                w + OFF_GU,
+                a_ptr,
+                b_ptr,
+                2 * FF,
+                H,
+                BN_GU,
+                BP_GU,
+                BK,
+                pid,
+                nprog,
+                wg,
+                PRE,
+                EMULATE_RNE,
+            )
+        if SYNC:
+            grid_arrive(bar_ptr)
+        wd = _preload(w + OFF_DOWN, H, FF, BN_DOWN, BP_DOWN, BK, PRE, pid, nprog, PREFETCH)
+        if SYNC:
+            grid_wait(bar_ptr, (ph + 3) * nprog)
         if WORK:
-            _gemv_tiles(w + OFF_DOWN, b_ptr, a_ptr, H, FF, BN_DOWN, BK, pid, nprog, EMULATE_RNE)
-        # the next layer's qkv (past the last layer: its own qkv again, harmless as a hint)
+            _gemv_tiles(
+                w + OFF_DOWN,
+                b_ptr,
+                a_ptr,
+                H,
+                FF,
+                BN_DOWN,
+                BP_DOWN,
+                BK,
+                pid,
+                nprog,
+                wd,
+                PRE,
+                EMULATE_RNE,
+            )
+        if SYNC:
+            grid_arrive(bar_ptr)
+        # the next layer's qkv (past the last layer: its own qkv again, unused)
         w_next = w_ptr + tl.minimum(layer + 1, LAYERS - 1) * LAYER
-        _phase_end(w_next, bar_ptr, ph + 3, nprog, pid, Q, H, BN_QKV, BK, SYNC, PREFETCH)
+        wq = _preload(w_next, Q, H, BN_QKV, BP_QKV, BK, PRE, pid, nprog, PREFETCH)
+        if SYNC:
+            grid_wait(bar_ptr, (ph + 4) * nprog)
     if SYNC:
         left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
         if left == nprog - 1:  # every program has passed the last barrier
             tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _rows_gemv_kernel(
+    w_ptr, x_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
+    BK: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, EMULATE_RNE: tl.constexpr,
+):  # fmt: skip
+    """One GEMV per launch with the persistent chain's tiles (program ``t``: tile ``t`` of
+    ``BN`` rows x the whole K, :func:`_gemv_tile`), launched as the engine launches its GEMVs:
+    with ``PDL`` a programmatic dependent launch (:func:`kernels.pdl.pdl_wait`), with
+    ``PREFETCH`` the tile's first K lines asked of L2 before the wait
+    (:func:`kernels.pdl.prefetch_l2`)."""
+    t = tl.program_id(0)
+    if PREFETCH:
+        i = tl.minimum(tl.arange(0, BP), BN - 1)
+        rows = tl.minimum(t * BN + i, N - 1).to(tl.int64)
+        prefetch_l2(w_ptr, rows, K, 0, K, 64, BK // 64)
+    pdl_wait(PDL)
+    _gemv_tile(w_ptr, x_ptr, y_ptr, t, N, K, BN, BP, BK, 0, 0, EMULATE_RNE)
+
+
+def rows_gemv(
+    w: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    rows: int,
+    block_k: int = 256,
+    num_warps: int = 8,
+    pdl: bool = False,
+    prefetch: bool = False,
+) -> torch.Tensor:
+    """``y[:N] = w @ x[:K]`` (bf16 ``w [N, K]`` contiguous, bf16 vectors) by
+    :func:`_rows_gemv_kernel`, ``rows`` rows per program (``ceil(N / rows)`` programs); PDL and
+    the L2 prefetch need a Hopper GPU (compiled kernels). Returns ``y``.
+
+    Raises:
+        ValueError: ``block_k`` not dividing K, or ``rows`` under 1.
+    """
+    n, k = w.shape
+    if k % block_k or rows < 1:
+        raise ValueError(f"block_k {block_k} must divide K = {k} and rows ({rows}) be >= 1")
+    _rows_gemv_kernel[(triton.cdiv(n, rows),)](
+        w, x, y, n, k, rows, triton.next_power_of_2(rows), block_k, pdl, prefetch, interpreting(),
+        num_warps=num_warps, **launch_options(pdl),
+    )  # fmt: skip
+    return y
 
 
 def layer_numel(h: int, q: int, a: int, i: int) -> int:
@@ -166,33 +309,47 @@ def persistent_chain(
     bar: torch.Tensor,
     layers: int,
     dims: tuple[int, int, int, int] = (HIDDEN, QKV, ATTN, INTER),
-    tiles: tuple[int, int, int, int] = (16, 8, 16, 8),
+    tiles: tuple[int, int, int, int] | None = (16, 8, 16, 8),
     programs: int = 1,
     block_k: int = 256,
     work: bool = True,
     sync: bool = True,
     prefetch: bool = False,
     num_warps: int = 8,
+    preload: int = 0,
 ) -> torch.Tensor:
     """Run :func:`_chain_kernel` in place: ``a`` (bf16 ``[>= H]``) holds the chain's input and
     then its output; ``b`` (bf16 ``[>= max(Q, 2I)]``) is scratch; ``bar`` two zeroed int32
     counters; ``w`` the packed bf16 weights (``layers * layer_numel(*dims)``). ``tiles``: rows
-    per tile of qkv, o, gate_up, down (each dividing its N); ``block_k`` divides every K.
+    per tile of qkv, o, gate_up, down (any count >= 1; None: ``ceil(N / programs)``, one tile
+    per program); ``block_k`` divides every K;
+    ``prefetch``: the next GEMV's tiles asked of L2 at each barrier; ``preload``: columns of
+    the next GEMV's first tile loaded into registers there (0, or a power-of-two multiple of
+    ``block_k`` that divides every K).
 
     Raises:
-        ValueError: a tile or ``block_k`` that does not divide its dimension, or more than one
-            program without ``sync``.
+        ValueError: a tile under one row, a ``block_k`` or ``preload`` that does not divide
+            every K, or more than one program without ``sync``.
     """
     h, q, at, i = dims
-    for n, bn in zip((q, h, 2 * i, h), tiles):
-        if n % bn:
-            raise ValueError(f"tile of {bn} rows does not divide N = {n}")
+    ns = (q, h, 2 * i, h)
+    tiles = tiles or tuple(-(-n // programs) for n in ns)
+    if min(tiles) < 1:
+        raise ValueError(f"tiles {tiles}: every tile needs a row")
+    widths = tuple(triton.next_power_of_2(t) for t in tiles)
     if any(k % block_k for k in (h, at, i)):
         raise ValueError(f"block_k {block_k} does not divide every K of {dims}")
+    if preload and (
+        preload % block_k or preload & (preload - 1) or any(k % preload for k in (h, at, i))
+    ):
+        raise ValueError(
+            f"preload {preload}: not a power-of-two multiple of block_k dividing every K"
+        )
     if programs > 1 and not sync:
         raise ValueError("without barriers the chain is correct with one program only")
     _chain_kernel[(programs,)](
-        w, a, b, bar, layers, h, q, at, i, *tiles, block_k, work, sync, prefetch, interpreting(),
+        w, a, b, bar, layers, h, q, at, i, *tiles, *widths, block_k, work, sync, prefetch, preload,
+        interpreting(),
         num_warps=num_warps,
     )  # fmt: skip
     return a
@@ -220,9 +377,14 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--programs", type=int, default=0, help="0: the SM count")
-    ap.add_argument("--tiles", type=int, nargs=4, default=[16, 8, 16, 8])
+    ap.add_argument(
+        "--tiles", type=int, nargs=4, default=None,
+        help="rows per tile of qkv, o, gate_up, down (default: N / programs, one tile each)",
+    )  # fmt: skip
     ap.add_argument("--block-k", type=int, default=256)
     ap.add_argument("--warps", type=int, default=8)
+    ap.add_argument("--preload", type=int, nargs="*", default=[256, 512])
+    ap.add_argument("--rows-warps", type=int, nargs="*", default=[8, 16])
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         print("grid_barrier_probe: needs a CUDA device of compute capability 9.0+; skipped")
@@ -263,17 +425,32 @@ def main() -> int:
     )
     if timed is not None:
         rows.append(("pdl+prefetch (one launch per GEMV)", timed[0], rel(timed[1][0])))
-    for label, work, prefetch in (
-        ("persistent", True, False),
-        ("persistent+prefetch", True, True),
-        ("barriers only", False, False),
-    ):
+    shapes = [(QKV, HIDDEN), (HIDDEN, ATTN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+    for warps in args.rows_warps:  # one PDL launch per GEMV, the persistent chain's tiles
 
-        def run(work=work, prefetch=prefetch):
+        def run_rows(warps=warps):
+            a.copy_(x)
+            src, dst = a, b
+            for view, (n, _k) in zip((v for layer in views for v in layer), shapes * args.layers):
+                rows_gemv(view, src, dst, -(-n // programs), args.block_k, warps, True, True)
+                src, dst = dst, src
+            return src
+
+        timed = time_or_report(f"pdl rows {warps} warps", run_rows, args.reps)
+        if timed is not None:
+            rows.append((f"pdl+prefetch, one tile per program, {warps} warps", *timed[:1],
+                         rel(timed[1])))  # fmt: skip
+    variants = [("persistent", True, False, 0), ("persistent+L2 prefetch", True, True, 0)]
+    variants += [(f"persistent+preload {p}", True, False, p) for p in args.preload]
+    variants += [("barriers only", False, False, 0)]
+    tiles = tuple(args.tiles) if args.tiles else None
+    for label, work, prefetch, preload in variants:
+
+        def run(work=work, prefetch=prefetch, preload=preload):
             a.copy_(x)
             return persistent_chain(
-                w, a, b, bar, args.layers, dims, tuple(args.tiles), programs, args.block_k,
-                work=work, prefetch=prefetch, num_warps=args.warps,
+                w, a, b, bar, args.layers, dims, tiles, programs, args.block_k,
+                work=work, prefetch=prefetch, num_warps=args.warps, preload=preload,
             )  # fmt: skip
 
         timed = time_or_report(label, run, args.reps)
@@ -282,7 +459,8 @@ def main() -> int:
             rows.append((f"{label} ({programs} programs)", timed[0], err))
     print(
         f"\n{args.layers} layers x 4 projections ({kernels} GEMVs), batch 1, CUDA graph; "
-        f"persistent tiles {args.tiles}, block_k {args.block_k}, {args.warps} warps"
+        f"persistent tiles {tiles or 'N / programs'}, block_k {args.block_k}, "
+        f"{args.warps} warps"
     )
     print("| variant | us per chain | us per GEMV | rel err vs fp32 chain |")
     print("|---|---|---|---|")

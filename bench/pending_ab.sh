@@ -59,6 +59,9 @@
 #   gridbar: bench/grid_barrier_probe.py (a grid barrier in one persistent kernel against a kernel
 #           boundary with PDL, on the 112-GEMV chain of pdl_probe) with the arguments in $GRIDBAR
 #           (argument lists separated by ';'), after its GPU test
+#   layer:  bench/persistent_layer_probe.py (28 Qwen3-0.6B decoder layers of one decode token in
+#           one persistent launch, $LAYER_ARGS) after its GPU test, then this tree's batch-1
+#           decode step (bench/decode_profile.py) for comparison
 #   l2pf:   the L2 prefetch kernel's GPU tests and the PDL ones, bench/l2_prefetch_probe.py (a
 #           28-layer GEMV chain with weights cold, hot in L2, and prefetched on a side stream)
 # Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD, all three made
@@ -249,11 +252,17 @@ for stage in ${@:-tests dense}; do
              timeout "$(left 90)" python3 bench/grid_barrier_probe.py $v 2>&1 | grep -v Warning \
                | tee -a "$OUT/gridbar.txt" | grep -v "^|---\|^| variant" | tail -5
            done ;;
+    layer) TRITON_INTERPRET=0 timeout "$(left 120)" python3 -m pytest -q -p no:cacheprovider \
+             tests/kernels/test_persistent_layer_probe.py 2>&1 | tail -2
+           timeout "$(left 120)" python3 bench/persistent_layer_probe.py ${LAYER_ARGS:-} 2>&1 \
+             | grep -v Warning | tee "$OUT/layer_probe.txt" | tail -8
+           timeout "$(left 90)" python3 bench/decode_profile.py --tree . --ckpt $CKPT --batch 1 \
+             --top 8 --label engine 2>&1 | grep -v Warning | grep -E '"tpot_ms"' | cut -c1-400 ;;
     l2pf)  TRITON_INTERPRET=0 timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider \
              tests/kernels/test_l2_prefetch.py tests/kernels/test_pdl.py 2>&1 | tail -4
            timeout "$(left 90)" python3 bench/l2_prefetch_probe.py 2>&1 | grep -v Warning \
              | tee "$OUT/l2pf_probe.txt" | tail -16 ;;
-    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab swiglu sampling serveab ttftab httpab attn ttft peer front l2pf qkvrope qkvab splits mergeab gridbar)"; exit 2 ;;
+    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab swiglu sampling serveab ttftab httpab attn ttft peer front l2pf qkvrope qkvab splits mergeab gridbar layer)"; exit 2 ;;
   esac
   stamp "$stage"
 done

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.grid_barrier_probe import layer_numel, persistent_chain, reference_chain
+from bench.grid_barrier_probe import layer_numel, persistent_chain, reference_chain, rows_gemv
 from kernels.interpreter import interpreting
 
 #: small Qwen-like dims (H, Q, A, I): every tile and block_k below divides them
@@ -26,8 +26,14 @@ def _weights(layers: int, device, gen) -> torch.Tensor:
     return torch.cat(parts).to(torch.bfloat16).to(device)
 
 
-@pytest.mark.parametrize("layers", [1, 3])
-def test_chain_matches_torch_and_resets_its_counters(device, layers):
+@pytest.mark.parametrize(
+    "layers,preload,tiles",
+    [(1, 0, (16, 16, 16, 16)), (3, 0, (16, 16, 16, 16)), (2, 32, (16, 16, 16, 16)),
+     (2, 64, (24, 7, 40, 5)), (2, 32, None)],
+)  # fmt: skip
+def test_chain_matches_torch_and_resets_its_counters(device, layers, preload, tiles):
+    """Tiles that divide N, and odd ones (masked rows past a tile's count and past N); None:
+    one tile per program (one program here: the whole N)."""
     gen = torch.Generator().manual_seed(1234 + layers)
     w = _weights(layers, device, gen)
     assert w.numel() == layers * layer_numel(*DIMS)
@@ -39,8 +45,8 @@ def test_chain_matches_torch_and_resets_its_counters(device, layers):
     compiled = device.type == "cuda" and not interpreting()
     programs = torch.cuda.get_device_properties(device).multi_processor_count if compiled else 1
     out = persistent_chain(
-        w, a, b, bar, layers, DIMS, tiles=(16, 16, 16, 16), programs=programs, block_k=32,
-        num_warps=4,
+        w, a, b, bar, layers, DIMS, tiles=tiles, programs=programs, block_k=32,
+        num_warps=4, preload=preload,
     )  # fmt: skip
     got = out[: DIMS[0]].float().cpu()
     assert torch.isfinite(got).all()
@@ -51,8 +57,8 @@ def test_chain_matches_torch_and_resets_its_counters(device, layers):
     # a second launch from the reset counters gives the same bits
     a2 = x.clone()
     out2 = persistent_chain(
-        w, a2, b, bar, layers, DIMS, tiles=(16, 16, 16, 16), programs=programs, block_k=32,
-        num_warps=4,
+        w, a2, b, bar, layers, DIMS, tiles=tiles, programs=programs, block_k=32,
+        num_warps=4, preload=preload,
     )  # fmt: skip
     assert torch.equal(out2[: DIMS[0]], out[: DIMS[0]])
 
@@ -72,9 +78,26 @@ def test_refuses_tiles_that_do_not_divide(device):
     w = _weights(1, device, torch.Generator().manual_seed(3))
     buf = torch.zeros(256, dtype=torch.bfloat16, device=device)
     bar = torch.zeros(2, dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match="does not divide N"):
-        persistent_chain(w, buf, buf, bar, 1, DIMS, (48, 16, 16, 16), 1, 32)
+    with pytest.raises(ValueError, match="needs a row"):
+        persistent_chain(w, buf, buf, bar, 1, DIMS, (0, 16, 16, 16), 1, 32)
     with pytest.raises(ValueError, match="block_k"):
         persistent_chain(w, buf, buf, bar, 1, DIMS, (16, 16, 16, 16), 1, 48)
+    with pytest.raises(ValueError, match="preload 48"):
+        persistent_chain(w, buf, buf, bar, 1, DIMS, (16, 16, 16, 16), 1, 16, preload=48)
     with pytest.raises(ValueError, match="one program"):
         persistent_chain(w, buf, buf, bar, 1, DIMS, (16, 16, 16, 16), 2, 32, sync=False)
+
+
+@pytest.mark.parametrize("n,k,rows", [(96, 64, 16), (100, 128, 7), (64, 64, 64)])
+def test_rows_gemv_matches_torch(device, n, k, rows):
+    """The one-launch-per-GEMV form of the chain's tiles (no PDL: the interpreter has none)."""
+    gen = torch.Generator().manual_seed(n * k + rows)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16).to(device)
+    x = torch.randn(k, generator=gen).to(torch.bfloat16).to(device)
+    y = torch.full((n + 8,), 7.0, dtype=torch.bfloat16, device=device)
+    rows_gemv(w, x, y, rows, block_k=32, num_warps=4)
+    ref = (w.float() @ x.float()).to(torch.bfloat16)
+    assert (y[:n].float() - ref.float()).abs().max() <= 2**-7 * ref.float().abs().max()
+    assert torch.equal(y[n:].float().cpu(), torch.full((8,), 7.0))  # nothing past N written
+    with pytest.raises(ValueError, match="block_k"):
+        rows_gemv(w, x, y, rows, block_k=48)

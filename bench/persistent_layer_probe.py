@@ -1,0 +1,463 @@
+"""A persistent batch-1 decode kernel for whole Qwen3 decoder layers: does it beat the engine's
+seven launches per layer?
+
+Usage (GPU, sm_90+): ``python3 bench/persistent_layer_probe.py [--layers 28] [--context 1024]``
+
+``bench/grid_barrier_probe.py`` measured (H100, 2026-12-06) a grid barrier at ~1.05 us and the
+same GEMV tiles 4.8 us per GEMV inside one persistent launch against 6.4-7.2 us as one PDL
+launch each (the engine's tuned GEMVs: 5.35). This prototype takes the step from GEMVs to
+whole layers, the lever issue 19 names for the 1 ms batch-1 target (Hazy Research's "No
+Bubbles" megakernel, 2025): one launch runs ``L`` layers of one decode token, every program
+resident, seven phases per layer separated by grid barriers
+(:func:`bench.grid_barrier_probe.grid_arrive` / ``grid_wait``):
+
+A. input RMSNorm (every program recomputes the statistics of the 1,024-wide hidden state) and
+   the q/k/v projection, ``ceil(N / programs)`` rows per program;
+B. q/k RMSNorm + rotary (:func:`kernels.qk_norm_rope.norm_rope_rows`), k and v stored in
+   their paged-cache slot;
+C. split-KV attention: (KV head, split) items, each the GQA group's queries over one slice of
+   the context (online softmax; Milakov & Gimelshein 2018, FlashDecoding's split-KV);
+D. the splits merged per query head;
+E. o projection + residual add;
+F. post-attention RMSNorm + gate/up projection + SwiGLU;
+G. down projection + residual add (in place: the next layer's input).
+
+It is a measurement, not yet the engine's path: weights are stacked per kind (``[L, ...]``),
+the KV caches ``[L, num_blocks, block_size, H_kv, D]``, one sequence. The oracle is
+:func:`layer_ref`, the composition of :mod:`kernels.reference`'s operations in torch.
+Prints the persistent launch's time for ``L`` layers against the engine's decode step
+(``bench/decode_profile.py``'s TPOT, run separately) minus its LM head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from bench.grid_barrier_probe import grid_arrive, grid_wait  # noqa: E402
+from kernels.interpreter import interpreting  # noqa: E402
+from kernels.qk_norm_rope import norm_rope_rows  # noqa: E402
+from kernels.reference import (  # noqa: E402
+    decode_attention_ref,
+    qk_norm_rope_store_ref,
+    rms_norm_ref,
+)
+from kernels.rounding import round_as  # noqa: E402
+
+
+@triton.jit
+def _rms_scale(x_ptr, H: tl.constexpr, BK: tl.constexpr, eps):
+    """``rsqrt(mean(x^2) + eps)`` of the bf16 ``x [H]`` (read at L2: another program wrote it)."""
+    ss = tl.zeros((BK,), dtype=tl.float32)
+    for k0 in tl.static_range(0, H, BK):
+        xv = tl.load(x_ptr + k0 + tl.arange(0, BK), cache_modifier=".cg").to(tl.float32)
+        ss += xv * xv
+    return tl.rsqrt(tl.sum(ss, axis=0) / H + eps)
+
+
+@triton.jit
+def _in_chunk(x_ptr, nw_ptr, r, cols, NORM: tl.constexpr, EXACT: tl.constexpr):
+    """Columns ``cols`` of a GEMV's input as float32: ``x`` itself, or with ``NORM`` RMSNorm's
+    ``w * bf16(x * r)`` rounded to bf16 (:func:`kernels.reference.rms_norm_ref`'s roundings)."""
+    xv = tl.load(x_ptr + cols, cache_modifier=".cg").to(tl.float32)
+    if NORM:
+        w = tl.load(nw_ptr + cols).to(tl.float32)
+        xv = round_as(w * round_as(xv * r, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
+    return xv
+
+
+@triton.jit
+def _rows_dot(
+    w_ptr, rows, ok, x_ptr, nw_ptr, r, K: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
+    NORM: tl.constexpr, EXACT: tl.constexpr,
+):  # fmt: skip
+    """float32 ``W[rows] . in`` (``[BP]``, rows valid where ``ok``) over the whole ``K``, the
+    input from :func:`_in_chunk`."""
+    acc = tl.zeros((BP, BK), dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        xv = _in_chunk(x_ptr, nw_ptr, r, cols, NORM, EXACT)
+        wv = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=ok[:, None], other=0.0)
+        acc += wv.to(tl.float32) * xv[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _tile_rows(t, N: tl.constexpr, R: tl.constexpr, BP: tl.constexpr):
+    """Rows of tile ``t`` (``R`` rows, ``BP`` its power-of-two width) as int64, and their mask."""
+    i = tl.arange(0, BP)
+    rows = t * R + i
+    return rows.to(tl.int64), (i < R) & (rows < N)
+
+
+@triton.jit
+def _attn_split(
+    q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, g, s, seq_len, scale,
+    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, S: tl.constexpr,
+    BT: tl.constexpr,
+):  # fmt: skip
+    """Split ``s`` of KV head ``g``: the ``G`` query heads of its group over tokens
+    ``[s * chunk, (s + 1) * chunk)`` of the context (``chunk`` = ``ceil(seq_len / S)`` rounded
+    up to ``BT``), online softmax in float32; writes the unnormalized ``acc [G, D]`` to
+    ``part [HQ, S, D]`` and ``(m, l)`` to ``ml [HQ, S, 2]`` (``m = -inf``, ``l = 0`` for an empty
+    split)."""
+    chunk = tl.cdiv(tl.cdiv(seq_len, S), BT) * BT
+    lo = s * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+    hq = g * G + tl.arange(0, G)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + hq[:, None] * D + d[None, :], cache_modifier=".cg").to(tl.float32)
+    m = tl.full((G,), float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros((G,), dtype=tl.float32)
+    acc = tl.zeros((G, D), dtype=tl.float32)
+    for t0 in range(lo, hi, BT):
+        tok = t0 + tl.arange(0, BT)
+        t_ok = tok < hi
+        blk = tl.load(bt_ptr + tok // BS, mask=t_ok, other=0).to(tl.int64)
+        slot = blk * BS + tok % BS
+        kv_off = (slot * HKV + g)[:, None] * D + d[None, :]
+        k = tl.load(kc + kv_off, mask=t_ok[:, None], other=0.0, cache_modifier=".cg")
+        v = tl.load(vc + kv_off, mask=t_ok[:, None], other=0.0, cache_modifier=".cg")
+        sc = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale  # [G, BT]
+        sc = tl.where(t_ok[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(sc - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        m = m_new
+    tl.store(part_ptr + (hq[:, None] * S + s) * D + d[None, :], acc)
+    tl.store(ml_ptr + (hq * S + s) * 2, m)
+    tl.store(ml_ptr + (hq * S + s) * 2 + 1, l_sum)
+
+
+@triton.jit
+def _attn_merge(
+    part_ptr, ml_ptr, out_ptr, h, S: tl.constexpr, D: tl.constexpr, EXACT: tl.constexpr
+):
+    """Query head ``h``: the ``S`` splits' partials combined (rescaled by ``exp(m_s - max m)``)
+    and normalized, stored as bf16 ``out[h * D : (h + 1) * D]``."""
+    sp = tl.arange(0, S)
+    d = tl.arange(0, D)
+    m = tl.load(ml_ptr + (h * S + sp) * 2, cache_modifier=".cg")
+    lsum = tl.load(ml_ptr + (h * S + sp) * 2 + 1, cache_modifier=".cg")
+    mx = tl.max(m, axis=0)
+    wgt = tl.where(lsum > 0, tl.exp(m - mx), 0.0)
+    acc = tl.load(part_ptr + (h * S + sp[:, None]) * D + d[None, :], cache_modifier=".cg")
+    o = tl.sum(acc * wgt[:, None], axis=0) / tl.sum(lsum * wgt, axis=0)
+    o = round_as(o, tl.bfloat16, EXACT)
+    tl.store(out_ptr + h * D + d, o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _layers_kernel(
+    x_ptr, h2_ptr, qkv_ptr, q_ptr, attn_ptr, act_ptr, part_ptr, ml_ptr, bar_ptr,
+    wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, ln1_ptr, ln2_ptr, qn_ptr, kn_ptr, kc_ptr, vc_ptr,
+    bt_ptr, cos_ptr, sin_ptr, seq_len, cache_layer_stride, LAYERS, eps, scale,
+    H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, FF: tl.constexpr,
+    BS: tl.constexpr, S: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    R_QKV: tl.constexpr, P_QKV: tl.constexpr, R_H: tl.constexpr, P_H: tl.constexpr,
+    R_FF: tl.constexpr, P_FF: tl.constexpr, EXACT: tl.constexpr,
+):  # fmt: skip
+    """``LAYERS`` Qwen3 decoder layers of one decode token (module docstring, phases A-G), the
+    hidden state ``x [H]`` (bf16) updated in place. Scratch: ``h2 [H]``, ``qkv [(HQ + 2 HKV) D]``,
+    ``q``/``attn [HQ D]``, ``act [FF]`` (bf16), ``part [HQ, S, D]``, ``ml [HQ, S, 2]``
+    (float32); ``bar``: two zeroed int32 counters (left zero). Weights stacked per layer:
+    ``wqkv [L, (HQ + 2 HKV) D, H]``, ``wo [L, H, HQ D]``, ``wgu [L, 2 FF, H]`` (gate rows, then
+    up), ``wd [L, H, FF]``, ``ln1``/``ln2 [L, H]``, ``qn``/``kn [L, D]``; caches ``[L, blocks,
+    BS, HKV, D]`` (``cache_layer_stride`` elements apart); ``bt`` the sequence's int32 block
+    table; ``cos``/``sin [D]`` the new token's rotary row; ``seq_len`` counts the new token."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    QKV_N: tl.constexpr = (HQ + 2 * HKV) * D
+    G: tl.constexpr = HQ // HKV
+    pos = seq_len - 1
+    blk = tl.load(bt_ptr + pos // BS).to(tl.int64)
+    slot = blk * BS + pos % BS
+    phase = 0
+    for layer in range(LAYERS):
+        # A: input norm + q/k/v projection
+        r = _rms_scale(x_ptr, H, BK, eps)
+        for t in range(pid, tl.cdiv(QKV_N, R_QKV), nprog):
+            rows, ok = _tile_rows(t, QKV_N, R_QKV, P_QKV)
+            y = _rows_dot(
+                wqkv_ptr + layer * QKV_N * H, rows, ok, x_ptr, ln1_ptr + layer * H, r, H, BK,
+                P_QKV, True, EXACT,
+            )  # fmt: skip
+            y = round_as(y, tl.bfloat16, EXACT)
+            tl.store(qkv_ptr + rows, y.to(qkv_ptr.dtype.element_ty), mask=ok)
+        phase += 1
+        grid_arrive(bar_ptr)
+        grid_wait(bar_ptr, phase * nprog)
+        # B: q/k norm + rotary, k/v into the cache slot
+        kc = kc_ptr + layer * cache_layer_stride
+        vc = vc_ptr + layer * cache_layer_stride
+        for item in range(pid, 3, nprog):
+            if item == 0:
+                hq = tl.arange(0, HQ)
+                qr = norm_rope_rows(
+                    qkv_ptr, hq, hq < HQ, D, 1, qn_ptr + layer * D, cos_ptr, sin_ptr, 1, 1,
+                    eps, D, True, EXACT,
+                )  # fmt: skip
+                tl.store(q_ptr + hq[:, None] * D + tl.arange(0, D)[None, :], qr)
+            elif item == 1:
+                hk = tl.arange(0, HKV)
+                kr = norm_rope_rows(
+                    qkv_ptr + HQ * D, hk, hk < HKV, D, 1, kn_ptr + layer * D, cos_ptr, sin_ptr,
+                    1, 1, eps, D, True, EXACT,
+                )  # fmt: skip
+                tl.store(kc + (slot * HKV + hk)[:, None] * D + tl.arange(0, D)[None, :], kr)
+            else:
+                off = tl.arange(0, HKV)[:, None] * D + tl.arange(0, D)[None, :]
+                v = tl.load(qkv_ptr + (HQ + HKV) * D + off, cache_modifier=".cg")
+                tl.store(vc + slot * HKV * D + off, v)
+        phase += 1
+        grid_arrive(bar_ptr)
+        grid_wait(bar_ptr, phase * nprog)
+        # C: split-KV attention partials
+        for item in range(pid, HKV * S, nprog):
+            _attn_split(
+                q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, item // S, item % S, seq_len, scale,
+                HKV, G, D, BS, S, BT,
+            )  # fmt: skip
+        phase += 1
+        grid_arrive(bar_ptr)
+        grid_wait(bar_ptr, phase * nprog)
+        # D: merge the splits
+        for h in range(pid, HQ, nprog):
+            _attn_merge(part_ptr, ml_ptr, attn_ptr, h, S, D, EXACT)
+        phase += 1
+        grid_arrive(bar_ptr)
+        grid_wait(bar_ptr, phase * nprog)
+        # E: o projection + residual
+        for t in range(pid, tl.cdiv(H, R_H), nprog):
+            rows, ok = _tile_rows(t, H, R_H, P_H)
+            y = _rows_dot(
+                wo_ptr + layer * H * HQ * D, rows, ok, attn_ptr, attn_ptr, 1.0, HQ * D, BK, P_H,
+                False, EXACT,
+            )  # fmt: skip
+            res = tl.load(x_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            h2 = round_as(res + round_as(y, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
+            tl.store(h2_ptr + rows, h2.to(h2_ptr.dtype.element_ty), mask=ok)
+        phase += 1
+        grid_arrive(bar_ptr)
+        grid_wait(bar_ptr, phase * nprog)
+        # F: post-attention norm + gate/up + SwiGLU
+        r2 = _rms_scale(h2_ptr, H, BK, eps)
+        wgu = wgu_ptr + layer * 2 * FF * H
+        for t in range(pid, tl.cdiv(FF, R_FF), nprog):
+            rows, ok = _tile_rows(t, FF, R_FF, P_FF)
+            ln2 = ln2_ptr + layer * H
+            gate = _rows_dot(wgu, rows, ok, h2_ptr, ln2, r2, H, BK, P_FF, True, EXACT)
+            up = _rows_dot(wgu, rows + FF, ok, h2_ptr, ln2, r2, H, BK, P_FF, True, EXACT)
+            gate = round_as(gate, tl.bfloat16, EXACT)
+            silu = round_as(gate / (1.0 + tl.exp(-gate)), tl.bfloat16, EXACT)
+            a = round_as(silu * round_as(up, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
+            tl.store(act_ptr + rows, a.to(act_ptr.dtype.element_ty), mask=ok)
+        phase += 1
+        grid_arrive(bar_ptr)
+        grid_wait(bar_ptr, phase * nprog)
+        # G: down projection + residual (the next layer's input)
+        for t in range(pid, tl.cdiv(H, R_H), nprog):
+            rows, ok = _tile_rows(t, H, R_H, P_H)
+            y = _rows_dot(
+                wd_ptr + layer * H * FF, rows, ok, act_ptr, act_ptr, 1.0, FF, BK, P_H, False,
+                EXACT,
+            )  # fmt: skip
+            res = tl.load(h2_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            out = round_as(res + round_as(y, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
+            tl.store(x_ptr + rows, out.to(x_ptr.dtype.element_ty), mask=ok)
+        phase += 1
+        grid_arrive(bar_ptr)
+        grid_wait(bar_ptr, phase * nprog)
+    left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if left == nprog - 1:  # every program has passed the last barrier
+        tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed", scope="gpu")
+
+
+class Weights:
+    """Random Qwen3-shaped weights of ``layers`` layers, stacked per kind (bf16 on ``device``):
+    ``wqkv [L, (HQ + 2 HKV) D, H]``, ``wo [L, H, HQ D]``, ``wgu [L, 2 FF, H]``, ``wd [L, H, FF]``,
+    ``ln1``/``ln2 [L, H]``, ``qn``/``kn [L, D]`` (norm weights near 1)."""
+
+    def __init__(self, layers, h, hq, hkv, d, ff, device, gen=None):
+        def rnd(*shape, scale=1.0, base=0.0):
+            t = torch.randn(*shape, generator=gen) * scale + base
+            return t.to(torch.bfloat16).to(device)
+
+        self.dims = (h, hq, hkv, d, ff)
+        self.wqkv = rnd(layers, (hq + 2 * hkv) * d, h, scale=h**-0.5)
+        self.wo = rnd(layers, h, hq * d, scale=(hq * d) ** -0.5)
+        self.wgu = rnd(layers, 2 * ff, h, scale=h**-0.5)
+        self.wd = rnd(layers, h, ff, scale=ff**-0.5)
+        self.ln1 = rnd(layers, h, scale=0.1, base=1.0)
+        self.ln2 = rnd(layers, h, scale=0.1, base=1.0)
+        self.qn = rnd(layers, d, scale=0.1, base=1.0)
+        self.kn = rnd(layers, d, scale=0.1, base=1.0)
+
+
+def layer_ref(x, wt: Weights, layer, k_cache, v_cache, block_table, seq_len, cos, sin, eps):
+    """One Qwen3 decoder layer for one decode token from :mod:`kernels.reference`'s operations
+    (eager torch, bf16 roundings between ops): returns the new hidden state ``[H]`` (bf16) and
+    stores the token's k/v into ``k_cache``/``v_cache`` (``[blocks, BS, HKV, D]``) in place."""
+    h, hq, hkv, d, ff = wt.dims
+    n = rms_norm_ref(x[None], wt.ln1[layer], eps)
+    qkv = (n.float() @ wt.wqkv[layer].float().T).to(torch.bfloat16)[0]
+    q = qkv[: hq * d].view(1, hq, d)
+    k = qkv[hq * d : (hq + hkv) * d].view(1, hkv, d)
+    v = qkv[(hq + hkv) * d :].view(1, hkv, d)
+    bs = k_cache.shape[1]
+    pos = seq_len - 1
+    slot = torch.tensor([int(block_table[pos // bs]) * bs + pos % bs], device=x.device)
+    q = qk_norm_rope_store_ref(
+        q, k, v, k_cache, v_cache, slot, cos[None], sin[None], wt.qn[layer], wt.kn[layer], eps
+    )
+    attn = torch.empty_like(q)
+    seq = torch.tensor([seq_len], dtype=torch.int32, device=x.device)
+    decode_attention_ref(q, k_cache, v_cache, block_table[None], seq, attn, d**-0.5)
+    o = (attn.reshape(1, -1).float() @ wt.wo[layer].float().T).to(torch.bfloat16)[0]
+    h2 = x + o
+    n2 = rms_norm_ref(h2[None], wt.ln2[layer], eps)
+    gu = (n2.float() @ wt.wgu[layer].float().T).to(torch.bfloat16)[0]
+    act = F.silu(gu[:ff]) * gu[ff:]
+    dn = (act[None].float() @ wt.wd[layer].float().T).to(torch.bfloat16)[0]
+    return h2 + dn
+
+
+class Scratch:
+    """The kernel's scratch buffers and barrier counters for :class:`Weights`' dims and ``S``
+    splits (made once: a CUDA graph replays the launch on them)."""
+
+    def __init__(self, dims, splits, device):
+        h, hq, hkv, d, ff = dims
+        bf = dict(dtype=torch.bfloat16, device=device)
+        self.h2 = torch.zeros(h, **bf)
+        self.qkv = torch.zeros((hq + 2 * hkv) * d, **bf)
+        self.q = torch.zeros(hq * d, **bf)
+        self.attn = torch.zeros(hq * d, **bf)
+        self.act = torch.zeros(ff, **bf)
+        self.part = torch.zeros(hq, splits, d, dtype=torch.float32, device=device)
+        self.ml = torch.zeros(hq, splits, 2, dtype=torch.float32, device=device)
+        self.bar = torch.zeros(2, dtype=torch.int32, device=device)
+        self.splits = splits
+
+
+def persistent_layers(
+    x, wt: Weights, k_caches, v_caches, block_table, seq_len, cos, sin, eps, scratch: Scratch,
+    programs=1, block_k=64, block_t=32, num_warps=4,
+):  # fmt: skip
+    """Run :func:`_layers_kernel` over every layer of ``wt`` on the hidden state ``x [H]`` (bf16,
+    updated in place and returned); ``k_caches``/``v_caches [L, blocks, BS, HKV, D]`` get the
+    token's k/v at position ``seq_len - 1``; ``cos``/``sin [D]`` its rotary row.
+
+    Raises:
+        ValueError: ``block_k`` not dividing H, FF and HQ * D, or a splits count, head count or
+            head dim that is no power of two.
+    """
+    h, hq, hkv, d, ff = wt.dims
+    if any(k % block_k for k in (h, ff, hq * d)):
+        raise ValueError(f"block_k {block_k} must divide H, FF and HQ * D")
+    for name, v in (("splits", scratch.splits), ("HQ", hq), ("HKV", hkv), ("D", d)):
+        if v & (v - 1):
+            raise ValueError(f"{name} = {v} must be a power of two")
+    layers = wt.wqkv.shape[0]
+    r_qkv, r_h, r_ff = (-(-n // programs) for n in ((hq + 2 * hkv) * d, h, ff))
+    p2 = triton.next_power_of_2
+    _layers_kernel[(programs,)](
+        x, scratch.h2, scratch.qkv, scratch.q, scratch.attn, scratch.act, scratch.part,
+        scratch.ml, scratch.bar, wt.wqkv, wt.wo, wt.wgu, wt.wd, wt.ln1, wt.ln2, wt.qn, wt.kn,
+        k_caches, v_caches, block_table, cos, sin, seq_len, k_caches[0].numel(), layers, eps,
+        d**-0.5, h, hq, hkv, d, ff, k_caches.shape[2], scratch.splits, block_t, block_k,
+        r_qkv, p2(r_qkv), r_h, p2(r_h), r_ff, p2(r_ff), interpreting(), num_warps=num_warps,
+    )  # fmt: skip
+    return x
+
+
+def rotary_row(pos: int, d: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotate-half rotary ``cos``/``sin`` rows ``[D]`` (bf16) of position ``pos``."""
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = pos * inv
+    emb = torch.cat([ang, ang])
+    return emb.cos().to(torch.bfloat16).to(device), emb.sin().to(torch.bfloat16).to(device)
+
+
+def setup(layers, dims, context, block_size, device, seed=0):
+    """Weights, caches filled with random k/v for the ``context - 1`` earlier tokens, a
+    shuffled block table, the new token's rotary row and hidden state."""
+    gen = torch.Generator().manual_seed(seed)
+    h, hq, hkv, d, ff = dims
+    wt = Weights(layers, h, hq, hkv, d, ff, device, gen)
+    blocks = -(-context // block_size) + 2
+    kc = (torch.randn(layers, blocks, block_size, hkv, d, generator=gen)).to(torch.bfloat16)
+    vc = (torch.randn(layers, blocks, block_size, hkv, d, generator=gen)).to(torch.bfloat16)
+    bt = torch.randperm(blocks, generator=gen)[: -(-context // block_size)].to(torch.int32)
+    cos, sin = rotary_row(context - 1, d, 1e6, device)
+    x = torch.randn(h, generator=gen).to(torch.bfloat16)
+    return wt, kc.to(device), vc.to(device), bt.to(device), cos, sin, x.to(device)
+
+
+def main() -> int:
+    from bench.pdl_probe import time_or_report
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--programs", type=int, default=0, help="0: the SM count")
+    ap.add_argument("--warps", type=int, nargs="*", default=[8, 16])
+    ap.add_argument("--block-k", type=int, default=256)
+    ap.add_argument("--block-t", type=int, default=32)
+    args = ap.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        print("persistent_layer_probe: needs a CUDA device of compute capability 9.0+; skipped")
+        return 0
+    dev = torch.device("cuda")
+    programs = args.programs or torch.cuda.get_device_properties(dev).multi_processor_count
+    dims = (1024, 16, 8, 128, 3072)  # Qwen3-0.6B
+    eps = 1e-6
+    wt, kc, vc, bt, cos, sin, x0 = setup(args.layers, dims, args.context, 128, dev)
+    splits = triton.next_power_of_2(max(1, programs // dims[2]))
+    scratch = Scratch(dims, splits, dev)
+    # correctness: the kernel against the reference, layer by layer, on copies of the caches
+    kr, vr = kc.clone(), vc.clone()
+    ref = x0.clone()
+    for layer in range(args.layers):
+        ref = layer_ref(ref, wt, layer, kr[layer], vr[layer], bt, args.context, cos, sin, eps)
+    print(f"{args.layers} layers, context {args.context}, {programs} programs, {splits} splits")
+    print("| variant | us per launch | us per layer | rel err vs torch layers |")
+    print("|---|---|---|---|")
+    for warps in args.warps:
+        x = x0.clone()
+
+        def run(warps=warps, x=x):
+            x.copy_(x0)
+            return persistent_layers(
+                x, wt, kc, vc, bt, args.context, cos, sin, eps, scratch, programs,
+                args.block_k, args.block_t, warps,
+            )  # fmt: skip
+
+        timed = time_or_report(f"persistent {warps} warps", run, args.reps)
+        if timed is None:
+            continue
+        us, out = timed
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        print(f"| persistent, {warps} warps | {us:.1f} | {us / args.layers:.2f} | {err:.2e} |")
+    # the LM head the engine adds to its layers (cuBLAS, as the engine runs it)
+    head = torch.randn(151936, 1024, device=dev, dtype=torch.bfloat16) * 0.03
+    timed = time_or_report("lm head", lambda: F.linear(x0[None], head), args.reps)
+    if timed is not None:
+        print(f"| LM head (cuBLAS, 151,936 x 1,024) | {timed[0]:.1f} | - | - |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""The persistent decode-layer prototype of ``bench/persistent_layer_probe.py`` (issue 19)
+against the torch composition of :mod:`kernels.reference`'s operations: the hidden state after
+every layer and the k/v it stores in the paged caches. Under the interpreter one program runs
+every phase (its grid barriers pass at once); on a CUDA device of compute capability 9.0+ the
+SM count's programs run it, where a missing barrier or a stale read breaks the comparison."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.persistent_layer_probe import Scratch, layer_ref, persistent_layers, setup
+from kernels.interpreter import interpreting
+
+#: (H, HQ, HKV, D, FF): GQA groups of 2, a small head dim, FF unequal to H
+DIMS = (64, 4, 2, 16, 96)
+
+
+@pytest.mark.parametrize("context,splits", [(37, 4), (16, 2), (5, 8)])
+def test_layers_match_torch(device, context, splits):
+    layers, eps = 2, 1e-6
+    wt, kc, vc, bt, cos, sin, x0 = setup(layers, DIMS, context, 16, device, seed=context)
+    kr, vr = kc.clone(), vc.clone()
+    ref = x0.clone()
+    for layer in range(layers):
+        ref = layer_ref(ref, wt, layer, kr[layer], vr[layer], bt, context, cos, sin, eps)
+    compiled = device.type == "cuda" and not interpreting()
+    programs = torch.cuda.get_device_properties(device).multi_processor_count if compiled else 1
+    scratch = Scratch(DIMS, splits, device)
+    x = x0.clone()
+    persistent_layers(
+        x, wt, kc, vc, bt, context, cos, sin, eps, scratch, programs, block_k=32, block_t=16
+    )
+    rel = ((x.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < 1e-2, rel
+    # the stored k/v of the new token (and nothing else) as the reference stored them
+    kerr = (kc.float() - kr.float()).abs().max().item()
+    verr = (vc.float() - vr.float()).abs().max().item()
+    assert kerr < 0.1 and verr < 0.1, (kerr, verr)
+    assert scratch.bar.tolist() == [0, 0]
+
+
+def test_refuses_odd_splits(device):
+    wt, kc, vc, bt, cos, sin, x0 = setup(1, DIMS, 8, 16, device)
+    with pytest.raises(ValueError, match="splits = 3"):
+        persistent_layers(
+            x0, wt, kc, vc, bt, 8, cos, sin, 1e-6, Scratch(DIMS, 3, device), block_k=32
+        )
+    with pytest.raises(ValueError, match="block_k 48"):
+        persistent_layers(
+            x0, wt, kc, vc, bt, 8, cos, sin, 1e-6, Scratch(DIMS, 2, device), block_k=48
+        )
