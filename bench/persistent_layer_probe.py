@@ -64,30 +64,61 @@ def _rms_scale(x_ptr, H: tl.constexpr, BK: tl.constexpr, eps):
 
 
 @triton.jit
-def _in_chunk(x_ptr, nw_ptr, r, cols, NORM: tl.constexpr, EXACT: tl.constexpr):
-    """Columns ``cols`` of a GEMV's input as float32: ``x`` itself, or with ``NORM`` RMSNorm's
-    ``w * bf16(x * r)`` rounded to bf16 (:func:`kernels.reference.rms_norm_ref`'s roundings)."""
-    xv = tl.load(x_ptr + cols, cache_modifier=".cg").to(tl.float32)
-    if NORM:
-        w = tl.load(nw_ptr + cols).to(tl.float32)
-        xv = round_as(w * round_as(xv * r, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
+def _in_chunk(x_ptr, nw_ptr, r, cols, MODE: tl.constexpr, EXACT: tl.constexpr, S: tl.constexpr = 1):
+    """Columns ``cols`` of a GEMV's input as float32: ``MODE`` 0 ``x`` itself; 1 RMSNorm's
+    ``w * bf16(x * r)`` rounded to bf16 (:func:`kernels.reference.rms_norm_ref`'s roundings);
+    2 the attention output merged from the ``S`` splits' partials (``x_ptr``: ``part [HQ, S,
+    D]``, ``nw_ptr``: ``ml [HQ, S, 2]``, ``r``: the head dim ``D``; :func:`_attn_merge`'s
+    arithmetic, rounded to bf16)."""
+    if MODE == 2:
+        sp = tl.arange(0, S)
+        hs = (cols // r)[:, None] * S + sp[None, :]
+        m = tl.load(nw_ptr + hs * 2, cache_modifier=".cg")
+        lsum = tl.load(nw_ptr + hs * 2 + 1, cache_modifier=".cg")
+        acc = tl.load(x_ptr + hs * r + (cols % r)[:, None], cache_modifier=".cg")
+        wgt = tl.where(lsum > 0, tl.exp(m - tl.max(m, axis=1)[:, None]), 0.0)
+        xv = round_as(tl.sum(acc * wgt, axis=1) / tl.sum(lsum * wgt, axis=1), tl.bfloat16, EXACT)
+    else:
+        xv = tl.load(x_ptr + cols, cache_modifier=".cg").to(tl.float32)
+        if MODE == 1:
+            w = tl.load(nw_ptr + cols).to(tl.float32)
+            xv = round_as(w * round_as(xv * r, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
     return xv
 
 
 @triton.jit
 def _rows_dot(
     w_ptr, rows, ok, x_ptr, nw_ptr, r, K: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
-    NORM: tl.constexpr, EXACT: tl.constexpr,
+    MODE: tl.constexpr, EXACT: tl.constexpr, S: tl.constexpr = 1,
 ):  # fmt: skip
     """float32 ``W[rows] . in`` (``[BP]``, rows valid where ``ok``) over the whole ``K``, the
-    input from :func:`_in_chunk`."""
+    input from :func:`_in_chunk` (``MODE``, ``S``)."""
     acc = tl.zeros((BP, BK), dtype=tl.float32)
     for k0 in tl.static_range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
-        xv = _in_chunk(x_ptr, nw_ptr, r, cols, NORM, EXACT)
+        xv = _in_chunk(x_ptr, nw_ptr, r, cols, MODE, EXACT, S)
         wv = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=ok[:, None], other=0.0)
         acc += wv.to(tl.float32) * xv[None, :]
     return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _rows_dot2(
+    w_ptr, rows, rows2, ok, x_ptr, nw_ptr, r, K: tl.constexpr, BK: tl.constexpr,
+    BP: tl.constexpr, EXACT: tl.constexpr,
+):  # fmt: skip
+    """:func:`_rows_dot` of two row sets (the gate and up rows) over one normalized input, in
+    one K loop: ``(W[rows] . in, W[rows2] . in)``."""
+    acc = tl.zeros((BP, BK), dtype=tl.float32)
+    acc2 = tl.zeros((BP, BK), dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        xv = _in_chunk(x_ptr, nw_ptr, r, cols, 1, EXACT)
+        wv = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=ok[:, None], other=0.0)
+        wv2 = tl.load(w_ptr + rows2[:, None] * K + cols[None, :], mask=ok[:, None], other=0.0)
+        acc += wv.to(tl.float32) * xv[None, :]
+        acc2 += wv2.to(tl.float32) * xv[None, :]
+    return tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
 
 
 @triton.jit
@@ -102,28 +133,39 @@ def _tile_rows(t, N: tl.constexpr, R: tl.constexpr, BP: tl.constexpr):
 def _attn_split(
     q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, g, s, seq_len, scale,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, S: tl.constexpr,
-    BT: tl.constexpr,
+    BT: tl.constexpr, FUSED: tl.constexpr, qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, eps, slot,
+    HQ: tl.constexpr, EXACT: tl.constexpr,
 ):  # fmt: skip
     """Split ``s`` of KV head ``g``: the ``G`` query heads of its group over tokens
     ``[s * chunk, (s + 1) * chunk)`` of the context (``chunk`` = ``ceil(seq_len / S)`` rounded
     up to ``BT``), online softmax in float32; writes the unnormalized ``acc [G, D]`` to
     ``part [HQ, S, D]`` and ``(m, l)`` to ``ml [HQ, S, 2]`` (``m = -inf``, ``l = 0`` for an empty
-    split)."""
+    split). ``FUSED``: the queries are normalized and rotated here from ``qkv`` (phase B's
+    :func:`kernels.qk_norm_rope.norm_rope_rows`), the cache is read for the earlier tokens only,
+    and the split holding the new token (position ``seq_len - 1``) rotates its key, adds it and
+    its value from registers and stores both in ``slot``; else ``q`` comes from ``q_ptr``."""
     chunk = tl.cdiv(tl.cdiv(seq_len, S), BT) * BT
     lo = s * chunk
     hi = tl.minimum(lo + chunk, seq_len)
     hq = g * G + tl.arange(0, G)
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + hq[:, None] * D + d[None, :], cache_modifier=".cg").to(tl.float32)
+    if FUSED:
+        q = norm_rope_rows(
+            qkv_ptr, hq, hq < HQ, D, 1, qn_ptr, cos_ptr, sin_ptr, 1, 1, eps, D, True, EXACT
+        ).to(tl.float32)
+        c_hi = tl.minimum(hi, seq_len - 1)  # the new token comes from registers
+    else:
+        q = tl.load(q_ptr + hq[:, None] * D + d[None, :], cache_modifier=".cg").to(tl.float32)
+        c_hi = hi
     m = tl.full((G,), float("-inf"), dtype=tl.float32)
     l_sum = tl.zeros((G,), dtype=tl.float32)
     acc = tl.zeros((G, D), dtype=tl.float32)
-    for t0 in range(lo, hi, BT):
+    for t0 in range(lo, c_hi, BT):
         tok = t0 + tl.arange(0, BT)
-        t_ok = tok < hi
+        t_ok = tok < c_hi
         blk = tl.load(bt_ptr + tok // BS, mask=t_ok, other=0).to(tl.int64)
-        slot = blk * BS + tok % BS
-        kv_off = (slot * HKV + g)[:, None] * D + d[None, :]
+        slot_t = blk * BS + tok % BS
+        kv_off = (slot_t * HKV + g)[:, None] * D + d[None, :]
         k = tl.load(kc + kv_off, mask=t_ok[:, None], other=0.0, cache_modifier=".cg")
         v = tl.load(vc + kv_off, mask=t_ok[:, None], other=0.0, cache_modifier=".cg")
         sc = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale  # [G, BT]
@@ -133,6 +175,67 @@ def _attn_split(
         p = tl.exp(sc - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        m = m_new
+    if FUSED:
+        if (lo < seq_len) & (seq_len <= hi):  # this split holds the new token
+            gk = g + tl.arange(0, 1)
+            k_new = norm_rope_rows(
+                qkv_ptr + HQ * D, gk, gk < HKV, D, 1, kn_ptr, cos_ptr, sin_ptr, 1, 1, eps, D,
+                True, EXACT,
+            )  # fmt: skip
+            v_off = gk[:, None] * D + d[None, :]
+            v_new = tl.load(qkv_ptr + (HQ + HKV) * D + v_off, cache_modifier=".cg")
+            tl.store(kc + slot * HKV * D + v_off, k_new)
+            tl.store(vc + slot * HKV * D + v_off, v_new)
+            sc = tl.sum(q * k_new.to(tl.float32), axis=1) * scale  # [G]
+            m_new = tl.maximum(m, sc)
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(sc - m_new)
+            l_sum = l_sum * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)
+            m = m_new
+    tl.store(part_ptr + (hq[:, None] * S + s) * D + d[None, :], acc)
+    tl.store(ml_ptr + (hq * S + s) * 2, m)
+    tl.store(ml_ptr + (hq * S + s) * 2 + 1, l_sum)
+
+
+@triton.jit
+def _attn_pre(
+    k, v, t_ok, part_ptr, ml_ptr, g, s, seq_len, scale, HKV: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, S: tl.constexpr, CHUNK: tl.constexpr, qkv_ptr, qn_ptr, kn_ptr, cos_ptr,
+    sin_ptr, eps, slot, kc, vc, HQ: tl.constexpr, EXACT: tl.constexpr,
+):  # fmt: skip
+    """:func:`_attn_split` (``FUSED``) of split ``s`` of KV head ``g`` over keys/values already
+    in registers: ``k``, ``v`` ``[CHUNK, D]`` (the split's earlier tokens, valid where
+    ``t_ok``), one pass (no token loop)."""
+    hq = g * G + tl.arange(0, G)
+    d = tl.arange(0, D)
+    q = norm_rope_rows(
+        qkv_ptr, hq, hq < HQ, D, 1, qn_ptr, cos_ptr, sin_ptr, 1, 1, eps, D, True, EXACT
+    ).to(tl.float32)
+    sc = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale  # [G, CHUNK]
+    sc = tl.where(t_ok[None, :], sc, float("-inf"))
+    m = tl.max(sc, axis=1)
+    p = tl.where(t_ok[None, :], tl.exp(sc - m[:, None]), 0.0)
+    l_sum = tl.sum(p, axis=1)
+    acc = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    lo = s * CHUNK
+    if (lo < seq_len) & (seq_len <= lo + CHUNK):  # this split holds the new token
+        gk = g + tl.arange(0, 1)
+        k_new = norm_rope_rows(
+            qkv_ptr + HQ * D, gk, gk < HKV, D, 1, kn_ptr, cos_ptr, sin_ptr, 1, 1, eps, D, True,
+            EXACT,
+        )  # fmt: skip
+        v_off = gk[:, None] * D + d[None, :]
+        v_new = tl.load(qkv_ptr + (HQ + HKV) * D + v_off, cache_modifier=".cg")
+        tl.store(kc + slot * HKV * D + v_off, k_new)
+        tl.store(vc + slot * HKV * D + v_off, v_new)
+        sn = tl.sum(q * k_new.to(tl.float32), axis=1) * scale  # [G]
+        m_new = tl.maximum(m, sn)
+        alpha = tl.exp(m - m_new)
+        pn = tl.exp(sn - m_new)
+        l_sum = l_sum * alpha + pn
+        acc = acc * alpha[:, None] + pn[:, None] * v_new.to(tl.float32)
         m = m_new
     tl.store(part_ptr + (hq[:, None] * S + s) * D + d[None, :], acc)
     tl.store(ml_ptr + (hq * S + s) * 2, m)
@@ -158,14 +261,32 @@ def _attn_merge(
 
 
 @triton.jit
+def _split_done(
+    count_ptr, g, part_ptr, ml_ptr, attn_ptr, S: tl.constexpr, D: tl.constexpr,
+    G: tl.constexpr, EXACT: tl.constexpr,
+):  # fmt: skip
+    """After a split of KV head ``g`` stored its partials: count its arrival (acquire-release
+    atomic at GPU scope after a CTA barrier, CUTLASS's serial split-K semaphore); the last of
+    the ``S`` splits merges the group's ``G`` query heads (:func:`_attn_merge`) and sets the
+    counter back to zero, so no merge phase (and barrier) is needed."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + g, 1, sem="acq_rel", scope="gpu")
+    if arrived == S - 1:
+        for i in tl.static_range(G):
+            _attn_merge(part_ptr, ml_ptr, attn_ptr, g * G + i, S, D, EXACT)
+        tl.atomic_xchg(count_ptr + g, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _layers_kernel(
-    x_ptr, h2_ptr, qkv_ptr, q_ptr, attn_ptr, act_ptr, part_ptr, ml_ptr, bar_ptr,
+    x_ptr, h2_ptr, qkv_ptr, q_ptr, attn_ptr, act_ptr, part_ptr, ml_ptr, bar_ptr, count_ptr,
     wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, ln1_ptr, ln2_ptr, qn_ptr, kn_ptr, kc_ptr, vc_ptr,
     bt_ptr, cos_ptr, sin_ptr, seq_len, cache_layer_stride, LAYERS, eps, scale,
     H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, FF: tl.constexpr,
     BS: tl.constexpr, S: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     R_QKV: tl.constexpr, P_QKV: tl.constexpr, R_H: tl.constexpr, P_H: tl.constexpr,
-    R_FF: tl.constexpr, P_FF: tl.constexpr, EXACT: tl.constexpr,
+    R_FF: tl.constexpr, P_FF: tl.constexpr, EXACT: tl.constexpr, FUSE_B: tl.constexpr,
+    MERGE_E: tl.constexpr, PRE_KV: tl.constexpr, CHUNK: tl.constexpr, MERGE_C: tl.constexpr,
 ):  # fmt: skip
     """``LAYERS`` Qwen3 decoder layers of one decode token (module docstring, phases A-G), the
     hidden state ``x [H]`` (bf16) updated in place. Scratch: ``h2 [H]``, ``qkv [(HQ + 2 HKV) D]``,
@@ -174,7 +295,16 @@ def _layers_kernel(
     ``wqkv [L, (HQ + 2 HKV) D, H]``, ``wo [L, H, HQ D]``, ``wgu [L, 2 FF, H]`` (gate rows, then
     up), ``wd [L, H, FF]``, ``ln1``/``ln2 [L, H]``, ``qn``/``kn [L, D]``; caches ``[L, blocks,
     BS, HKV, D]`` (``cache_layer_stride`` elements apart); ``bt`` the sequence's int32 block
-    table; ``cos``/``sin [D]`` the new token's rotary row; ``seq_len`` counts the new token."""
+    table; ``cos``/``sin [D]`` the new token's rotary row; ``seq_len`` counts the new token.
+    ``FUSE_B``: no phase B (each attention item normalizes and rotates its group's queries and
+    the new key itself, the new token's k/v enter its split from registers and that item stores
+    them); ``MERGE_E``: no phase D (every o-projection program merges the splits of its input
+    chunks itself); ``PRE_KV`` (with ``FUSE_B``, ``CHUNK`` tokens per split): each program
+    loads its first attention item's earlier keys/values while it waits at the barrier after A
+    (they do not depend on the layer's input), their cache slots computed once before the
+    layers (:func:`_attn_pre`); further items (more than programs) load theirs after it;
+    ``MERGE_C``: no phase D (the last split of each KV head to finish merges its group,
+    :func:`_split_done`, counters ``count [HKV]`` zeroed and left zero)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     QKV_N: tl.constexpr = (HQ + 2 * HKV) * D
@@ -182,6 +312,11 @@ def _layers_kernel(
     pos = seq_len - 1
     blk = tl.load(bt_ptr + pos // BS).to(tl.int64)
     slot = blk * BS + pos % BS
+    if PRE_KV:  # the cache slots of this program's attention item (the same in every layer)
+        pre_g = pid // S
+        tok = (pid % S) * CHUNK + tl.arange(0, CHUNK)
+        pre_ok = (tok < pos) & (tl.zeros_like(tok) + pid < HKV * S)
+        pre_slots = tl.load(bt_ptr + tok // BS, mask=pre_ok, other=0).to(tl.int64) * BS + tok % BS
     phase = 0
     for layer in range(LAYERS):
         # A: input norm + q/k/v projection
@@ -190,60 +325,83 @@ def _layers_kernel(
             rows, ok = _tile_rows(t, QKV_N, R_QKV, P_QKV)
             y = _rows_dot(
                 wqkv_ptr + layer * QKV_N * H, rows, ok, x_ptr, ln1_ptr + layer * H, r, H, BK,
-                P_QKV, True, EXACT,
+                P_QKV, 1, EXACT,
             )  # fmt: skip
             y = round_as(y, tl.bfloat16, EXACT)
             tl.store(qkv_ptr + rows, y.to(qkv_ptr.dtype.element_ty), mask=ok)
         phase += 1
-        grid_arrive(bar_ptr)
-        grid_wait(bar_ptr, phase * nprog)
-        # B: q/k norm + rotary, k/v into the cache slot
         kc = kc_ptr + layer * cache_layer_stride
         vc = vc_ptr + layer * cache_layer_stride
-        for item in range(pid, 3, nprog):
-            if item == 0:
-                hq = tl.arange(0, HQ)
-                qr = norm_rope_rows(
-                    qkv_ptr, hq, hq < HQ, D, 1, qn_ptr + layer * D, cos_ptr, sin_ptr, 1, 1,
-                    eps, D, True, EXACT,
-                )  # fmt: skip
-                tl.store(q_ptr + hq[:, None] * D + tl.arange(0, D)[None, :], qr)
-            elif item == 1:
-                hk = tl.arange(0, HKV)
-                kr = norm_rope_rows(
-                    qkv_ptr + HQ * D, hk, hk < HKV, D, 1, kn_ptr + layer * D, cos_ptr, sin_ptr,
-                    1, 1, eps, D, True, EXACT,
-                )  # fmt: skip
-                tl.store(kc + (slot * HKV + hk)[:, None] * D + tl.arange(0, D)[None, :], kr)
-            else:
-                off = tl.arange(0, HKV)[:, None] * D + tl.arange(0, D)[None, :]
-                v = tl.load(qkv_ptr + (HQ + HKV) * D + off, cache_modifier=".cg")
-                tl.store(vc + slot * HKV * D + off, v)
-        phase += 1
         grid_arrive(bar_ptr)
+        if PRE_KV:  # this program's attention item's earlier keys/values, during the wait
+            kv_off = (pre_slots * HKV + pre_g)[:, None] * D + tl.arange(0, D)[None, :]
+            k_pre = tl.load(kc + kv_off, mask=pre_ok[:, None], other=0.0)
+            v_pre = tl.load(vc + kv_off, mask=pre_ok[:, None], other=0.0)
         grid_wait(bar_ptr, phase * nprog)
+        # B: q/k norm + rotary, k/v into the cache slot (FUSE_B: in C's items instead)
+        if not FUSE_B:
+            for item in range(pid, 3, nprog):
+                if item == 0:
+                    hq = tl.arange(0, HQ)
+                    qr = norm_rope_rows(
+                        qkv_ptr, hq, hq < HQ, D, 1, qn_ptr + layer * D, cos_ptr, sin_ptr, 1, 1,
+                        eps, D, True, EXACT,
+                    )  # fmt: skip
+                    tl.store(q_ptr + hq[:, None] * D + tl.arange(0, D)[None, :], qr)
+                elif item == 1:
+                    hk = tl.arange(0, HKV)
+                    kr = norm_rope_rows(
+                        qkv_ptr + HQ * D, hk, hk < HKV, D, 1, kn_ptr + layer * D, cos_ptr, sin_ptr,
+                        1, 1, eps, D, True, EXACT,
+                    )  # fmt: skip
+                    tl.store(kc + (slot * HKV + hk)[:, None] * D + tl.arange(0, D)[None, :], kr)
+                else:
+                    off = tl.arange(0, HKV)[:, None] * D + tl.arange(0, D)[None, :]
+                    v = tl.load(qkv_ptr + (HQ + HKV) * D + off, cache_modifier=".cg")
+                    tl.store(vc + slot * HKV * D + off, v)
+            phase += 1
+            grid_arrive(bar_ptr)
+            grid_wait(bar_ptr, phase * nprog)
         # C: split-KV attention partials
-        for item in range(pid, HKV * S, nprog):
+        if PRE_KV:
+            if pid < HKV * S:
+                _attn_pre(
+                    k_pre, v_pre, pre_ok, part_ptr, ml_ptr, pid // S, pid % S, seq_len, scale,
+                    HKV, G, D, S, CHUNK, qkv_ptr, qn_ptr + layer * D, kn_ptr + layer * D,
+                    cos_ptr, sin_ptr, eps, slot, kc, vc, HQ, EXACT,
+                )  # fmt: skip
+                if MERGE_C:
+                    _split_done(count_ptr, pid // S, part_ptr, ml_ptr, attn_ptr, S, D, G, EXACT)
+        for item in range(pid + PRE_KV * nprog, HKV * S, nprog):
             _attn_split(
                 q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, item // S, item % S, seq_len, scale,
-                HKV, G, D, BS, S, BT,
+                HKV, G, D, BS, S, BT, FUSE_B, qkv_ptr, qn_ptr + layer * D, kn_ptr + layer * D,
+                cos_ptr, sin_ptr, eps, slot, HQ, EXACT,
             )  # fmt: skip
+            if MERGE_C:
+                _split_done(count_ptr, item // S, part_ptr, ml_ptr, attn_ptr, S, D, G, EXACT)
         phase += 1
         grid_arrive(bar_ptr)
         grid_wait(bar_ptr, phase * nprog)
-        # D: merge the splits
-        for h in range(pid, HQ, nprog):
-            _attn_merge(part_ptr, ml_ptr, attn_ptr, h, S, D, EXACT)
-        phase += 1
-        grid_arrive(bar_ptr)
-        grid_wait(bar_ptr, phase * nprog)
+        if not (MERGE_E or MERGE_C):  # D: merge the splits
+            for h in range(pid, HQ, nprog):
+                _attn_merge(part_ptr, ml_ptr, attn_ptr, h, S, D, EXACT)
+            phase += 1
+            grid_arrive(bar_ptr)
+            grid_wait(bar_ptr, phase * nprog)
         # E: o projection + residual
         for t in range(pid, tl.cdiv(H, R_H), nprog):
             rows, ok = _tile_rows(t, H, R_H, P_H)
-            y = _rows_dot(
-                wo_ptr + layer * H * HQ * D, rows, ok, attn_ptr, attn_ptr, 1.0, HQ * D, BK, P_H,
-                False, EXACT,
-            )  # fmt: skip
+            if MERGE_E:  # the splits merged in the o projection's input chunks
+                y = _rows_dot(
+                    wo_ptr + layer * H * HQ * D, rows, ok, part_ptr, ml_ptr, D, HQ * D, BK, P_H,
+                    2, EXACT, S,
+                )  # fmt: skip
+            else:
+                y = _rows_dot(
+                    wo_ptr + layer * H * HQ * D, rows, ok, attn_ptr, attn_ptr, 1.0, HQ * D, BK,
+                    P_H, 0, EXACT,
+                )  # fmt: skip
             res = tl.load(x_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
             h2 = round_as(res + round_as(y, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
             tl.store(h2_ptr + rows, h2.to(h2_ptr.dtype.element_ty), mask=ok)
@@ -256,8 +414,7 @@ def _layers_kernel(
         for t in range(pid, tl.cdiv(FF, R_FF), nprog):
             rows, ok = _tile_rows(t, FF, R_FF, P_FF)
             ln2 = ln2_ptr + layer * H
-            gate = _rows_dot(wgu, rows, ok, h2_ptr, ln2, r2, H, BK, P_FF, True, EXACT)
-            up = _rows_dot(wgu, rows + FF, ok, h2_ptr, ln2, r2, H, BK, P_FF, True, EXACT)
+            gate, up = _rows_dot2(wgu, rows, rows + FF, ok, h2_ptr, ln2, r2, H, BK, P_FF, EXACT)
             gate = round_as(gate, tl.bfloat16, EXACT)
             silu = round_as(gate / (1.0 + tl.exp(-gate)), tl.bfloat16, EXACT)
             a = round_as(silu * round_as(up, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
@@ -269,8 +426,7 @@ def _layers_kernel(
         for t in range(pid, tl.cdiv(H, R_H), nprog):
             rows, ok = _tile_rows(t, H, R_H, P_H)
             y = _rows_dot(
-                wd_ptr + layer * H * FF, rows, ok, act_ptr, act_ptr, 1.0, FF, BK, P_H, False,
-                EXACT,
+                wd_ptr + layer * H * FF, rows, ok, act_ptr, act_ptr, 1.0, FF, BK, P_H, 0, EXACT,
             )  # fmt: skip
             res = tl.load(h2_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
             out = round_as(res + round_as(y, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
@@ -348,20 +504,27 @@ class Scratch:
         self.part = torch.zeros(hq, splits, d, dtype=torch.float32, device=device)
         self.ml = torch.zeros(hq, splits, 2, dtype=torch.float32, device=device)
         self.bar = torch.zeros(2, dtype=torch.int32, device=device)
+        self.count = torch.zeros(hkv, dtype=torch.int32, device=device)
         self.splits = splits
 
 
 def persistent_layers(
     x, wt: Weights, k_caches, v_caches, block_table, seq_len, cos, sin, eps, scratch: Scratch,
-    programs=1, block_k=64, block_t=32, num_warps=4,
+    programs=1, block_k=64, block_t=32, num_warps=4, fuse_b=False, merge_e=False, pre_kv=False,
+    merge_c=False,
 ):  # fmt: skip
     """Run :func:`_layers_kernel` over every layer of ``wt`` on the hidden state ``x [H]`` (bf16,
     updated in place and returned); ``k_caches``/``v_caches [L, blocks, BS, HKV, D]`` get the
-    token's k/v at position ``seq_len - 1``; ``cos``/``sin [D]`` its rotary row.
+    token's k/v at position ``seq_len - 1``; ``cos``/``sin [D]`` its rotary row; ``fuse_b``,
+    ``merge_e``, ``pre_kv``: the kernel's ``FUSE_B`` / ``MERGE_E`` / ``PRE_KV`` (phases B and D
+    folded into C and E; the keys/values of the program's first attention item loaded during
+    the barrier wait, ``ceil(seq_len / S)`` rounded up to ``block_t`` tokens per split);
+    ``merge_c``: ``MERGE_C`` (the last split of a KV head merges its group).
 
     Raises:
-        ValueError: ``block_k`` not dividing H, FF and HQ * D, or a splits count, head count or
-            head dim that is no power of two.
+        ValueError: ``block_k`` not dividing H, FF and HQ * D, a splits count, head count or
+            head dim that is no power of two, or ``pre_kv`` without ``fuse_b`` or with a chunk
+            that is no power of two.
     """
     h, hq, hkv, d, ff = wt.dims
     if any(k % block_k for k in (h, ff, hq * d)):
@@ -369,15 +532,20 @@ def persistent_layers(
     for name, v in (("splits", scratch.splits), ("HQ", hq), ("HKV", hkv), ("D", d)):
         if v & (v - 1):
             raise ValueError(f"{name} = {v} must be a power of two")
+    chunk = triton.cdiv(triton.cdiv(seq_len, scratch.splits), block_t) * block_t
+    if pre_kv and (not fuse_b or chunk & (chunk - 1)):
+        raise ValueError(f"pre_kv needs fuse_b and a power-of-two chunk (not {chunk} tokens)")
     layers = wt.wqkv.shape[0]
     r_qkv, r_h, r_ff = (-(-n // programs) for n in ((hq + 2 * hkv) * d, h, ff))
     p2 = triton.next_power_of_2
     _layers_kernel[(programs,)](
         x, scratch.h2, scratch.qkv, scratch.q, scratch.attn, scratch.act, scratch.part,
-        scratch.ml, scratch.bar, wt.wqkv, wt.wo, wt.wgu, wt.wd, wt.ln1, wt.ln2, wt.qn, wt.kn,
+        scratch.ml, scratch.bar, scratch.count, wt.wqkv, wt.wo, wt.wgu, wt.wd, wt.ln1, wt.ln2,
+        wt.qn, wt.kn,
         k_caches, v_caches, block_table, cos, sin, seq_len, k_caches[0].numel(), layers, eps,
         d**-0.5, h, hq, hkv, d, ff, k_caches.shape[2], scratch.splits, block_t, block_k,
-        r_qkv, p2(r_qkv), r_h, p2(r_h), r_ff, p2(r_ff), interpreting(), num_warps=num_warps,
+        r_qkv, p2(r_qkv), r_h, p2(r_h), r_ff, p2(r_ff), interpreting(), fuse_b, merge_e, pre_kv,
+        chunk, merge_c, num_warps=num_warps,
     )  # fmt: skip
     return x
 
@@ -416,7 +584,13 @@ def main() -> int:
     ap.add_argument("--warps", type=int, nargs="*", default=[8, 16])
     ap.add_argument("--block-k", type=int, default=256)
     ap.add_argument("--block-t", type=int, default=32)
+    ap.add_argument("--splits", type=int, nargs="*", default=[0], help="0: programs / H_kv")
+    ap.add_argument(
+        "--layouts", nargs="*", default=["0000", "1000", "1010", "1011"],
+        help="phase layouts to time, each four 0/1 digits: fuse_b, merge_e, pre_kv, merge_c",
+    )  # fmt: skip
     args = ap.parse_args()
+    args.layouts = [tuple(c == "1" for c in lay.ljust(4, "0")) for lay in args.layouts]
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         print("persistent_layer_probe: needs a CUDA device of compute capability 9.0+; skipped")
         return 0
@@ -425,32 +599,40 @@ def main() -> int:
     dims = (1024, 16, 8, 128, 3072)  # Qwen3-0.6B
     eps = 1e-6
     wt, kc, vc, bt, cos, sin, x0 = setup(args.layers, dims, args.context, 128, dev)
-    splits = triton.next_power_of_2(max(1, programs // dims[2]))
-    scratch = Scratch(dims, splits, dev)
     # correctness: the kernel against the reference, layer by layer, on copies of the caches
     kr, vr = kc.clone(), vc.clone()
     ref = x0.clone()
     for layer in range(args.layers):
         ref = layer_ref(ref, wt, layer, kr[layer], vr[layer], bt, args.context, cos, sin, eps)
-    print(f"{args.layers} layers, context {args.context}, {programs} programs, {splits} splits")
+    print(f"{args.layers} layers, context {args.context}, {programs} programs")
     print("| variant | us per launch | us per layer | rel err vs torch layers |")
     print("|---|---|---|---|")
-    for warps in args.warps:
-        x = x0.clone()
+    for sp in args.splits:
+        splits = sp or triton.next_power_of_2(max(1, programs // dims[2]))
+        scratch = Scratch(dims, splits, dev)
+        for warps in args.warps:
+            for fuse_b, merge_e, pre_kv, merge_c in args.layouts:
+                x = x0.clone()
 
-        def run(warps=warps, x=x):
-            x.copy_(x0)
-            return persistent_layers(
-                x, wt, kc, vc, bt, args.context, cos, sin, eps, scratch, programs,
-                args.block_k, args.block_t, warps,
-            )  # fmt: skip
+                def run(warps=warps, x=x, sc=scratch, lay=(fuse_b, merge_e, pre_kv, merge_c)):
+                    x.copy_(x0)
+                    return persistent_layers(
+                        x, wt, kc, vc, bt, args.context, cos, sin, eps, sc, programs,
+                        args.block_k, args.block_t, warps, *lay,
+                    )  # fmt: skip
 
-        timed = time_or_report(f"persistent {warps} warps", run, args.reps)
-        if timed is None:
-            continue
-        us, out = timed
-        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        print(f"| persistent, {warps} warps | {us:.1f} | {us / args.layers:.2f} | {err:.2e} |")
+                label = (
+                    f"{splits} splits, {warps} warps, "
+                    f"{7 - fuse_b - (merge_e or merge_c)} phases{' (B in C)' if fuse_b else ''}"
+                    f"{' (D in E)' if merge_e else ''}{' (D in C)' if merge_c else ''}"
+                    f"{', K/V during the wait' if pre_kv else ''}"
+                )
+                timed = time_or_report(label, run, args.reps)
+                if timed is None:
+                    continue
+                us, out = timed
+                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                print(f"| {label} | {us:.1f} | {us / args.layers:.2f} | {err:.2e} |", flush=True)
     # the LM head the engine adds to its layers (cuBLAS, as the engine runs it)
     head = torch.randn(151936, 1024, device=dev, dtype=torch.bfloat16) * 0.03
     timed = time_or_report("lm head", lambda: F.linear(x0[None], head), args.reps)

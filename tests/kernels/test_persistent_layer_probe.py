@@ -16,8 +16,14 @@ from kernels.interpreter import interpreting
 DIMS = (64, 4, 2, 16, 96)
 
 
+@pytest.mark.parametrize(
+    "fuse_b,merge_e,pre_kv,merge_c",
+    [(0, 0, 0, 0), (1, 0, 0, 0), (1, 1, 0, 0), (1, 0, 1, 0), (1, 0, 1, 1), (0, 0, 0, 1)],
+)  # fmt: skip
 @pytest.mark.parametrize("context,splits", [(37, 4), (16, 2), (5, 8)])
-def test_layers_match_torch(device, context, splits):
+def test_layers_match_torch(device, context, splits, fuse_b, merge_e, pre_kv, merge_c):
+    """Every phase layout (B folded into C, D into E or C, K/V loaded during the wait): the
+    new token in the first, a middle or the last split, splits left empty (context 5 over 8)."""
     layers, eps = 2, 1e-6
     wt, kc, vc, bt, cos, sin, x0 = setup(layers, DIMS, context, 16, device, seed=context)
     kr, vr = kc.clone(), vc.clone()
@@ -29,8 +35,9 @@ def test_layers_match_torch(device, context, splits):
     scratch = Scratch(DIMS, splits, device)
     x = x0.clone()
     persistent_layers(
-        x, wt, kc, vc, bt, context, cos, sin, eps, scratch, programs, block_k=32, block_t=16
-    )
+        x, wt, kc, vc, bt, context, cos, sin, eps, scratch, programs, block_k=32, block_t=16,
+        fuse_b=bool(fuse_b), merge_e=bool(merge_e), pre_kv=bool(pre_kv), merge_c=bool(merge_c),
+    )  # fmt: skip
     rel = ((x.float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel < 1e-2, rel
     # the stored k/v of the new token (and nothing else) as the reference stored them
@@ -38,6 +45,7 @@ def test_layers_match_torch(device, context, splits):
     verr = (vc.float() - vr.float()).abs().max().item()
     assert kerr < 0.1 and verr < 0.1, (kerr, verr)
     assert scratch.bar.tolist() == [0, 0]
+    assert scratch.count.tolist() == [0] * DIMS[2]
 
 
 def test_refuses_odd_splits(device):
@@ -46,6 +54,11 @@ def test_refuses_odd_splits(device):
         persistent_layers(
             x0, wt, kc, vc, bt, 8, cos, sin, 1e-6, Scratch(DIMS, 3, device), block_k=32
         )
+    with pytest.raises(ValueError, match="pre_kv needs fuse_b"):
+        persistent_layers(
+            x0, wt, kc, vc, bt, 8, cos, sin, 1e-6, Scratch(DIMS, 2, device), block_k=32,
+            pre_kv=True,
+        )  # fmt: skip
     with pytest.raises(ValueError, match="block_k 48"):
         persistent_layers(
             x0, wt, kc, vc, bt, 8, cos, sin, 1e-6, Scratch(DIMS, 2, device), block_k=48
