@@ -197,8 +197,8 @@ for stage in ${@:-tests dense}; do
              tests/kernels/test_gemv_merge.py 2>&1 | tail -3
            timeout "$(left 120)" python3 bench/gemv.py --fused --fused-shapes "0.6B o+merge" \
              --write-table --budget-s 60 --out "$OUT" 2>&1 | grep -v Warning | grep "^| \|wrote" | tail -5
-           python3 -c "import json, torch; from kernels.configs import device_name, table_path; \
-             p = table_path('gemv_fused', device_name(torch.device('cuda'))); \
+           python3 -c "import json, torch; from kernels.configs import device_name, table_device, table_path; \
+             n = device_name(torch.device('cuda')); p = table_path('gemv_fused', table_device('gemv_fused', n)); \
              t = json.loads(p.read_text()); e = t['attn_merge:1024,2048']; \
              print('attn_merge entry as swept:', e); \
              [r.update(fused_faster=True) for r in e.values()]; p.write_text(json.dumps(t, indent=1))"
@@ -227,9 +227,10 @@ for stage in ${@:-tests dense}; do
     qkvab) [ "${QKV_SWEEP:-1}" = 1 ] && timeout "$(left 150)" python3 bench/gemv.py --fused \
              --write-table --out "$OUT" --fused-shapes "0.6B qkv+norm+rope" 2>&1 \
              | grep -v Warning | tee "$OUT/qkvab_sweep.txt" | grep -v '^{' | tail -6
-           # the A/B runs the fusion whatever the sweep said (the swept table is in $OUT as is)
-           python3 -c "import json, torch; from kernels.configs import device_name, table_path; \
-             p = table_path('gemv_fused', device_name(torch.device('cuda'))); \
+           # the A/B runs the fusion whatever the sweep said (the swept table is in $OUT as is;
+           # the table the device reads: its own, or its architecture's)
+           python3 -c "import json, torch; from kernels.configs import device_name, table_device, table_path; \
+             n = device_name(torch.device('cuda')); p = table_path('gemv_fused', table_device('gemv_fused', n)); \
              t = json.loads(p.read_text()); e = t['qkv_rope:4096,1024']; \
              print('qkv_rope entry as swept:', e); \
              [r.update(fused_faster=True) for r in e.values()]; p.write_text(json.dumps(t, indent=1))"

@@ -134,7 +134,7 @@ def _attn_split(
     q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, g, s, seq_len, scale,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, S: tl.constexpr,
     BT: tl.constexpr, FUSED: tl.constexpr, qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, eps, slot,
-    HQ: tl.constexpr, EXACT: tl.constexpr,
+    HQ: tl.constexpr, EXACT: tl.constexpr, pre_k=0, pre_v=0, pre_ok=0, PRE_T: tl.constexpr = 0,
 ):  # fmt: skip
     """Split ``s`` of KV head ``g``: the ``G`` query heads of its group over tokens
     ``[s * chunk, (s + 1) * chunk)`` of the context (``chunk`` = ``ceil(seq_len / S)`` rounded
@@ -143,7 +143,9 @@ def _attn_split(
     split). ``FUSED``: the queries are normalized and rotated here from ``qkv`` (phase B's
     :func:`kernels.qk_norm_rope.norm_rope_rows`), the cache is read for the earlier tokens only,
     and the split holding the new token (position ``seq_len - 1``) rotates its key, adds it and
-    its value from registers and stores both in ``slot``; else ``q`` comes from ``q_ptr``."""
+    its value from registers and stores both in ``slot``; else ``q`` comes from ``q_ptr``.
+    ``PRE_T > 0``: the split's first ``PRE_T`` tokens are ``pre_k``/``pre_v`` ``[PRE_T, D]``,
+    loaded earlier (valid where ``pre_ok``); the loop reads the rest."""
     chunk = tl.cdiv(tl.cdiv(seq_len, S), BT) * BT
     lo = s * chunk
     hi = tl.minimum(lo + chunk, seq_len)
@@ -160,7 +162,14 @@ def _attn_split(
     m = tl.full((G,), float("-inf"), dtype=tl.float32)
     l_sum = tl.zeros((G,), dtype=tl.float32)
     acc = tl.zeros((G, D), dtype=tl.float32)
-    for t0 in range(lo, c_hi, BT):
+    if PRE_T > 0:
+        s_pre = tl.sum(q[:, None, :] * pre_k.to(tl.float32)[None, :, :], axis=2) * scale
+        s_pre = tl.where(pre_ok[None, :], s_pre, float("-inf"))  # [G, PRE_T]
+        m = tl.max(s_pre, axis=1)  # -inf where no token is valid: p is 0 there
+        p_pre = tl.where(pre_ok[None, :], tl.exp(s_pre - m[:, None]), 0.0)
+        l_sum = tl.sum(p_pre, axis=1)
+        acc = tl.sum(p_pre[:, :, None] * pre_v.to(tl.float32)[None, :, :], axis=1)
+    for t0 in range(lo + PRE_T, c_hi, BT):
         tok = t0 + tl.arange(0, BT)
         t_ok = tok < c_hi
         blk = tl.load(bt_ptr + tok // BS, mask=t_ok, other=0).to(tl.int64)
@@ -194,49 +203,6 @@ def _attn_split(
             l_sum = l_sum * alpha + p
             acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)
             m = m_new
-    tl.store(part_ptr + (hq[:, None] * S + s) * D + d[None, :], acc)
-    tl.store(ml_ptr + (hq * S + s) * 2, m)
-    tl.store(ml_ptr + (hq * S + s) * 2 + 1, l_sum)
-
-
-@triton.jit
-def _attn_pre(
-    k, v, t_ok, part_ptr, ml_ptr, g, s, seq_len, scale, HKV: tl.constexpr, G: tl.constexpr,
-    D: tl.constexpr, S: tl.constexpr, CHUNK: tl.constexpr, qkv_ptr, qn_ptr, kn_ptr, cos_ptr,
-    sin_ptr, eps, slot, kc, vc, HQ: tl.constexpr, EXACT: tl.constexpr,
-):  # fmt: skip
-    """:func:`_attn_split` (``FUSED``) of split ``s`` of KV head ``g`` over keys/values already
-    in registers: ``k``, ``v`` ``[CHUNK, D]`` (the split's earlier tokens, valid where
-    ``t_ok``), one pass (no token loop)."""
-    hq = g * G + tl.arange(0, G)
-    d = tl.arange(0, D)
-    q = norm_rope_rows(
-        qkv_ptr, hq, hq < HQ, D, 1, qn_ptr, cos_ptr, sin_ptr, 1, 1, eps, D, True, EXACT
-    ).to(tl.float32)
-    sc = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale  # [G, CHUNK]
-    sc = tl.where(t_ok[None, :], sc, float("-inf"))
-    m = tl.max(sc, axis=1)
-    p = tl.where(t_ok[None, :], tl.exp(sc - m[:, None]), 0.0)
-    l_sum = tl.sum(p, axis=1)
-    acc = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-    lo = s * CHUNK
-    if (lo < seq_len) & (seq_len <= lo + CHUNK):  # this split holds the new token
-        gk = g + tl.arange(0, 1)
-        k_new = norm_rope_rows(
-            qkv_ptr + HQ * D, gk, gk < HKV, D, 1, kn_ptr, cos_ptr, sin_ptr, 1, 1, eps, D, True,
-            EXACT,
-        )  # fmt: skip
-        v_off = gk[:, None] * D + d[None, :]
-        v_new = tl.load(qkv_ptr + (HQ + HKV) * D + v_off, cache_modifier=".cg")
-        tl.store(kc + slot * HKV * D + v_off, k_new)
-        tl.store(vc + slot * HKV * D + v_off, v_new)
-        sn = tl.sum(q * k_new.to(tl.float32), axis=1) * scale  # [G]
-        m_new = tl.maximum(m, sn)
-        alpha = tl.exp(m - m_new)
-        pn = tl.exp(sn - m_new)
-        l_sum = l_sum * alpha + pn
-        acc = acc * alpha[:, None] + pn[:, None] * v_new.to(tl.float32)
-        m = m_new
     tl.store(part_ptr + (hq[:, None] * S + s) * D + d[None, :], acc)
     tl.store(ml_ptr + (hq * S + s) * 2, m)
     tl.store(ml_ptr + (hq * S + s) * 2 + 1, l_sum)
@@ -281,12 +247,12 @@ def _split_done(
 def _layers_kernel(
     x_ptr, h2_ptr, qkv_ptr, q_ptr, attn_ptr, act_ptr, part_ptr, ml_ptr, bar_ptr, count_ptr,
     wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, ln1_ptr, ln2_ptr, qn_ptr, kn_ptr, kc_ptr, vc_ptr,
-    bt_ptr, cos_ptr, sin_ptr, seq_len, cache_layer_stride, LAYERS, eps, scale,
+    bt_ptr, cos_ptr, sin_ptr, seq_len_ptr, cache_layer_stride, LAYERS, eps, scale,
     H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, FF: tl.constexpr,
     BS: tl.constexpr, S: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     R_QKV: tl.constexpr, P_QKV: tl.constexpr, R_H: tl.constexpr, P_H: tl.constexpr,
     R_FF: tl.constexpr, P_FF: tl.constexpr, EXACT: tl.constexpr, FUSE_B: tl.constexpr,
-    MERGE_E: tl.constexpr, PRE_KV: tl.constexpr, CHUNK: tl.constexpr, MERGE_C: tl.constexpr,
+    MERGE_E: tl.constexpr, PRE_T: tl.constexpr, MERGE_C: tl.constexpr,
 ):  # fmt: skip
     """``LAYERS`` Qwen3 decoder layers of one decode token (module docstring, phases A-G), the
     hidden state ``x [H]`` (bf16) updated in place. Scratch: ``h2 [H]``, ``qkv [(HQ + 2 HKV) D]``,
@@ -295,27 +261,31 @@ def _layers_kernel(
     ``wqkv [L, (HQ + 2 HKV) D, H]``, ``wo [L, H, HQ D]``, ``wgu [L, 2 FF, H]`` (gate rows, then
     up), ``wd [L, H, FF]``, ``ln1``/``ln2 [L, H]``, ``qn``/``kn [L, D]``; caches ``[L, blocks,
     BS, HKV, D]`` (``cache_layer_stride`` elements apart); ``bt`` the sequence's int32 block
-    table; ``cos``/``sin [D]`` the new token's rotary row; ``seq_len`` counts the new token.
+    table; ``cos``/``sin [D]`` the new token's rotary row; ``seq_len_ptr``: the int32 context
+    length counting the new token (read on the device: a CUDA graph replays any length).
     ``FUSE_B``: no phase B (each attention item normalizes and rotates its group's queries and
     the new key itself, the new token's k/v enter its split from registers and that item stores
     them); ``MERGE_E``: no phase D (every o-projection program merges the splits of its input
-    chunks itself); ``PRE_KV`` (with ``FUSE_B``, ``CHUNK`` tokens per split): each program
-    loads its first attention item's earlier keys/values while it waits at the barrier after A
+    chunks itself); ``PRE_T > 0`` (with ``FUSE_B``): each program loads the first ``PRE_T``
+    earlier keys/values of its first attention item while it waits at the barrier after A
     (they do not depend on the layer's input), their cache slots computed once before the
-    layers (:func:`_attn_pre`); further items (more than programs) load theirs after it;
+    layers; the rest of the split, and further items, are read after it;
     ``MERGE_C``: no phase D (the last split of each KV head to finish merges its group,
     :func:`_split_done`, counters ``count [HKV]`` zeroed and left zero)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     QKV_N: tl.constexpr = (HQ + 2 * HKV) * D
     G: tl.constexpr = HQ // HKV
+    seq_len = tl.load(seq_len_ptr)
     pos = seq_len - 1
     blk = tl.load(bt_ptr + pos // BS).to(tl.int64)
     slot = blk * BS + pos % BS
-    if PRE_KV:  # the cache slots of this program's attention item (the same in every layer)
+    if PRE_T > 0:  # the cache slots of this program's attention item (the same in every layer)
         pre_g = pid // S
-        tok = (pid % S) * CHUNK + tl.arange(0, CHUNK)
-        pre_ok = (tok < pos) & (tl.zeros_like(tok) + pid < HKV * S)
+        chunk = tl.cdiv(tl.cdiv(seq_len, S), BT) * BT
+        lo = (pid % S) * chunk
+        tok = lo + tl.arange(0, PRE_T)
+        pre_ok = (tok < tl.minimum(lo + chunk, pos)) & (tl.zeros_like(tok) + pid < HKV * S)
         pre_slots = tl.load(bt_ptr + tok // BS, mask=pre_ok, other=0).to(tl.int64) * BS + tok % BS
     phase = 0
     for layer in range(LAYERS):
@@ -333,7 +303,7 @@ def _layers_kernel(
         kc = kc_ptr + layer * cache_layer_stride
         vc = vc_ptr + layer * cache_layer_stride
         grid_arrive(bar_ptr)
-        if PRE_KV:  # this program's attention item's earlier keys/values, during the wait
+        if PRE_T > 0:  # this program's attention item's earlier keys/values, during the wait
             kv_off = (pre_slots * HKV + pre_g)[:, None] * D + tl.arange(0, D)[None, :]
             k_pre = tl.load(kc + kv_off, mask=pre_ok[:, None], other=0.0)
             v_pre = tl.load(vc + kv_off, mask=pre_ok[:, None], other=0.0)
@@ -363,16 +333,17 @@ def _layers_kernel(
             grid_arrive(bar_ptr)
             grid_wait(bar_ptr, phase * nprog)
         # C: split-KV attention partials
-        if PRE_KV:
+        if PRE_T > 0:
             if pid < HKV * S:
-                _attn_pre(
-                    k_pre, v_pre, pre_ok, part_ptr, ml_ptr, pid // S, pid % S, seq_len, scale,
-                    HKV, G, D, S, CHUNK, qkv_ptr, qn_ptr + layer * D, kn_ptr + layer * D,
-                    cos_ptr, sin_ptr, eps, slot, kc, vc, HQ, EXACT,
+                _attn_split(
+                    q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, pid // S, pid % S, seq_len, scale,
+                    HKV, G, D, BS, S, BT, FUSE_B, qkv_ptr, qn_ptr + layer * D,
+                    kn_ptr + layer * D, cos_ptr, sin_ptr, eps, slot, HQ, EXACT, k_pre, v_pre,
+                    pre_ok, PRE_T,
                 )  # fmt: skip
                 if MERGE_C:
                     _split_done(count_ptr, pid // S, part_ptr, ml_ptr, attn_ptr, S, D, G, EXACT)
-        for item in range(pid + PRE_KV * nprog, HKV * S, nprog):
+        for item in range(pid + (PRE_T > 0) * nprog, HKV * S, nprog):
             _attn_split(
                 q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, item // S, item % S, seq_len, scale,
                 HKV, G, D, BS, S, BT, FUSE_B, qkv_ptr, qn_ptr + layer * D, kn_ptr + layer * D,
@@ -515,16 +486,16 @@ def persistent_layers(
 ):  # fmt: skip
     """Run :func:`_layers_kernel` over every layer of ``wt`` on the hidden state ``x [H]`` (bf16,
     updated in place and returned); ``k_caches``/``v_caches [L, blocks, BS, HKV, D]`` get the
-    token's k/v at position ``seq_len - 1``; ``cos``/``sin [D]`` its rotary row; ``fuse_b``,
-    ``merge_e``, ``pre_kv``: the kernel's ``FUSE_B`` / ``MERGE_E`` / ``PRE_KV`` (phases B and D
-    folded into C and E; the keys/values of the program's first attention item loaded during
-    the barrier wait, ``ceil(seq_len / S)`` rounded up to ``block_t`` tokens per split);
+    token's k/v at position ``seq_len - 1`` (an int, or an int32 ``[1]`` device tensor, as a
+    CUDA graph replays it); ``cos``/``sin [D]`` its rotary row; ``fuse_b``,
+    ``merge_e``, ``pre_kv``: the kernel's ``FUSE_B``, ``MERGE_E``, ``PRE_T > 0`` (phases B and D
+    folded into C and E; the first ``2 * block_t`` keys/values of the program's first attention
+    item loaded during the barrier wait);
     ``merge_c``: ``MERGE_C`` (the last split of a KV head merges its group).
 
     Raises:
         ValueError: ``block_k`` not dividing H, FF and HQ * D, a splits count, head count or
-            head dim that is no power of two, or ``pre_kv`` without ``fuse_b`` or with a chunk
-            that is no power of two.
+            head dim that is no power of two, or ``pre_kv`` without ``fuse_b``.
     """
     h, hq, hkv, d, ff = wt.dims
     if any(k % block_k for k in (h, ff, hq * d)):
@@ -532,9 +503,10 @@ def persistent_layers(
     for name, v in (("splits", scratch.splits), ("HQ", hq), ("HKV", hkv), ("D", d)):
         if v & (v - 1):
             raise ValueError(f"{name} = {v} must be a power of two")
-    chunk = triton.cdiv(triton.cdiv(seq_len, scratch.splits), block_t) * block_t
-    if pre_kv and (not fuse_b or chunk & (chunk - 1)):
-        raise ValueError(f"pre_kv needs fuse_b and a power-of-two chunk (not {chunk} tokens)")
+    if pre_kv and not fuse_b:
+        raise ValueError("pre_kv needs fuse_b")
+    if not isinstance(seq_len, torch.Tensor):
+        seq_len = torch.tensor([seq_len], dtype=torch.int32, device=x.device)
     layers = wt.wqkv.shape[0]
     r_qkv, r_h, r_ff = (-(-n // programs) for n in ((hq + 2 * hkv) * d, h, ff))
     p2 = triton.next_power_of_2
@@ -544,8 +516,8 @@ def persistent_layers(
         wt.qn, wt.kn,
         k_caches, v_caches, block_table, cos, sin, seq_len, k_caches[0].numel(), layers, eps,
         d**-0.5, h, hq, hkv, d, ff, k_caches.shape[2], scratch.splits, block_t, block_k,
-        r_qkv, p2(r_qkv), r_h, p2(r_h), r_ff, p2(r_ff), interpreting(), fuse_b, merge_e, pre_kv,
-        chunk, merge_c, num_warps=num_warps,
+        r_qkv, p2(r_qkv), r_h, p2(r_h), r_ff, p2(r_ff), interpreting(), fuse_b, merge_e,
+        pre_kv * 2 * block_t, merge_c, num_warps=num_warps,
     )  # fmt: skip
     return x
 
@@ -604,6 +576,7 @@ def main() -> int:
     ref = x0.clone()
     for layer in range(args.layers):
         ref = layer_ref(ref, wt, layer, kr[layer], vr[layer], bt, args.context, cos, sin, eps)
+    seq_t = torch.tensor([args.context], dtype=torch.int32, device=dev)  # read on the device
     print(f"{args.layers} layers, context {args.context}, {programs} programs")
     print("| variant | us per launch | us per layer | rel err vs torch layers |")
     print("|---|---|---|---|")
@@ -617,7 +590,7 @@ def main() -> int:
                 def run(warps=warps, x=x, sc=scratch, lay=(fuse_b, merge_e, pre_kv, merge_c)):
                     x.copy_(x0)
                     return persistent_layers(
-                        x, wt, kc, vc, bt, args.context, cos, sin, eps, sc, programs,
+                        x, wt, kc, vc, bt, seq_t, cos, sin, eps, sc, programs,
                         args.block_k, args.block_t, warps, *lay,
                     )  # fmt: skip
 

@@ -20,10 +20,11 @@ DIMS = (64, 4, 2, 16, 96)
     "fuse_b,merge_e,pre_kv,merge_c",
     [(0, 0, 0, 0), (1, 0, 0, 0), (1, 1, 0, 0), (1, 0, 1, 0), (1, 0, 1, 1), (0, 0, 0, 1)],
 )  # fmt: skip
-@pytest.mark.parametrize("context,splits", [(37, 4), (16, 2), (5, 8)])
+@pytest.mark.parametrize("context,splits", [(37, 4), (16, 2), (5, 8), (150, 2)])
 def test_layers_match_torch(device, context, splits, fuse_b, merge_e, pre_kv, merge_c):
     """Every phase layout (B folded into C, D into E or C, K/V loaded during the wait): the
-    new token in the first, a middle or the last split, splits left empty (context 5 over 8)."""
+    new token in the first, a middle or the last split, splits left empty (context 5 over 8),
+    splits longer than the preloaded keys (150 over 2)."""
     layers, eps = 2, 1e-6
     wt, kc, vc, bt, cos, sin, x0 = setup(layers, DIMS, context, 16, device, seed=context)
     kr, vr = kc.clone(), vc.clone()
@@ -54,7 +55,7 @@ def test_refuses_odd_splits(device):
         persistent_layers(
             x0, wt, kc, vc, bt, 8, cos, sin, 1e-6, Scratch(DIMS, 3, device), block_k=32
         )
-    with pytest.raises(ValueError, match="pre_kv needs fuse_b"):
+    with pytest.raises(ValueError, match="pre_kv needs fuse_b$"):
         persistent_layers(
             x0, wt, kc, vc, bt, 8, cos, sin, 1e-6, Scratch(DIMS, 2, device), block_k=32,
             pre_kv=True,
