@@ -252,7 +252,7 @@ def _layers_kernel(
     BS: tl.constexpr, S: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     R_QKV: tl.constexpr, P_QKV: tl.constexpr, R_H: tl.constexpr, P_H: tl.constexpr,
     R_FF: tl.constexpr, P_FF: tl.constexpr, EXACT: tl.constexpr, FUSE_B: tl.constexpr,
-    MERGE_E: tl.constexpr, PRE_T: tl.constexpr, MERGE_C: tl.constexpr,
+    MERGE_E: tl.constexpr, PRE_T: tl.constexpr, MERGE_C: tl.constexpr, SKIP: tl.constexpr = 0,
 ):  # fmt: skip
     """``LAYERS`` Qwen3 decoder layers of one decode token (module docstring, phases A-G), the
     hidden state ``x [H]`` (bf16) updated in place. Scratch: ``h2 [H]``, ``qkv [(HQ + 2 HKV) D]``,
@@ -271,7 +271,9 @@ def _layers_kernel(
     (they do not depend on the layer's input), their cache slots computed once before the
     layers; the rest of the split, and further items, are read after it;
     ``MERGE_C``: no phase D (the last split of each KV head to finish merges its group,
-    :func:`_split_done`, counters ``count [HKV]`` zeroed and left zero)."""
+    :func:`_split_done`, counters ``count [HKV]`` zeroed and left zero). ``SKIP``: a bit mask of
+    phases (A = 1, B = 2, C = 4, D = 8, E = 16, F = 32, G = 64) whose work is left out, their
+    barriers kept: the time of one phase's work is the difference (the results are wrong)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     QKV_N: tl.constexpr = (HQ + 2 * HKV) * D
@@ -290,15 +292,16 @@ def _layers_kernel(
     phase = 0
     for layer in range(LAYERS):
         # A: input norm + q/k/v projection
-        r = _rms_scale(x_ptr, H, BK, eps)
-        for t in range(pid, tl.cdiv(QKV_N, R_QKV), nprog):
-            rows, ok = _tile_rows(t, QKV_N, R_QKV, P_QKV)
-            y = _rows_dot(
-                wqkv_ptr + layer * QKV_N * H, rows, ok, x_ptr, ln1_ptr + layer * H, r, H, BK,
-                P_QKV, 1, EXACT,
-            )  # fmt: skip
-            y = round_as(y, tl.bfloat16, EXACT)
-            tl.store(qkv_ptr + rows, y.to(qkv_ptr.dtype.element_ty), mask=ok)
+        if (SKIP & 1) == 0:
+            r = _rms_scale(x_ptr, H, BK, eps)
+            for t in range(pid, tl.cdiv(QKV_N, R_QKV), nprog):
+                rows, ok = _tile_rows(t, QKV_N, R_QKV, P_QKV)
+                y = _rows_dot(
+                    wqkv_ptr + layer * QKV_N * H, rows, ok, x_ptr, ln1_ptr + layer * H, r, H, BK,
+                    P_QKV, 1, EXACT,
+                )  # fmt: skip
+                y = round_as(y, tl.bfloat16, EXACT)
+                tl.store(qkv_ptr + rows, y.to(qkv_ptr.dtype.element_ty), mask=ok)
         phase += 1
         kc = kc_ptr + layer * cache_layer_stride
         vc = vc_ptr + layer * cache_layer_stride
@@ -310,7 +313,7 @@ def _layers_kernel(
         grid_wait(bar_ptr, phase * nprog)
         # B: q/k norm + rotary, k/v into the cache slot (FUSE_B: in C's items instead)
         if not FUSE_B:
-            for item in range(pid, 3, nprog):
+            for item in range(pid, 3 * ((SKIP & 2) == 0), nprog):
                 if item == 0:
                     hq = tl.arange(0, HQ)
                     qr = norm_rope_rows(
@@ -333,75 +336,81 @@ def _layers_kernel(
             grid_arrive(bar_ptr)
             grid_wait(bar_ptr, phase * nprog)
         # C: split-KV attention partials
-        if PRE_T > 0:
-            if pid < HKV * S:
+        if (SKIP & 4) == 0:
+            if PRE_T > 0:
+                if pid < HKV * S:
+                    _attn_split(
+                        q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, pid // S, pid % S, seq_len, scale,
+                        HKV, G, D, BS, S, BT, FUSE_B, qkv_ptr, qn_ptr + layer * D,
+                        kn_ptr + layer * D, cos_ptr, sin_ptr, eps, slot, HQ, EXACT, k_pre, v_pre,
+                        pre_ok, PRE_T,
+                    )  # fmt: skip
+                    if MERGE_C:
+                        _split_done(count_ptr, pid // S, part_ptr, ml_ptr, attn_ptr, S, D, G, EXACT)
+            for item in range(pid + (PRE_T > 0) * nprog, HKV * S, nprog):
                 _attn_split(
-                    q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, pid // S, pid % S, seq_len, scale,
-                    HKV, G, D, BS, S, BT, FUSE_B, qkv_ptr, qn_ptr + layer * D,
-                    kn_ptr + layer * D, cos_ptr, sin_ptr, eps, slot, HQ, EXACT, k_pre, v_pre,
-                    pre_ok, PRE_T,
+                    q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, item // S, item % S, seq_len, scale,
+                    HKV, G, D, BS, S, BT, FUSE_B, qkv_ptr, qn_ptr + layer * D, kn_ptr + layer * D,
+                    cos_ptr, sin_ptr, eps, slot, HQ, EXACT,
                 )  # fmt: skip
                 if MERGE_C:
-                    _split_done(count_ptr, pid // S, part_ptr, ml_ptr, attn_ptr, S, D, G, EXACT)
-        for item in range(pid + (PRE_T > 0) * nprog, HKV * S, nprog):
-            _attn_split(
-                q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, item // S, item % S, seq_len, scale,
-                HKV, G, D, BS, S, BT, FUSE_B, qkv_ptr, qn_ptr + layer * D, kn_ptr + layer * D,
-                cos_ptr, sin_ptr, eps, slot, HQ, EXACT,
-            )  # fmt: skip
-            if MERGE_C:
-                _split_done(count_ptr, item // S, part_ptr, ml_ptr, attn_ptr, S, D, G, EXACT)
+                    _split_done(count_ptr, item // S, part_ptr, ml_ptr, attn_ptr, S, D, G, EXACT)
         phase += 1
         grid_arrive(bar_ptr)
         grid_wait(bar_ptr, phase * nprog)
         if not (MERGE_E or MERGE_C):  # D: merge the splits
-            for h in range(pid, HQ, nprog):
+            for h in range(pid, HQ * ((SKIP & 8) == 0), nprog):
                 _attn_merge(part_ptr, ml_ptr, attn_ptr, h, S, D, EXACT)
             phase += 1
             grid_arrive(bar_ptr)
             grid_wait(bar_ptr, phase * nprog)
         # E: o projection + residual
-        for t in range(pid, tl.cdiv(H, R_H), nprog):
-            rows, ok = _tile_rows(t, H, R_H, P_H)
-            if MERGE_E:  # the splits merged in the o projection's input chunks
-                y = _rows_dot(
-                    wo_ptr + layer * H * HQ * D, rows, ok, part_ptr, ml_ptr, D, HQ * D, BK, P_H,
-                    2, EXACT, S,
-                )  # fmt: skip
-            else:
-                y = _rows_dot(
-                    wo_ptr + layer * H * HQ * D, rows, ok, attn_ptr, attn_ptr, 1.0, HQ * D, BK,
-                    P_H, 0, EXACT,
-                )  # fmt: skip
-            res = tl.load(x_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            h2 = round_as(res + round_as(y, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
-            tl.store(h2_ptr + rows, h2.to(h2_ptr.dtype.element_ty), mask=ok)
+        if (SKIP & 16) == 0:
+            for t in range(pid, tl.cdiv(H, R_H), nprog):
+                rows, ok = _tile_rows(t, H, R_H, P_H)
+                if MERGE_E:  # the splits merged in the o projection's input chunks
+                    y = _rows_dot(
+                        wo_ptr + layer * H * HQ * D, rows, ok, part_ptr, ml_ptr, D, HQ * D, BK, P_H,
+                        2, EXACT, S,
+                    )  # fmt: skip
+                else:
+                    y = _rows_dot(
+                        wo_ptr + layer * H * HQ * D, rows, ok, attn_ptr, attn_ptr, 1.0, HQ * D, BK,
+                        P_H, 0, EXACT,
+                    )  # fmt: skip
+                res = tl.load(x_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+                h2 = round_as(res + round_as(y, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
+                tl.store(h2_ptr + rows, h2.to(h2_ptr.dtype.element_ty), mask=ok)
         phase += 1
         grid_arrive(bar_ptr)
         grid_wait(bar_ptr, phase * nprog)
         # F: post-attention norm + gate/up + SwiGLU
-        r2 = _rms_scale(h2_ptr, H, BK, eps)
-        wgu = wgu_ptr + layer * 2 * FF * H
-        for t in range(pid, tl.cdiv(FF, R_FF), nprog):
-            rows, ok = _tile_rows(t, FF, R_FF, P_FF)
-            ln2 = ln2_ptr + layer * H
-            gate, up = _rows_dot2(wgu, rows, rows + FF, ok, h2_ptr, ln2, r2, H, BK, P_FF, EXACT)
-            gate = round_as(gate, tl.bfloat16, EXACT)
-            silu = round_as(gate / (1.0 + tl.exp(-gate)), tl.bfloat16, EXACT)
-            a = round_as(silu * round_as(up, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
-            tl.store(act_ptr + rows, a.to(act_ptr.dtype.element_ty), mask=ok)
+        if (SKIP & 32) == 0:
+            r2 = _rms_scale(h2_ptr, H, BK, eps)
+            wgu = wgu_ptr + layer * 2 * FF * H
+            for t in range(pid, tl.cdiv(FF, R_FF), nprog):
+                rows, ok = _tile_rows(t, FF, R_FF, P_FF)
+                ln2 = ln2_ptr + layer * H
+                gate, up = _rows_dot2(wgu, rows, rows + FF, ok, h2_ptr, ln2, r2, H, BK, P_FF, EXACT)
+                gate = round_as(gate, tl.bfloat16, EXACT)
+                silu = round_as(gate / (1.0 + tl.exp(-gate)), tl.bfloat16, EXACT)
+                a = round_as(silu * round_as(up, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
+                tl.store(act_ptr + rows, a.to(act_ptr.dtype.element_ty), mask=ok)
         phase += 1
         grid_arrive(bar_ptr)
         grid_wait(bar_ptr, phase * nprog)
         # G: down projection + residual (the next layer's input)
-        for t in range(pid, tl.cdiv(H, R_H), nprog):
-            rows, ok = _tile_rows(t, H, R_H, P_H)
-            y = _rows_dot(
-                wd_ptr + layer * H * FF, rows, ok, act_ptr, act_ptr, 1.0, FF, BK, P_H, 0, EXACT,
-            )  # fmt: skip
-            res = tl.load(h2_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            out = round_as(res + round_as(y, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
-            tl.store(x_ptr + rows, out.to(x_ptr.dtype.element_ty), mask=ok)
+        if (SKIP & 64) == 0:
+            for t in range(pid, tl.cdiv(H, R_H), nprog):
+                rows, ok = _tile_rows(t, H, R_H, P_H)
+                y = _rows_dot(
+                    wd_ptr + layer * H * FF, rows, ok, act_ptr, act_ptr, 1.0, FF, BK, P_H, 0, EXACT,
+                )  # fmt: skip
+                res = tl.load(h2_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(
+                    tl.float32
+                )
+                out = round_as(res + round_as(y, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
+                tl.store(x_ptr + rows, out.to(x_ptr.dtype.element_ty), mask=ok)
         phase += 1
         grid_arrive(bar_ptr)
         grid_wait(bar_ptr, phase * nprog)
@@ -482,7 +491,7 @@ class Scratch:
 def persistent_layers(
     x, wt: Weights, k_caches, v_caches, block_table, seq_len, cos, sin, eps, scratch: Scratch,
     programs=1, block_k=64, block_t=32, num_warps=4, fuse_b=False, merge_e=False, pre_kv=False,
-    merge_c=False,
+    merge_c=False, skip=0,
 ):  # fmt: skip
     """Run :func:`_layers_kernel` over every layer of ``wt`` on the hidden state ``x [H]`` (bf16,
     updated in place and returned); ``k_caches``/``v_caches [L, blocks, BS, HKV, D]`` get the
@@ -491,7 +500,8 @@ def persistent_layers(
     ``merge_e``, ``pre_kv``: the kernel's ``FUSE_B``, ``MERGE_E``, ``PRE_T > 0`` (phases B and D
     folded into C and E; the first ``2 * block_t`` keys/values of the program's first attention
     item loaded during the barrier wait);
-    ``merge_c``: ``MERGE_C`` (the last split of a KV head merges its group).
+    ``merge_c``: ``MERGE_C`` (the last split of a KV head merges its group); ``skip``: the
+    kernel's ``SKIP`` mask (phases whose work is left out, for timing only).
 
     Raises:
         ValueError: ``block_k`` not dividing H, FF and HQ * D, a splits count, head count or
@@ -517,7 +527,7 @@ def persistent_layers(
         k_caches, v_caches, block_table, cos, sin, seq_len, k_caches[0].numel(), layers, eps,
         d**-0.5, h, hq, hkv, d, ff, k_caches.shape[2], scratch.splits, block_t, block_k,
         r_qkv, p2(r_qkv), r_h, p2(r_h), r_ff, p2(r_ff), interpreting(), fuse_b, merge_e,
-        pre_kv * 2 * block_t, merge_c, num_warps=num_warps,
+        pre_kv * 2 * block_t, merge_c, skip, num_warps=num_warps,
     )  # fmt: skip
     return x
 
@@ -557,6 +567,10 @@ def main() -> int:
     ap.add_argument("--block-k", type=int, default=256)
     ap.add_argument("--block-t", type=int, default=32)
     ap.add_argument("--splits", type=int, nargs="*", default=[0], help="0: programs / H_kv")
+    ap.add_argument(
+        "--phase-costs", action="store_true",
+        help="also time the first layout and warp count with each phase's work left out",
+    )  # fmt: skip
     ap.add_argument(
         "--layouts", nargs="*", default=["0000", "1000", "1010", "1011"],
         help="phase layouts to time, each four 0/1 digits: fuse_b, merge_e, pre_kv, merge_c",
@@ -606,6 +620,31 @@ def main() -> int:
                 us, out = timed
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 print(f"| {label} | {us:.1f} | {us / args.layers:.2f} | {err:.2e} |", flush=True)
+    if args.phase_costs:  # each phase's work: the launch's time less the time without it
+        splits = args.splits[0] or triton.next_power_of_2(max(1, programs // dims[2]))
+        scratch = Scratch(dims, splits, dev)
+        lay = args.layouts[0]
+        base = None
+        print(f"\nphase costs, layout {lay}, {args.warps[0]} warps, {splits} splits (us per layer)")
+        print("| phase left out | us per launch | its work, us per layer |")
+        print("|---|---|---|")
+        for name, bit in (("none", 0), ("A", 1), ("B", 2), ("C", 4), ("D", 8), ("E", 16),
+                          ("F", 32), ("G", 64), ("all", 127)):  # fmt: skip
+            x = x0.clone()
+
+            def run(x=x, bit=bit):
+                x.copy_(x0)
+                return persistent_layers(
+                    x, wt, kc, vc, bt, seq_t, cos, sin, eps, scratch, programs, args.block_k,
+                    args.block_t, args.warps[0], *lay, skip=bit,
+                )  # fmt: skip
+
+            timed = time_or_report(f"skip {name}", run, args.reps)
+            if timed is None:
+                continue
+            base = timed[0] if bit == 0 else base
+            work = (base - timed[0]) / args.layers if base is not None and bit else float("nan")
+            print(f"| {name} | {timed[0]:.1f} | {work:.2f} |", flush=True)
     # the LM head the engine adds to its layers (cuBLAS, as the engine runs it)
     head = torch.randn(151936, 1024, device=dev, dtype=torch.bfloat16) * 0.03
     timed = time_or_report("lm head", lambda: F.linear(x0[None], head), args.reps)

@@ -64,3 +64,19 @@ def test_refuses_odd_splits(device):
         persistent_layers(
             x0, wt, kc, vc, bt, 8, cos, sin, 1e-6, Scratch(DIMS, 2, device), block_k=48
         )
+
+
+def test_skip_leaves_the_phase_work_out(device):
+    """The timing mask: every phase left out leaves the hidden state as it was (no GEMV wrote
+    it) and the caches untouched, the barriers still counted and reset."""
+    wt, kc, vc, bt, cos, sin, x0 = setup(1, DIMS, 9, 16, device, seed=1)
+    before_k = kc.clone()
+    x = x0.clone()
+    scratch = Scratch(DIMS, 2, device)
+    persistent_layers(
+        x, wt, kc, vc, bt, 9, cos, sin, 1e-6, scratch, block_k=32, block_t=16, fuse_b=True,
+        skip=127,
+    )  # fmt: skip
+    assert torch.equal(x, x0)
+    assert torch.equal(kc, before_k)
+    assert scratch.bar.tolist() == [0, 0]
