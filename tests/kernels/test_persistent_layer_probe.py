@@ -9,7 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.persistent_layer_probe import Scratch, layer_ref, persistent_layers, setup
+from bench.persistent_layer_probe import (
+    Scratch,
+    layer_ref,
+    layer_table,
+    persistent_layers,
+    setup,
+)
 from kernels.interpreter import interpreting
 
 #: (H, HQ, HKV, D, FF): GQA groups of 2, a small head dim, FF unequal to H
@@ -27,7 +33,7 @@ def test_layers_match_torch(device, context, splits, fuse_b, merge_e, pre_kv, me
     splits longer than the preloaded keys (150 over 2)."""
     layers, eps = 2, 1e-6
     wt, kc, vc, bt, cos, sin, x0 = setup(layers, DIMS, context, 16, device, seed=context)
-    kr, vr = kc.clone(), vc.clone()
+    kr, vr = [t.clone() for t in kc], [t.clone() for t in vc]
     ref = x0.clone()
     for layer in range(layers):
         ref = layer_ref(ref, wt, layer, kr[layer], vr[layer], bt, context, cos, sin, eps)
@@ -42,8 +48,8 @@ def test_layers_match_torch(device, context, splits, fuse_b, merge_e, pre_kv, me
     rel = ((x.float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel < 1e-2, rel
     # the stored k/v of the new token (and nothing else) as the reference stored them
-    kerr = (kc.float() - kr.float()).abs().max().item()
-    verr = (vc.float() - vr.float()).abs().max().item()
+    kerr = max((a.float() - b.float()).abs().max().item() for a, b in zip(kc, kr))
+    verr = max((a.float() - b.float()).abs().max().item() for a, b in zip(vc, vr))
     assert kerr < 0.1 and verr < 0.1, (kerr, verr)
     assert scratch.bar.tolist() == [0, 0]
     assert scratch.count.tolist() == [0] * DIMS[2]
@@ -70,7 +76,7 @@ def test_skip_leaves_the_phase_work_out(device):
     """The timing mask: every phase left out leaves the hidden state as it was (no GEMV wrote
     it) and the caches untouched, the barriers still counted and reset."""
     wt, kc, vc, bt, cos, sin, x0 = setup(1, DIMS, 9, 16, device, seed=1)
-    before_k = kc.clone()
+    before_k = [t.clone() for t in kc]
     x = x0.clone()
     scratch = Scratch(DIMS, 2, device)
     persistent_layers(
@@ -78,5 +84,17 @@ def test_skip_leaves_the_phase_work_out(device):
         skip=127,
     )  # fmt: skip
     assert torch.equal(x, x0)
-    assert torch.equal(kc, before_k)
+    assert all(torch.equal(a, b) for a, b in zip(kc, before_k))
     assert scratch.bar.tolist() == [0, 0]
+
+
+def test_layer_table_refuses_unaligned_tensors(device):
+    """The kernel loads through the table's addresses as 16-byte aligned contiguous rows."""
+    wt, kc, vc, _bt, _cos, _sin, _x0 = setup(2, DIMS, 8, 16, device)
+    table = layer_table(wt, kc, vc)
+    assert table.shape == (2, 10) and table.dtype == torch.int64
+    assert table[1, 0].item() == wt.wqkv[1].data_ptr()
+    assert table[0, 9].item() == vc[0].data_ptr()
+    wt.wo[1] = torch.zeros(DIMS[0] * DIMS[1] * DIMS[3] + 1, dtype=torch.bfloat16, device=device)[1:]
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        layer_table(wt, kc, vc)
