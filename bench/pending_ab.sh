@@ -75,6 +75,20 @@ stamp() { echo "== $1 at $((SECONDS - T0)) s"; }
 # seconds for the next command: at most $1 and what the budget has left (at least 1: `timeout 0`
 # would mean no limit)
 left() { local l=$(( ${BUDGET_S:-575} - (SECONDS - T0) )); l=$(( l < $1 ? l : $1 )); echo $(( l < 1 ? 1 : l )); }
+# force_fused ENTRY: set fused_faster on every row of ENTRY in the fused-GEMV table this GPU
+# reads (its own, or its architecture's), after saving the file; restore_fused puts it back
+# (each stage that forces restores at its end, so later stages run the committed table)
+force_fused() {
+  FUSED_TABLE=$(python3 -c "import torch; from kernels.configs import device_name, table_device, \
+    table_path; n = device_name(torch.device('cuda')); \
+    print(table_path('gemv_fused', table_device('gemv_fused', n)))")
+  cp "$FUSED_TABLE" "$OUT/fused_table_saved.json" || return 1
+  python3 -c "import json, pathlib, sys; p = pathlib.Path(sys.argv[1]); t = json.loads(p.read_text()); \
+    e = t[sys.argv[2]]; print(sys.argv[2], 'entry as swept:', e); \
+    [r.update(fused_faster=True) for r in e.values()]; p.write_text(json.dumps(t, indent=1))" \
+    "$FUSED_TABLE" "$1"
+}
+restore_fused() { [ -n "${FUSED_TABLE:-}" ] && cp "$OUT/fused_table_saved.json" "$FUSED_TABLE"; FUSED_TABLE=; }
 for stage in ${@:-tests dense}; do
   if (( ${BUDGET_S:-575} - (SECONDS - T0) < 20 )); then
     echo "== $stage skipped: under 20 s of the ${BUDGET_S:-575} s budget left"; continue
@@ -197,11 +211,7 @@ for stage in ${@:-tests dense}; do
              tests/kernels/test_gemv_merge.py 2>&1 | tail -3
            timeout "$(left 120)" python3 bench/gemv.py --fused --fused-shapes "0.6B o+merge" \
              --write-table --budget-s 60 --out "$OUT" 2>&1 | grep -v Warning | grep "^| \|wrote" | tail -5
-           python3 -c "import json, torch; from kernels.configs import device_name, table_device, table_path; \
-             n = device_name(torch.device('cuda')); p = table_path('gemv_fused', table_device('gemv_fused', n)); \
-             t = json.loads(p.read_text()); e = t['attn_merge:1024,2048']; \
-             print('attn_merge entry as swept:', e); \
-             [r.update(fused_faster=True) for r in e.values()]; p.write_text(json.dumps(t, indent=1))"
+           force_fused 'attn_merge:1024,2048'
            for round in $(seq ${MERGE_ROUNDS:-1}); do
              for v in old off on; do
                d=.; sw=1; [ $v = old ] && d=$OLD; [ $v = off ] && sw=0
@@ -211,7 +221,7 @@ for stage in ${@:-tests dense}; do
              done
            done
            timeout "$(left 110)" python3 bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning \
-             | tail -5 ;;
+             | tail -5; restore_fused ;;
     splits) timeout "$(left 60)" python3 bench/decode_profile.py --tree $OLD --ckpt $CKPT \
              --batch 1 4 --top 6 --label old 2>&1 | grep -v Warning | grep -E '"tpot_ms"' | cut -c1-330
            for n in ${SPLITS:-64 16 4 1}; do
@@ -229,11 +239,7 @@ for stage in ${@:-tests dense}; do
              | grep -v Warning | tee "$OUT/qkvab_sweep.txt" | grep -v '^{' | tail -6
            # the A/B runs the fusion whatever the sweep said (the swept table is in $OUT as is;
            # the table the device reads: its own, or its architecture's)
-           python3 -c "import json, torch; from kernels.configs import device_name, table_device, table_path; \
-             n = device_name(torch.device('cuda')); p = table_path('gemv_fused', table_device('gemv_fused', n)); \
-             t = json.loads(p.read_text()); e = t['qkv_rope:4096,1024']; \
-             print('qkv_rope entry as swept:', e); \
-             [r.update(fused_faster=True) for r in e.values()]; p.write_text(json.dumps(t, indent=1))"
+           force_fused 'qkv_rope:4096,1024'
            for r in $(seq "${QKV_ROUNDS:-2}"); do
              for v in old off on; do
                d=.; sw=1; [ $v = old ] && d=$OLD; [ $v = off ] && sw=0
@@ -244,7 +250,7 @@ for stage in ${@:-tests dense}; do
              done
            done
            timeout "$(left 110)" python3 bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning \
-             | tee "$OUT/check.txt" | tail -4 ;;
+             | tee "$OUT/check.txt" | tail -4; restore_fused ;;
     gridbar) TRITON_INTERPRET=0 timeout "$(left 120)" python3 -m pytest -q -p no:cacheprovider \
              tests/kernels/test_grid_barrier_probe.py 2>&1 | tail -2
            IFS=';' read -ra runs <<< "${GRIDBAR:---tiles 16 8 16 8;--tiles 32 8 32 8;--programs 264}"

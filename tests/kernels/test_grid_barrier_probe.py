@@ -10,7 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.grid_barrier_probe import layer_numel, persistent_chain, reference_chain, rows_gemv
+from bench.grid_barrier_probe import (
+    layer_numel,
+    persistent_chain,
+    reference_chain,
+    resident_programs,
+    rows_gemv,
+)
 from kernels.interpreter import interpreting
 
 #: small Qwen-like dims (H, Q, A, I): every tile and block_k below divides them
@@ -43,6 +49,7 @@ def test_chain_matches_torch_and_resets_its_counters(device, layers, preload, ti
     b = torch.zeros(256, dtype=torch.bfloat16, device=device)
     bar = torch.zeros(2, dtype=torch.int32, device=device)
     compiled = device.type == "cuda" and not interpreting()
+    # the SM count on a GPU (each program one tile here); the interpreter runs one program
     programs = torch.cuda.get_device_properties(device).multi_processor_count if compiled else 1
     out = persistent_chain(
         w, a, b, bar, layers, DIMS, tiles=tiles, programs=programs, block_k=32,
@@ -74,7 +81,7 @@ def test_work_off_leaves_the_activations_alone(device):
     assert bar.tolist() == [0, 0]
 
 
-def test_refuses_tiles_that_do_not_divide(device):
+def test_refuses_bad_arguments(device):
     w = _weights(1, device, torch.Generator().manual_seed(3))
     buf = torch.zeros(256, dtype=torch.bfloat16, device=device)
     bar = torch.zeros(2, dtype=torch.int32, device=device)
@@ -101,3 +108,44 @@ def test_rows_gemv_matches_torch(device, n, k, rows):
     assert torch.equal(y[n:].float().cpu(), torch.full((8,), 7.0))  # nothing past N written
     with pytest.raises(ValueError, match="block_k"):
         rows_gemv(w, x, y, rows, block_k=48)
+
+
+def test_resident_programs_from_registers_shared_memory_and_threads():
+    """The residency bound a grid barrier needs: the scarcest of threads, registers (per warp,
+    in 256s) and shared memory per SM, times the SMs; None where Triton does not report."""
+    from types import SimpleNamespace as NS
+
+    props = NS(
+        multi_processor_count=132, max_threads_per_multi_processor=2048,
+        regs_per_multiprocessor=65536, shared_memory_per_multiprocessor=233472,
+    )  # fmt: skip
+    k = NS(n_regs=128, n_spills=0, metadata=NS(shared=1024))
+    assert resident_programs(k, 8, props) == (2 * 132, "128 regs, 0 B spilled")  # registers
+    k = NS(n_regs=255, n_spills=24, metadata=NS(shared=0))
+    assert resident_programs(k, 8, props)[0] == 132  # 256 regs per thread: one CTA
+    k = NS(n_regs=32, n_spills=0, metadata=NS(shared=100_000))
+    assert resident_programs(k, 4, props)[0] == 2 * 132  # shared memory
+    k = NS(n_regs=16, n_spills=0, metadata=NS(shared=0))
+    assert resident_programs(k, 16, props)[0] == 4 * 132  # threads
+    assert resident_programs(NS(), 4, props) == (None, "")
+
+
+@pytest.mark.parametrize("programs,prefetch", [(3, False), (7, True), (5, False)])
+def test_chain_with_few_programs_on_gpu(device, programs, prefetch):
+    """On a GPU with a handful of programs, each walks several tiles per GEMV (the grid-stride
+    loops' later iterations) and the L2 prefetch runs; the interpreter runs one program only."""
+    if device.type != "cuda" or interpreting():
+        pytest.skip("several programs need a GPU (the interpreter runs programs one by one)")
+    gen = torch.Generator().manual_seed(programs)
+    w = _weights(2, device, gen)
+    x = torch.randn(256, generator=gen).to(torch.bfloat16).to(device)
+    ref = reference_chain(w.cpu(), x.cpu(), 2, DIMS)
+    a, b = x.clone(), torch.zeros(256, dtype=torch.bfloat16, device=device)
+    bar = torch.zeros(2, dtype=torch.int32, device=device)
+    out = persistent_chain(
+        w, a, b, bar, 2, DIMS, (16, 8, 16, 8), programs, 32, prefetch=prefetch, num_warps=4,
+        preload=32,
+    )  # fmt: skip
+    got = out[: DIMS[0]].float().cpu()
+    assert (got - ref).norm() / ref.norm() < 5e-3
+    assert bar.tolist() == [0, 0]
