@@ -45,79 +45,13 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from kernels.grid_barrier import grid_arrive, grid_wait, launch_resident  # noqa: E402
 from kernels.interpreter import interpreting  # noqa: E402
 from kernels.pdl import launch_options, pdl_wait, prefetch_l2  # noqa: E402
 from kernels.rounding import round_to  # noqa: E402
 
 #: Qwen3-0.6B at TP 1: hidden size, q/k/v outputs, o input, intermediate size
 HIDDEN, QKV, ATTN, INTER = 1024, 4096, 2048, 3072
-
-
-@triton.jit
-def grid_arrive(bar_ptr):
-    """Count this program's arrival at a grid barrier: a CTA barrier (every thread's stores are
-    issued), then one release atomic per program at GPU scope on the int32 ``bar_ptr``."""
-    tl.debug_barrier()
-    tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def grid_wait(bar_ptr, target):
-    """Spin (acquire atomics at GPU scope) until the counter at ``bar_ptr`` reaches ``target``:
-    then every store issued before the arrivals counted is visible. Loads issued between
-    :func:`grid_arrive` and this call (weights, which no program writes) are not ordered by the
-    barrier: their latency overlaps the wait. All programs of the grid must be resident at once
-    (a grid within the SMs' capacity), or this never returns."""
-    seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
-    while seen < target:
-        seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-def resident_programs(compiled, num_warps: int, props) -> tuple[int | None, str]:
-    """How many programs of a compiled Triton kernel a CUDA ``device`` holds at once (per SM:
-    the fewest its threads, registers -- allocated per warp in 256s -- and shared memory allow,
-    times the SMs; ``props``: ``torch.cuda.get_device_properties``), and ``"R regs, S B
-    spilled"``; ``(None, "")`` where Triton does not say. A grid barrier needs every program
-    resident: a larger grid spins forever."""
-    try:
-        init = getattr(compiled, "_init_handles", None)
-        if init is not None:
-            init()
-        regs, spills = int(compiled.n_regs), int(compiled.n_spills)
-        smem = int(compiled.metadata.shared)
-    except Exception:  # another Triton: no check (and say so where it is printed)
-        return None, ""
-    threads = 32 * num_warps
-    warp_regs = -(-regs * 32 // 256) * 256
-    per_sm = min(
-        getattr(props, "max_threads_per_multi_processor", 2048) // threads,
-        getattr(props, "regs_per_multiprocessor", 65536) // max(1, warp_regs * num_warps),
-        props.shared_memory_per_multiprocessor // smem if smem else 1 << 30,
-    )
-    return per_sm * props.multi_processor_count, f"{regs} regs, {spills} B spilled"
-
-
-def launch_resident(kernel, grid: tuple[int], args: tuple, num_warps: int, device) -> str:
-    """Launch ``kernel[grid](*args, num_warps=...)`` after checking (on a CUDA device, compiled
-    kernels) that all ``grid[0]`` programs can be resident; returns the register line of
-    :func:`resident_programs` ("" under the interpreter).
-
-    Raises:
-        ValueError: more programs than the device holds at once (the launch would hang).
-    """
-    usage = ""
-    if torch.device(device).type == "cuda" and not interpreting():
-        compiled = kernel.warmup(*args, grid=grid, num_warps=num_warps)
-        props = torch.cuda.get_device_properties(device)
-        fit, usage = resident_programs(compiled, num_warps, props)
-        if fit is not None and grid[0] > fit:
-            raise ValueError(
-                f"{grid[0]} programs cannot all be resident ({fit} fit, {usage}): "
-                "the grid barrier would never return"
-            )
-    kernel[grid](*args, num_warps=num_warps)
-    return usage
 
 
 @triton.jit

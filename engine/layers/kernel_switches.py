@@ -17,7 +17,11 @@ one tree (``bench/latency_ab.sh``) and as an escape hatch should a kernel misbeh
   compiled composition (``engine.layers.pointwise``) instead of ``kernels/swiglu.py``'s Triton
   kernel (2.8 against 1.4-1.7 TB/s on an H100; docs/benchmarks.md, 2026-12-05, fourth session).
 
-All default to on (the fusions only where their table,
+* ``QWEN_SERVE_PERSISTENT_DECODE=1`` (off by default, not yet measured inside the engine):
+  one-token decode steps of a dense bf16 Qwen3 model on one Hopper GPU run all layers in one
+  persistent launch (``engine/models/persistent_decode.py``, ``kernels/persistent_decode.py``).
+
+The others default to on (the fusions only where their table,
 ``kernels/configs/gemv_fused_<device>.json``, says they win; see
 ``engine/layers/fused_linear.py``); values 1/true/yes/on or 0/false/no/off, anything else
 is refused at import with a ValueError naming the variable.
@@ -37,3 +41,4 @@ FUSED_SWIGLU_GEMV = env_switch("QWEN_SERVE_FUSED_SWIGLU_GEMV")
 FUSED_MERGE_GEMV = env_switch("QWEN_SERVE_FUSED_MERGE_GEMV")
 FUSED_QKV_ROPE_GEMV = env_switch("QWEN_SERVE_FUSED_QKV_ROPE_GEMV")
 TRITON_SWIGLU = env_switch("QWEN_SERVE_TRITON_SWIGLU")
+PERSISTENT_DECODE = env_switch("QWEN_SERVE_PERSISTENT_DECODE", default=False)

@@ -422,6 +422,9 @@ class Qwen3ForCausalLM(nn.Module):
                 cfg.hidden_size, cfg.vocab_size, bias=False, **_split_args(tp)
             )
         self._compiled = CompiledForward(self._forward_impl) if compile_mode == "model" else None
+        #: one-token decode steps through one launch for all layers when set
+        #: (:meth:`enable_persistent_decode`); None: the layer loop
+        self.persistent_decode = None
         finalize_quantization(self)
 
     def make_mlp(self, layer: int) -> nn.Module | None:
@@ -465,9 +468,23 @@ class Qwen3ForCausalLM(nn.Module):
             Whatever the attention backend raises (e.g. ValueError for Triton on a CPU without
             the interpreter). Compilation errors are not raised: they switch the model to eager.
         """
+        if self.persistent_decode is not None and meta.is_decode and input_ids.shape[0] == 1:
+            return self.persistent_decode.forward(self, input_ids, positions, meta)
         if self._compiled is not None:
             return self._compiled(input_ids, positions, kv_caches, meta)
         return self._forward_impl(input_ids, positions, kv_caches, meta)
+
+    def enable_persistent_decode(self, kv_caches, block_size: int) -> str | None:
+        """Send one-token decode steps through one persistent launch for all layers
+        (:mod:`engine.models.persistent_decode`) over these ``kv_caches`` (which must not be
+        reallocated afterwards); call before CUDA graphs are captured. Returns None when
+        enabled, else why not (the layer loop stays)."""
+        from engine.models import persistent_decode
+
+        reason = persistent_decode.unsupported_reason(self, kv_caches)
+        if reason is None:
+            self.persistent_decode = persistent_decode.build(self, kv_caches, block_size)
+        return reason
 
     def _forward_impl(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)

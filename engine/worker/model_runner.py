@@ -39,6 +39,7 @@ from engine.core.layout import RankLayout
 from engine.core.outputs import SampleOutput
 from engine.core.request import Request, SamplingParams
 from engine.core.scheduler import ScheduledBatch
+from engine.layers import kernel_switches
 from engine.loader.dummy import init_random_weights
 from engine.loader.safetensors_loader import load_weights
 from engine.models.registry import model_class
@@ -209,6 +210,13 @@ class ModelRunner:
             )
             for _ in range(mc.num_hidden_layers)
         ]
+        if kernel_switches.PERSISTENT_DECODE:  # (before the warm-up and the graph captures)
+            enable = getattr(model, "enable_persistent_decode", None)
+            reason = enable(self.kv_caches, config.block_size) if enable else "not this model"
+            if reason is None:
+                log.info("one-token decode steps run all layers in one persistent launch")
+            else:
+                log.warning("QWEN_SERVE_PERSISTENT_DECODE=1 not applied: %s", reason)
         capacity = num_blocks * config.block_size
         if capacity < max_len:
             log.warning(

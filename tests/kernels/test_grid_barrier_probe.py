@@ -10,13 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.grid_barrier_probe import (
-    layer_numel,
-    persistent_chain,
-    reference_chain,
-    resident_programs,
-    rows_gemv,
-)
+from bench.grid_barrier_probe import layer_numel, persistent_chain, reference_chain, rows_gemv
+from kernels.grid_barrier import resident_programs
 from kernels.interpreter import interpreting
 
 #: small Qwen-like dims (H, Q, A, I): every tile and block_k below divides them

@@ -1,0 +1,155 @@
+"""Batch-1 decode of a dense Qwen3 model through one persistent launch for all its layers.
+
+:mod:`kernels.persistent_decode` runs every decoder layer of one decode token in one launch
+(grid barriers between the phases of a layer instead of ~7 kernel boundaries). This module is
+the glue: it checks that a model can take that path, builds the kernel's pointer table over the
+model's own parameters and KV caches (no copy), and runs a one-token decode step through it --
+the embedding and the rotary rows before, the final RMSNorm after, as
+``Qwen3ForCausalLM._forward_impl`` does. Everything else (prefill, mixed and batched decode
+steps, tensor parallelism, quantized or MoE models, Qwen2's q/k/v bias) stays on the model's
+own layer loop, which is also the oracle of its tests.
+
+Off by default (``QWEN_SERVE_PERSISTENT_DECODE=1`` turns it on, ``engine/layers/
+kernel_switches.py``) until a GPU run shows it faster than the layer loop with the same
+outputs (docs/benchmarks.md, 2026-12-06, twelfth session: its layers alone 1,016 us against
+the engine's whole 1.19 ms step on an H100; not yet run inside the engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from engine.attention.metadata import AttentionMetadata
+from kernels.interpreter import interpreting
+from kernels.persistent_decode import Scratch, layer_table, persistent_layers
+
+#: K-chunk widths tried, widest first (the kernel's ``block_k`` must divide H, FF and HQ x D)
+_BLOCK_KS = (256, 128, 64, 32, 16)
+
+
+@dataclass
+class PersistentDecode:
+    """The kernel's state for one model: its pointer table ``[L, 10]`` (int64), ``dims`` =
+    ``(H, HQ, HKV, D, FF)``, the caches' ``block_size``, the RMSNorm ``eps``, the scratch
+    buffers, and the launch shape (``programs``: the SM count, all resident; ``block_k``;
+    ``num_warps``)."""
+
+    table: torch.Tensor
+    dims: tuple[int, int, int, int, int]
+    block_size: int
+    eps: float
+    scratch: Scratch
+    programs: int
+    block_k: int
+    num_warps: int = 8
+
+    def forward(
+        self, model, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Hidden states ``[1, H]`` of a one-token decode step (``input_ids``, ``positions``
+        int64 ``[1]``; ``meta`` with ``is_decode`` and one sequence), the token's k/v stored in
+        every layer's cache: embedding, :func:`kernels.persistent_decode.persistent_layers`,
+        final RMSNorm -- the same roundings as the layer loop's (the kernel's output is the
+        residual stream after the last layer's add)."""
+        inner = model.model
+        x = inner.embed_tokens(input_ids).reshape(-1).contiguous()
+        cos, sin = inner.rotary_emb.lookup(positions, x.dtype)
+        persistent_layers(
+            x, self.table, self.dims, self.block_size, meta.block_tables[0], meta.seq_lens[:1],
+            cos.reshape(-1), sin.reshape(-1), self.eps, self.scratch, self.programs,
+            self.block_k, 32, self.num_warps, fuse_b=True,
+        )  # fmt: skip
+        norm = inner.norm
+        return model.ops.rms_norm(x[None], norm.weight, norm.eps)
+
+
+def unsupported_reason(model, kv_caches) -> str | None:
+    """Why ``model`` (a ``Qwen3ForCausalLM``) with ``kv_caches`` (per layer ``(k, v)``, each
+    ``[blocks, BS, HKV, D]``) cannot take the persistent decode path, or None when it can:
+    one GPU of compute capability 9.0+ (or the Triton interpreter), no tensor parallelism, no
+    quantization, Qwen3's q/k norms without a q/k/v bias, bf16 everywhere, power-of-two head
+    counts and head size, and a K chunk dividing the hidden, intermediate and attention widths."""
+    cfg = model.config
+    layers = model.model.layers
+    if model.tp is not None:
+        return "tensor parallel"
+    if getattr(cfg, "quantization", None) is not None:
+        return "quantized weights"
+    if not cfg.qk_norm or cfg.attention_bias:
+        return "not Qwen3's attention (q/k norm, no q/k/v bias)"
+    if not layers or any(not hasattr(layer, "mlp") or not hasattr(layer.mlp, "gate_up_proj")
+                         for layer in layers):  # fmt: skip
+        return "not a dense model"
+    first = layers[0].self_attn.qkv_proj.weight
+    if first.device.type == "cuda":
+        if torch.cuda.get_device_capability(first.device)[0] < 9:
+            return "needs compute capability 9.0+"
+    elif not interpreting():
+        return "needs a CUDA device (or the Triton interpreter)"
+    attn = layers[0].self_attn
+    hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    if any(v & (v - 1) for v in (hq, hkv, d)):
+        return "head counts and head size must be powers of two"
+    if _block_k(cfg.hidden_size, cfg.intermediate_size, hq * d) is None:
+        return "no K chunk divides the hidden, intermediate and attention widths"
+    for t in _layer_tensors(model, kv_caches):
+        if t.dtype != torch.bfloat16:
+            return "needs bf16 weights and KV caches"
+    return None
+
+
+def build(model, kv_caches, block_size: int) -> PersistentDecode:
+    """The kernel's state over ``model``'s parameters and ``kv_caches`` (no copies: the table
+    holds their addresses, so they must not be reallocated afterwards). Call before any CUDA
+    graph is captured (the table and the scratch are allocated here).
+
+    Raises:
+        ValueError: :func:`unsupported_reason` gives a reason.
+    """
+    reason = unsupported_reason(model, kv_caches)
+    if reason is not None:
+        raise ValueError(f"persistent decode unavailable: {reason}")
+    cfg = model.config
+    attn = model.model.layers[0].self_attn
+    h, ff = cfg.hidden_size, cfg.intermediate_size
+    dims = (h, attn.num_heads, attn.num_kv_heads, attn.head_dim, ff)
+    tensors = _layer_tensors(model, kv_caches)
+    per = len(tensors) // len(model.model.layers)
+    table = layer_table([tensors[i : i + per] for i in range(0, len(tensors), per)])
+    device = table.device
+    programs = torch.cuda.get_device_properties(device).multi_processor_count if (
+        device.type == "cuda" and not interpreting()
+    ) else 1  # fmt: skip
+    splits = triton.next_power_of_2(max(1, programs // dims[2]))
+    return PersistentDecode(
+        table=table,
+        dims=dims,
+        block_size=block_size,
+        eps=cfg.rms_norm_eps,
+        scratch=Scratch(dims, splits, device),
+        programs=programs,
+        block_k=_block_k(dims[0], dims[4], dims[1] * dims[3]),
+        num_warps=8 if device.type == "cuda" else 4,
+    )
+
+
+def _block_k(*widths: int) -> int | None:
+    return next((bk for bk in _BLOCK_KS if all(w % bk == 0 for w in widths)), None)
+
+
+def _layer_tensors(model, kv_caches) -> list[torch.Tensor]:
+    """Every layer's ten tensors in :data:`kernels.persistent_decode.LAYER_TENSORS` order,
+    flattened over the layers."""
+    out = []
+    for layer, (k_cache, v_cache) in zip(model.model.layers, kv_caches):
+        attn, mlp = layer.self_attn, layer.mlp
+        out += [
+            attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight,
+            mlp.down_proj.weight, layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight, attn.q_norm.weight, attn.k_norm.weight,
+            k_cache, v_cache,
+        ]  # fmt: skip
+    return out

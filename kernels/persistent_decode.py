@@ -1,0 +1,523 @@
+"""A persistent batch-1 decode kernel for whole Qwen3 decoder layers (issue 19's lever for the
+1 ms batch-1 step: fewer kernel boundaries, not fewer bytes).
+
+One launch runs ``L`` layers of one decode token, every program resident, the phases of a
+layer separated by grid barriers (:mod:`kernels.grid_barrier`):
+
+A. input RMSNorm (every program recomputes the statistics of the hidden state) and the
+   q/k/v projection, ``ceil(N / programs)`` rows per program;
+B. q/k RMSNorm + rotary (:func:`kernels.qk_norm_rope.norm_rope_rows`), k and v stored in
+   their paged-cache slot (or folded into C: ``FUSE_B``);
+C. split-KV attention: (KV head, split) items, each the GQA group's queries over one slice of
+   the context (online softmax; Milakov & Gimelshein 2018, FlashDecoding's split-KV);
+D. the splits merged per query head;
+E. o projection + residual add;
+F. post-attention RMSNorm + gate/up projection + SwiGLU;
+G. down projection + residual add (in place: the next layer's input).
+
+Each layer's tensors -- one per layer and kind, as the engine holds its weights and KV caches
+-- are reached through an int64 table of their addresses (:func:`layer_table`); the context
+length is read on the device, so a CUDA graph replays the launch for any length. The roundings
+are eager torch's (the oracle, ``bench/persistent_layer_probe.py:layer_ref``, composes
+:mod:`kernels.reference`'s operations; bit-equal under the interpreter). Measured on an H100
+(docs/benchmarks.md, 2026-12-06, twelfth session): 28 Qwen3-0.6B layers at 1k context in
+1,016 us against the engine's 1.19 ms step (its LM head 0.11 ms).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.grid_barrier import grid_arrive, grid_wait, launch_resident
+from kernels.interpreter import interpreting
+from kernels.qk_norm_rope import norm_rope_rows
+from kernels.rounding import round_as
+
+
+@triton.jit
+def _rms_scale(x_ptr, H: tl.constexpr, BK: tl.constexpr, eps):
+    """``rsqrt(mean(x^2) + eps)`` of the bf16 ``x [H]`` (read at L2: another program wrote it)."""
+    ss = tl.zeros((BK,), dtype=tl.float32)
+    for k0 in tl.static_range(0, H, BK):
+        xv = tl.load(x_ptr + k0 + tl.arange(0, BK), cache_modifier=".cg").to(tl.float32)
+        ss += xv * xv
+    return tl.rsqrt(tl.sum(ss, axis=0) / H + eps)
+
+
+@triton.jit
+def _in_chunk(x_ptr, nw_ptr, r, cols, MODE: tl.constexpr, EXACT: tl.constexpr, S: tl.constexpr = 1):
+    """Columns ``cols`` of a GEMV's input as float32: ``MODE`` 0 ``x`` itself; 1 RMSNorm's
+    ``w * bf16(x * r)`` rounded to bf16 (:func:`kernels.reference.rms_norm_ref`'s roundings);
+    2 the attention output merged from the ``S`` splits' partials (``x_ptr``: ``part [HQ, S,
+    D]``, ``nw_ptr``: ``ml [HQ, S, 2]``, ``r``: the head dim ``D``; :func:`_attn_merge`'s
+    arithmetic, rounded to bf16)."""
+    if MODE == 2:
+        sp = tl.arange(0, S)
+        hs = (cols // r)[:, None] * S + sp[None, :]
+        m = tl.load(nw_ptr + hs * 2, cache_modifier=".cg")
+        lsum = tl.load(nw_ptr + hs * 2 + 1, cache_modifier=".cg")
+        acc = tl.load(x_ptr + hs * r + (cols % r)[:, None], cache_modifier=".cg")
+        wgt = tl.where(lsum > 0, tl.exp(m - tl.max(m, axis=1)[:, None]), 0.0)
+        xv = round_as(tl.sum(acc * wgt, axis=1) / tl.sum(lsum * wgt, axis=1), tl.bfloat16, EXACT)
+    else:
+        xv = tl.load(x_ptr + cols, cache_modifier=".cg").to(tl.float32)
+        if MODE == 1:
+            w = tl.load(nw_ptr + cols).to(tl.float32)
+            xv = round_as(w * round_as(xv * r, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
+    return xv
+
+
+@triton.jit
+def _rows_dot(
+    w_ptr, rows, ok, x_ptr, nw_ptr, r, K: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
+    MODE: tl.constexpr, EXACT: tl.constexpr, S: tl.constexpr = 1,
+):  # fmt: skip
+    """float32 ``W[rows] . in`` (``[BP]``, rows valid where ``ok``) over the whole ``K``, the
+    input from :func:`_in_chunk` (``MODE``, ``S``)."""
+    acc = tl.zeros((BP, BK), dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        xv = _in_chunk(x_ptr, nw_ptr, r, cols, MODE, EXACT, S)
+        wv = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=ok[:, None], other=0.0)
+        acc += wv.to(tl.float32) * xv[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _rows_dot2(
+    w_ptr, rows, rows2, ok, x_ptr, nw_ptr, r, K: tl.constexpr, BK: tl.constexpr,
+    BP: tl.constexpr, EXACT: tl.constexpr,
+):  # fmt: skip
+    """:func:`_rows_dot` of two row sets (the gate and up rows) over one normalized input, in
+    one K loop: ``(W[rows] . in, W[rows2] . in)``."""
+    acc = tl.zeros((BP, BK), dtype=tl.float32)
+    acc2 = tl.zeros((BP, BK), dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        xv = _in_chunk(x_ptr, nw_ptr, r, cols, 1, EXACT)
+        wv = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=ok[:, None], other=0.0)
+        wv2 = tl.load(w_ptr + rows2[:, None] * K + cols[None, :], mask=ok[:, None], other=0.0)
+        acc += wv.to(tl.float32) * xv[None, :]
+        acc2 += wv2.to(tl.float32) * xv[None, :]
+    return tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
+
+
+@triton.jit
+def _tile_rows(t, N: tl.constexpr, R: tl.constexpr, BP: tl.constexpr):
+    """Rows of tile ``t`` (``R`` rows, ``BP`` its power-of-two width) as int64, and their mask."""
+    i = tl.arange(0, BP)
+    rows = t * R + i
+    return rows.to(tl.int64), (i < R) & (rows < N)
+
+
+@triton.jit
+def _attn_split(
+    q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, g, s, seq_len, scale,
+    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, S: tl.constexpr,
+    BT: tl.constexpr, FUSED: tl.constexpr, qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, eps, slot,
+    HQ: tl.constexpr, EXACT: tl.constexpr, pre_k=0, pre_v=0, pre_ok=0, PRE_T: tl.constexpr = 0,
+):  # fmt: skip
+    """Split ``s`` of KV head ``g``: the ``G`` query heads of its group over tokens
+    ``[s * chunk, (s + 1) * chunk)`` of the context (``chunk`` = ``ceil(seq_len / S)`` rounded
+    up to ``BT``), online softmax in float32; writes the unnormalized ``acc [G, D]`` to
+    ``part [HQ, S, D]`` and ``(m, l)`` to ``ml [HQ, S, 2]`` (``m = -inf``, ``l = 0`` for an empty
+    split). ``FUSED``: the queries are normalized and rotated here from ``qkv`` (phase B's
+    :func:`kernels.qk_norm_rope.norm_rope_rows`), the cache is read for the earlier tokens only,
+    and the split holding the new token (position ``seq_len - 1``) rotates its key, adds it and
+    its value from registers and stores both in ``slot``; else ``q`` comes from ``q_ptr``.
+    ``PRE_T > 0``: the split's first ``PRE_T`` tokens are ``pre_k``/``pre_v`` ``[PRE_T, D]``,
+    loaded earlier (valid where ``pre_ok``); the loop reads the rest."""
+    chunk = tl.cdiv(tl.cdiv(seq_len, S), BT) * BT
+    lo = s * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+    hq = g * G + tl.arange(0, G)
+    d = tl.arange(0, D)
+    if FUSED:
+        q = norm_rope_rows(
+            qkv_ptr, hq, hq < HQ, D, 1, qn_ptr, cos_ptr, sin_ptr, 1, 1, eps, D, True, EXACT
+        ).to(tl.float32)
+        c_hi = tl.minimum(hi, seq_len - 1)  # the new token comes from registers
+    else:
+        q = tl.load(q_ptr + hq[:, None] * D + d[None, :], cache_modifier=".cg").to(tl.float32)
+        c_hi = hi
+    m = tl.full((G,), float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros((G,), dtype=tl.float32)
+    acc = tl.zeros((G, D), dtype=tl.float32)
+    if PRE_T > 0:
+        s_pre = tl.sum(q[:, None, :] * pre_k.to(tl.float32)[None, :, :], axis=2) * scale
+        s_pre = tl.where(pre_ok[None, :], s_pre, float("-inf"))  # [G, PRE_T]
+        m = tl.max(s_pre, axis=1)  # -inf where no token is valid (then p is 0, no -inf - -inf)
+        m_sub = tl.where(m > float("-inf"), m, 0.0)
+        p_pre = tl.where(pre_ok[None, :], tl.exp(s_pre - m_sub[:, None]), 0.0)
+        l_sum = tl.sum(p_pre, axis=1)
+        acc = tl.sum(p_pre[:, :, None] * pre_v.to(tl.float32)[None, :, :], axis=1)
+    for t0 in range(lo + PRE_T, c_hi, BT):
+        tok = t0 + tl.arange(0, BT)
+        t_ok = tok < c_hi
+        blk = tl.load(bt_ptr + tok // BS, mask=t_ok, other=0).to(tl.int64)
+        slot_t = blk * BS + tok % BS
+        kv_off = (slot_t * HKV + g)[:, None] * D + d[None, :]
+        k = tl.load(kc + kv_off, mask=t_ok[:, None], other=0.0, cache_modifier=".cg")
+        v = tl.load(vc + kv_off, mask=t_ok[:, None], other=0.0, cache_modifier=".cg")
+        sc = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale  # [G, BT]
+        sc = tl.where(t_ok[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(sc - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        m = m_new
+    if FUSED:
+        if (lo < seq_len) & (seq_len <= hi):  # this split holds the new token
+            gk = g + tl.arange(0, 1)
+            k_new = norm_rope_rows(
+                qkv_ptr + HQ * D, gk, gk < HKV, D, 1, kn_ptr, cos_ptr, sin_ptr, 1, 1, eps, D,
+                True, EXACT,
+            )  # fmt: skip
+            v_off = gk[:, None] * D + d[None, :]
+            v_new = tl.load(qkv_ptr + (HQ + HKV) * D + v_off, cache_modifier=".cg")
+            tl.store(kc + slot * HKV * D + v_off, k_new)
+            tl.store(vc + slot * HKV * D + v_off, v_new)
+            sc = tl.sum(q * k_new.to(tl.float32), axis=1) * scale  # [G]
+            m_new = tl.maximum(m, sc)
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(sc - m_new)
+            l_sum = l_sum * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)
+            m = m_new
+    tl.store(part_ptr + (hq[:, None] * S + s) * D + d[None, :], acc)
+    tl.store(ml_ptr + (hq * S + s) * 2, m)
+    tl.store(ml_ptr + (hq * S + s) * 2 + 1, l_sum)
+
+
+@triton.jit
+def _attn_merge(
+    part_ptr, ml_ptr, out_ptr, h, S: tl.constexpr, D: tl.constexpr, EXACT: tl.constexpr
+):
+    """Query head ``h``: the ``S`` splits' partials combined (rescaled by ``exp(m_s - max m)``)
+    and normalized, stored as bf16 ``out[h * D : (h + 1) * D]``."""
+    sp = tl.arange(0, S)
+    d = tl.arange(0, D)
+    m = tl.load(ml_ptr + (h * S + sp) * 2, cache_modifier=".cg")
+    lsum = tl.load(ml_ptr + (h * S + sp) * 2 + 1, cache_modifier=".cg")
+    mx = tl.max(m, axis=0)
+    wgt = tl.where(lsum > 0, tl.exp(m - mx), 0.0)
+    acc = tl.load(part_ptr + (h * S + sp[:, None]) * D + d[None, :], cache_modifier=".cg")
+    o = tl.sum(acc * wgt[:, None], axis=0) / tl.sum(lsum * wgt, axis=0)
+    o = round_as(o, tl.bfloat16, EXACT)
+    tl.store(out_ptr + h * D + d, o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _split_done(
+    count_ptr, g, part_ptr, ml_ptr, attn_ptr, S: tl.constexpr, D: tl.constexpr,
+    G: tl.constexpr, EXACT: tl.constexpr,
+):  # fmt: skip
+    """After a split of KV head ``g`` stored its partials: count its arrival (acquire-release
+    atomic at GPU scope after a CTA barrier, CUTLASS's serial split-K semaphore); the last of
+    the ``S`` splits merges the group's ``G`` query heads (:func:`_attn_merge`) and sets the
+    counter back to zero, so no merge phase (and barrier) is needed."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + g, 1, sem="acq_rel", scope="gpu")
+    if arrived == S - 1:
+        for i in tl.static_range(G):
+            _attn_merge(part_ptr, ml_ptr, attn_ptr, g * G + i, S, D, EXACT)
+        tl.atomic_xchg(count_ptr + g, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _layer_ptr(layer_ptrs, layer, j):
+    """Pointer ``j`` of ``layer`` in the int64 table ``layer_ptrs [L, 10]`` (the addresses of
+    the layer's wqkv, wo, wgu, wd, ln1, ln2, q-norm, k-norm weights and K, V caches, bf16),
+    marked 16-byte aligned (``tl.multiple_of``: without it the loads through it are scalar,
+    sm_90 PTX)."""
+    p = tl.load(layer_ptrs + layer * 10 + j).to(tl.pointer_type(tl.bfloat16))
+    return tl.multiple_of(p, 16)
+
+
+@triton.jit
+def _layers_kernel(
+    x_ptr, h2_ptr, qkv_ptr, q_ptr, attn_ptr, act_ptr, part_ptr, ml_ptr, bar_ptr, count_ptr,
+    layer_ptrs, bt_ptr, cos_ptr, sin_ptr, seq_len_ptr, LAYERS, eps, scale,
+    H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, FF: tl.constexpr,
+    BS: tl.constexpr, S: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    R_QKV: tl.constexpr, P_QKV: tl.constexpr, R_H: tl.constexpr, P_H: tl.constexpr,
+    R_FF: tl.constexpr, P_FF: tl.constexpr, EXACT: tl.constexpr, FUSE_B: tl.constexpr,
+    MERGE_E: tl.constexpr, PRE_T: tl.constexpr, MERGE_C: tl.constexpr, SKIP: tl.constexpr = 0,
+):  # fmt: skip
+    """``LAYERS`` Qwen3 decoder layers of one decode token (module docstring, phases A-G), the
+    hidden state ``x [H]`` (bf16) updated in place. Scratch: ``h2 [H]``, ``qkv [(HQ + 2 HKV) D]``,
+    ``q``/``attn [HQ D]``, ``act [FF]`` (bf16), ``part [HQ, S, D]``, ``ml [HQ, S, 2]``
+    (float32); ``bar``: two zeroed int32 counters (left zero). Each layer's tensors, wherever
+    they are (one tensor per layer, as the engine holds them), through the pointer table
+    ``layer_ptrs`` (:func:`_layer_ptr`): ``wqkv [(HQ + 2 HKV) D, H]``, ``wo [H, HQ D]``,
+    ``wgu [2 FF, H]`` (gate rows, then up), ``wd [H, FF]``, ``ln1``/``ln2 [H]``,
+    ``qn``/``kn [D]``, caches ``[blocks, BS, HKV, D]``; ``bt`` the sequence's int32 block
+    table; ``cos``/``sin [D]`` the new token's rotary row; ``seq_len_ptr``: the int32 context
+    length counting the new token (read on the device: a CUDA graph replays any length).
+    ``FUSE_B``: no phase B (each attention item normalizes and rotates its group's queries and
+    the new key itself, the new token's k/v enter its split from registers and that item stores
+    them); ``MERGE_E``: no phase D (every o-projection program merges the splits of its input
+    chunks itself); ``PRE_T > 0`` (with ``FUSE_B``): each program loads the first ``PRE_T``
+    earlier keys/values of its first attention item while it waits at the barrier after A
+    (they do not depend on the layer's input), their cache slots computed once before the
+    layers; the rest of the split, and further items, are read after it;
+    ``MERGE_C``: no phase D (the last split of each KV head to finish merges its group,
+    :func:`_split_done`, counters ``count [HKV]`` zeroed and left zero). ``SKIP``: a bit mask of
+    phases (A = 1, B = 2, C = 4, D = 8, E = 16, F = 32, G = 64) whose work is left out, their
+    barriers kept: the time of one phase's work is the difference (the results are wrong)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    QKV_N: tl.constexpr = (HQ + 2 * HKV) * D
+    G: tl.constexpr = HQ // HKV
+    seq_len = tl.load(seq_len_ptr)
+    pos = seq_len - 1
+    blk = tl.load(bt_ptr + pos // BS).to(tl.int64)
+    slot = blk * BS + pos % BS
+    if PRE_T > 0:  # the cache slots of this program's attention item (the same in every layer)
+        pre_g = pid // S
+        chunk = tl.cdiv(tl.cdiv(seq_len, S), BT) * BT
+        lo = (pid % S) * chunk
+        tok = lo + tl.arange(0, PRE_T)
+        pre_ok = (tok < tl.minimum(lo + chunk, pos)) & (tl.zeros_like(tok) + pid < HKV * S)
+        pre_slots = tl.load(bt_ptr + tok // BS, mask=pre_ok, other=0).to(tl.int64) * BS + tok % BS
+    phase = 0
+    for layer in range(LAYERS):
+        # (each phase loads its layer pointers when it needs them: fewer live registers)
+        kc = _layer_ptr(layer_ptrs, layer, 8)
+        vc = _layer_ptr(layer_ptrs, layer, 9)
+        # A: input norm + q/k/v projection
+        if (SKIP & 1) == 0:
+            wqkv_ptr = _layer_ptr(layer_ptrs, layer, 0)
+            ln1 = _layer_ptr(layer_ptrs, layer, 4)
+            r = _rms_scale(x_ptr, H, BK, eps)
+            for t in range(pid, tl.cdiv(QKV_N, R_QKV), nprog):
+                rows, ok = _tile_rows(t, QKV_N, R_QKV, P_QKV)
+                y = _rows_dot(
+                    wqkv_ptr, rows, ok, x_ptr, ln1, r, H, BK,
+                    P_QKV, 1, EXACT,
+                )  # fmt: skip
+                y = round_as(y, tl.bfloat16, EXACT)
+                tl.store(qkv_ptr + rows, y.to(qkv_ptr.dtype.element_ty), mask=ok)
+        phase += 1
+        grid_arrive(bar_ptr)
+        if PRE_T > 0:  # this program's attention item's earlier keys/values, during the wait
+            kv_off = (pre_slots * HKV + pre_g)[:, None] * D + tl.arange(0, D)[None, :]
+            k_pre = tl.load(kc + kv_off, mask=pre_ok[:, None], other=0.0)
+            v_pre = tl.load(vc + kv_off, mask=pre_ok[:, None], other=0.0)
+        grid_wait(bar_ptr, phase * nprog)
+        # B: q/k norm + rotary, k/v into the cache slot (FUSE_B: in C's items instead)
+        qn = _layer_ptr(layer_ptrs, layer, 6)
+        kn = _layer_ptr(layer_ptrs, layer, 7)
+        if not FUSE_B:
+            for item in range(pid, 3 * ((SKIP & 2) == 0), nprog):
+                if item == 0:
+                    hq = tl.arange(0, HQ)
+                    qr = norm_rope_rows(
+                        qkv_ptr, hq, hq < HQ, D, 1, qn, cos_ptr, sin_ptr, 1, 1,
+                        eps, D, True, EXACT,
+                    )  # fmt: skip
+                    tl.store(q_ptr + hq[:, None] * D + tl.arange(0, D)[None, :], qr)
+                elif item == 1:
+                    hk = tl.arange(0, HKV)
+                    kr = norm_rope_rows(
+                        qkv_ptr + HQ * D, hk, hk < HKV, D, 1, kn, cos_ptr, sin_ptr,
+                        1, 1, eps, D, True, EXACT,
+                    )  # fmt: skip
+                    tl.store(kc + (slot * HKV + hk)[:, None] * D + tl.arange(0, D)[None, :], kr)
+                else:
+                    off = tl.arange(0, HKV)[:, None] * D + tl.arange(0, D)[None, :]
+                    v = tl.load(qkv_ptr + (HQ + HKV) * D + off, cache_modifier=".cg")
+                    tl.store(vc + slot * HKV * D + off, v)
+            phase += 1
+            grid_arrive(bar_ptr)
+            grid_wait(bar_ptr, phase * nprog)
+        # C: split-KV attention partials
+        if (SKIP & 4) == 0:
+            if PRE_T > 0:
+                if pid < HKV * S:
+                    _attn_split(
+                        q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, pid // S, pid % S, seq_len, scale,
+                        HKV, G, D, BS, S, BT, FUSE_B, qkv_ptr, qn,
+                        kn, cos_ptr, sin_ptr, eps, slot, HQ, EXACT, k_pre, v_pre,
+                        pre_ok, PRE_T,
+                    )  # fmt: skip
+                    if MERGE_C:
+                        _split_done(count_ptr, pid // S, part_ptr, ml_ptr, attn_ptr, S, D, G, EXACT)
+            for item in range(pid + (PRE_T > 0) * nprog, HKV * S, nprog):
+                _attn_split(
+                    q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, item // S, item % S, seq_len, scale,
+                    HKV, G, D, BS, S, BT, FUSE_B, qkv_ptr, qn, kn,
+                    cos_ptr, sin_ptr, eps, slot, HQ, EXACT,
+                )  # fmt: skip
+                if MERGE_C:
+                    _split_done(count_ptr, item // S, part_ptr, ml_ptr, attn_ptr, S, D, G, EXACT)
+        phase += 1
+        grid_arrive(bar_ptr)
+        grid_wait(bar_ptr, phase * nprog)
+        if not (MERGE_E or MERGE_C):  # D: merge the splits
+            for h in range(pid, HQ * ((SKIP & 8) == 0), nprog):
+                _attn_merge(part_ptr, ml_ptr, attn_ptr, h, S, D, EXACT)
+            phase += 1
+            grid_arrive(bar_ptr)
+            grid_wait(bar_ptr, phase * nprog)
+        # E: o projection + residual
+        if (SKIP & 16) == 0:
+            wo_ptr = _layer_ptr(layer_ptrs, layer, 1)
+            for t in range(pid, tl.cdiv(H, R_H), nprog):
+                rows, ok = _tile_rows(t, H, R_H, P_H)
+                if MERGE_E:  # the splits merged in the o projection's input chunks
+                    y = _rows_dot(
+                        wo_ptr, rows, ok, part_ptr, ml_ptr, D, HQ * D, BK, P_H,
+                        2, EXACT, S,
+                    )  # fmt: skip
+                else:
+                    y = _rows_dot(
+                        wo_ptr, rows, ok, attn_ptr, attn_ptr, 1.0, HQ * D, BK,
+                        P_H, 0, EXACT,
+                    )  # fmt: skip
+                res = tl.load(x_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+                h2 = round_as(res + round_as(y, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
+                tl.store(h2_ptr + rows, h2.to(h2_ptr.dtype.element_ty), mask=ok)
+        phase += 1
+        grid_arrive(bar_ptr)
+        grid_wait(bar_ptr, phase * nprog)
+        # F: post-attention norm + gate/up + SwiGLU
+        if (SKIP & 32) == 0:
+            wgu = _layer_ptr(layer_ptrs, layer, 2)
+            ln2 = _layer_ptr(layer_ptrs, layer, 5)
+            r2 = _rms_scale(h2_ptr, H, BK, eps)
+            for t in range(pid, tl.cdiv(FF, R_FF), nprog):
+                rows, ok = _tile_rows(t, FF, R_FF, P_FF)
+                gate, up = _rows_dot2(wgu, rows, rows + FF, ok, h2_ptr, ln2, r2, H, BK, P_FF, EXACT)
+                gate = round_as(gate, tl.bfloat16, EXACT)
+                silu = round_as(gate / (1.0 + tl.exp(-gate)), tl.bfloat16, EXACT)
+                a = round_as(silu * round_as(up, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
+                tl.store(act_ptr + rows, a.to(act_ptr.dtype.element_ty), mask=ok)
+        phase += 1
+        grid_arrive(bar_ptr)
+        grid_wait(bar_ptr, phase * nprog)
+        # G: down projection + residual (the next layer's input)
+        if (SKIP & 64) == 0:
+            wd_ptr = _layer_ptr(layer_ptrs, layer, 3)
+            for t in range(pid, tl.cdiv(H, R_H), nprog):
+                rows, ok = _tile_rows(t, H, R_H, P_H)
+                y = _rows_dot(
+                    wd_ptr, rows, ok, act_ptr, act_ptr, 1.0, FF, BK, P_H, 0, EXACT,
+                )  # fmt: skip
+                res = tl.load(h2_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(
+                    tl.float32
+                )
+                out = round_as(res + round_as(y, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
+                tl.store(x_ptr + rows, out.to(x_ptr.dtype.element_ty), mask=ok)
+        phase += 1
+        grid_arrive(bar_ptr)
+        grid_wait(bar_ptr, phase * nprog)
+    left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if left == nprog - 1:  # every program has passed the last barrier
+        tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed", scope="gpu")
+
+
+#: the order of a layer's tensors in :func:`layer_table`'s rows (the kernel's ``_layer_ptr``)
+LAYER_TENSORS = ("wqkv", "wo", "wgu", "wd", "ln1", "ln2", "q_norm", "k_norm", "k_cache", "v_cache")
+
+
+def layer_table(layers) -> torch.Tensor:
+    """The kernel's int64 pointer table ``[L, 10]``: for each layer the addresses of its ten
+    bf16 tensors in :data:`LAYER_TENSORS` order -- q/k/v weight ``[(HQ + 2 HKV) D, H]``, o
+    ``[H, HQ D]``, gate/up ``[2 FF, H]`` (gate rows first), down ``[H, FF]``, the input and
+    post-attention RMSNorm weights ``[H]``, the q/k RMSNorm weights ``[D]``, and its K and V
+    caches ``[blocks, BS, HKV, D]`` -- on the first tensor's device. Make it once, outside a
+    CUDA-graph capture (it copies from the host); the tensors must outlive its use.
+
+    Args:
+        layers: one sequence of ten tensors per layer.
+
+    Raises:
+        ValueError: a layer without ten tensors, or a tensor that is not contiguous bf16 at a
+            16-byte aligned address (the kernel loads through them as such).
+    """
+    rows = []
+    for ts in layers:
+        ts = list(ts)
+        if len(ts) != len(LAYER_TENSORS):
+            raise ValueError(f"a layer needs {len(LAYER_TENSORS)} tensors ({LAYER_TENSORS})")
+        for name, t in zip(LAYER_TENSORS, ts):
+            if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.data_ptr() % 16:
+                raise ValueError(
+                    f"{name}: every layer tensor must be contiguous bf16, 16-byte aligned"
+                )
+        rows.append([t.data_ptr() for t in ts])
+    return torch.tensor(rows, dtype=torch.int64, device=ts[0].device)
+
+
+class Scratch:
+    """The kernel's scratch buffers and barrier counters for ``dims`` = ``(H, HQ, HKV, D, FF)``
+    and ``splits`` KV splits per head, on ``device`` (made once: a CUDA graph replays the launch
+    on them; one set per concurrent launch)."""
+
+    def __init__(self, dims, splits, device):
+        h, hq, hkv, d, ff = dims
+        bf = dict(dtype=torch.bfloat16, device=device)
+        self.h2 = torch.zeros(h, **bf)
+        self.qkv = torch.zeros((hq + 2 * hkv) * d, **bf)
+        self.q = torch.zeros(hq * d, **bf)
+        self.attn = torch.zeros(hq * d, **bf)
+        self.act = torch.zeros(ff, **bf)
+        self.part = torch.zeros(hq, splits, d, dtype=torch.float32, device=device)
+        self.ml = torch.zeros(hq, splits, 2, dtype=torch.float32, device=device)
+        self.bar = torch.zeros(2, dtype=torch.int32, device=device)
+        self.count = torch.zeros(hkv, dtype=torch.int32, device=device)
+        self.splits = splits
+
+
+def persistent_layers(
+    x, table, dims, block_size, block_table, seq_len, cos, sin, eps, scratch: Scratch,
+    programs=1, block_k=64, block_t=32, num_warps=4, fuse_b=False, merge_e=False, pre_kv=False,
+    merge_c=False, skip=0, info=None,
+):  # fmt: skip
+    """Run :func:`_layers_kernel` over every layer of ``table`` (:func:`layer_table`, ``[L,
+    10]``; ``dims`` = ``(H, HQ, HKV, D, FF)``, ``block_size`` the caches' tokens per block) on
+    the hidden state ``x [H]`` (bf16, updated in place and returned); each layer's caches get
+    the token's k/v at position ``seq_len - 1`` (an int, or an int32 ``[1]`` device tensor, as
+    a CUDA graph replays it); ``block_table`` the sequence's int32 block ids; ``cos``/``sin
+    [D]`` its rotary row (bf16); ``eps`` the RMSNorm epsilon; ``fuse_b``,
+    ``merge_e``, ``pre_kv``: the kernel's ``FUSE_B``, ``MERGE_E``, ``PRE_T > 0`` (phases B and D
+    folded into C and E; the first ``2 * block_t`` keys/values of the program's first attention
+    item loaded during the barrier wait);
+    ``merge_c``: ``MERGE_C`` (the last split of a KV head merges its group); ``skip``: the
+    kernel's ``SKIP`` mask (phases whose work is left out, for timing only); ``info``: a dict
+    that gets the launch's register line (``"usage"``).
+
+    Raises:
+        ValueError: ``block_k`` not dividing H, FF and HQ * D, a splits count, head count or
+            head dim that is no power of two, ``pre_kv`` without ``fuse_b``, or more programs
+            than the GPU holds at once (:func:`kernels.grid_barrier.launch_resident`).
+    """
+    h, hq, hkv, d, ff = dims
+    if any(k % block_k for k in (h, ff, hq * d)):
+        raise ValueError(f"block_k {block_k} must divide H, FF and HQ * D")
+    for name, v in (("splits", scratch.splits), ("HQ", hq), ("HKV", hkv), ("D", d)):
+        if v & (v - 1):
+            raise ValueError(f"{name} = {v} must be a power of two")
+    if pre_kv and not fuse_b:
+        raise ValueError("pre_kv needs fuse_b")
+    if not isinstance(seq_len, torch.Tensor):
+        seq_len = torch.tensor([seq_len], dtype=torch.int32, device=x.device)
+    layers = table.shape[0]
+    r_qkv, r_h, r_ff = (-(-n // programs) for n in ((hq + 2 * hkv) * d, h, ff))
+    p2 = triton.next_power_of_2
+    args = (
+        x, scratch.h2, scratch.qkv, scratch.q, scratch.attn, scratch.act, scratch.part,
+        scratch.ml, scratch.bar, scratch.count, table, block_table, cos, sin, seq_len, layers, eps,
+        d**-0.5, h, hq, hkv, d, ff, block_size, scratch.splits, block_t, block_k,
+        r_qkv, p2(r_qkv), r_h, p2(r_h), r_ff, p2(r_ff), interpreting(), fuse_b, merge_e,
+        pre_kv * 2 * block_t, merge_c, skip,
+    )  # fmt: skip
+    usage = launch_resident(_layers_kernel, (programs,), args, num_warps, x.device)
+    if info is not None:
+        info["usage"] = usage
+    return x

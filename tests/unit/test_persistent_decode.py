@@ -1,0 +1,145 @@
+"""One-token decode steps of a dense bf16 Qwen3 model through the persistent launch
+(``engine/models/persistent_decode.py``) against the model's own layer loop, on the CPU under
+the Triton interpreter (one program runs every phase): the hidden states after a prompt, the
+token's k/v in every layer's cache, the fallback of batched decode and prompt steps, and the
+models it refuses."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine.loader.dummy import init_random_weights
+from engine.models import persistent_decode
+from engine.models.qwen3 import Qwen3ForCausalLM
+from kernels.interpreter import interpreting
+from tests.unit.test_model_compile import (
+    BLOCK,
+    NUM_BLOCKS,
+    _config,
+    _step,
+    tiny_qwen3_dir,  # noqa: F401 (the checkpoint fixture)
+)
+
+
+def _bf16_config(**over):
+    return dataclasses.replace(_config(), dtype="bfloat16", **over)
+
+
+def _model(cfg, seed=0):
+    with torch.device("cpu"):
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            m = Qwen3ForCausalLM(cfg, 512, "torch", compile_mode="none")
+        finally:
+            torch.set_default_dtype(prev)
+    init_random_weights(m, seed, std=0.08)
+    return m.eval()
+
+
+def _caches(cfg):
+    shape = (NUM_BLOCKS, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+    return [
+        (torch.randn(shape, dtype=torch.bfloat16), torch.randn(shape, dtype=torch.bfloat16))
+        for _ in range(cfg.num_hidden_layers)
+    ]
+
+
+@pytest.fixture
+def interpreter():
+    if not interpreting():
+        pytest.skip("the CPU path of the persistent kernel needs TRITON_INTERPRET=1")
+
+
+def test_decode_steps_match_the_layer_loop(interpreter):
+    cfg = _bf16_config()
+    loop, fast = _model(cfg), _model(cfg)
+    fast.load_state_dict(loop.state_dict())
+    caches_loop = _caches(cfg)
+    caches_fast = [(k.clone(), v.clone()) for k, v in caches_loop]
+    assert fast.enable_persistent_decode(caches_fast, BLOCK) is None
+    assert fast.persistent_decode is not None
+    calls = [0]
+    forward = fast.persistent_decode.forward
+
+    def counted(*args):
+        calls[0] += 1
+        return forward(*args)
+
+    fast.persistent_decode.forward = counted
+    gen = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        # a prompt (the layer loop in both), then decode steps of one sequence
+        ids, pos, meta = _step(gen, [21], [0])
+        torch.testing.assert_close(
+            fast(ids, pos, caches_fast, meta), loop(ids, pos, caches_loop, meta)
+        )
+        for n in range(21, 25):
+            ids, pos, meta = _step(gen, [1], [n])
+            want = loop(ids, pos, caches_loop, meta)
+            got = fast(ids, pos, caches_fast, meta)
+            assert got.shape == want.shape == (1, cfg.hidden_size)
+            # the kernel rounds where eager torch does and, under the interpreter, sums in
+            # the layer loop's order: the same bits
+            assert torch.equal(got, want), n
+            for (kf, vf), (kl, vl) in zip(caches_fast, caches_loop):
+                assert torch.equal(kf, kl) and torch.equal(vf, vl)
+        assert calls == [4]
+        # two sequences decoding: the layer loop (the persistent path not called)
+        ids, pos, meta = _step(gen, [1, 1], [25, 3])
+        fast_out = fast(ids, pos, caches_fast, meta)
+        assert calls == [4]
+        assert torch.equal(fast_out, fast._forward_impl(ids, pos, caches_fast, meta))
+
+
+def test_refuses_models_it_cannot_run(interpreter):
+    caches = _caches(_bf16_config())
+    qwen2 = _model(_bf16_config(qk_norm=False, attention_bias=True))
+    assert "Qwen3" in qwen2.enable_persistent_decode(caches, BLOCK)
+    assert qwen2.persistent_decode is None
+    f32 = Qwen3ForCausalLM(_config(), 512, "torch", compile_mode="none")
+    f32_caches = [(k.float(), v.float()) for k, v in caches]
+    assert "bf16" in f32.enable_persistent_decode(f32_caches, BLOCK)
+    odd = _model(_bf16_config(num_attention_heads=6, num_key_value_heads=3))
+    assert "powers of two" in persistent_decode.unsupported_reason(odd, caches)
+    with pytest.raises(ValueError, match="unavailable: head counts"):
+        persistent_decode.build(odd, caches, BLOCK)
+
+
+def test_needs_a_gpu_or_the_interpreter(monkeypatch):
+    monkeypatch.setattr(persistent_decode, "interpreting", lambda: False)
+    m = _model(_bf16_config())
+    assert "CUDA" in persistent_decode.unsupported_reason(m, _caches(_bf16_config()))
+
+
+def test_engine_greedy_outputs_equal_with_the_switch(
+    interpreter,
+    monkeypatch,
+    tiny_qwen3_dir,  # noqa: F811 (the imported fixture)
+):
+    """The whole engine (``QWEN_SERVE_PERSISTENT_DECODE``'s value patched in): one sequence's
+    greedy tokens are the same with the persistent path as with the layer loop, two at once
+    (batched decode: the layer loop) too, and the runner says it applied it."""
+    from engine.core.config import EngineConfig
+    from engine.core.request import SamplingParams
+    from engine.layers import kernel_switches
+    from engine.worker.build import build_engine
+
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (13, 7)]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(kernel_switches, "PERSISTENT_DECODE", on)
+        eng = build_engine(
+            EngineConfig(
+                model=tiny_qwen3_dir, num_kv_blocks=32, block_size=BLOCK, dtype="bfloat16"
+            ),
+            eos_token_ids=frozenset(),
+        )
+        assert (eng.executor.model.persistent_decode is not None) is on
+        outs[on] = (eng.generate(prompts[:1], params), eng.generate(prompts, params))
+    assert outs[True] == outs[False]
