@@ -62,6 +62,9 @@
 #   layer:  bench/persistent_layer_probe.py (28 Qwen3-0.6B decoder layers of one decode token in
 #           one persistent launch, $LAYER_ARGS) after its GPU test, then this tree's batch-1
 #           decode step (bench/decode_profile.py) for comparison
+#   persist: the persistent kernels' GPU tests, then bench/decode_profile.py at batch 1 with
+#           QWEN_SERVE_PERSISTENT_DECODE 0 and 1 (${PERSIST_ROUNDS:-2} alternations), and
+#           engine_check with it on
 #   l2pf:   the L2 prefetch kernel's GPU tests and the PDL ones, bench/l2_prefetch_probe.py (a
 #           28-layer GEMV chain with weights cold, hot in L2, and prefetched on a side stream)
 # Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD, all three made
@@ -265,11 +268,21 @@ for stage in ${@:-tests dense}; do
              | grep -v Warning | tee "$OUT/layer_probe.txt" | tail -8
            timeout "$(left 90)" python3 bench/decode_profile.py --tree . --ckpt $CKPT --batch 1 \
              --top 8 --label engine 2>&1 | grep -v Warning | grep -E '"tpot_ms"' | cut -c1-400 ;;
+    persist) TRITON_INTERPRET=0 timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider \
+             tests/kernels/test_persistent_layer_probe.py tests/kernels/test_grid_barrier_probe.py \
+             2>&1 | tail -2
+           for r in $(seq "${PERSIST_ROUNDS:-2}"); do for on in 0 1; do
+             QWEN_SERVE_PERSISTENT_DECODE=$on timeout "$(left 90)" python3 bench/decode_profile.py \
+               --tree . --ckpt $CKPT --batch 1 --top 8 --label "persistent=$on/$r" 2>&1 \
+               | grep -v Warning | grep -E '"tpot_ms"' | cut -c1-400
+           done; done
+           QWEN_SERVE_PERSISTENT_DECODE=1 timeout "$(left 110)" python3 bench/engine_check.py \
+             --ckpt $CKPT 2>&1 | grep -v Warning | tail -4 ;;
     l2pf)  TRITON_INTERPRET=0 timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider \
              tests/kernels/test_l2_prefetch.py tests/kernels/test_pdl.py 2>&1 | tail -4
            timeout "$(left 90)" python3 bench/l2_prefetch_probe.py 2>&1 | grep -v Warning \
              | tee "$OUT/l2pf_probe.txt" | tail -16 ;;
-    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab swiglu sampling serveab ttftab httpab attn ttft peer front l2pf qkvrope qkvab splits mergeab gridbar layer)"; exit 2 ;;
+    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab swiglu sampling serveab ttftab httpab attn ttft peer front l2pf qkvrope qkvab splits mergeab gridbar layer persist)"; exit 2 ;;
   esac
   stamp "$stage"
 done
