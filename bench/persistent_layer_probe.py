@@ -91,16 +91,22 @@ def layer_table(wt: Weights, k_caches, v_caches) -> torch.Tensor:
 def persistent_layers(
     x, wt: Weights, k_caches, v_caches, block_table, seq_len, cos, sin, eps, scratch: Scratch,
     programs=1, block_k=64, block_t=32, num_warps=4, fuse_b=False, merge_e=False, pre_kv=False,
-    merge_c=False, skip=0, table=None, info=None,
+    merge_c=False, skip=0, table=None, info=None, slot=None,
 ):  # fmt: skip
     """:func:`kernels.persistent_decode.persistent_layers` over ``wt``'s layers and the caches
     ``k_caches``/``v_caches`` (one ``[blocks, BS, HKV, D]`` tensor per layer); ``table``: their
-    :func:`layer_table`, made here when None (not inside a graph capture)."""
+    :func:`layer_table`, made here when None (not inside a graph capture); ``slot``: the new
+    token's cache slot (an int64 ``[1]`` device tensor inside a graph; None: from the block
+    table and an int ``seq_len``)."""
     if table is None:
         table = layer_table(wt, k_caches, v_caches)
+    bs = k_caches[0].shape[1]
+    if slot is None:  # the new token's slot from the block table (host side: not in a capture)
+        pos = int(seq_len) - 1
+        slot = int(block_table[pos // bs]) * bs + pos % bs
     return pd.persistent_layers(
-        x, table, wt.dims, k_caches[0].shape[1], block_table, seq_len, cos, sin, eps, scratch,
-        programs, block_k, block_t, num_warps, fuse_b, merge_e, pre_kv, merge_c, skip, info,
+        x, table, wt.dims, bs, block_table, slot, seq_len, cos, sin, eps, scratch, programs,
+        block_k, block_t, num_warps, fuse_b, merge_e, pre_kv, merge_c, skip, info,
     )  # fmt: skip
 
 
@@ -193,6 +199,8 @@ def main() -> int:
     for layer in range(args.layers):
         ref = layer_ref(ref, wt, layer, kr[layer], vr[layer], bt, args.context, cos, sin, eps)
     seq_t = torch.tensor([args.context], dtype=torch.int32, device=dev)  # read on the device
+    pos = args.context - 1
+    slot_t = torch.tensor([int(bt[pos // 128]) * 128 + pos % 128], dtype=torch.int64, device=dev)
     table = layer_table(wt, kc, vc)  # made once: a graph capture cannot copy from the host
     print(f"{args.layers} layers, context {args.context}, {programs} programs")
     print("| variant | us per launch | us per layer | rel err vs torch layers |")
@@ -214,6 +222,7 @@ def main() -> int:
                     return persistent_layers(
                         x, wt, kc, vc, bt, seq_t, cos, sin, eps, sc, programs,
                         args.block_k, args.block_t, warps, *lay, table=table, info=info,
+                        slot=slot_t,
                     )  # fmt: skip
 
                 label = (
@@ -253,7 +262,7 @@ def main() -> int:
                 x.copy_(x0)
                 return persistent_layers(
                     x, wt, kc, vc, bt, seq_t, cos, sin, eps, scratch, programs, args.block_k,
-                    args.block_t, args.warps[0], *lay, skip=bit, table=table,
+                    args.block_t, args.warps[0], *lay, skip=bit, table=table, slot=slot_t,
                 )  # fmt: skip
 
             timed = time_or_report(f"skip {name}", run, args.reps)

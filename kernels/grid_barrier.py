@@ -70,16 +70,18 @@ def resident_programs(compiled, num_warps: int, props) -> tuple[int | None, str]
     return per_sm * props.multi_processor_count, f"{regs} regs, {spills} B spilled"
 
 
-def launch_resident(kernel, grid: tuple[int], args: tuple, num_warps: int, device) -> str:
-    """Launch ``kernel[grid](*args, num_warps=...)`` after checking (on a CUDA device, compiled
-    kernels) that all ``grid[0]`` programs can be resident; returns the register line of
-    :func:`resident_programs` ("" under the interpreter).
+def launch_resident(
+    kernel, grid: tuple[int], args: tuple, num_warps: int, device, check: bool = True
+) -> str:
+    """Launch ``kernel[grid](*args, num_warps=...)`` after checking (with ``check``, on a CUDA
+    device, compiled kernels) that all ``grid[0]`` programs can be resident; returns the
+    register line of :func:`resident_programs` ("" under the interpreter or unchecked).
 
     Raises:
         ValueError: more programs than the device holds at once (the launch would hang).
     """
     usage = ""
-    if torch.device(device).type == "cuda" and not interpreting():
+    if check and torch.device(device).type == "cuda" and not interpreting():
         compiled = kernel.warmup(*args, grid=grid, num_warps=num_warps)
         props = torch.cuda.get_device_properties(device)
         fit, usage = resident_programs(compiled, num_warps, props)

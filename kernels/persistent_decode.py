@@ -135,8 +135,8 @@ def _attn_split(
     hq = g * G + tl.arange(0, G)
     d = tl.arange(0, D)
     if FUSED:
-        q = norm_rope_rows(
-            qkv_ptr, hq, hq < HQ, D, 1, qn_ptr, cos_ptr, sin_ptr, 1, 1, eps, D, True, EXACT
+        q = norm_rope_rows(  # (exact roundings: no FMA may skip rotary's, kernels.rounding)
+            qkv_ptr, hq, hq < HQ, D, 1, qn_ptr, cos_ptr, sin_ptr, 1, 1, eps, D, True, True
         ).to(tl.float32)
         c_hi = tl.minimum(hi, seq_len - 1)  # the new token comes from registers
     else:
@@ -174,12 +174,13 @@ def _attn_split(
             gk = g + tl.arange(0, 1)
             k_new = norm_rope_rows(
                 qkv_ptr + HQ * D, gk, gk < HKV, D, 1, kn_ptr, cos_ptr, sin_ptr, 1, 1, eps, D,
-                True, EXACT,
+                True, True,
             )  # fmt: skip
             v_off = gk[:, None] * D + d[None, :]
             v_new = tl.load(qkv_ptr + (HQ + HKV) * D + v_off, cache_modifier=".cg")
-            tl.store(kc + slot * HKV * D + v_off, k_new)
-            tl.store(vc + slot * HKV * D + v_off, v_new)
+            store = (v_off * 0 + slot) >= 0  # a negative slot stores nothing (padding)
+            tl.store(kc + slot * HKV * D + v_off, k_new, mask=store)
+            tl.store(vc + slot * HKV * D + v_off, v_new, mask=store)
             sc = tl.sum(q * k_new.to(tl.float32), axis=1) * scale  # [G]
             m_new = tl.maximum(m, sc)
             alpha = tl.exp(m - m_new)
@@ -240,7 +241,7 @@ def _layer_ptr(layer_ptrs, layer, j):
 @triton.jit
 def _layers_kernel(
     x_ptr, h2_ptr, qkv_ptr, q_ptr, attn_ptr, act_ptr, part_ptr, ml_ptr, bar_ptr, count_ptr,
-    layer_ptrs, bt_ptr, cos_ptr, sin_ptr, seq_len_ptr, LAYERS, eps, scale,
+    layer_ptrs, bt_ptr, slot_ptr, cos_ptr, sin_ptr, seq_len_ptr, LAYERS, eps, scale,
     H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, FF: tl.constexpr,
     BS: tl.constexpr, S: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     R_QKV: tl.constexpr, P_QKV: tl.constexpr, R_H: tl.constexpr, P_H: tl.constexpr,
@@ -255,8 +256,12 @@ def _layers_kernel(
     ``layer_ptrs`` (:func:`_layer_ptr`): ``wqkv [(HQ + 2 HKV) D, H]``, ``wo [H, HQ D]``,
     ``wgu [2 FF, H]`` (gate rows, then up), ``wd [H, FF]``, ``ln1``/``ln2 [H]``,
     ``qn``/``kn [D]``, caches ``[blocks, BS, HKV, D]``; ``bt`` the sequence's int32 block
-    table; ``cos``/``sin [D]`` the new token's rotary row; ``seq_len_ptr``: the int32 context
-    length counting the new token (read on the device: a CUDA graph replays any length).
+    table; ``slot_ptr`` the new token's int64 cache slot (negative: its k/v are not stored, as
+    a padding row of the engine's ``slot_mapping``); ``cos``/``sin [D]`` its rotary row;
+    ``seq_len_ptr``: the int32 context length counting the new token (read on the device, as
+    the slot: a CUDA graph replays any length). The q/k norm + rotary rounds by integer ops on
+    every device (``EXACT`` there), so no FMA contraction skips a rounding; ``EXACT`` rounds the
+    rest that way too (the interpreter, whose casts truncate).
     ``FUSE_B``: no phase B (each attention item normalizes and rotates its group's queries and
     the new key itself, the new token's k/v enter its split from registers and that item stores
     them); ``MERGE_E``: no phase D (every o-projection program merges the splits of its input
@@ -274,8 +279,7 @@ def _layers_kernel(
     G: tl.constexpr = HQ // HKV
     seq_len = tl.load(seq_len_ptr)
     pos = seq_len - 1
-    blk = tl.load(bt_ptr + pos // BS).to(tl.int64)
-    slot = blk * BS + pos % BS
+    slot = tl.load(slot_ptr).to(tl.int64)  # the new token's cache slot; < 0: not stored
     if PRE_T > 0:  # the cache slots of this program's attention item (the same in every layer)
         pre_g = pid // S
         chunk = tl.cdiv(tl.cdiv(seq_len, S), BT) * BT
@@ -317,20 +321,21 @@ def _layers_kernel(
                     hq = tl.arange(0, HQ)
                     qr = norm_rope_rows(
                         qkv_ptr, hq, hq < HQ, D, 1, qn, cos_ptr, sin_ptr, 1, 1,
-                        eps, D, True, EXACT,
+                        eps, D, True, True,
                     )  # fmt: skip
                     tl.store(q_ptr + hq[:, None] * D + tl.arange(0, D)[None, :], qr)
                 elif item == 1:
                     hk = tl.arange(0, HKV)
                     kr = norm_rope_rows(
                         qkv_ptr + HQ * D, hk, hk < HKV, D, 1, kn, cos_ptr, sin_ptr,
-                        1, 1, eps, D, True, EXACT,
+                        1, 1, eps, D, True, True,
                     )  # fmt: skip
-                    tl.store(kc + (slot * HKV + hk)[:, None] * D + tl.arange(0, D)[None, :], kr)
+                    off = hk[:, None] * D + tl.arange(0, D)[None, :]
+                    tl.store(kc + slot * HKV * D + off, kr, mask=(off * 0 + slot) >= 0)
                 else:
                     off = tl.arange(0, HKV)[:, None] * D + tl.arange(0, D)[None, :]
                     v = tl.load(qkv_ptr + (HQ + HKV) * D + off, cache_modifier=".cg")
-                    tl.store(vc + slot * HKV * D + off, v)
+                    tl.store(vc + slot * HKV * D + off, v, mask=(off * 0 + slot) >= 0)
             phase += 1
             grid_arrive(bar_ptr)
             grid_wait(bar_ptr, phase * nprog)
@@ -475,22 +480,25 @@ class Scratch:
 
 
 def persistent_layers(
-    x, table, dims, block_size, block_table, seq_len, cos, sin, eps, scratch: Scratch,
+    x, table, dims, block_size, block_table, slot, seq_len, cos, sin, eps, scratch: Scratch,
     programs=1, block_k=64, block_t=32, num_warps=4, fuse_b=False, merge_e=False, pre_kv=False,
-    merge_c=False, skip=0, info=None,
+    merge_c=False, skip=0, info=None, check=True,
 ):  # fmt: skip
     """Run :func:`_layers_kernel` over every layer of ``table`` (:func:`layer_table`, ``[L,
     10]``; ``dims`` = ``(H, HQ, HKV, D, FF)``, ``block_size`` the caches' tokens per block) on
     the hidden state ``x [H]`` (bf16, updated in place and returned); each layer's caches get
     the token's k/v at position ``seq_len - 1`` (an int, or an int32 ``[1]`` device tensor, as
-    a CUDA graph replays it); ``block_table`` the sequence's int32 block ids; ``cos``/``sin
+    a CUDA graph replays it) in cache slot ``slot`` (an int or an int64 ``[1]`` device tensor;
+    negative: nothing stored); ``block_table`` the sequence's int32 block ids; ``cos``/``sin
     [D]`` its rotary row (bf16); ``eps`` the RMSNorm epsilon; ``fuse_b``,
     ``merge_e``, ``pre_kv``: the kernel's ``FUSE_B``, ``MERGE_E``, ``PRE_T > 0`` (phases B and D
     folded into C and E; the first ``2 * block_t`` keys/values of the program's first attention
     item loaded during the barrier wait);
     ``merge_c``: ``MERGE_C`` (the last split of a KV head merges its group); ``skip``: the
     kernel's ``SKIP`` mask (phases whose work is left out, for timing only); ``info``: a dict
-    that gets the launch's register line (``"usage"``).
+    that gets the launch's register line (``"usage"``); ``check``: the residency check of
+    :func:`kernels.grid_barrier.launch_resident` (a caller that checked once may skip it: it
+    compiles and queries the device, host work on every eager call).
 
     Raises:
         ValueError: ``block_k`` not dividing H, FF and HQ * D, a splits count, head count or
@@ -507,17 +515,20 @@ def persistent_layers(
         raise ValueError("pre_kv needs fuse_b")
     if not isinstance(seq_len, torch.Tensor):
         seq_len = torch.tensor([seq_len], dtype=torch.int32, device=x.device)
+    if not isinstance(slot, torch.Tensor):
+        slot = torch.tensor([slot], dtype=torch.int64, device=x.device)
     layers = table.shape[0]
     r_qkv, r_h, r_ff = (-(-n // programs) for n in ((hq + 2 * hkv) * d, h, ff))
     p2 = triton.next_power_of_2
     args = (
         x, scratch.h2, scratch.qkv, scratch.q, scratch.attn, scratch.act, scratch.part,
-        scratch.ml, scratch.bar, scratch.count, table, block_table, cos, sin, seq_len, layers, eps,
+        scratch.ml, scratch.bar, scratch.count, table, block_table, slot, cos, sin, seq_len,
+        layers, eps,
         d**-0.5, h, hq, hkv, d, ff, block_size, scratch.splits, block_t, block_k,
         r_qkv, p2(r_qkv), r_h, p2(r_h), r_ff, p2(r_ff), interpreting(), fuse_b, merge_e,
         pre_kv * 2 * block_t, merge_c, skip,
     )  # fmt: skip
-    usage = launch_resident(_layers_kernel, (programs,), args, num_warps, x.device)
+    usage = launch_resident(_layers_kernel, (programs,), args, num_warps, x.device, check)
     if info is not None:
         info["usage"] = usage
     return x

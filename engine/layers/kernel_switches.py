@@ -18,7 +18,8 @@ one tree (``bench/latency_ab.sh``) and as an escape hatch should a kernel misbeh
   kernel (2.8 against 1.4-1.7 TB/s on an H100; docs/benchmarks.md, 2026-12-05, fourth session).
 
 * ``QWEN_SERVE_PERSISTENT_DECODE=1`` (off by default, not yet measured inside the engine):
-  one-token decode steps of a dense bf16 Qwen3 model on one Hopper GPU run all layers in one
+  one-token decode steps of a dense bf16 Qwen3 model on one GPU of compute capability 9.0+ run
+  all layers in one
   persistent launch (``engine/models/persistent_decode.py``, ``kernels/persistent_decode.py``).
 
 The others default to on (the fusions only where their table,

@@ -45,22 +45,31 @@ class PersistentDecode:
     programs: int
     block_k: int
     num_warps: int = 8
+    #: the first layer's q/k/v weight address when the table was made (a moved weight: stale)
+    first_weight: int = 0
 
     def forward(
         self, model, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Hidden states ``[1, H]`` of a one-token decode step (``input_ids``, ``positions``
         int64 ``[1]``; ``meta`` with ``is_decode`` and one sequence), the token's k/v stored in
-        every layer's cache: embedding, :func:`kernels.persistent_decode.persistent_layers`,
-        final RMSNorm -- the same roundings as the layer loop's (the kernel's output is the
-        residual stream after the last layer's add)."""
+        every layer's cache at ``meta.slot_mapping[0]`` (none when negative): embedding,
+        :func:`kernels.persistent_decode.persistent_layers`, final RMSNorm. The roundings are
+        eager torch's at the same points as the layer loop's (the kernel's output is the
+        residual stream after the last layer's add); the sums run in another order on a GPU.
+
+        Raises:
+            RuntimeError: the model's weights moved since the table was made."""
         inner = model.model
+        if inner.layers[0].self_attn.qkv_proj.weight.data_ptr() != self.first_weight:
+            raise RuntimeError("the model's weights moved after its persistent-decode table")
         x = inner.embed_tokens(input_ids).reshape(-1).contiguous()
         cos, sin = inner.rotary_emb.lookup(positions, x.dtype)
         persistent_layers(
-            x, self.table, self.dims, self.block_size, meta.block_tables[0], meta.seq_lens[:1],
-            cos.reshape(-1), sin.reshape(-1), self.eps, self.scratch, self.programs,
-            self.block_k, 32, self.num_warps, fuse_b=True,
+            x, self.table, self.dims, self.block_size, meta.block_tables[0],
+            meta.slot_mapping[:1], meta.seq_lens[:1], cos.reshape(-1), sin.reshape(-1), self.eps,
+            self.scratch, self.programs, self.block_k, 32, self.num_warps, fuse_b=True,
+            check=False,
         )  # fmt: skip
         norm = inner.norm
         return model.ops.rms_norm(x[None], norm.weight, norm.eps)
@@ -71,7 +80,8 @@ def unsupported_reason(model, kv_caches) -> str | None:
     ``[blocks, BS, HKV, D]``) cannot take the persistent decode path, or None when it can:
     one GPU of compute capability 9.0+ (or the Triton interpreter), no tensor parallelism, no
     quantization, Qwen3's q/k norms without a q/k/v bias, bf16 everywhere, power-of-two head
-    counts and head size, and a K chunk dividing the hidden, intermediate and attention widths."""
+    counts and head size, and a K chunk dividing the hidden, intermediate and attention widths.
+    (Residency is checked by :func:`build`, which compiles the kernel.)"""
     cfg = model.config
     layers = model.model.layers
     if model.tp is not None:
@@ -104,10 +114,12 @@ def unsupported_reason(model, kv_caches) -> str | None:
 def build(model, kv_caches, block_size: int) -> PersistentDecode:
     """The kernel's state over ``model``'s parameters and ``kv_caches`` (no copies: the table
     holds their addresses, so they must not be reallocated afterwards). Call before any CUDA
-    graph is captured (the table and the scratch are allocated here).
+    graph is captured: the table and the scratch are allocated here, and one launch that
+    stores nothing compiles the kernel and checks its residency.
 
     Raises:
-        ValueError: :func:`unsupported_reason` gives a reason.
+        ValueError: :func:`unsupported_reason` gives a reason, or the kernel's programs cannot
+            all be resident on this GPU (:func:`kernels.grid_barrier.launch_resident`).
     """
     reason = unsupported_reason(model, kv_caches)
     if reason is not None:
@@ -124,7 +136,7 @@ def build(model, kv_caches, block_size: int) -> PersistentDecode:
         device.type == "cuda" and not interpreting()
     ) else 1  # fmt: skip
     splits = triton.next_power_of_2(max(1, programs // dims[2]))
-    return PersistentDecode(
+    state = PersistentDecode(
         table=table,
         dims=dims,
         block_size=block_size,
@@ -133,7 +145,20 @@ def build(model, kv_caches, block_size: int) -> PersistentDecode:
         programs=programs,
         block_k=_block_k(dims[0], dims[4], dims[1] * dims[3]),
         num_warps=8 if device.type == "cuda" else 4,
+        first_weight=tensors[0].data_ptr(),
     )
+    # one launch now, storing nothing (slot -1): compiles the kernel and checks that all its
+    # programs can be resident, before any request or graph capture needs it
+    x = torch.zeros(dims[0], dtype=torch.bfloat16, device=device)
+    rows = torch.zeros(2 * dims[3], dtype=torch.bfloat16, device=device)
+    one = torch.ones(1, dtype=torch.int32, device=device)
+    persistent_layers(
+        x, table, dims, block_size, torch.zeros(1, dtype=torch.int32, device=device),
+        torch.full((1,), -1, dtype=torch.int64, device=device), one, rows[: dims[3]],
+        rows[dims[3] :], state.eps, state.scratch, programs, state.block_k, 32,
+        state.num_warps, fuse_b=True,
+    )  # fmt: skip
+    return state
 
 
 def _block_k(*widths: int) -> int | None:

@@ -468,7 +468,12 @@ class Qwen3ForCausalLM(nn.Module):
             Whatever the attention backend raises (e.g. ValueError for Triton on a CPU without
             the interpreter). Compilation errors are not raised: they switch the model to eager.
         """
-        if self.persistent_decode is not None and meta.is_decode and input_ids.shape[0] == 1:
+        if (
+            self.persistent_decode is not None
+            and meta.is_decode
+            and input_ids.shape[0] == 1
+            and meta.seq_lens.shape[0] == 1
+        ):
             return self.persistent_decode.forward(self, input_ids, positions, meta)
         if self._compiled is not None:
             return self._compiled(input_ids, positions, kv_caches, meta)
@@ -483,7 +488,10 @@ class Qwen3ForCausalLM(nn.Module):
 
         reason = persistent_decode.unsupported_reason(self, kv_caches)
         if reason is None:
-            self.persistent_decode = persistent_decode.build(self, kv_caches, block_size)
+            try:
+                self.persistent_decode = persistent_decode.build(self, kv_caches, block_size)
+            except ValueError as exc:  # e.g. its programs cannot all be resident on this GPU
+                reason = str(exc)
         return reason
 
     def _forward_impl(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:

@@ -143,3 +143,47 @@ def test_engine_greedy_outputs_equal_with_the_switch(
         assert (eng.executor.model.persistent_decode is not None) is on
         outs[on] = (eng.generate(prompts[:1], params), eng.generate(prompts, params))
     assert outs[True] == outs[False]
+
+
+def _decode_meta(table: list[int], n_before: int, slot_override: int | None = None):
+    """A one-token decode step of one sequence with ``n_before`` cached tokens over blocks
+    ``table`` (any order): ``(positions, meta)``."""
+    from engine.attention.metadata import AttentionMetadata
+
+    pos = n_before
+    slot = table[pos // BLOCK] * BLOCK + pos % BLOCK if slot_override is None else slot_override
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([slot], dtype=torch.int64),
+        block_tables=torch.tensor([table], dtype=torch.int32),
+        seq_lens=torch.tensor([pos + 1], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+        max_query_len=1,
+        max_seq_len=pos + 1,
+        is_decode=True,
+    )
+    return torch.tensor([pos], dtype=torch.int64), meta
+
+
+@pytest.mark.parametrize("slot_override", [None, -1])
+def test_scattered_blocks_and_a_padding_slot(interpreter, slot_override):
+    """Blocks of the sequence out of order in the cache (the pages the kernel gathers), and a
+    negative slot (a padding row: nothing stored, by either path; its output is not used, and
+    the two paths differ there: the loop attends to whatever the cache holds at the new
+    position, the kernel to the new key from registers)."""
+    cfg = _bf16_config()
+    loop, fast = _model(cfg, seed=5), _model(cfg)
+    fast.load_state_dict(loop.state_dict())
+    caches_loop = _caches(cfg)  # random keys/values: every block holds "earlier tokens"
+    caches_fast = [(k.clone(), v.clone()) for k, v in caches_loop]
+    before = [(k.clone(), v.clone()) for k, v in caches_loop]
+    assert fast.enable_persistent_decode(caches_fast, BLOCK) is None
+    table = [37, 5, 22, 11]
+    pos, meta = _decode_meta(table, 3 * BLOCK + 6, slot_override)
+    ids = torch.tensor([17])
+    with torch.inference_mode():
+        want = loop(ids, pos, caches_loop, meta)
+        got = fast(ids, pos, caches_fast, meta)
+    assert torch.equal(got, want) or slot_override == -1
+    for (kf, vf), (kl, vl), (kb, vb) in zip(caches_fast, caches_loop, before):
+        assert torch.equal(kf, kl) and torch.equal(vf, vl)
+        assert (torch.equal(kf, kb) and torch.equal(vf, vb)) is (slot_override == -1)
