@@ -62,7 +62,7 @@
 #   layer:  bench/persistent_layer_probe.py (28 Qwen3-0.6B decoder layers of one decode token in
 #           one persistent launch, $LAYER_ARGS) after its GPU test, then this tree's batch-1
 #           decode step (bench/decode_profile.py) for comparison
-#   persist: the persistent kernels' GPU tests, then bench/decode_profile.py at batch 1 with
+#   persist: the persistent kernels' GPU tests (and the model's path against its layer loop), then bench/decode_profile.py at batch 1 with
 #           QWEN_SERVE_PERSISTENT_DECODE 0 and 1 (${PERSIST_ROUNDS:-2} alternations), and
 #           engine_check with it on
 #   l2pf:   the L2 prefetch kernel's GPU tests and the PDL ones, bench/l2_prefetch_probe.py (a
@@ -270,7 +270,7 @@ for stage in ${@:-tests dense}; do
              --top 8 --label engine 2>&1 | grep -v Warning | grep -E '"tpot_ms"' | cut -c1-400 ;;
     persist) TRITON_INTERPRET=0 timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider \
              tests/kernels/test_persistent_layer_probe.py tests/kernels/test_grid_barrier_probe.py \
-             2>&1 | tail -2
+             tests/unit/test_persistent_decode.py 2>&1 | tail -2
            for r in $(seq "${PERSIST_ROUNDS:-2}"); do for on in 0 1; do
              QWEN_SERVE_PERSISTENT_DECODE=$on timeout "$(left 90)" python3 bench/decode_profile.py \
                --tree . --ckpt $CKPT --batch 1 --top 8 --label "persistent=$on/$r" 2>&1 \

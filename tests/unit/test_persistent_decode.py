@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 
+from engine.attention.metadata import AttentionMetadata
 from engine.loader.dummy import init_random_weights
 from engine.models import persistent_decode
 from engine.models.qwen3 import Qwen3ForCausalLM
@@ -148,8 +149,6 @@ def test_engine_greedy_outputs_equal_with_the_switch(
 def _decode_meta(table: list[int], n_before: int, slot_override: int | None = None):
     """A one-token decode step of one sequence with ``n_before`` cached tokens over blocks
     ``table`` (any order): ``(positions, meta)``."""
-    from engine.attention.metadata import AttentionMetadata
-
     pos = n_before
     slot = table[pos // BLOCK] * BLOCK + pos % BLOCK if slot_override is None else slot_override
     meta = AttentionMetadata(
@@ -187,3 +186,37 @@ def test_scattered_blocks_and_a_padding_slot(interpreter, slot_override):
     for (kf, vf), (kl, vl), (kb, vb) in zip(caches_fast, caches_loop, before):
         assert torch.equal(kf, kl) and torch.equal(vf, vl)
         assert (torch.equal(kf, kb) and torch.equal(vf, vb)) is (slot_override == -1)
+
+
+@pytest.mark.parametrize("context", [21, 300])
+def test_decode_steps_close_to_the_layer_loop_on_gpu(context):
+    """On a GPU of compute capability 9.0+ (compiled kernels, the SM count's programs, the
+    splits merged across programs): hidden states and caches close to the layer loop's (the
+    sums run in another order than cuBLAS's and the fused GEMVs'), with the blocks scattered."""
+    if not torch.cuda.is_available() or interpreting():
+        pytest.skip("needs a CUDA device and compiled kernels (TRITON_INTERPRET=0)")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the persistent path needs compute capability 9.0+")
+    cfg = _bf16_config()
+    loop, fast = _model(cfg, seed=11), _model(cfg)
+    fast.load_state_dict(loop.state_dict())
+    loop, fast = loop.cuda(), fast.cuda()
+    caches_loop = [(k.cuda(), v.cuda()) for k, v in _caches(cfg)]
+    caches_fast = [(k.clone(), v.clone()) for k, v in caches_loop]
+    assert fast.enable_persistent_decode(caches_fast, BLOCK) is None
+    table = torch.randperm(NUM_BLOCKS)[: -(-(context + 4) // BLOCK)].tolist()
+    with torch.inference_mode():
+        for n in range(context, context + 4):
+            pos, meta = _decode_meta(table, n)
+            meta = AttentionMetadata(*(
+                getattr(meta, f.name).cuda() if torch.is_tensor(getattr(meta, f.name))
+                else getattr(meta, f.name) for f in dataclasses.fields(meta)
+            ))  # fmt: skip
+            ids = torch.tensor([n % 300], device="cuda")
+            want = loop(ids, pos.cuda(), caches_loop, meta)
+            got = fast(ids, pos.cuda(), caches_fast, meta)
+            rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            assert rel < 2e-2, (n, rel)
+            for (kf, vf), (kl, vl) in zip(caches_fast, caches_loop):
+                torch.testing.assert_close(kf, kl, rtol=2e-2, atol=2e-2)
+                torch.testing.assert_close(vf, vl, rtol=2e-2, atol=2e-2)
