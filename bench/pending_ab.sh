@@ -62,7 +62,8 @@
 #   layer:  bench/persistent_layer_probe.py (28 Qwen3-0.6B decoder layers of one decode token in
 #           one persistent launch, $LAYER_ARGS) after its GPU test, then this tree's batch-1
 #           decode step (bench/decode_profile.py) for comparison
-#   persist: the persistent kernels' GPU tests (and the model's path against its layer loop), then bench/decode_profile.py at batch 1 with
+#   persist: the persistent kernels' GPU tests (and the model's path against its layer loop),
+#           then bench/decode_profile.py at batch 1 with
 #           QWEN_SERVE_PERSISTENT_DECODE 0 and 1 (${PERSIST_ROUNDS:-2} alternations), and
 #           engine_check with it on
 #   l2pf:   the L2 prefetch kernel's GPU tests and the PDL ones, bench/l2_prefetch_probe.py (a
