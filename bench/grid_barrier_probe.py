@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.grid_barrier import grid_arrive, grid_wait, launch_resident  # noqa: E402
+from kernels.grid_barrier import grid_arrive, grid_leave, grid_wait, launch_resident  # noqa: E402
 from kernels.interpreter import interpreting  # noqa: E402
 from kernels.pdl import launch_options, pdl_wait, prefetch_l2  # noqa: E402
 from kernels.rounding import round_to  # noqa: E402
@@ -138,6 +138,27 @@ def _gemv_tiles(
 
 
 @triton.jit
+def _chain_step(
+    w, x_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, w0,
+    w_next, N_NEXT: tl.constexpr, K_NEXT: tl.constexpr, BN_NEXT: tl.constexpr,
+    BP_NEXT: tl.constexpr, bar_ptr, target, pid, nprog, BK: tl.constexpr, PRE: tl.constexpr,
+    WORK: tl.constexpr, SYNC: tl.constexpr, PREFETCH: tl.constexpr, EMULATE_RNE: tl.constexpr,
+):  # fmt: skip
+    """One GEMV of the chain (``y = W x``, ``W [N, K]`` at ``w``, its first tile's columns
+    ``w0`` preloaded; with ``WORK``), then the barrier after it (with ``SYNC``; counter
+    ``target``) with the next GEMV's weights (``[N_NEXT, K_NEXT]`` at ``w_next``) asked for
+    between the arrival and the wait (:func:`_preload`); returns that preload."""
+    if WORK:
+        _gemv_tiles(w, x_ptr, y_ptr, N, K, BN, BP, BK, pid, nprog, w0, PRE, EMULATE_RNE)
+    if SYNC:
+        grid_arrive(bar_ptr)
+    w0_next = _preload(w_next, N_NEXT, K_NEXT, BN_NEXT, BP_NEXT, BK, PRE, pid, nprog, PREFETCH)
+    if SYNC:
+        grid_wait(bar_ptr, target)
+    return w0_next
+
+
+@triton.jit
 def _chain_kernel(
     w_ptr, a_ptr, b_ptr, bar_ptr, LAYERS,
     H: tl.constexpr, Q: tl.constexpr, A: tl.constexpr, FF: tl.constexpr,
@@ -152,8 +173,8 @@ def _chain_kernel(
     a grid barrier between GEMVs (:func:`grid_arrive`, then the next GEMV's weights asked for
     (:func:`_preload`: ``PREFETCH``, ``PRE``), then :func:`grid_wait`). ``WORK`` False leaves the
     GEMVs out (barriers only); ``SYNC`` False leaves the barriers out (correct only with one
-    program). The last program to leave resets the two counters (``bar_ptr[0]``: the barrier,
-    ``bar_ptr[1]``: departures), so every launch starts from zero."""
+    program). The last program to leave resets the counters (:func:`grid_leave`), so every
+    launch starts from zero."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     OFF_O: tl.constexpr = Q * H
@@ -163,72 +184,28 @@ def _chain_kernel(
     wq = _preload(w_ptr, Q, H, BN_QKV, BP_QKV, BK, PRE, pid, nprog, PREFETCH)
     for layer in range(LAYERS):
         w = w_ptr + layer * LAYER  # < 2**31 elements for up to 136 layers of 0.6B
-        ph = layer * 4
-        if WORK:
-            _gemv_tiles(w, a_ptr, b_ptr, Q, H, BN_QKV, BP_QKV, BK, pid, nprog, wq, PRE, EMULATE_RNE)
-        if SYNC:
-            grid_arrive(bar_ptr)
-        wo = _preload(w + OFF_O, H, A, BN_O, BP_O, BK, PRE, pid, nprog, PREFETCH)
-        if SYNC:
-            grid_wait(bar_ptr, (ph + 1) * nprog)
-        if WORK:
-            _gemv_tiles(
-                w + OFF_O, b_ptr, a_ptr, H, A, BN_O, BP_O, BK, pid, nprog, wo, PRE, EMULATE_RNE
-            )
-        if SYNC:
-            grid_arrive(bar_ptr)
-        wg = _preload(w + OFF_GU, 2 * FF, H, BN_GU, BP_GU, BK, PRE, pid, nprog, PREFETCH)
-        if SYNC:
-            grid_wait(bar_ptr, (ph + 2) * nprog)
-        if WORK:
-            _gemv_tiles(
-                w + OFF_GU,
-                a_ptr,
-                b_ptr,
-                2 * FF,
-                H,
-                BN_GU,
-                BP_GU,
-                BK,
-                pid,
-                nprog,
-                wg,
-                PRE,
-                EMULATE_RNE,
-            )
-        if SYNC:
-            grid_arrive(bar_ptr)
-        wd = _preload(w + OFF_DOWN, H, FF, BN_DOWN, BP_DOWN, BK, PRE, pid, nprog, PREFETCH)
-        if SYNC:
-            grid_wait(bar_ptr, (ph + 3) * nprog)
-        if WORK:
-            _gemv_tiles(
-                w + OFF_DOWN,
-                b_ptr,
-                a_ptr,
-                H,
-                FF,
-                BN_DOWN,
-                BP_DOWN,
-                BK,
-                pid,
-                nprog,
-                wd,
-                PRE,
-                EMULATE_RNE,
-            )
-        if SYNC:
-            grid_arrive(bar_ptr)
         # the next layer's qkv (past the last layer: its own qkv again, unused)
         w_next = w_ptr + tl.minimum(layer + 1, LAYERS - 1) * LAYER
-        wq = _preload(w_next, Q, H, BN_QKV, BP_QKV, BK, PRE, pid, nprog, PREFETCH)
-        if SYNC:
-            grid_wait(bar_ptr, (ph + 4) * nprog)
+        t = layer * 4 * nprog  # the barrier counter before this layer
+        wo = _chain_step(
+            w, a_ptr, b_ptr, Q, H, BN_QKV, BP_QKV, wq, w + OFF_O, H, A, BN_O, BP_O,
+            bar_ptr, t + nprog, pid, nprog, BK, PRE, WORK, SYNC, PREFETCH, EMULATE_RNE,
+        )  # fmt: skip
+        wg = _chain_step(
+            w + OFF_O, b_ptr, a_ptr, H, A, BN_O, BP_O, wo, w + OFF_GU, 2 * FF, H, BN_GU, BP_GU,
+            bar_ptr, t + 2 * nprog, pid, nprog, BK, PRE, WORK, SYNC, PREFETCH, EMULATE_RNE,
+        )  # fmt: skip
+        wd = _chain_step(
+            w + OFF_GU, a_ptr, b_ptr, 2 * FF, H, BN_GU, BP_GU, wg, w + OFF_DOWN, H, FF, BN_DOWN,
+            BP_DOWN, bar_ptr, t + 3 * nprog, pid, nprog, BK, PRE, WORK, SYNC, PREFETCH,
+            EMULATE_RNE,
+        )  # fmt: skip
+        wq = _chain_step(
+            w + OFF_DOWN, b_ptr, a_ptr, H, FF, BN_DOWN, BP_DOWN, wd, w_next, Q, H, BN_QKV, BP_QKV,
+            bar_ptr, t + 4 * nprog, pid, nprog, BK, PRE, WORK, SYNC, PREFETCH, EMULATE_RNE,
+        )  # fmt: skip
     if SYNC:
-        left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
-        if left == nprog - 1:  # every program has passed the last barrier
-            tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed", scope="gpu")
+        grid_leave(bar_ptr, nprog)
 
 
 @triton.jit

@@ -1,31 +1,17 @@
-"""A persistent batch-1 decode kernel for whole Qwen3 decoder layers: does it beat the engine's
-seven launches per layer?
+"""The persistent batch-1 decode kernel for whole Qwen3 decoder layers
+(:mod:`kernels.persistent_decode`, its seven phases per layer between grid barriers) timed
+against the engine's seven launches per layer, and checked against torch.
 
 Usage (GPU, sm_90+): ``python3 bench/persistent_layer_probe.py [--layers 28] [--context 1024]``
 
 ``bench/grid_barrier_probe.py`` measured (H100, 2026-12-06) a grid barrier at ~1.05 us and the
 same GEMV tiles 4.8 us per GEMV inside one persistent launch against 6.4-7.2 us as one PDL
-launch each (the engine's tuned GEMVs: 5.35). This prototype takes the step from GEMVs to
-whole layers, the lever issue 19 names for the 1 ms batch-1 target (Hazy Research's "No
-Bubbles" megakernel, 2025): one launch runs ``L`` layers of one decode token, every program
-resident, seven phases per layer separated by grid barriers
-(:func:`bench.grid_barrier_probe.grid_arrive` / ``grid_wait``):
-
-A. input RMSNorm (every program recomputes the statistics of the 1,024-wide hidden state) and
-   the q/k/v projection, ``ceil(N / programs)`` rows per program;
-B. q/k RMSNorm + rotary (:func:`kernels.qk_norm_rope.norm_rope_rows`), k and v stored in
-   their paged-cache slot;
-C. split-KV attention: (KV head, split) items, each the GQA group's queries over one slice of
-   the context (online softmax; Milakov & Gimelshein 2018, FlashDecoding's split-KV);
-D. the splits merged per query head;
-E. o projection + residual add;
-F. post-attention RMSNorm + gate/up projection + SwiGLU;
-G. down projection + residual add (in place: the next layer's input).
-
-It is a measurement, not yet the engine's path: one sequence; each layer's weights and KV
-caches are separate tensors, as the engine's, reached through a table of their addresses
-(:func:`layer_table`); the context length is read on the device. The oracle is
-:func:`layer_ref`, the composition of :mod:`kernels.reference`'s operations in torch.
+launch each (the engine's tuned GEMVs: 5.35); this probe takes the step from GEMVs to whole
+layers (Hazy Research's "No Bubbles" megakernel, 2025). Random Qwen3-shaped weights, one tensor
+per layer and kind, reached through the kernel's pointer table; the layouts (phases folded
+into others, K/V loaded during a wait) and ``--phase-costs`` (each phase's work left out) are
+the kernel's options. The oracle is :func:`layer_ref`, the composition of
+:mod:`kernels.reference`'s operations in torch.
 Prints the persistent launch's time for ``L`` layers (with its registers and spills) and the
 LM head's (cuBLAS) the engine adds; the engine's step to compare with comes from
 ``bench/decode_profile.py`` (stage ``layer`` of ``bench/pending_ab.sh`` runs both in one call).

@@ -8,7 +8,7 @@ the counter until every program has arrived: cooperative groups' ``grid.sync()``
 so that loads of data nothing writes (weights, earlier keys/values) can be issued between the
 two and overlap the wait (Hazy Research's "No Bubbles" megakernel, 2025, overlaps the next
 operation's weight loads the same way). The caller keeps the counter monotonic within a launch
-(target ``phases x programs``) and resets it when every program has left.
+(target ``phases x programs``); :func:`grid_leave` resets it when every program has left.
 
 Measured (``bench/grid_barrier_probe.py``, H100, 2026-12-06): ~1.05 us per barrier with 132
 programs, where a kernel boundary with programmatic dependent launch costs ~2.5 us more for the
@@ -44,6 +44,26 @@ def grid_wait(bar_ptr, target):
     while seen < target:
         seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
+
+
+@triton.jit
+def grid_sync(bar_ptr, target):
+    """:func:`grid_arrive` then :func:`grid_wait` for ``target``: a grid barrier with nothing
+    issued in between."""
+    grid_arrive(bar_ptr)
+    grid_wait(bar_ptr, target)
+
+
+@triton.jit
+def grid_leave(bar_ptr, nprog):
+    """A program's last step after its last :func:`grid_wait`: count its departure on
+    ``bar_ptr[1]``; the last of the ``nprog`` programs to leave sets both counters
+    (``bar_ptr[0]``: the barrier, ``bar_ptr[1]``: departures) back to zero, so the next launch
+    (or CUDA-graph replay) starts from zero while no program still spins on them."""
+    left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if left == nprog - 1:  # every program has passed the last barrier
+        tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
 def resident_programs(compiled, num_warps: int, props) -> tuple[int | None, str]:

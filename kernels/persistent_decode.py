@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.grid_barrier import grid_arrive, grid_wait, launch_resident
+from kernels.grid_barrier import grid_arrive, grid_leave, grid_sync, grid_wait, launch_resident
 from kernels.interpreter import interpreting
 from kernels.qk_norm_rope import norm_rope_rows
 from kernels.rounding import round_as
@@ -102,6 +102,16 @@ def _rows_dot2(
         acc += wv.to(tl.float32) * xv[None, :]
         acc2 += wv2.to(tl.float32) * xv[None, :]
     return tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
+
+
+@triton.jit
+def _add_residual(y, res_ptr, out_ptr, rows, ok, EXACT: tl.constexpr):
+    """``out[rows] = bf16(res[rows] + bf16(y))`` where ``ok``: a projection's float32 rows
+    ``y`` rounded to bf16, added to the residual stream in bf16 (eager torch's two roundings);
+    ``res`` read at L2 (another program may have written it before the last barrier)."""
+    res = tl.load(res_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    out = round_as(res + round_as(y, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
+    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -337,8 +347,7 @@ def _layers_kernel(
                     v = tl.load(qkv_ptr + (HQ + HKV) * D + off, cache_modifier=".cg")
                     tl.store(vc + slot * HKV * D + off, v, mask=(off * 0 + slot) >= 0)
             phase += 1
-            grid_arrive(bar_ptr)
-            grid_wait(bar_ptr, phase * nprog)
+            grid_sync(bar_ptr, phase * nprog)
         # C: split-KV attention partials
         if (SKIP & 4) == 0:
             if PRE_T > 0:
@@ -360,14 +369,12 @@ def _layers_kernel(
                 if MERGE_C:
                     _split_done(count_ptr, item // S, part_ptr, ml_ptr, attn_ptr, S, D, G, EXACT)
         phase += 1
-        grid_arrive(bar_ptr)
-        grid_wait(bar_ptr, phase * nprog)
+        grid_sync(bar_ptr, phase * nprog)
         if not (MERGE_E or MERGE_C):  # D: merge the splits
             for h in range(pid, HQ * ((SKIP & 8) == 0), nprog):
                 _attn_merge(part_ptr, ml_ptr, attn_ptr, h, S, D, EXACT)
             phase += 1
-            grid_arrive(bar_ptr)
-            grid_wait(bar_ptr, phase * nprog)
+            grid_sync(bar_ptr, phase * nprog)
         # E: o projection + residual
         if (SKIP & 16) == 0:
             wo_ptr = _layer_ptr(layer_ptrs, layer, 1)
@@ -383,12 +390,9 @@ def _layers_kernel(
                         wo_ptr, rows, ok, attn_ptr, attn_ptr, 1.0, HQ * D, BK,
                         P_H, 0, EXACT,
                     )  # fmt: skip
-                res = tl.load(x_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-                h2 = round_as(res + round_as(y, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
-                tl.store(h2_ptr + rows, h2.to(h2_ptr.dtype.element_ty), mask=ok)
+                _add_residual(y, x_ptr, h2_ptr, rows, ok, EXACT)
         phase += 1
-        grid_arrive(bar_ptr)
-        grid_wait(bar_ptr, phase * nprog)
+        grid_sync(bar_ptr, phase * nprog)
         # F: post-attention norm + gate/up + SwiGLU
         if (SKIP & 32) == 0:
             wgu = _layer_ptr(layer_ptrs, layer, 2)
@@ -402,8 +406,7 @@ def _layers_kernel(
                 a = round_as(silu * round_as(up, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
                 tl.store(act_ptr + rows, a.to(act_ptr.dtype.element_ty), mask=ok)
         phase += 1
-        grid_arrive(bar_ptr)
-        grid_wait(bar_ptr, phase * nprog)
+        grid_sync(bar_ptr, phase * nprog)
         # G: down projection + residual (the next layer's input)
         if (SKIP & 64) == 0:
             wd_ptr = _layer_ptr(layer_ptrs, layer, 3)
@@ -412,18 +415,10 @@ def _layers_kernel(
                 y = _rows_dot(
                     wd_ptr, rows, ok, act_ptr, act_ptr, 1.0, FF, BK, P_H, 0, EXACT,
                 )  # fmt: skip
-                res = tl.load(h2_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(
-                    tl.float32
-                )
-                out = round_as(res + round_as(y, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
-                tl.store(x_ptr + rows, out.to(x_ptr.dtype.element_ty), mask=ok)
+                _add_residual(y, h2_ptr, x_ptr, rows, ok, EXACT)
         phase += 1
-        grid_arrive(bar_ptr)
-        grid_wait(bar_ptr, phase * nprog)
-    left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
-    if left == nprog - 1:  # every program has passed the last barrier
-        tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed", scope="gpu")
+        grid_sync(bar_ptr, phase * nprog)
+    grid_leave(bar_ptr, nprog)
 
 
 #: the order of a layer's tensors in :func:`layer_table`'s rows (the kernel's ``_layer_ptr``)
