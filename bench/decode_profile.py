@@ -3,8 +3,8 @@
 Usage (on the GPU): ``python bench/decode_profile.py --tree DIR --ckpt CKPT [--batch 1 64]``.
 
 Builds the tree's engine with the server's defaults (bf16, CUDA graphs, async scheduling; prefix
-caching off), and for each batch size B runs B requests of a 1,024-token prompt (distinct random
-tokens) to their decode phase, then
+caching off), and for each batch size B runs B requests of a ``--prompt-tokens`` prompt
+(default 1,024; distinct random tokens) to their decode phase, then
 
 * times ``--steps`` decode steps on the host clock (``tpot_ms``: mean step time);
 * profiles ``--profile-steps`` more with ``torch.profiler`` (CUPTI reports the kernels a CUDA
@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--prompt-tokens", type=int, default=1024, help="each request's prompt")
     ap.add_argument("--profile-steps", type=int, default=16)
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--label", default=None)
@@ -138,12 +139,13 @@ def main() -> None:
     for b in args.batch:
         sp = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True)
         for i in range(b):
-            eng.add_request(f"b{b}-{i}", [rng.randrange(1000, 100000) for _ in range(1024)], sp)
+            prompt = [rng.randrange(1000, 100000) for _ in range(args.prompt_tokens)]
+            eng.add_request(f"b{b}-{i}", prompt, sp)
         # run until every request decodes (all prompts done), plus a few steps
         for _ in range(200):
             eng.step()
             if (
-                all(r.num_computed_tokens >= 1024 for r in eng.scheduler.running)
+                all(r.num_computed_tokens >= args.prompt_tokens for r in eng.scheduler.running)
                 and len(eng.scheduler.running) == b
             ):
                 break

@@ -60,14 +60,16 @@ def _prefetch_tiles(
     BK: tl.constexpr, pid, nprog,
 ):  # fmt: skip
     """Ask L2 for every 128-byte line of this program's ``[BN, K]`` weight tiles of a GEMV
-    (``prefetch.global.L2``, ``BK // 64`` lines per row at a time: reads nothing into
-    registers; ``BP``: ``BN`` rounded up to a power of two, the rows past ``BN`` or ``N``
-    clamped)."""
+    (``prefetch.global.L2``, ``max(BK, 64) // 64`` lines per row at a time, the columns past
+    ``K`` clamped: reads nothing into registers; ``BP``: ``BN`` rounded up to a power of two,
+    the rows past ``BN`` or ``N`` clamped)."""
+    STEP: tl.constexpr = BK if BK >= 64 else 64  # a line (64 bf16) at least
     for t in range(pid, (N + BN - 1) // BN, nprog):
         r = tl.minimum(t * BN + tl.minimum(tl.arange(0, BP), BN - 1), N - 1)
         rows = r.to(tl.int64)
-        for k0 in tl.static_range(0, K, BK):
-            ptrs = w_ptr + rows[:, None] * K + (k0 + tl.arange(0, BK // 64) * 64)[None, :]
+        for k0 in tl.static_range(0, K, STEP):
+            cols = tl.minimum(k0 + tl.arange(0, STEP // 64) * 64, K - 1)
+            ptrs = w_ptr + rows[:, None] * K + cols[None, :]
             tl.inline_asm_elementwise(
                 "prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
             )

@@ -271,7 +271,7 @@ for stage in ${@:-tests dense}; do
              --top 8 --label engine 2>&1 | grep -v Warning | grep -E '"tpot_ms"' | cut -c1-400 ;;
     persist) TRITON_INTERPRET=0 timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider \
              tests/kernels/test_persistent_layer_probe.py tests/kernels/test_grid_barrier_probe.py \
-             tests/unit/test_persistent_decode.py 2>&1 | tail -2
+             tests/unit/test_persistent_decode.py -rf --tb=line 2>&1 | tail -8
            for r in $(seq "${PERSIST_ROUNDS:-2}"); do for on in 0 1; do
              QWEN_SERVE_PERSISTENT_DECODE=$on timeout "$(left 90)" python3 bench/decode_profile.py \
                --tree . --ckpt $CKPT --batch 1 --top 8 --label "persistent=$on/$r" 2>&1 \

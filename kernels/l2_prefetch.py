@@ -47,6 +47,28 @@ def _prefetch_range(base, n_lines, pid, programs, LINES: tl.constexpr):
         )
 
 
+@triton.jit
+def bulk_prefetch_l2(ptr, nbytes, CHUNK: tl.constexpr):
+    """Ask L2 for the ``nbytes`` bytes from ``ptr`` (any pointer type; 16-byte aligned, and
+    ``nbytes`` a multiple of 16; 0 or less: nothing) with sm_90's bulk prefetch
+    (``cp.async.bulk.prefetch.L2.global``, PTX ISA 8.0: the TMA unit fetches the whole range,
+    one instruction per ``CHUNK`` bytes, no registers), issued by thread 0 of the program only
+    (the other threads' copies of the scalar are predicated off). A hint: reads nothing into
+    registers, writes nothing. GPU only (inline PTX): callers leave it out under the
+    interpreter."""
+    base = ptr.to(tl.pointer_type(tl.int8))
+    for off in range(0, nbytes, CHUNK):
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; }",
+            "=r,l,r",
+            [base + off, tl.minimum(nbytes - off, CHUNK)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
 @triton.jit(do_not_specialize=["n0", "n1", "n2", "n3"])
 def _l2_prefetch_kernel(p0, n0, p1, n1, p2, n2, p3, n3, LINES: tl.constexpr):
     """Every program takes its share of each range (``pK`` a uint8 pointer, ``nK`` its length

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from kernels.grid_barrier import grid_arrive, grid_leave, grid_sync, grid_wait, launch_resident
 from kernels.interpreter import interpreting
+from kernels.l2_prefetch import bulk_prefetch_l2
 from kernels.qk_norm_rope import norm_rope_rows
 from kernels.rounding import round_as
 
@@ -123,6 +124,23 @@ def _tile_rows(t, N: tl.constexpr, R: tl.constexpr, BP: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(
+    kc, vc, bt_ptr, t0, c_hi, g, HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    BT: tl.constexpr,
+):  # fmt: skip
+    """KV head ``g``'s keys and values ``[BT, D]`` (bf16, read at L2) of tokens ``t0 + [0,
+    BT)`` through the block table, and their mask ``tok < c_hi`` (masked rows: zeros, no
+    traffic)."""
+    tok = t0 + tl.arange(0, BT)
+    t_ok = tok < c_hi
+    blk = tl.load(bt_ptr + tok // BS, mask=t_ok, other=0).to(tl.int64)
+    kv_off = ((blk * BS + tok % BS) * HKV + g)[:, None] * D + tl.arange(0, D)[None, :]
+    k = tl.load(kc + kv_off, mask=t_ok[:, None], other=0.0, cache_modifier=".cg")
+    v = tl.load(vc + kv_off, mask=t_ok[:, None], other=0.0, cache_modifier=".cg")
+    return k, v, t_ok
+
+
+@triton.jit
 def _attn_split(
     q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, g, s, seq_len, scale,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, S: tl.constexpr,
@@ -144,14 +162,16 @@ def _attn_split(
     hi = tl.minimum(lo + chunk, seq_len)
     hq = g * G + tl.arange(0, G)
     d = tl.arange(0, D)
+    c_hi = tl.minimum(hi, seq_len - 1) if FUSED else hi  # FUSED: the new token from registers
+    # software pipelining: each tile's keys/values are asked for before the previous tile's
+    # (or the queries') arithmetic, so their latency overlaps it
+    k, v, t_ok = _kv_tile(kc, vc, bt_ptr, lo + PRE_T, c_hi, g, HKV, D, BS, BT)
     if FUSED:
         q = norm_rope_rows(  # (exact roundings: no FMA may skip rotary's, kernels.rounding)
             qkv_ptr, hq, hq < HQ, D, 1, qn_ptr, cos_ptr, sin_ptr, 1, 1, eps, D, True, True
         ).to(tl.float32)
-        c_hi = tl.minimum(hi, seq_len - 1)  # the new token comes from registers
     else:
         q = tl.load(q_ptr + hq[:, None] * D + d[None, :], cache_modifier=".cg").to(tl.float32)
-        c_hi = hi
     m = tl.full((G,), float("-inf"), dtype=tl.float32)
     l_sum = tl.zeros((G,), dtype=tl.float32)
     acc = tl.zeros((G, D), dtype=tl.float32)
@@ -164,13 +184,7 @@ def _attn_split(
         l_sum = tl.sum(p_pre, axis=1)
         acc = tl.sum(p_pre[:, :, None] * pre_v.to(tl.float32)[None, :, :], axis=1)
     for t0 in range(lo + PRE_T, c_hi, BT):
-        tok = t0 + tl.arange(0, BT)
-        t_ok = tok < c_hi
-        blk = tl.load(bt_ptr + tok // BS, mask=t_ok, other=0).to(tl.int64)
-        slot_t = blk * BS + tok % BS
-        kv_off = (slot_t * HKV + g)[:, None] * D + d[None, :]
-        k = tl.load(kc + kv_off, mask=t_ok[:, None], other=0.0, cache_modifier=".cg")
-        v = tl.load(vc + kv_off, mask=t_ok[:, None], other=0.0, cache_modifier=".cg")
+        k_next, v_next, ok_next = _kv_tile(kc, vc, bt_ptr, t0 + BT, c_hi, g, HKV, D, BS, BT)
         sc = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale  # [G, BT]
         sc = tl.where(t_ok[None, :], sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, axis=1))
@@ -179,6 +193,7 @@ def _attn_split(
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         m = m_new
+        k, v, t_ok = k_next, v_next, ok_next
     if FUSED:
         if (lo < seq_len) & (seq_len <= hi):  # this split holds the new token
             gk = g + tl.arange(0, 1)
@@ -238,6 +253,38 @@ def _split_done(
         tl.atomic_xchg(count_ptr + g, 0, sem="relaxed", scope="gpu")
 
 
+#: bytes per bulk L2 prefetch instruction (:func:`kernels.l2_prefetch.bulk_prefetch_l2`)
+PREFETCH_CHUNK = tl.constexpr(32768)
+
+
+@triton.jit
+def _prefetch_tile(
+    w_ptr, pid, N: tl.constexpr, R: tl.constexpr, K: tl.constexpr, ROW0: tl.constexpr
+):
+    """Ask L2 for program ``pid``'s tile of a bf16 weight ``[*, K]``: rows ``ROW0 + [pid * R,
+    min((pid + 1) * R, N))`` (one contiguous range; nothing where the program has no tile)."""
+    lo = pid * R
+    n = tl.minimum(N - lo, R)
+    bulk_prefetch_l2(w_ptr + (ROW0 + lo).to(tl.int64) * K, n * (K * 2), PREFETCH_CHUNK)
+
+
+@triton.jit
+def _prefetch_kv(kc, vc, bt_ptr, n_tok, pid, nprog, BS: tl.constexpr, HKV: tl.constexpr,
+                 D: tl.constexpr):  # fmt: skip
+    """Ask L2 for the keys and values of the context's first ``n_tok`` tokens in the caches
+    ``kc``/``vc`` (``[blocks, BS, HKV, D]`` bf16: a block's tokens are one contiguous range),
+    the ``2 * ceil(n_tok / BS)`` block ranges dealt round-robin over the ``nprog`` programs."""
+    nb = tl.cdiv(n_tok, BS)
+    for i in range(pid, 2 * nb, nprog):
+        b = i % nb
+        blk = tl.load(bt_ptr + b).to(tl.int64)
+        nbytes = tl.minimum(n_tok - b * BS, BS) * (HKV * D * 2)
+        if i < nb:
+            bulk_prefetch_l2(kc + blk * (BS * HKV * D), nbytes, PREFETCH_CHUNK)
+        else:
+            bulk_prefetch_l2(vc + blk * (BS * HKV * D), nbytes, PREFETCH_CHUNK)
+
+
 @triton.jit
 def _layer_ptr(layer_ptrs, layer, j):
     """Pointer ``j`` of ``layer`` in the int64 table ``layer_ptrs [L, 10]`` (the addresses of
@@ -257,6 +304,7 @@ def _layers_kernel(
     R_QKV: tl.constexpr, P_QKV: tl.constexpr, R_H: tl.constexpr, P_H: tl.constexpr,
     R_FF: tl.constexpr, P_FF: tl.constexpr, EXACT: tl.constexpr, FUSE_B: tl.constexpr,
     MERGE_E: tl.constexpr, PRE_T: tl.constexpr, MERGE_C: tl.constexpr, SKIP: tl.constexpr = 0,
+    PF: tl.constexpr = 0,
 ):  # fmt: skip
     """``LAYERS`` Qwen3 decoder layers of one decode token (module docstring, phases A-G), the
     hidden state ``x [H]`` (bf16) updated in place. Scratch: ``h2 [H]``, ``qkv [(HQ + 2 HKV) D]``,
@@ -282,7 +330,12 @@ def _layers_kernel(
     ``MERGE_C``: no phase D (the last split of each KV head to finish merges its group,
     :func:`_split_done`, counters ``count [HKV]`` zeroed and left zero). ``SKIP``: a bit mask of
     phases (A = 1, B = 2, C = 4, D = 8, E = 16, F = 32, G = 64) whose work is left out, their
-    barriers kept: the time of one phase's work is the difference (the results are wrong)."""
+    barriers kept: the time of one phase's work is the difference (the results are wrong).
+    ``PF``: a bit mask of bulk L2 prefetches (GPU only; hints, no effect on results), each
+    issued between a barrier's arrival and its wait, so HBM fetches the weights of later phases
+    while latency-bound phases run: 1, after A, this program's o and gate/up tiles (read in E
+    and F); 2, after C, its down tile (G) and the next layer's q/k/v tile (A); 4, after E, the
+    next layer's keys/values of the earlier tokens (C)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     QKV_N: tl.constexpr = (HQ + 2 * HKV) * D
@@ -317,6 +370,11 @@ def _layers_kernel(
                 tl.store(qkv_ptr + rows, y.to(qkv_ptr.dtype.element_ty), mask=ok)
         phase += 1
         grid_arrive(bar_ptr)
+        if PF & 1:  # E's and F's weight tiles into L2 while B/C run
+            _prefetch_tile(_layer_ptr(layer_ptrs, layer, 1), pid, H, R_H, HQ * D, 0)
+            wgu_pf = _layer_ptr(layer_ptrs, layer, 2)
+            _prefetch_tile(wgu_pf, pid, FF, R_FF, H, 0)
+            _prefetch_tile(wgu_pf, pid, FF, R_FF, H, FF)
         if PRE_T > 0:  # this program's attention item's earlier keys/values, during the wait
             kv_off = (pre_slots * HKV + pre_g)[:, None] * D + tl.arange(0, D)[None, :]
             k_pre = tl.load(kc + kv_off, mask=pre_ok[:, None], other=0.0)
@@ -369,7 +427,12 @@ def _layers_kernel(
                 if MERGE_C:
                     _split_done(count_ptr, item // S, part_ptr, ml_ptr, attn_ptr, S, D, G, EXACT)
         phase += 1
-        grid_sync(bar_ptr, phase * nprog)
+        grid_arrive(bar_ptr)
+        if PF & 2:  # G's weight tile and the next layer's q/k/v tile into L2
+            _prefetch_tile(_layer_ptr(layer_ptrs, layer, 3), pid, H, R_H, FF, 0)
+            if layer + 1 < LAYERS:
+                _prefetch_tile(_layer_ptr(layer_ptrs, layer + 1, 0), pid, QKV_N, R_QKV, H, 0)
+        grid_wait(bar_ptr, phase * nprog)
         if not (MERGE_E or MERGE_C):  # D: merge the splits
             for h in range(pid, HQ * ((SKIP & 8) == 0), nprog):
                 _attn_merge(part_ptr, ml_ptr, attn_ptr, h, S, D, EXACT)
@@ -392,7 +455,14 @@ def _layers_kernel(
                     )  # fmt: skip
                 _add_residual(y, x_ptr, h2_ptr, rows, ok, EXACT)
         phase += 1
-        grid_sync(bar_ptr, phase * nprog)
+        grid_arrive(bar_ptr)
+        if PF & 4:  # the next layer's earlier keys/values into L2
+            if layer + 1 < LAYERS:
+                _prefetch_kv(
+                    _layer_ptr(layer_ptrs, layer + 1, 8), _layer_ptr(layer_ptrs, layer + 1, 9),
+                    bt_ptr, pos, pid, nprog, BS, HKV, D,
+                )  # fmt: skip
+        grid_wait(bar_ptr, phase * nprog)
         # F: post-attention norm + gate/up + SwiGLU
         if (SKIP & 32) == 0:
             wgu = _layer_ptr(layer_ptrs, layer, 2)
@@ -477,7 +547,7 @@ class Scratch:
 def persistent_layers(
     x, table, dims, block_size, block_table, slot, seq_len, cos, sin, eps, scratch: Scratch,
     programs=1, block_k=64, block_t=32, num_warps=4, fuse_b=False, merge_e=False, pre_kv=False,
-    merge_c=False, skip=0, info=None, check=True,
+    merge_c=False, skip=0, info=None, check=True, prefetch=0,
 ):  # fmt: skip
     """Run :func:`_layers_kernel` over every layer of ``table`` (:func:`layer_table`, ``[L,
     10]``; ``dims`` = ``(H, HQ, HKV, D, FF)``, ``block_size`` the caches' tokens per block) on
@@ -490,7 +560,8 @@ def persistent_layers(
     folded into C and E; the first ``2 * block_t`` keys/values of the program's first attention
     item loaded during the barrier wait);
     ``merge_c``: ``MERGE_C`` (the last split of a KV head merges its group); ``skip``: the
-    kernel's ``SKIP`` mask (phases whose work is left out, for timing only); ``info``: a dict
+    kernel's ``SKIP`` mask (phases whose work is left out, for timing only); ``prefetch``: the
+    kernel's ``PF`` mask of L2 prefetches (0 under the interpreter: inline PTX); ``info``: a dict
     that gets the launch's register line (``"usage"``); ``check``: the residency check of
     :func:`kernels.grid_barrier.launch_resident` (a caller that checked once may skip it: it
     compiles and queries the device, host work on every eager call).
@@ -521,7 +592,7 @@ def persistent_layers(
         layers, eps,
         d**-0.5, h, hq, hkv, d, ff, block_size, scratch.splits, block_t, block_k,
         r_qkv, p2(r_qkv), r_h, p2(r_h), r_ff, p2(r_ff), interpreting(), fuse_b, merge_e,
-        pre_kv * 2 * block_t, merge_c, skip,
+        pre_kv * 2 * block_t, merge_c, skip, 0 if interpreting() else prefetch,
     )  # fmt: skip
     usage = launch_resident(_layers_kernel, (programs,), args, num_warps, x.device, check)
     if info is not None:

@@ -26,6 +26,13 @@ from engine.attention.metadata import AttentionMetadata
 from kernels.interpreter import interpreting
 from kernels.persistent_decode import Scratch, layer_table, persistent_layers
 
+#: the longest context (tokens, the new one counted) a step may have to take the persistent path;
+#: longer ones run the layer loop (the decode graphs capture a batch-1 twin for each). On an
+#: H100 (docs/benchmarks.md, 2026-12-06, thirteenth session) the persistent step was 6 % faster
+#: at ~128 tokens and 3.5 % slower at ~1,024 (its attention phase grows faster with the context
+#: than the engine's split-KV decode kernel); 512 sits below the crossover between them
+MAX_CONTEXT = 512
+
 #: K-chunk widths tried, widest first (the kernel's ``block_k`` must divide H, FF and HQ x D)
 _BLOCK_KS = (256, 128, 64, 32, 16)
 
@@ -45,6 +52,8 @@ class PersistentDecode:
     programs: int
     block_k: int
     num_warps: int = 8
+    #: the longest context it runs (:data:`MAX_CONTEXT`; a step's ``meta.max_seq_len``)
+    max_context: int = MAX_CONTEXT
     #: the first layer's q/k/v weight address when the table was made (a moved weight: stale)
     first_weight: int = 0
 

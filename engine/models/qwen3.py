@@ -422,7 +422,8 @@ class Qwen3ForCausalLM(nn.Module):
                 cfg.hidden_size, cfg.vocab_size, bias=False, **_split_args(tp)
             )
         self._compiled = CompiledForward(self._forward_impl) if compile_mode == "model" else None
-        #: one-token decode steps through one launch for all layers when set
+        #: one-token decode steps of one sequence whose ``meta.max_seq_len`` is within its
+        #: ``max_context`` through one launch for all layers when set
         #: (:meth:`enable_persistent_decode`); None: the layer loop
         self.persistent_decode = None
         finalize_quantization(self)
@@ -473,6 +474,7 @@ class Qwen3ForCausalLM(nn.Module):
             and meta.is_decode
             and input_ids.shape[0] == 1
             and meta.seq_lens.shape[0] == 1
+            and meta.max_seq_len <= self.persistent_decode.max_context
         ):
             return self.persistent_decode.forward(self, input_ids, positions, meta)
         if self._compiled is not None:

@@ -6,7 +6,8 @@ live in static buffers that the graphs read; a step copies its tensors in, pads 
 captured size, replays, and reads the rows of its real tokens.
 
 * :class:`DecodeGraphs`: one graph per decode batch size (one new token per sequence); padding
-  rows store nothing (slot -1) and attend to one token of block 0.
+  rows store nothing (slot -1) and attend to one token of block 0. With a persistent decode
+  path, batch 1 has a short-context twin that runs it.
 * :class:`PrefillGraphs`: one graph per padded token count for every other step (prefills,
   prompt chunks, decodes mixed with chunks) -- vLLM's "full" CUDA-graph mode for mixed batches.
   This works because the attention kernels' grids depend only on tensor shapes (the padded token
@@ -216,6 +217,12 @@ class DecodeGraphs:
 
     Before :meth:`capture` (and without CUDA) a run executes the same padded forward eagerly
     (the tests' CPU check of the padding and of the staged inputs).
+
+    A model with a persistent decode path (``model.persistent_decode``, which takes one-token
+    steps of one sequence up to its ``max_context``) below ``max_seq_len`` gets a batch-1 twin
+    keyed ``(1, max_context)``: captured with that bound (the persistent launch) and replayed
+    for batch-1 steps whose contexts fit it; batch 1's own graph, captured with
+    ``max_seq_len``, runs the layer loop for longer ones.
     """
 
     def __init__(
@@ -232,9 +239,15 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = pool  # memory pool shared with other graphs (e.g. PrefillGraphs.pool)
+        short = getattr(getattr(model, "persistent_decode", None), "max_context", max_seq_len)
+        #: the batch-1 twin's key (the persistent path's context bound), or None
+        self.short_key = (1, short) if short < max_seq_len and self.sizes[0] == 1 else None
 
-    def _run(self, bs: int) -> torch.Tensor:
-        meta = self.inputs.metadata(bs, bs, 1, self.max_seq_len)
+    def _run(self, key) -> torch.Tensor:
+        """The padded forward of a key: a batch size (contexts up to ``max_seq_len``) or the
+        twin's ``(1, context bound)``."""
+        bs, max_len = key if isinstance(key, tuple) else (key, self.max_seq_len)
+        meta = self.inputs.metadata(bs, bs, 1, max_len)
         hidden = self.model(
             self.inputs.input_ids[:bs], self.inputs.positions[:bs], self.kv_caches, meta
         )
@@ -242,9 +255,12 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every batch size, largest first so smaller graphs share its memory pool."""
-        self.pool = capture_graphs(self.sizes, self._run, self.graphs, self.logits, self.pool)
-        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+        """Capture every batch size, largest first so smaller graphs share its memory pool (the
+        batch-1 twin last)."""
+        keys = ([self.short_key] if self.short_key else []) + self.sizes
+        self.pool = capture_graphs(keys, self._run, self.graphs, self.logits, self.pool)
+        twin = f"; batch 1 up to {self.short_key[1]} tokens persistent" if self.short_key else ""
+        log.info("captured decode CUDA graphs for batch sizes %s%s", self.sizes, twin)
 
     def can_run(self, batch: int, max_seq_len: int) -> bool:
         return batch <= self.sizes[-1] and max_seq_len <= self.max_seq_len
@@ -266,19 +282,20 @@ class DecodeGraphs:
         b = len(inp.seq_lens)
         bs = self.padded_size(b)
         self.inputs.stage_decode(inp, bs, staging, prev_token_ids)
-        return self._replay(bs, b)
+        short = self.short_key is not None and bs == 1 and inp.max_seq_len <= self.short_key[1]
+        return self._replay(self.short_key if short else bs, b)
 
     def padded_size(self, batch: int) -> int:
         """The captured batch size a decode step of ``batch`` sequences replays."""
         return next(s for s in self.sizes if s >= batch)
 
-    def _replay(self, bs: int, b: int) -> torch.Tensor | None:
-        graph = self.graphs.get(bs)
+    def _replay(self, key, b: int) -> torch.Tensor | None:
+        graph = self.graphs.get(key)
         if graph is None:  # not captured (no CUDA): the same padded forward, eagerly
-            logits = self._run(bs)
+            logits = self._run(key)
         else:
             graph.replay()
-            logits = self.logits[bs]
+            logits = self.logits[key]
         return None if logits is None else logits[:b]
 
 

@@ -132,3 +132,37 @@ def test_layers_with_few_programs_on_gpu(device, programs, fuse_b, merge_e, pre_
     rel = ((x.float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel < 1e-2, rel
     assert scratch.bar.tolist() == [0, 0] and scratch.count.tolist() == [0] * DIMS[2]
+
+
+@pytest.mark.parametrize("programs", [0, 3])
+@pytest.mark.parametrize("context", [1, 37, 300])
+def test_l2_prefetch_changes_no_result_on_gpu(device, programs, context):
+    """The bulk L2 prefetches (``prefetch`` 7: weight tiles of later phases, the next layer's
+    keys/values) are hints: on a GPU the hidden state and caches are bit-equal to the launch
+    without them (the SM count's programs, or 3, each then asking for several cache blocks),
+    and within the reference's tolerance. The interpreter has no inline PTX (prefetch 0)."""
+    if device.type != "cuda" or interpreting():
+        pytest.skip("the bulk prefetch is inline PTX for sm_90 (no interpreter equivalent)")
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("cp.async.bulk.prefetch needs sm_90")
+    programs = programs or torch.cuda.get_device_properties(device).multi_processor_count
+    layers, eps = 3, 1e-6
+    wt, kc, vc, bt, cos, sin, x0 = setup(layers, DIMS, context, 16, device, seed=context)
+    outs = []
+    for pf in (0, 7):
+        k2, v2 = [t.clone() for t in kc], [t.clone() for t in vc]
+        x = x0.clone()
+        persistent_layers(
+            x, wt, k2, v2, bt, context, cos, sin, eps, Scratch(DIMS, 4, device), programs,
+            block_k=32, block_t=16, fuse_b=True, prefetch=pf,
+        )  # fmt: skip
+        outs.append((x, k2, v2))
+    (x0_, k0, v0), (x7, k7, v7) = outs
+    assert torch.equal(x0_, x7)
+    assert all(torch.equal(a, b) for a, b in zip(k0 + v0, k7 + v7))
+    ref = x0.clone()
+    kr, vr = [t.clone() for t in kc], [t.clone() for t in vc]
+    for layer in range(layers):
+        ref = layer_ref(ref, wt, layer, kr[layer], vr[layer], bt, context, cos, sin, eps)
+    rel = ((x7.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < 1e-2, rel

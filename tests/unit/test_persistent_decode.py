@@ -220,3 +220,70 @@ def test_decode_steps_close_to_the_layer_loop_on_gpu(context):
             for (kf, vf), (kl, vl) in zip(caches_fast, caches_loop):
                 torch.testing.assert_close(kf, kl, rtol=2e-2, atol=2e-2)
                 torch.testing.assert_close(vf, vl, rtol=2e-2, atol=2e-2)
+
+
+def test_long_contexts_take_the_layer_loop(interpreter):
+    """A one-token step whose context exceeds the persistent path's ``max_context`` runs the
+    layer loop (the kernel's attention phase grows faster with the context than the decode
+    kernel's); within it, the persistent launch."""
+    cfg = _bf16_config()
+    m = _model(cfg, seed=2)
+    caches = _caches(cfg)
+    assert m.enable_persistent_decode(caches, BLOCK) is None
+    m.persistent_decode.max_context = 2 * BLOCK
+    calls = []
+    forward = m.persistent_decode.forward
+    m.persistent_decode.forward = lambda *a: calls.append(a[3].max_seq_len) or forward(*a)
+    table = [9, 3, 14, 6]
+    with torch.inference_mode():
+        for n_before in (2 * BLOCK - 1, 2 * BLOCK, 3 * BLOCK + 5):
+            pos, meta = _decode_meta(table, n_before)
+            got = m(torch.tensor([5]), pos, caches, meta)
+            assert got.shape == (1, cfg.hidden_size)
+    assert calls == [2 * BLOCK]  # context 2 * BLOCK only (the others: 2 * BLOCK + 1, ...)
+
+
+def test_decode_graphs_route_batch_one_by_context(
+    interpreter,
+    monkeypatch,
+    tiny_qwen3_dir,  # noqa: F811 (the imported fixture)
+):
+    """The decode graphs' batch-1 twin (``(1, max_context)``, the persistent path) serves
+    one-sequence steps up to the bound and batch 1's own graph (the layer loop) the longer
+    ones, the padded forwards run eagerly on the CPU: a request whose context crosses the
+    bound while decoding gets the layer loop's greedy tokens, and the persistent launch runs
+    only for the steps within the bound."""
+    from engine.core.config import EngineConfig
+    from engine.core.request import SamplingParams
+    from engine.layers import kernel_switches
+    from engine.worker.build import build_engine
+    from engine.worker.cuda_graph import DecodeGraphs
+
+    prompt = torch.randint(0, 300, (13,), generator=torch.Generator().manual_seed(4)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=9)
+    outs, seen = {}, []
+    for on in (False, True):
+        monkeypatch.setattr(kernel_switches, "PERSISTENT_DECODE", on)
+        eng = build_engine(
+            EngineConfig(
+                model=tiny_qwen3_dir, num_kv_blocks=32, block_size=BLOCK, dtype="bfloat16"
+            ),
+            eos_token_ids=frozenset(),
+        )
+        r = eng.executor
+        if on:
+            pd = r.model.persistent_decode
+            pd.max_context = 17
+            pd.forward = lambda *a, f=pd.forward: seen.append(a[3].max_seq_len) or f(*a)
+        graphs = DecodeGraphs(
+            r.model, r.kv_caches, eng.config.max_num_seqs, r.block_tables.width,
+            r.cache_info.max_model_len,
+        )  # fmt: skip
+        assert graphs.short_key == ((1, 17) if on else None)
+        r.graphs = graphs
+        outs[on] = eng.generate([prompt], params)
+    assert outs[True] == outs[False]
+    # decode steps at contexts 14..21 (the prompt's 13, then one more each): the twin's bound
+    # (17) is the persistent launch's metadata for the steps up to it, the rest ran the loop
+    assert seen and set(seen) == {17}
+    assert len(seen) == 4  # contexts 14, 15, 16, 17
