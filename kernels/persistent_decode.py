@@ -145,7 +145,7 @@ def _attn_split(
     q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, g, s, seq_len, scale,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, S: tl.constexpr,
     BT: tl.constexpr, FUSED: tl.constexpr, qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, eps, slot,
-    HQ: tl.constexpr, EXACT: tl.constexpr, pre_k=0, pre_v=0, pre_ok=0, PRE_T: tl.constexpr = 0,
+    HQ: tl.constexpr, EXACT: tl.constexpr, pre_k=0, pre_v=0, pre_ok=0, PRE: tl.constexpr = False,
 ):  # fmt: skip
     """Split ``s`` of KV head ``g``: the ``G`` query heads of its group over tokens
     ``[s * chunk, (s + 1) * chunk)`` of the context (``chunk`` = ``ceil(seq_len / S)`` rounded
@@ -155,8 +155,10 @@ def _attn_split(
     :func:`kernels.qk_norm_rope.norm_rope_rows`), the cache is read for the earlier tokens only,
     and the split holding the new token (position ``seq_len - 1``) rotates its key, adds it and
     its value from registers and stores both in ``slot``; else ``q`` comes from ``q_ptr``.
-    ``PRE_T > 0``: the split's first ``PRE_T`` tokens are ``pre_k``/``pre_v`` ``[PRE_T, D]``,
-    loaded earlier (valid where ``pre_ok``); the loop reads the rest."""
+    The ``BT``-token tiles are software-pipelined (each tile's keys/values asked for before the
+    previous tile's arithmetic); ``PRE``: the first tile is ``pre_k``/``pre_v`` ``[BT, D]``
+    (valid where ``pre_ok``), loaded earlier by the caller (:func:`_kv_tile` of ``lo`` and the
+    same ``c_hi``)."""
     chunk = tl.cdiv(tl.cdiv(seq_len, S), BT) * BT
     lo = s * chunk
     hi = tl.minimum(lo + chunk, seq_len)
@@ -165,7 +167,10 @@ def _attn_split(
     c_hi = tl.minimum(hi, seq_len - 1) if FUSED else hi  # FUSED: the new token from registers
     # software pipelining: each tile's keys/values are asked for before the previous tile's
     # (or the queries') arithmetic, so their latency overlaps it
-    k, v, t_ok = _kv_tile(kc, vc, bt_ptr, lo + PRE_T, c_hi, g, HKV, D, BS, BT)
+    if PRE:
+        k, v, t_ok = pre_k, pre_v, pre_ok
+    else:
+        k, v, t_ok = _kv_tile(kc, vc, bt_ptr, lo, c_hi, g, HKV, D, BS, BT)
     if FUSED:
         q = norm_rope_rows(  # (exact roundings: no FMA may skip rotary's, kernels.rounding)
             qkv_ptr, hq, hq < HQ, D, 1, qn_ptr, cos_ptr, sin_ptr, 1, 1, eps, D, True, True
@@ -175,15 +180,7 @@ def _attn_split(
     m = tl.full((G,), float("-inf"), dtype=tl.float32)
     l_sum = tl.zeros((G,), dtype=tl.float32)
     acc = tl.zeros((G, D), dtype=tl.float32)
-    if PRE_T > 0:
-        s_pre = tl.sum(q[:, None, :] * pre_k.to(tl.float32)[None, :, :], axis=2) * scale
-        s_pre = tl.where(pre_ok[None, :], s_pre, float("-inf"))  # [G, PRE_T]
-        m = tl.max(s_pre, axis=1)  # -inf where no token is valid (then p is 0, no -inf - -inf)
-        m_sub = tl.where(m > float("-inf"), m, 0.0)
-        p_pre = tl.where(pre_ok[None, :], tl.exp(s_pre - m_sub[:, None]), 0.0)
-        l_sum = tl.sum(p_pre, axis=1)
-        acc = tl.sum(p_pre[:, :, None] * pre_v.to(tl.float32)[None, :, :], axis=1)
-    for t0 in range(lo + PRE_T, c_hi, BT):
+    for t0 in range(lo, c_hi, BT):
         k_next, v_next, ok_next = _kv_tile(kc, vc, bt_ptr, t0 + BT, c_hi, g, HKV, D, BS, BT)
         sc = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale  # [G, BT]
         sc = tl.where(t_ok[None, :], sc, float("-inf"))
@@ -303,7 +300,7 @@ def _layers_kernel(
     BS: tl.constexpr, S: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     R_QKV: tl.constexpr, P_QKV: tl.constexpr, R_H: tl.constexpr, P_H: tl.constexpr,
     R_FF: tl.constexpr, P_FF: tl.constexpr, EXACT: tl.constexpr, FUSE_B: tl.constexpr,
-    MERGE_E: tl.constexpr, PRE_T: tl.constexpr, MERGE_C: tl.constexpr, SKIP: tl.constexpr = 0,
+    MERGE_E: tl.constexpr, PRE_KV: tl.constexpr, MERGE_C: tl.constexpr, SKIP: tl.constexpr = 0,
     PF: tl.constexpr = 0,
 ):  # fmt: skip
     """``LAYERS`` Qwen3 decoder layers of one decode token (module docstring, phases A-G), the
@@ -323,10 +320,10 @@ def _layers_kernel(
     ``FUSE_B``: no phase B (each attention item normalizes and rotates its group's queries and
     the new key itself, the new token's k/v enter its split from registers and that item stores
     them); ``MERGE_E``: no phase D (every o-projection program merges the splits of its input
-    chunks itself); ``PRE_T > 0`` (with ``FUSE_B``): each program loads the first ``PRE_T``
-    earlier keys/values of its first attention item while it waits at the barrier after A
-    (they do not depend on the layer's input), their cache slots computed once before the
-    layers; the rest of the split, and further items, are read after it;
+    chunks itself); ``PRE_KV`` (with ``FUSE_B``): each program loads the first ``BT``-token tile
+    of earlier keys/values of its first attention item while it waits at the barrier after A
+    (they do not depend on the layer's input: the new token's come from registers); the
+    pipelined loop of :func:`_attn_split` starts from it;
     ``MERGE_C``: no phase D (the last split of each KV head to finish merges its group,
     :func:`_split_done`, counters ``count [HKV]`` zeroed and left zero). ``SKIP``: a bit mask of
     phases (A = 1, B = 2, C = 4, D = 8, E = 16, F = 32, G = 64) whose work is left out, their
@@ -343,13 +340,10 @@ def _layers_kernel(
     seq_len = tl.load(seq_len_ptr)
     pos = seq_len - 1
     slot = tl.load(slot_ptr).to(tl.int64)  # the new token's cache slot; < 0: not stored
-    if PRE_T > 0:  # the cache slots of this program's attention item (the same in every layer)
-        pre_g = pid // S
-        chunk = tl.cdiv(tl.cdiv(seq_len, S), BT) * BT
-        lo = (pid % S) * chunk
-        tok = lo + tl.arange(0, PRE_T)
-        pre_ok = (tok < tl.minimum(lo + chunk, pos)) & (tl.zeros_like(tok) + pid < HKV * S)
-        pre_slots = tl.load(bt_ptr + tok // BS, mask=pre_ok, other=0).to(tl.int64) * BS + tok % BS
+    if PRE_KV:  # this program's first attention item: its earlier tokens (the same per layer)
+        pre_lo = (pid % S) * (tl.cdiv(tl.cdiv(seq_len, S), BT) * BT)
+        pre_hi = tl.minimum(pre_lo + tl.cdiv(tl.cdiv(seq_len, S), BT) * BT, pos)
+        pre_hi = tl.where(pid < HKV * S, pre_hi, 0)  # no item: nothing loaded
     phase = 0
     for layer in range(LAYERS):
         # (each phase loads its layer pointers when it needs them: fewer live registers)
@@ -375,10 +369,10 @@ def _layers_kernel(
             wgu_pf = _layer_ptr(layer_ptrs, layer, 2)
             _prefetch_tile(wgu_pf, pid, FF, R_FF, H, 0)
             _prefetch_tile(wgu_pf, pid, FF, R_FF, H, FF)
-        if PRE_T > 0:  # this program's attention item's earlier keys/values, during the wait
-            kv_off = (pre_slots * HKV + pre_g)[:, None] * D + tl.arange(0, D)[None, :]
-            k_pre = tl.load(kc + kv_off, mask=pre_ok[:, None], other=0.0)
-            v_pre = tl.load(vc + kv_off, mask=pre_ok[:, None], other=0.0)
+        if PRE_KV:  # the first tile of this program's attention item, during the wait
+            k_pre, v_pre, ok_pre = _kv_tile(
+                kc, vc, bt_ptr, pre_lo, pre_hi, pid // S, HKV, D, BS, BT
+            )
         grid_wait(bar_ptr, phase * nprog)
         # B: q/k norm + rotary, k/v into the cache slot (FUSE_B: in C's items instead)
         qn = _layer_ptr(layer_ptrs, layer, 6)
@@ -408,17 +402,17 @@ def _layers_kernel(
             grid_sync(bar_ptr, phase * nprog)
         # C: split-KV attention partials
         if (SKIP & 4) == 0:
-            if PRE_T > 0:
+            if PRE_KV:
                 if pid < HKV * S:
                     _attn_split(
                         q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, pid // S, pid % S, seq_len, scale,
                         HKV, G, D, BS, S, BT, FUSE_B, qkv_ptr, qn,
                         kn, cos_ptr, sin_ptr, eps, slot, HQ, EXACT, k_pre, v_pre,
-                        pre_ok, PRE_T,
+                        ok_pre, True,
                     )  # fmt: skip
                     if MERGE_C:
                         _split_done(count_ptr, pid // S, part_ptr, ml_ptr, attn_ptr, S, D, G, EXACT)
-            for item in range(pid + (PRE_T > 0) * nprog, HKV * S, nprog):
+            for item in range(pid + PRE_KV * nprog, HKV * S, nprog):
                 _attn_split(
                     q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, item // S, item % S, seq_len, scale,
                     HKV, G, D, BS, S, BT, FUSE_B, qkv_ptr, qn, kn,
@@ -556,8 +550,8 @@ def persistent_layers(
     a CUDA graph replays it) in cache slot ``slot`` (an int or an int64 ``[1]`` device tensor;
     negative: nothing stored); ``block_table`` the sequence's int32 block ids; ``cos``/``sin
     [D]`` its rotary row (bf16); ``eps`` the RMSNorm epsilon; ``fuse_b``,
-    ``merge_e``, ``pre_kv``: the kernel's ``FUSE_B``, ``MERGE_E``, ``PRE_T > 0`` (phases B and D
-    folded into C and E; the first ``2 * block_t`` keys/values of the program's first attention
+    ``merge_e``, ``pre_kv``: the kernel's ``FUSE_B``, ``MERGE_E``, ``PRE_KV`` (phases B and D
+    folded into C and E; the first ``block_t`` keys/values of the program's first attention
     item loaded during the barrier wait);
     ``merge_c``: ``MERGE_C`` (the last split of a KV head merges its group); ``skip``: the
     kernel's ``SKIP`` mask (phases whose work is left out, for timing only); ``prefetch``: the
@@ -592,7 +586,7 @@ def persistent_layers(
         layers, eps,
         d**-0.5, h, hq, hkv, d, ff, block_size, scratch.splits, block_t, block_k,
         r_qkv, p2(r_qkv), r_h, p2(r_h), r_ff, p2(r_ff), interpreting(), fuse_b, merge_e,
-        pre_kv * 2 * block_t, merge_c, skip, 0 if interpreting() else prefetch,
+        pre_kv, merge_c, skip, 0 if interpreting() else prefetch,
     )  # fmt: skip
     usage = launch_resident(_layers_kernel, (programs,), args, num_warps, x.device, check)
     if info is not None:
