@@ -77,13 +77,14 @@ def layer_table(wt: Weights, k_caches, v_caches) -> torch.Tensor:
 def persistent_layers(
     x, wt: Weights, k_caches, v_caches, block_table, seq_len, cos, sin, eps, scratch: Scratch,
     programs=1, block_k=64, block_t=32, num_warps=4, fuse_b=False, merge_e=False, pre_kv=False,
-    merge_c=False, skip=0, table=None, info=None, slot=None, prefetch=0,
+    merge_c=False, skip=0, table=None, info=None, slot=None, prefetch=0, pre_w=False,
 ):  # fmt: skip
     """:func:`kernels.persistent_decode.persistent_layers` over ``wt``'s layers and the caches
     ``k_caches``/``v_caches`` (one ``[blocks, BS, HKV, D]`` tensor per layer); ``table``: their
     :func:`layer_table`, made here when None (not inside a graph capture); ``slot``: the new
     token's cache slot (an int64 ``[1]`` device tensor inside a graph; None: from the block
-    table and an int ``seq_len``); ``prefetch``: the kernel's ``PF`` mask of L2 prefetches."""
+    table and an int ``seq_len``); ``prefetch``: the kernel's ``PF`` mask of L2 prefetches;
+    ``pre_w``: its ``PRE_W`` (each GEMV's first weight chunk loaded during the wait)."""
     if table is None:
         table = layer_table(wt, k_caches, v_caches)
     bs = k_caches[0].shape[1]
@@ -93,7 +94,7 @@ def persistent_layers(
     return pd.persistent_layers(
         x, table, wt.dims, bs, block_table, slot, seq_len, cos, sin, eps, scratch, programs,
         block_k, block_t, num_warps, fuse_b, merge_e, pre_kv, merge_c, skip, info,
-        prefetch=prefetch,
+        prefetch=prefetch, pre_w=pre_w,
     )  # fmt: skip
 
 
@@ -168,7 +169,8 @@ def main() -> int:
     )  # fmt: skip
     ap.add_argument(
         "--layouts", nargs="*", default=["0000", "1000", "1010", "1011"],
-        help="phase layouts to time, each four 0/1 digits: fuse_b, merge_e, pre_kv, merge_c",
+        help="phase layouts to time, each four or five 0/1 digits: fuse_b, merge_e, pre_kv, "
+        "merge_c, pre_w (missing: 0)",
     )  # fmt: skip
     ap.add_argument(
         "--prefetch", type=int, nargs="*", default=[0],
@@ -183,7 +185,7 @@ def main() -> int:
         "output is not checked)",
     )  # fmt: skip
     args = ap.parse_args()
-    args.layouts = [tuple(c == "1" for c in lay.ljust(4, "0")) for lay in args.layouts]
+    args.layouts = [tuple(c == "1" for c in lay.ljust(5, "0")) for lay in args.layouts]
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         print("persistent_layer_probe: needs a CUDA device of compute capability 9.0+; skipped")
         return 0
@@ -212,20 +214,20 @@ def main() -> int:
         for warps in args.warps:
             variants = [(lay, pf, False) for lay in args.layouts for pf in args.prefetch]
             variants += [(args.layouts[0], args.prefetch[0], True)] if args.hot_l2 else []
-            for (fuse_b, merge_e, pre_kv, merge_c), pf, hot in variants:
+            for (fuse_b, merge_e, pre_kv, merge_c, pre_w), pf, hot in variants:
                 x = x0.clone()
 
                 info: dict = {}
 
                 def run(
                     warps=warps, x=x, sc=scratch, lay=(fuse_b, merge_e, pre_kv, merge_c), info=info,
-                    pf=pf, tab=hot_table if hot else table,
+                    pf=pf, tab=hot_table if hot else table, pw=pre_w,
                 ):  # fmt: skip
                     x.copy_(x0)
                     return persistent_layers(
                         x, wt, kc, vc, bt, seq_t, cos, sin, eps, sc, programs,
                         args.block_k, args.block_t, warps, *lay, table=tab, info=info,
-                        slot=slot_t, prefetch=pf,
+                        slot=slot_t, prefetch=pf, pre_w=pw,
                     )  # fmt: skip
 
                 label = (
@@ -233,6 +235,7 @@ def main() -> int:
                     f"{7 - fuse_b - (merge_e or merge_c)} phases{' (B in C)' if fuse_b else ''}"
                     f"{' (D in E)' if merge_e else ''}{' (D in C)' if merge_c else ''}"
                     f"{', K/V during the wait' if pre_kv else ''}"
+                    f"{', first weight chunks during the wait' if pre_w else ''}"
                     f"{f', L2 prefetch {pf}' if pf else ''}"
                     f"{', every layer on layer 0 tensors (hot L2)' if hot else ''}"
                 )
@@ -255,7 +258,7 @@ def main() -> int:
         print(f"\nphase costs, layout {lay}, {args.warps[0]} warps, {splits} splits (us per layer)")
         print("| phase left out | us per launch | its work, us per layer |")
         print("|---|---|---|")
-        fuse_b, merge_e, _pre, merge_c = lay
+        fuse_b, merge_e, _pre, merge_c, _pre_w = lay
         phases = [("none", 0), ("A", 1)] + ([] if fuse_b else [("B", 2)])
         phases += [("C (and B's folded work)" if fuse_b else "C", 4)]
         phases += [] if (merge_e or merge_c) else [("D", 8)]
@@ -267,7 +270,8 @@ def main() -> int:
                 x.copy_(x0)
                 return persistent_layers(
                     x, wt, kc, vc, bt, seq_t, cos, sin, eps, scratch, programs, args.block_k,
-                    args.block_t, args.warps[0], *lay, skip=bit, table=table, slot=slot_t,
+                    args.block_t, args.warps[0], *lay[:4], skip=bit, table=table, slot=slot_t,
+                    pre_w=lay[4],
                 )  # fmt: skip
 
             timed = time_or_report(f"skip {name}", run, args.reps)

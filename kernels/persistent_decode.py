@@ -71,17 +71,47 @@ def _in_chunk(x_ptr, nw_ptr, r, cols, MODE: tl.constexpr, EXACT: tl.constexpr, S
 
 
 @triton.jit
+def _first_chunk(
+    w_ptr, pid, N: tl.constexpr, R: tl.constexpr, BP: tl.constexpr, K: tl.constexpr,
+    BK: tl.constexpr, ROW0: tl.constexpr = 0,
+):  # fmt: skip
+    """The first ``BK`` columns of program ``pid``'s first tile of a GEMV's weight ``[*, K]``
+    (rows ``ROW0 + pid * R + [0, R)`` below ``ROW0 + N``; bf16 ``[BP, BK]``, zeros where
+    masked): loaded while the program waits at a barrier (weights are never written), so
+    their latency overlaps the wait."""
+    rows, ok = _tile_rows(pid, N, R, BP)
+    ptrs = w_ptr + (ROW0 + rows)[:, None] * K + tl.arange(0, BK)[None, :]
+    return tl.load(ptrs, mask=ok[:, None], other=0.0)
+
+
+@triton.jit
+def _w_chunk(w_ptr, rows, ok, cols, K: tl.constexpr, w0, first, PRE: tl.constexpr):
+    """Columns ``cols`` of ``W[rows]`` (bf16 ``[BP, BK]``): ``w0`` when ``PRE`` and ``first``
+    (the chunk :func:`_first_chunk` loaded earlier), else loaded now."""
+    if PRE:
+        if first:
+            wv = w0
+        else:
+            wv = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=ok[:, None], other=0.0)
+    else:
+        wv = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=ok[:, None], other=0.0)
+    return wv
+
+
+@triton.jit
 def _rows_dot(
     w_ptr, rows, ok, x_ptr, nw_ptr, r, K: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
-    MODE: tl.constexpr, EXACT: tl.constexpr, S: tl.constexpr = 1,
+    MODE: tl.constexpr, EXACT: tl.constexpr, S: tl.constexpr = 1, w0=0, first=False,
+    PRE: tl.constexpr = False,
 ):  # fmt: skip
     """float32 ``W[rows] . in`` (``[BP]``, rows valid where ``ok``) over the whole ``K``, the
-    input from :func:`_in_chunk` (``MODE``, ``S``)."""
+    input from :func:`_in_chunk` (``MODE``, ``S``); with ``PRE`` and ``first`` the first chunk
+    of the weight is ``w0`` (:func:`_w_chunk`)."""
     acc = tl.zeros((BP, BK), dtype=tl.float32)
     for k0 in tl.static_range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         xv = _in_chunk(x_ptr, nw_ptr, r, cols, MODE, EXACT, S)
-        wv = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=ok[:, None], other=0.0)
+        wv = _w_chunk(w_ptr, rows, ok, cols, K, w0, first, PRE and k0 == 0)
         acc += wv.to(tl.float32) * xv[None, :]
     return tl.sum(acc, axis=1)
 
@@ -89,17 +119,18 @@ def _rows_dot(
 @triton.jit
 def _rows_dot2(
     w_ptr, rows, rows2, ok, x_ptr, nw_ptr, r, K: tl.constexpr, BK: tl.constexpr,
-    BP: tl.constexpr, EXACT: tl.constexpr,
+    BP: tl.constexpr, EXACT: tl.constexpr, w0=0, w0b=0, first=False, PRE: tl.constexpr = False,
 ):  # fmt: skip
     """:func:`_rows_dot` of two row sets (the gate and up rows) over one normalized input, in
-    one K loop: ``(W[rows] . in, W[rows2] . in)``."""
+    one K loop: ``(W[rows] . in, W[rows2] . in)`` (first chunks ``w0``/``w0b`` with ``PRE``
+    and ``first``)."""
     acc = tl.zeros((BP, BK), dtype=tl.float32)
     acc2 = tl.zeros((BP, BK), dtype=tl.float32)
     for k0 in tl.static_range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         xv = _in_chunk(x_ptr, nw_ptr, r, cols, 1, EXACT)
-        wv = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=ok[:, None], other=0.0)
-        wv2 = tl.load(w_ptr + rows2[:, None] * K + cols[None, :], mask=ok[:, None], other=0.0)
+        wv = _w_chunk(w_ptr, rows, ok, cols, K, w0, first, PRE and k0 == 0)
+        wv2 = _w_chunk(w_ptr, rows2, ok, cols, K, w0b, first, PRE and k0 == 0)
         acc += wv.to(tl.float32) * xv[None, :]
         acc2 += wv2.to(tl.float32) * xv[None, :]
     return tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
@@ -301,7 +332,7 @@ def _layers_kernel(
     R_QKV: tl.constexpr, P_QKV: tl.constexpr, R_H: tl.constexpr, P_H: tl.constexpr,
     R_FF: tl.constexpr, P_FF: tl.constexpr, EXACT: tl.constexpr, FUSE_B: tl.constexpr,
     MERGE_E: tl.constexpr, PRE_KV: tl.constexpr, MERGE_C: tl.constexpr, SKIP: tl.constexpr = 0,
-    PF: tl.constexpr = 0,
+    PF: tl.constexpr = 0, PRE_W: tl.constexpr = False,
 ):  # fmt: skip
     """``LAYERS`` Qwen3 decoder layers of one decode token (module docstring, phases A-G), the
     hidden state ``x [H]`` (bf16) updated in place. Scratch: ``h2 [H]``, ``qkv [(HQ + 2 HKV) D]``,
@@ -332,7 +363,9 @@ def _layers_kernel(
     issued between a barrier's arrival and its wait, so HBM fetches the weights of later phases
     while latency-bound phases run: 1, after A, this program's o and gate/up tiles (read in E
     and F); 2, after C, its down tile (G) and the next layer's q/k/v tile (A); 4, after E, the
-    next layer's keys/values of the earlier tokens (C)."""
+    next layer's keys/values of the earlier tokens (C). ``PRE_W``: each GEMV phase's first
+    ``BK`` weight columns of the program's first tile loaded into registers while it waits at
+    the barrier before the phase (:func:`_first_chunk`; the chain probe's register preload)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     QKV_N: tl.constexpr = (HQ + 2 * HKV) * D
@@ -344,6 +377,10 @@ def _layers_kernel(
         pre_lo = (pid % S) * (tl.cdiv(tl.cdiv(seq_len, S), BT) * BT)
         pre_hi = tl.minimum(pre_lo + tl.cdiv(tl.cdiv(seq_len, S), BT) * BT, pos)
         pre_hi = tl.where(pid < HKV * S, pre_hi, 0)  # no item: nothing loaded
+    if PRE_W:  # layer 0's first q/k/v chunk (later layers': during the barrier after G)
+        w0_a = _first_chunk(_layer_ptr(layer_ptrs, 0, 0), pid, QKV_N, R_QKV, P_QKV, H, BK)
+    else:
+        w0_a = 0
     phase = 0
     for layer in range(LAYERS):
         # (each phase loads its layer pointers when it needs them: fewer live registers)
@@ -358,7 +395,7 @@ def _layers_kernel(
                 rows, ok = _tile_rows(t, QKV_N, R_QKV, P_QKV)
                 y = _rows_dot(
                     wqkv_ptr, rows, ok, x_ptr, ln1, r, H, BK,
-                    P_QKV, 1, EXACT,
+                    P_QKV, 1, EXACT, 1, w0_a, t == pid, PRE_W,
                 )  # fmt: skip
                 y = round_as(y, tl.bfloat16, EXACT)
                 tl.store(qkv_ptr + rows, y.to(qkv_ptr.dtype.element_ty), mask=ok)
@@ -422,6 +459,10 @@ def _layers_kernel(
                     _split_done(count_ptr, item // S, part_ptr, ml_ptr, attn_ptr, S, D, G, EXACT)
         phase += 1
         grid_arrive(bar_ptr)
+        if PRE_W:  # E's first o chunk
+            w0_e = _first_chunk(_layer_ptr(layer_ptrs, layer, 1), pid, H, R_H, P_H, HQ * D, BK)
+        else:
+            w0_e = 0
         if PF & 2:  # G's weight tile and the next layer's q/k/v tile into L2
             _prefetch_tile(_layer_ptr(layer_ptrs, layer, 3), pid, H, R_H, FF, 0)
             if layer + 1 < LAYERS:
@@ -440,16 +481,23 @@ def _layers_kernel(
                 if MERGE_E:  # the splits merged in the o projection's input chunks
                     y = _rows_dot(
                         wo_ptr, rows, ok, part_ptr, ml_ptr, D, HQ * D, BK, P_H,
-                        2, EXACT, S,
+                        2, EXACT, S, w0_e, t == pid, PRE_W,
                     )  # fmt: skip
                 else:
                     y = _rows_dot(
                         wo_ptr, rows, ok, attn_ptr, attn_ptr, 1.0, HQ * D, BK,
-                        P_H, 0, EXACT,
+                        P_H, 0, EXACT, 1, w0_e, t == pid, PRE_W,
                     )  # fmt: skip
                 _add_residual(y, x_ptr, h2_ptr, rows, ok, EXACT)
         phase += 1
         grid_arrive(bar_ptr)
+        if PRE_W:  # F's first gate and up chunks
+            wgu_pre = _layer_ptr(layer_ptrs, layer, 2)
+            w0_g = _first_chunk(wgu_pre, pid, FF, R_FF, P_FF, H, BK)
+            w0_u = _first_chunk(wgu_pre, pid, FF, R_FF, P_FF, H, BK, FF)
+        else:
+            w0_g = 0
+            w0_u = 0
         if PF & 4:  # the next layer's earlier keys/values into L2
             if layer + 1 < LAYERS:
                 _prefetch_kv(
@@ -464,24 +512,39 @@ def _layers_kernel(
             r2 = _rms_scale(h2_ptr, H, BK, eps)
             for t in range(pid, tl.cdiv(FF, R_FF), nprog):
                 rows, ok = _tile_rows(t, FF, R_FF, P_FF)
-                gate, up = _rows_dot2(wgu, rows, rows + FF, ok, h2_ptr, ln2, r2, H, BK, P_FF, EXACT)
+                gate, up = _rows_dot2(
+                    wgu, rows, rows + FF, ok, h2_ptr, ln2, r2, H, BK, P_FF, EXACT, w0_g, w0_u,
+                    t == pid, PRE_W,
+                )  # fmt: skip
                 gate = round_as(gate, tl.bfloat16, EXACT)
                 silu = round_as(gate / (1.0 + tl.exp(-gate)), tl.bfloat16, EXACT)
                 a = round_as(silu * round_as(up, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
                 tl.store(act_ptr + rows, a.to(act_ptr.dtype.element_ty), mask=ok)
         phase += 1
-        grid_sync(bar_ptr, phase * nprog)
+        grid_arrive(bar_ptr)
+        if PRE_W:  # G's first down chunk
+            w0_d = _first_chunk(_layer_ptr(layer_ptrs, layer, 3), pid, H, R_H, P_H, FF, BK)
+        else:
+            w0_d = 0
+        grid_wait(bar_ptr, phase * nprog)
         # G: down projection + residual (the next layer's input)
         if (SKIP & 64) == 0:
             wd_ptr = _layer_ptr(layer_ptrs, layer, 3)
             for t in range(pid, tl.cdiv(H, R_H), nprog):
                 rows, ok = _tile_rows(t, H, R_H, P_H)
                 y = _rows_dot(
-                    wd_ptr, rows, ok, act_ptr, act_ptr, 1.0, FF, BK, P_H, 0, EXACT,
+                    wd_ptr, rows, ok, act_ptr, act_ptr, 1.0, FF, BK, P_H, 0, EXACT, 1, w0_d,
+                    t == pid, PRE_W,
                 )  # fmt: skip
                 _add_residual(y, h2_ptr, x_ptr, rows, ok, EXACT)
         phase += 1
-        grid_sync(bar_ptr, phase * nprog)
+        grid_arrive(bar_ptr)
+        if PRE_W:  # the next layer's first q/k/v chunk (the last layer: its own, unused)
+            w0_a = _first_chunk(
+                _layer_ptr(layer_ptrs, tl.minimum(layer + 1, LAYERS - 1), 0), pid, QKV_N, R_QKV,
+                P_QKV, H, BK,
+            )  # fmt: skip
+        grid_wait(bar_ptr, phase * nprog)
     grid_leave(bar_ptr, nprog)
 
 
@@ -541,7 +604,7 @@ class Scratch:
 def persistent_layers(
     x, table, dims, block_size, block_table, slot, seq_len, cos, sin, eps, scratch: Scratch,
     programs=1, block_k=64, block_t=32, num_warps=4, fuse_b=False, merge_e=False, pre_kv=False,
-    merge_c=False, skip=0, info=None, check=True, prefetch=0,
+    merge_c=False, skip=0, info=None, check=True, prefetch=0, pre_w=False,
 ):  # fmt: skip
     """Run :func:`_layers_kernel` over every layer of ``table`` (:func:`layer_table`, ``[L,
     10]``; ``dims`` = ``(H, HQ, HKV, D, FF)``, ``block_size`` the caches' tokens per block) on
@@ -555,7 +618,8 @@ def persistent_layers(
     item loaded during the barrier wait);
     ``merge_c``: ``MERGE_C`` (the last split of a KV head merges its group); ``skip``: the
     kernel's ``SKIP`` mask (phases whose work is left out, for timing only); ``prefetch``: the
-    kernel's ``PF`` mask of L2 prefetches (0 under the interpreter: inline PTX); ``info``: a dict
+    kernel's ``PF`` mask of L2 prefetches (0 under the interpreter: inline PTX); ``pre_w``: its
+    ``PRE_W`` (each GEMV's first weight chunk loaded during the barrier wait); ``info``: a dict
     that gets the launch's register line (``"usage"``); ``check``: the residency check of
     :func:`kernels.grid_barrier.launch_resident` (a caller that checked once may skip it: it
     compiles and queries the device, host work on every eager call).
@@ -586,7 +650,7 @@ def persistent_layers(
         layers, eps,
         d**-0.5, h, hq, hkv, d, ff, block_size, scratch.splits, block_t, block_k,
         r_qkv, p2(r_qkv), r_h, p2(r_h), r_ff, p2(r_ff), interpreting(), fuse_b, merge_e,
-        pre_kv, merge_c, skip, 0 if interpreting() else prefetch,
+        pre_kv, merge_c, skip, 0 if interpreting() else prefetch, pre_w,
     )  # fmt: skip
     usage = launch_resident(_layers_kernel, (programs,), args, num_warps, x.device, check)
     if info is not None:

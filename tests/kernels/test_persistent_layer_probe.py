@@ -23,12 +23,15 @@ DIMS = (64, 4, 2, 16, 96)
 
 
 @pytest.mark.parametrize(
-    "fuse_b,merge_e,pre_kv,merge_c",
-    [(0, 0, 0, 0), (1, 0, 0, 0), (1, 1, 0, 0), (1, 0, 1, 0), (1, 0, 1, 1), (0, 0, 0, 1)],
+    "fuse_b,merge_e,pre_kv,merge_c,pre_w",
+    [(0, 0, 0, 0, 0), (1, 0, 0, 0, 0), (1, 1, 0, 0, 0), (1, 0, 1, 0, 0), (1, 0, 1, 1, 0),
+     (0, 0, 0, 1, 0), (1, 0, 1, 0, 1), (0, 0, 0, 0, 1), (1, 1, 0, 0, 1)],
 )  # fmt: skip
 @pytest.mark.parametrize("context,splits", [(37, 4), (16, 2), (5, 8), (150, 2), (17, 2), (1, 2)])
-def test_layers_match_torch(device, context, splits, fuse_b, merge_e, pre_kv, merge_c):
-    """Every phase layout (B folded into C, D into E or C, K/V loaded during the wait): the
+def test_layers_match_torch(device, context, splits, fuse_b, merge_e, pre_kv, merge_c, pre_w):
+    """Every phase layout (B folded into C, D into E or C, K/V loaded during the wait, each
+    GEMV's first weight chunk loaded during the wait -- under the interpreter the program's
+    later tiles then load theirs in the loop): the
     new token in the first, a middle or the last split, splits left empty (context 5 over 8),
     splits longer than the preloaded keys (150 over 2), the new token alone in its split (17
     over 2) or in the context (1). Under the interpreter (one program, the reference's order
@@ -46,6 +49,7 @@ def test_layers_match_torch(device, context, splits, fuse_b, merge_e, pre_kv, me
     persistent_layers(
         x, wt, kc, vc, bt, context, cos, sin, eps, scratch, programs, block_k=32, block_t=16,
         fuse_b=bool(fuse_b), merge_e=bool(merge_e), pre_kv=bool(pre_kv), merge_c=bool(merge_c),
+        pre_w=bool(pre_w),
     )  # fmt: skip
     if not compiled:
         assert torch.equal(x, ref)
@@ -109,9 +113,10 @@ def test_layer_table_refuses_unaligned_tensors(device):
 
 @pytest.mark.parametrize("programs", [3, 5])
 @pytest.mark.parametrize(
-    "fuse_b,merge_e,pre_kv,merge_c", [(0, 0, 0, 0), (1, 0, 1, 0), (1, 0, 1, 1), (1, 1, 0, 0)]
+    "fuse_b,merge_e,pre_kv,merge_c,pre_w",
+    [(0, 0, 0, 0, 0), (1, 0, 1, 0, 0), (1, 0, 1, 1, 0), (1, 1, 0, 0, 0), (1, 0, 1, 0, 1)],
 )  # fmt: skip
-def test_layers_with_few_programs_on_gpu(device, programs, fuse_b, merge_e, pre_kv, merge_c):
+def test_layers_with_few_programs_on_gpu(device, programs, fuse_b, merge_e, pre_kv, merge_c, pre_w):
     """On a GPU with a handful of programs, each walks several GEMV tiles and attention items
     (the preloaded item, then the further ones; several splits merged by one program's
     arrivals); the interpreter runs one program only."""
@@ -128,6 +133,7 @@ def test_layers_with_few_programs_on_gpu(device, programs, fuse_b, merge_e, pre_
     persistent_layers(
         x, wt, kc, vc, bt, context, cos, sin, eps, scratch, programs, block_k=32, block_t=16,
         fuse_b=bool(fuse_b), merge_e=bool(merge_e), pre_kv=bool(pre_kv), merge_c=bool(merge_c),
+        pre_w=bool(pre_w),
     )  # fmt: skip
     rel = ((x.float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel < 1e-2, rel
