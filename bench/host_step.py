@@ -138,8 +138,9 @@ def fake_device(eng, new: bool, mr, sampler: str, graphs: bool = True) -> None:
                 runner.block_tables.width,
                 runner.cache_info.max_model_len,
             )
-            g.graphs = {s: _NoGraph() for s in g.sizes}
-            g.logits = {s: torch.zeros(s, FAKE_VOCAB) for s in g.sizes}
+            keys = g.sizes + ([g.short_key] if g.short_key else [])  # (the persistent twin)
+            g.graphs = {s: _NoGraph() for s in keys}
+            g.logits = {s: torch.zeros(s if isinstance(s, int) else 1, FAKE_VOCAB) for s in keys}
             runner.graphs = g
         return
     names = (

@@ -20,8 +20,9 @@ Each layer's tensors -- one per layer and kind, as the engine holds its weights 
 length is read on the device, so a CUDA graph replays the launch for any length. The roundings
 are eager torch's (the oracle, ``bench/persistent_layer_probe.py:layer_ref``, composes
 :mod:`kernels.reference`'s operations; bit-equal under the interpreter). Measured on an H100
-(docs/benchmarks.md, 2026-12-06, twelfth session): 28 Qwen3-0.6B layers at 1k context in
-1,016 us against the engine's 1.19 ms step (its LM head 0.11 ms).
+(docs/benchmarks.md, 2026-12-06, thirteenth session): 28 Qwen3-0.6B layers at 1k context in
+1,008 us with the attention tiles pipelined, against the engine's 1.18 ms step (its LM head
+0.11 ms).
 """
 
 from __future__ import annotations
@@ -620,14 +621,16 @@ def persistent_layers(
     kernel's ``SKIP`` mask (phases whose work is left out, for timing only); ``prefetch``: the
     kernel's ``PF`` mask of L2 prefetches (0 under the interpreter: inline PTX); ``pre_w``: its
     ``PRE_W`` (each GEMV's first weight chunk loaded during the barrier wait); ``info``: a dict
-    that gets the launch's register line (``"usage"``); ``check``: the residency check of
+    that gets the launch's register line (``"usage"``) and, compiled on a GPU, the kernel's
+    PTX (``"ptx"``); ``check``: the residency check of
     :func:`kernels.grid_barrier.launch_resident` (a caller that checked once may skip it: it
     compiles and queries the device, host work on every eager call).
 
     Raises:
         ValueError: ``block_k`` not dividing H, FF and HQ * D, a splits count, head count or
-            head dim that is no power of two, ``pre_kv`` without ``fuse_b``, or more programs
-            than the GPU holds at once (:func:`kernels.grid_barrier.launch_resident`).
+            head dim that is no power of two, ``pre_kv`` without ``fuse_b``, ``prefetch`` on a
+            GPU below compute capability 9.0 (the bulk prefetch is sm_90 PTX), or more
+            programs than the GPU holds at once (:func:`kernels.grid_barrier.launch_resident`).
     """
     h, hq, hkv, d, ff = dims
     if any(k % block_k for k in (h, ff, hq * d)):
@@ -637,6 +640,9 @@ def persistent_layers(
             raise ValueError(f"{name} = {v} must be a power of two")
     if pre_kv and not fuse_b:
         raise ValueError("pre_kv needs fuse_b")
+    gpu = x.device.type == "cuda" and not interpreting()
+    if prefetch and gpu and torch.cuda.get_device_capability(x.device)[0] < 9:
+        raise ValueError("prefetch needs compute capability 9.0+ (cp.async.bulk.prefetch)")
     if not isinstance(seq_len, torch.Tensor):
         seq_len = torch.tensor([seq_len], dtype=torch.int32, device=x.device)
     if not isinstance(slot, torch.Tensor):
@@ -650,9 +656,12 @@ def persistent_layers(
         layers, eps,
         d**-0.5, h, hq, hkv, d, ff, block_size, scratch.splits, block_t, block_k,
         r_qkv, p2(r_qkv), r_h, p2(r_h), r_ff, p2(r_ff), interpreting(), fuse_b, merge_e,
-        pre_kv, merge_c, skip, 0 if interpreting() else prefetch, pre_w,
+        pre_kv, merge_c, skip, prefetch if gpu else 0, pre_w,
     )  # fmt: skip
     usage = launch_resident(_layers_kernel, (programs,), args, num_warps, x.device, check)
     if info is not None:
         info["usage"] = usage
+        if gpu:  # (the compiled kernel from the launch's cache)
+            compiled = _layers_kernel.warmup(*args, grid=(programs,), num_warps=num_warps)
+            info["ptx"] = compiled.asm.get("ptx", "")
     return x

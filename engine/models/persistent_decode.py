@@ -6,13 +6,16 @@ the glue: it checks that a model can take that path, builds the kernel's pointer
 model's own parameters and KV caches (no copy), and runs a one-token decode step through it --
 the embedding and the rotary rows before, the final RMSNorm after, as
 ``Qwen3ForCausalLM._forward_impl`` does. Everything else (prefill, mixed and batched decode
-steps, tensor parallelism, quantized or MoE models, Qwen2's q/k/v bias) stays on the model's
-own layer loop, which is also the oracle of its tests.
+steps, contexts over :data:`MAX_CONTEXT`, tensor parallelism, quantized or MoE models, Qwen2's
+q/k/v bias) stays on the model's own layer loop, which is also the oracle of its tests. (A
+one-token prompt chunk of one sequence is a decode step by its metadata and takes this path
+too: the same arithmetic.)
 
 Off by default (``QWEN_SERVE_PERSISTENT_DECODE=1`` turns it on, ``engine/layers/
-kernel_switches.py``) until a GPU run shows it faster than the layer loop with the same
-outputs (docs/benchmarks.md, 2026-12-06, twelfth session: its layers alone 1,016 us against
-the engine's whole 1.19 ms step on an H100; not yet run inside the engine).
+kernel_switches.py``): inside the engine on an H100 (docs/benchmarks.md, 2026-12-06,
+thirteenth session) the batch-1 step with it ran 1.057 ms against the layer loop's 1.126 at
+~128 tokens of context and 1.217 against 1.175 at ~1k, hence :data:`MAX_CONTEXT`; the routed
+form (a batch-1 twin graph) has not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from kernels.interpreter import interpreting
 from kernels.persistent_decode import Scratch, layer_table, persistent_layers
 
 #: the longest context (tokens, the new one counted) a step may have to take the persistent path;
-#: longer ones run the layer loop (the decode graphs capture a batch-1 twin for each). On an
+#: longer ones run the layer loop (the decode graphs capture a batch-1 twin bounded at it). On an
 #: H100 (docs/benchmarks.md, 2026-12-06, thirteenth session) the persistent step was 6 % faster
 #: at ~128 tokens and 3.5 % slower at ~1,024 (its attention phase grows faster with the context
 #: than the engine's split-KV decode kernel); 512 sits below the crossover between them

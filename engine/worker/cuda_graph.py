@@ -219,10 +219,11 @@ class DecodeGraphs:
     (the tests' CPU check of the padding and of the staged inputs).
 
     A model with a persistent decode path (``model.persistent_decode``, which takes one-token
-    steps of one sequence up to its ``max_context``) below ``max_seq_len`` gets a batch-1 twin
-    keyed ``(1, max_context)``: captured with that bound (the persistent launch) and replayed
-    for batch-1 steps whose contexts fit it; batch 1's own graph, captured with
-    ``max_seq_len``, runs the layer loop for longer ones.
+    steps of one sequence up to its ``max_context``) whose ``max_context`` is below
+    ``max_seq_len`` gets a batch-1 twin keyed ``(1, max_context)``: captured with that bound
+    (the persistent launch) and replayed for batch-1 steps whose contexts fit it; batch 1's own
+    graph, captured with ``max_seq_len``, runs the layer loop for longer ones. (Where the model
+    length is within ``max_context`` there is no twin: batch 1's own graph is persistent.)
     """
 
     def __init__(
@@ -236,14 +237,15 @@ class DecodeGraphs:
         self.inputs = GraphInputs(n, n, max_blocks_per_seq, dev)
         self.inputs.seq_lens.fill_(1)
         self.inputs.cu_seqlens_q.copy_(torch.arange(n + 1, dtype=torch.int32, device=dev))
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        #: keyed by batch size, and the batch-1 twin by ``(1, context bound)``
+        self.graphs: dict[int | tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int | tuple[int, int], torch.Tensor] = {}
         self.pool = pool  # memory pool shared with other graphs (e.g. PrefillGraphs.pool)
         short = getattr(getattr(model, "persistent_decode", None), "max_context", max_seq_len)
         #: the batch-1 twin's key (the persistent path's context bound), or None
         self.short_key = (1, short) if short < max_seq_len and self.sizes[0] == 1 else None
 
-    def _run(self, key) -> torch.Tensor:
+    def _run(self, key: int | tuple[int, int]) -> torch.Tensor:
         """The padded forward of a key: a batch size (contexts up to ``max_seq_len``) or the
         twin's ``(1, context bound)``."""
         bs, max_len = key if isinstance(key, tuple) else (key, self.max_seq_len)
@@ -289,7 +291,7 @@ class DecodeGraphs:
         """The captured batch size a decode step of ``batch`` sequences replays."""
         return next(s for s in self.sizes if s >= batch)
 
-    def _replay(self, key, b: int) -> torch.Tensor | None:
+    def _replay(self, key: int | tuple[int, int], b: int) -> torch.Tensor | None:
         graph = self.graphs.get(key)
         if graph is None:  # not captured (no CUDA): the same padded forward, eagerly
             logits = self._run(key)

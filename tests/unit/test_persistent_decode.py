@@ -240,6 +240,8 @@ def test_long_contexts_take_the_layer_loop(interpreter):
             pos, meta = _decode_meta(table, n_before)
             got = m(torch.tensor([5]), pos, caches, meta)
             assert got.shape == (1, cfg.hidden_size)
+            if n_before >= 2 * BLOCK:  # the layer loop's own output
+                assert torch.equal(got, m._forward_impl(torch.tensor([5]), pos, caches, meta))
     assert calls == [2 * BLOCK]  # context 2 * BLOCK only (the others: 2 * BLOCK + 1, ...)
 
 
