@@ -72,6 +72,13 @@ def _in_chunk(x_ptr, nw_ptr, r, cols, MODE: tl.constexpr, EXACT: tl.constexpr, S
 
 
 @triton.jit
+def _w_load(w_ptr, rows, ok, cols, K: tl.constexpr):
+    """Columns ``cols`` of the bf16 weight rows ``W[rows]`` (``W [*, K]``), zeros where not
+    ``ok``: ``[BP, BK]``."""
+    return tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=ok[:, None], other=0.0)
+
+
+@triton.jit
 def _first_chunk(
     w_ptr, pid, N: tl.constexpr, R: tl.constexpr, BP: tl.constexpr, K: tl.constexpr,
     BK: tl.constexpr, ROW0: tl.constexpr = 0,
@@ -81,21 +88,20 @@ def _first_chunk(
     masked): loaded while the program waits at a barrier (weights are never written), so
     their latency overlaps the wait."""
     rows, ok = _tile_rows(pid, N, R, BP)
-    ptrs = w_ptr + (ROW0 + rows)[:, None] * K + tl.arange(0, BK)[None, :]
-    return tl.load(ptrs, mask=ok[:, None], other=0.0)
+    return _w_load(w_ptr, ROW0 + rows, ok, tl.arange(0, BK), K)
 
 
 @triton.jit
 def _w_chunk(w_ptr, rows, ok, cols, K: tl.constexpr, w0, first, PRE: tl.constexpr):
     """Columns ``cols`` of ``W[rows]`` (bf16 ``[BP, BK]``): ``w0`` when ``PRE`` and ``first``
-    (the chunk :func:`_first_chunk` loaded earlier), else loaded now."""
+    (the chunk :func:`_first_chunk` loaded earlier), else loaded now (:func:`_w_load`)."""
     if PRE:
         if first:
             wv = w0
         else:
-            wv = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=ok[:, None], other=0.0)
+            wv = _w_load(w_ptr, rows, ok, cols, K)
     else:
-        wv = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=ok[:, None], other=0.0)
+        wv = _w_load(w_ptr, rows, ok, cols, K)
     return wv
 
 
