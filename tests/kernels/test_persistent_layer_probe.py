@@ -22,6 +22,16 @@ from kernels.interpreter import interpreting
 DIMS = (64, 4, 2, 16, 96)
 
 
+def _reference(wt, x0, kc, vc, bt, context, cos, sin, eps):
+    """Every layer of ``wt`` by :func:`layer_ref` from ``x0``, on copies of the caches ``kc``/
+    ``vc``: ``(hidden state, k caches, v caches)`` after the last layer."""
+    kr, vr = [t.clone() for t in kc], [t.clone() for t in vc]
+    ref = x0.clone()
+    for layer in range(wt.layers):
+        ref = layer_ref(ref, wt, layer, kr[layer], vr[layer], bt, context, cos, sin, eps)
+    return ref, kr, vr
+
+
 @pytest.mark.parametrize(
     "fuse_b,merge_e,pre_kv,merge_c,pre_w",
     [(0, 0, 0, 0, 0), (1, 0, 0, 0, 0), (1, 1, 0, 0, 0), (1, 0, 1, 0, 0), (1, 0, 1, 1, 0),
@@ -38,10 +48,7 @@ def test_layers_match_torch(device, context, splits, fuse_b, merge_e, pre_kv, me
     of operations) the results are bit-equal; on a GPU sums run in another order."""
     layers, eps = 2, 1e-6
     wt, kc, vc, bt, cos, sin, x0 = setup(layers, DIMS, context, 16, device, seed=context)
-    kr, vr = [t.clone() for t in kc], [t.clone() for t in vc]
-    ref = x0.clone()
-    for layer in range(layers):
-        ref = layer_ref(ref, wt, layer, kr[layer], vr[layer], bt, context, cos, sin, eps)
+    ref, kr, vr = _reference(wt, x0, kc, vc, bt, context, cos, sin, eps)
     compiled = device.type == "cuda" and not interpreting()
     programs = torch.cuda.get_device_properties(device).multi_processor_count if compiled else 1
     scratch = Scratch(DIMS, splits, device)
@@ -124,10 +131,7 @@ def test_layers_with_few_programs_on_gpu(device, programs, fuse_b, merge_e, pre_
         pytest.skip("several programs need a GPU (the interpreter runs programs one by one)")
     layers, eps, context = 2, 1e-6, 150
     wt, kc, vc, bt, cos, sin, x0 = setup(layers, DIMS, context, 16, device, seed=programs)
-    kr, vr = [t.clone() for t in kc], [t.clone() for t in vc]
-    ref = x0.clone()
-    for layer in range(layers):
-        ref = layer_ref(ref, wt, layer, kr[layer], vr[layer], bt, context, cos, sin, eps)
+    ref, _kr, _vr = _reference(wt, x0, kc, vc, bt, context, cos, sin, eps)
     scratch = Scratch(DIMS, 8, device)  # 2 KV heads x 8 splits: several items per program
     x = x0.clone()
     persistent_layers(
@@ -169,9 +173,6 @@ def test_l2_prefetch_changes_no_result_on_gpu(device, programs, context):
     (x0_, k0, v0), (x7, k7, v7) = outs
     assert torch.equal(x0_, x7)
     assert all(torch.equal(a, b) for a, b in zip(k0 + v0, k7 + v7))
-    ref = x0.clone()
-    kr, vr = [t.clone() for t in kc], [t.clone() for t in vc]
-    for layer in range(layers):
-        ref = layer_ref(ref, wt, layer, kr[layer], vr[layer], bt, context, cos, sin, eps)
+    ref, _kr, _vr = _reference(wt, x0, kc, vc, bt, context, cos, sin, eps)
     rel = ((x7.float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel < 1e-2, rel

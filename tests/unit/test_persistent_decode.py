@@ -116,6 +116,20 @@ def test_needs_a_gpu_or_the_interpreter(monkeypatch):
     assert "CUDA" in persistent_decode.unsupported_reason(m, _caches(_bf16_config()))
 
 
+def _tiny_engine(monkeypatch, model_dir, persistent: bool):
+    """The tiny bf16 checkpoint's engine (32 KV blocks) built with
+    ``QWEN_SERVE_PERSISTENT_DECODE``'s value patched to ``persistent``."""
+    from engine.core.config import EngineConfig
+    from engine.layers import kernel_switches
+    from engine.worker.build import build_engine
+
+    monkeypatch.setattr(kernel_switches, "PERSISTENT_DECODE", persistent)
+    return build_engine(
+        EngineConfig(model=model_dir, num_kv_blocks=32, block_size=BLOCK, dtype="bfloat16"),
+        eos_token_ids=frozenset(),
+    )
+
+
 def test_engine_greedy_outputs_equal_with_the_switch(
     interpreter,
     monkeypatch,
@@ -124,23 +138,14 @@ def test_engine_greedy_outputs_equal_with_the_switch(
     """The whole engine (``QWEN_SERVE_PERSISTENT_DECODE``'s value patched in): one sequence's
     greedy tokens are the same with the persistent path as with the layer loop, two at once
     (batched decode: the layer loop) too, and the runner says it applied it."""
-    from engine.core.config import EngineConfig
     from engine.core.request import SamplingParams
-    from engine.layers import kernel_switches
-    from engine.worker.build import build_engine
 
     gen = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (13, 7)]
     params = SamplingParams(temperature=0.0, max_tokens=8)
     outs = {}
     for on in (False, True):
-        monkeypatch.setattr(kernel_switches, "PERSISTENT_DECODE", on)
-        eng = build_engine(
-            EngineConfig(
-                model=tiny_qwen3_dir, num_kv_blocks=32, block_size=BLOCK, dtype="bfloat16"
-            ),
-            eos_token_ids=frozenset(),
-        )
+        eng = _tiny_engine(monkeypatch, tiny_qwen3_dir, on)
         assert (eng.executor.model.persistent_decode is not None) is on
         outs[on] = (eng.generate(prompts[:1], params), eng.generate(prompts, params))
     assert outs[True] == outs[False]
@@ -255,23 +260,14 @@ def test_decode_graphs_route_batch_one_by_context(
     ones, the padded forwards run eagerly on the CPU: a request whose context crosses the
     bound while decoding gets the layer loop's greedy tokens, and the persistent launch runs
     only for the steps within the bound."""
-    from engine.core.config import EngineConfig
     from engine.core.request import SamplingParams
-    from engine.layers import kernel_switches
-    from engine.worker.build import build_engine
     from engine.worker.cuda_graph import DecodeGraphs
 
     prompt = torch.randint(0, 300, (13,), generator=torch.Generator().manual_seed(4)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=9)
     outs, seen = {}, []
     for on in (False, True):
-        monkeypatch.setattr(kernel_switches, "PERSISTENT_DECODE", on)
-        eng = build_engine(
-            EngineConfig(
-                model=tiny_qwen3_dir, num_kv_blocks=32, block_size=BLOCK, dtype="bfloat16"
-            ),
-            eos_token_ids=frozenset(),
-        )
+        eng = _tiny_engine(monkeypatch, tiny_qwen3_dir, on)
         r = eng.executor
         if on:
             pd = r.model.persistent_decode
