@@ -20,6 +20,8 @@ SWITCH_NAMES = (
     "QWEN_SERVE_DECODE_FUSED_QK_ROPE",
     "QWEN_SERVE_TRITON_SWIGLU",
     "QWEN_SERVE_PERSISTENT_DECODE",
+    "QWEN_SERVE_PERSISTENT_PRE_KV",
+    "QWEN_SERVE_PERSISTENT_PRE_W",
 )
 
 
@@ -46,7 +48,11 @@ def env_switch(name: str, default: bool = True, environ=None) -> bool:
 
 
 #: the integer settings read by :func:`env_count` (benchmark knobs, A/B runs of one tree)
-COUNT_NAMES = ("QWEN_SERVE_DECODE_MAX_SPLITS",)
+COUNT_NAMES = (
+    "QWEN_SERVE_DECODE_MAX_SPLITS",
+    "QWEN_SERVE_PERSISTENT_MAX_CONTEXT",
+    "QWEN_SERVE_PERSISTENT_BLOCK_K",
+)
 
 
 def env_count(name: str, default: int, environ=None) -> int:

@@ -21,6 +21,11 @@ one tree (``bench/latency_ab.sh``) and as an escape hatch should a kernel misbeh
   one-token decode steps of a dense bf16 Qwen3 model on one GPU of compute capability 9.0+ run
   all layers in one
   persistent launch (``engine/models/persistent_decode.py``, ``kernels/persistent_decode.py``).
+  Its layout's benchmark knobs (off/unset by default): ``QWEN_SERVE_PERSISTENT_PRE_KV=1`` and
+  ``QWEN_SERVE_PERSISTENT_PRE_W=1`` (the first K/V tile, the GEMVs' first weight chunks loaded
+  during the barrier waits), and the counts ``QWEN_SERVE_PERSISTENT_MAX_CONTEXT`` (the longest
+  context it takes) and ``QWEN_SERVE_PERSISTENT_BLOCK_K`` (its K chunk), read with
+  :func:`persistent_options`.
 
 The others default to on (the fusions only where their table,
 ``kernels/configs/gemv_fused_<device>.json``, says they win; see
@@ -33,7 +38,7 @@ layer reads it; it changes no result bit).
 
 from __future__ import annotations
 
-from kernels.switches import env_switch
+from kernels.switches import env_count, env_switch
 
 FUSED_QK_ROPE = env_switch("QWEN_SERVE_FUSED_QK_ROPE")
 SMALL_M_GEMV = env_switch("QWEN_SERVE_SMALL_M_GEMV")
@@ -43,3 +48,21 @@ FUSED_MERGE_GEMV = env_switch("QWEN_SERVE_FUSED_MERGE_GEMV")
 FUSED_QKV_ROPE_GEMV = env_switch("QWEN_SERVE_FUSED_QKV_ROPE_GEMV")
 TRITON_SWIGLU = env_switch("QWEN_SERVE_TRITON_SWIGLU")
 PERSISTENT_DECODE = env_switch("QWEN_SERVE_PERSISTENT_DECODE", default=False)
+PERSISTENT_PRE_KV = env_switch("QWEN_SERVE_PERSISTENT_PRE_KV", default=False)
+PERSISTENT_PRE_W = env_switch("QWEN_SERVE_PERSISTENT_PRE_W", default=False)
+
+
+def persistent_options(environ=None) -> dict:
+    """The persistent decode path's keyword options for
+    :func:`engine.models.persistent_decode.build` from the environment: ``pre_kv``,
+    ``pre_w`` (this module's switches) and, where set, ``max_context`` and ``block_k``
+    (``QWEN_SERVE_PERSISTENT_MAX_CONTEXT``, ``..._BLOCK_K``; unset: the module's defaults).
+
+    Raises:
+        ValueError: a count that is not an integer >= 1, naming the variable."""
+    options = {"pre_kv": PERSISTENT_PRE_KV, "pre_w": PERSISTENT_PRE_W}
+    for key in ("max_context", "block_k"):
+        value = env_count(f"QWEN_SERVE_PERSISTENT_{key.upper()}", 0, environ=environ)
+        if value:
+            options[key] = value
+    return options

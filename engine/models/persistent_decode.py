@@ -59,6 +59,10 @@ class PersistentDecode:
     max_context: int = MAX_CONTEXT
     #: the first layer's q/k/v weight address when the table was made (a moved weight: stale)
     first_weight: int = 0
+    #: the kernel's ``PRE_KV`` and ``PRE_W`` (the first K/V tile and each GEMV's first weight
+    #: chunk loaded during the barrier waits)
+    pre_kv: bool = False
+    pre_w: bool = False
 
     def forward(
         self, model, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -81,7 +85,7 @@ class PersistentDecode:
             x, self.table, self.dims, self.block_size, meta.block_tables[0],
             meta.slot_mapping[:1], meta.seq_lens[:1], cos.reshape(-1), sin.reshape(-1), self.eps,
             self.scratch, self.programs, self.block_k, 32, self.num_warps, fuse_b=True,
-            check=False,
+            check=False, pre_kv=self.pre_kv, pre_w=self.pre_w,
         )  # fmt: skip
         norm = inner.norm
         return model.ops.rms_norm(x[None], norm.weight, norm.eps)
@@ -123,15 +127,23 @@ def unsupported_reason(model, kv_caches) -> str | None:
     return None
 
 
-def build(model, kv_caches, block_size: int) -> PersistentDecode:
+def build(
+    model, kv_caches, block_size: int, *, max_context: int = MAX_CONTEXT,
+    block_k: int | None = None, pre_kv: bool = False, pre_w: bool = False,
+) -> PersistentDecode:  # fmt: skip
     """The kernel's state over ``model``'s parameters and ``kv_caches`` (no copies: the table
     holds their addresses, so they must not be reallocated afterwards). Call before any CUDA
     graph is captured: the table and the scratch are allocated here, and one launch that
-    stores nothing compiles the kernel and checks its residency.
+    stores nothing compiles the kernel and checks its residency. ``max_context``: the longest
+    context (tokens) a step may have to take this path; ``block_k``: the kernel's K chunk (None:
+    the widest of :data:`_BLOCK_KS` that fits); ``pre_kv``, ``pre_w``: the kernel's layout
+    options (:class:`PersistentDecode`). The engine reads them from the environment
+    (``engine.layers.kernel_switches.persistent_options``).
 
     Raises:
-        ValueError: :func:`unsupported_reason` gives a reason, or the kernel's programs cannot
-            all be resident on this GPU (:func:`kernels.grid_barrier.launch_resident`).
+        ValueError: :func:`unsupported_reason` gives a reason, ``block_k`` does not divide the
+            hidden, intermediate and attention widths, or the kernel's programs cannot all be
+            resident on this GPU (:func:`kernels.grid_barrier.launch_resident`).
     """
     reason = unsupported_reason(model, kv_caches)
     if reason is not None:
@@ -140,6 +152,14 @@ def build(model, kv_caches, block_size: int) -> PersistentDecode:
     attn = model.model.layers[0].self_attn
     h, ff = cfg.hidden_size, cfg.intermediate_size
     dims = (h, attn.num_heads, attn.num_kv_heads, attn.head_dim, ff)
+    widths = (h, ff, dims[1] * dims[3])
+    if block_k is None:
+        block_k = _block_k(*widths)
+    elif any(w % block_k for w in widths):
+        raise ValueError(
+            f"persistent decode block_k {block_k} must divide the hidden, intermediate and "
+            f"attention widths {widths}"
+        )
     tensors = _layer_tensors(model, kv_caches)
     per = len(tensors) // len(model.model.layers)
     table = layer_table([tensors[i : i + per] for i in range(0, len(tensors), per)])
@@ -155,9 +175,12 @@ def build(model, kv_caches, block_size: int) -> PersistentDecode:
         eps=cfg.rms_norm_eps,
         scratch=Scratch(dims, splits, device),
         programs=programs,
-        block_k=_block_k(dims[0], dims[4], dims[1] * dims[3]),
+        block_k=block_k,
         num_warps=8 if device.type == "cuda" else 4,
+        max_context=max_context,
         first_weight=tensors[0].data_ptr(),
+        pre_kv=pre_kv,
+        pre_w=pre_w,
     )
     # one launch now, storing nothing (slot -1): compiles the kernel and checks that all its
     # programs can be resident, before any request or graph capture needs it
@@ -168,7 +191,7 @@ def build(model, kv_caches, block_size: int) -> PersistentDecode:
         x, table, dims, block_size, torch.zeros(1, dtype=torch.int32, device=device),
         torch.full((1,), -1, dtype=torch.int64, device=device), one, rows[: dims[3]],
         rows[dims[3] :], state.eps, state.scratch, programs, state.block_k, 32,
-        state.num_warps, fuse_b=True,
+        state.num_warps, fuse_b=True, pre_kv=pre_kv, pre_w=pre_w,
     )  # fmt: skip
     return state
 

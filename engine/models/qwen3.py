@@ -481,17 +481,20 @@ class Qwen3ForCausalLM(nn.Module):
             return self._compiled(input_ids, positions, kv_caches, meta)
         return self._forward_impl(input_ids, positions, kv_caches, meta)
 
-    def enable_persistent_decode(self, kv_caches, block_size: int) -> str | None:
+    def enable_persistent_decode(self, kv_caches, block_size: int, **options) -> str | None:
         """Send one-token decode steps through one persistent launch for all layers
         (:mod:`engine.models.persistent_decode`) over these ``kv_caches`` (which must not be
-        reallocated afterwards); call before CUDA graphs are captured. Returns None when
+        reallocated afterwards); call before CUDA graphs are captured. ``options``: the
+        keyword options of :func:`engine.models.persistent_decode.build`. Returns None when
         enabled, else why not (the layer loop stays)."""
         from engine.models import persistent_decode
 
         reason = persistent_decode.unsupported_reason(self, kv_caches)
         if reason is None:
             try:
-                self.persistent_decode = persistent_decode.build(self, kv_caches, block_size)
+                self.persistent_decode = persistent_decode.build(
+                    self, kv_caches, block_size, **options
+                )
             except ValueError as exc:  # e.g. its programs cannot all be resident on this GPU
                 reason = str(exc)
         return reason

@@ -212,7 +212,10 @@ class ModelRunner:
         ]
         if kernel_switches.PERSISTENT_DECODE:  # (before the warm-up and the graph captures)
             enable = getattr(model, "enable_persistent_decode", None)
-            reason = enable(self.kv_caches, config.block_size) if enable else "not this model"
+            options = kernel_switches.persistent_options()
+            reason = (
+                enable(self.kv_caches, config.block_size, **options) if enable else "not this model"
+            )
             if reason is None:
                 log.info("one-token decode steps run all layers in one persistent launch")
             else:

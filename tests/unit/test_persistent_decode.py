@@ -55,14 +55,27 @@ def interpreter():
         pytest.skip("the CPU path of the persistent kernel needs TRITON_INTERPRET=1")
 
 
-def test_decode_steps_match_the_layer_loop(interpreter):
+@pytest.mark.parametrize(
+    "options", [{}, {"pre_kv": True, "pre_w": True, "block_k": 16}], ids=["default", "layout"]
+)
+def test_decode_steps_match_the_layer_loop(interpreter, options):
+    """``options``: :func:`persistent_decode.build`'s layout options, passed on to every launch
+    (the first K/V tile and weight chunks loaded during the waits, a narrower K chunk)."""
     cfg = _bf16_config()
     loop, fast = _model(cfg), _model(cfg)
     fast.load_state_dict(loop.state_dict())
     caches_loop = _caches(cfg)
     caches_fast = [(k.clone(), v.clone()) for k, v in caches_loop]
-    assert fast.enable_persistent_decode(caches_fast, BLOCK) is None
-    assert fast.persistent_decode is not None
+    assert fast.enable_persistent_decode(caches_fast, BLOCK, **options) is None
+    state = fast.persistent_decode
+    assert state is not None
+    assert (state.pre_kv, state.pre_w) == (
+        options.get("pre_kv", False),
+        options.get("pre_w", False),
+    )
+    assert state.block_k == options.get("block_k", persistent_decode._block_k(
+        cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim
+    ))  # fmt: skip
     calls = [0]
     forward = fast.persistent_decode.forward
 
@@ -108,6 +121,25 @@ def test_refuses_models_it_cannot_run(interpreter):
     assert "powers of two" in persistent_decode.unsupported_reason(odd, caches)
     with pytest.raises(ValueError, match="unavailable: head counts"):
         persistent_decode.build(odd, caches, BLOCK)
+
+
+def test_layout_options_from_the_environment_and_a_bad_block_k(interpreter):
+    from engine.layers import kernel_switches
+
+    assert kernel_switches.persistent_options({}) == {
+        "pre_kv": kernel_switches.PERSISTENT_PRE_KV, "pre_w": kernel_switches.PERSISTENT_PRE_W
+    }  # fmt: skip
+    env = {"QWEN_SERVE_PERSISTENT_MAX_CONTEXT": "2048", "QWEN_SERVE_PERSISTENT_BLOCK_K": "64"}
+    got = kernel_switches.persistent_options(env)
+    assert (got["max_context"], got["block_k"]) == (2048, 64)
+    with pytest.raises(ValueError, match="QWEN_SERVE_PERSISTENT_BLOCK_K"):
+        kernel_switches.persistent_options({"QWEN_SERVE_PERSISTENT_BLOCK_K": "0"})
+    cfg = _bf16_config()
+    m = _model(cfg)
+    reason = m.enable_persistent_decode(_caches(cfg), BLOCK, block_k=48)
+    assert "block_k 48 must divide" in reason and m.persistent_decode is None
+    assert m.enable_persistent_decode(_caches(cfg), BLOCK, max_context=77) is None
+    assert m.persistent_decode.max_context == 77
 
 
 def test_needs_a_gpu_or_the_interpreter(monkeypatch):
