@@ -73,7 +73,7 @@
 #           ("PROMPT SWITCH [QWEN_SERVE_PERSISTENT_...=V ...]", ';'-separated; default 128
 #           and 1,024-token prompts with QWEN_SERVE_PERSISTENT_DECODE 0/1 -- routed by context:
 #           up to 512 tokens -- the layout knobs at 128 and the bound raised to 2,048 at 1k),
-#           and engine_check with it on (plus $PERSIST_CHECK's variables)
+#           and engine_check with it on (plus $PERSIST_CHECK's variables); PERSIST_TESTS=0: no tests
 #   l2pf:   the L2 prefetch kernel's GPU tests and the PDL ones, bench/l2_prefetch_probe.py (a
 #           28-layer GEMV chain with weights cold, hot in L2, and prefetched on a side stream)
 # Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD, all three made
@@ -287,9 +287,10 @@ for stage in ${@:-tests dense}; do
            done; done
            QWEN_SERVE_PERSISTENT_DECODE=1 timeout "$(left 110)" python3 bench/engine_check.py \
              --ckpt $CKPT 2>&1 | grep -v Warning | tail -4 ;;
-    persistab) TRITON_INTERPRET=0 timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider \
-             tests/kernels/test_persistent_layer_probe.py tests/kernels/test_grid_barrier_probe.py \
-             tests/unit/test_persistent_decode.py -rf --tb=line 2>&1 | tail -8
+    persistab) [ "${PERSIST_TESTS:-1}" = 0 ] || TRITON_INTERPRET=0 timeout "$(left 150)" \
+             python3 -m pytest -q -p no:cacheprovider tests/kernels/test_persistent_layer_probe.py \
+             tests/kernels/test_grid_barrier_probe.py tests/unit/test_persistent_decode.py -rf \
+             --tb=line 2>&1 | tail -8
            IFS=';' read -ra PROBES <<< "${PERSIST_PROBE:---layouts 1000 1010 10001 10101}"
            for args in "${PROBES[@]}"; do
              timeout "$(left 100)" python3 bench/persistent_layer_probe.py --warps 8 $args 2>&1 \
