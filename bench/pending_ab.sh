@@ -27,7 +27,7 @@
 #           compiled composition, engine_check and the 1k prefill profile with it on and off
 #   serveab: bench/serve.py at c=1/64/256 (greedy, 1,024-token prompts), $OLD then this tree,
 #           the server flags from $SERVE_ARGS (e.g. "--api-server-count 2"), the concurrencies
-#           from $SERVE_CONC
+#           from $SERVE_CONC, the prompts' tokens from $SERVE_PROMPT (1024)
 #   ttftab: bench/prefill_profile.py --prompt 1024 in this tree then in $OLD (and each run's
 #           seconds, start-up and graph capture included); TTFT_ROUNDS alternations (1),
 #           TTFT_REPEATS unprofiled first tokens per run (3); this tree's script runs in both
@@ -70,7 +70,7 @@
 #           (';'-separated argument lists; default the layouts 1000 1010 10001 10101 with the
 #           first K/V tile, pre_kv, and the first weight chunks, pre_w, loaded during the
 #           waits), then the engine's batch-1 step for each of $PERSIST_ENGINE's variants
-#           ("PROMPT SWITCH [QWEN_SERVE_PERSISTENT_...=V ...]", ';'-separated; default 128
+#           ("[TREE] PROMPT SWITCH [QWEN_SERVE_PERSISTENT_...=V ...]", ';'-separated; default 128
 #           and 1,024-token prompts with QWEN_SERVE_PERSISTENT_DECODE 0/1 -- routed by context:
 #           up to 512 tokens -- the layout knobs at 128 and the bound raised to 2,048 at 1k),
 #           and engine_check with it on (plus $PERSIST_CHECK's variables); PERSIST_TESTS=0: no tests
@@ -176,6 +176,7 @@ for stage in ${@:-tests dense}; do
              name=$([ "$root" = . ] && echo new || echo old)
              timeout "$(left 200)" python3 bench/serve.py --ckpt $CKPT --skip-peer \
                --tokenizer-from .benchassets/tokenizer --concurrency ${SERVE_CONC:-1 64 256} \
+               --prompt-tokens ${SERVE_PROMPT:-1024} \
                --server-args="${SERVE_ARGS:-}" --server-root "$root" --out "$OUT/serveab_$name" \
                2>&1 | grep -v "Warn\|Writing" > "$OUT/serveab_$name.log"
              echo "-- serve $name ($root) ${SERVE_ARGS:-}"; grep "^|" "$OUT/serveab_$name.log" | tail -5
@@ -300,10 +301,12 @@ for stage in ${@:-tests dense}; do
            # engine.layers.kernel_switches.persistent_options), ';'-separated
            IFS=';' read -ra VARIANTS <<< "${PERSIST_ENGINE:-128 0;128 1;128 1 QWEN_SERVE_PERSISTENT_PRE_KV=1 QWEN_SERVE_PERSISTENT_PRE_W=1;1024 1;1024 1 QWEN_SERVE_PERSISTENT_MAX_CONTEXT=2048;1024 0}"
            for v in "${VARIANTS[@]}"; do
-             set -- $v; p=$1; on=$2; shift 2
+             set -- $v; tree=.
+             if ! [[ $1 =~ ^[0-9]+$ ]]; then tree=$1; shift; fi  # a leading tree: "$OLD 128 0"
+             p=$1; on=$2; shift 2
              env QWEN_SERVE_PERSISTENT_DECODE=$on "$@" timeout "$(left 75)" python3 \
-               bench/decode_profile.py --tree . --ckpt $CKPT --batch 1 --steps 64 \
-               --prompt-tokens $p --top 2 --label "prompt=$p persistent=$on $*" 2>&1 \
+               bench/decode_profile.py --tree $tree --ckpt $CKPT --batch 1 --steps 64 \
+               --prompt-tokens $p --top 2 --label "$tree prompt=$p persistent=$on $*" 2>&1 \
                | grep -E '"tpot_ms"' | cut -c1-260
            done
            env QWEN_SERVE_PERSISTENT_DECODE=1 ${PERSIST_CHECK:-} timeout "$(left 110)" python3 \

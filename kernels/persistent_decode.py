@@ -106,6 +106,22 @@ def _w_chunk(w_ptr, rows, ok, cols, K: tl.constexpr, w0, first, PRE: tl.constexp
 
 
 @triton.jit
+def _late_chunk(x_ptr, nw_ptr, cols, ss):
+    """Columns ``cols`` of RMSNorm's input before its scale, ``w * x`` (float32), and the sum
+    of squares ``ss [BK]`` with this chunk's ``x^2`` added (the scale is applied to the dot
+    product afterwards: :func:`_late_scale`)."""
+    xv = tl.load(x_ptr + cols, cache_modifier=".cg").to(tl.float32)
+    w = tl.load(nw_ptr + cols).to(tl.float32)
+    return w * xv, ss + xv * xv
+
+
+@triton.jit
+def _late_scale(ss, K: tl.constexpr, eps):
+    """``rsqrt(mean(x^2) + eps)`` from the sums of squares ``ss [BK]`` over all ``K`` columns."""
+    return tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+
+
+@triton.jit
 def _rows_dot(
     w_ptr, rows, ok, x_ptr, nw_ptr, r, K: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
     MODE: tl.constexpr, EXACT: tl.constexpr, S: tl.constexpr = 1, w0=0, first=False,
@@ -113,42 +129,72 @@ def _rows_dot(
 ):  # fmt: skip
     """float32 ``W[rows] . in`` (``[BP]``, rows valid where ``ok``) over the whole ``K``, the
     input from :func:`_in_chunk` (``MODE``, ``S``); with ``PRE`` and ``first`` the first chunk
-    of the weight is ``w0`` (:func:`_w_chunk`)."""
+    of the weight is ``w0`` (:func:`_w_chunk`). ``MODE`` 3: RMSNorm's input with the scale
+    applied last, ``r * (W[rows] . (w * x))`` (``r`` here the epsilon: the scale is computed
+    beside the dot product, :func:`_late_chunk`; no bf16 rounding of the normalized input)."""
     acc = tl.zeros((BP, BK), dtype=tl.float32)
+    ss = tl.zeros((BK,), dtype=tl.float32)
     for k0 in tl.static_range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
-        xv = _in_chunk(x_ptr, nw_ptr, r, cols, MODE, EXACT, S)
+        if MODE == 3:
+            xv, ss = _late_chunk(x_ptr, nw_ptr, cols, ss)
+        else:
+            xv = _in_chunk(x_ptr, nw_ptr, r, cols, MODE, EXACT, S)
         wv = _w_chunk(w_ptr, rows, ok, cols, K, w0, first, PRE and k0 == 0)
         acc += wv.to(tl.float32) * xv[None, :]
-    return tl.sum(acc, axis=1)
+    y = tl.sum(acc, axis=1)
+    if MODE == 3:
+        y = y * _late_scale(ss, K, r)
+    return y
 
 
 @triton.jit
 def _rows_dot2(
     w_ptr, rows, rows2, ok, x_ptr, nw_ptr, r, K: tl.constexpr, BK: tl.constexpr,
     BP: tl.constexpr, EXACT: tl.constexpr, w0=0, w0b=0, first=False, PRE: tl.constexpr = False,
+    LATE: tl.constexpr = False,
 ):  # fmt: skip
     """:func:`_rows_dot` of two row sets (the gate and up rows) over one normalized input, in
     one K loop: ``(W[rows] . in, W[rows2] . in)`` (first chunks ``w0``/``w0b`` with ``PRE``
-    and ``first``)."""
+    and ``first``; ``LATE``: the norm's scale applied last, ``_rows_dot``'s ``MODE`` 3, ``r``
+    the epsilon)."""
     acc = tl.zeros((BP, BK), dtype=tl.float32)
     acc2 = tl.zeros((BP, BK), dtype=tl.float32)
+    ss = tl.zeros((BK,), dtype=tl.float32)
     for k0 in tl.static_range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
-        xv = _in_chunk(x_ptr, nw_ptr, r, cols, 1, EXACT)
+        if LATE:
+            xv, ss = _late_chunk(x_ptr, nw_ptr, cols, ss)
+        else:
+            xv = _in_chunk(x_ptr, nw_ptr, r, cols, 1, EXACT)
         wv = _w_chunk(w_ptr, rows, ok, cols, K, w0, first, PRE and k0 == 0)
         wv2 = _w_chunk(w_ptr, rows2, ok, cols, K, w0b, first, PRE and k0 == 0)
         acc += wv.to(tl.float32) * xv[None, :]
         acc2 += wv2.to(tl.float32) * xv[None, :]
-    return tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
+    y, y2 = tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
+    if LATE:
+        r_late = _late_scale(ss, K, r)
+        y, y2 = y * r_late, y2 * r_late
+    return y, y2
 
 
 @triton.jit
-def _add_residual(y, res_ptr, out_ptr, rows, ok, EXACT: tl.constexpr):
+def _load_res(res_ptr, rows, ok):
+    """The residual stream's rows ``res[rows]`` as float32 (0 where not ``ok``), read at L2
+    (another program may have written them before the last barrier)."""
+    return tl.load(res_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+
+
+@triton.jit
+def _add_residual(
+    y, res_ptr, out_ptr, rows, ok, EXACT: tl.constexpr, res=0, EARLY: tl.constexpr = False
+):
     """``out[rows] = bf16(res[rows] + bf16(y))`` where ``ok``: a projection's float32 rows
     ``y`` rounded to bf16, added to the residual stream in bf16 (eager torch's two roundings);
-    ``res`` read at L2 (another program may have written it before the last barrier)."""
-    res = tl.load(res_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    ``res`` loaded now (:func:`_load_res`), or with ``EARLY`` the values given (loaded before
+    the projection's K loop, so their latency overlaps it)."""
+    if not EARLY:
+        res = _load_res(res_ptr, rows, ok)
     out = round_as(res + round_as(y, tl.bfloat16, EXACT), tl.bfloat16, EXACT)
     tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -339,7 +385,8 @@ def _layers_kernel(
     R_QKV: tl.constexpr, P_QKV: tl.constexpr, R_H: tl.constexpr, P_H: tl.constexpr,
     R_FF: tl.constexpr, P_FF: tl.constexpr, EXACT: tl.constexpr, FUSE_B: tl.constexpr,
     MERGE_E: tl.constexpr, PRE_KV: tl.constexpr, MERGE_C: tl.constexpr, SKIP: tl.constexpr = 0,
-    PF: tl.constexpr = 0, PRE_W: tl.constexpr = False,
+    PF: tl.constexpr = 0, PRE_W: tl.constexpr = False, LATE_R: tl.constexpr = False,
+    EARLY_RES: tl.constexpr = False,
 ):  # fmt: skip
     """``LAYERS`` Qwen3 decoder layers of one decode token (module docstring, phases A-G), the
     hidden state ``x [H]`` (bf16) updated in place. Scratch: ``h2 [H]``, ``qkv [(HQ + 2 HKV) D]``,
@@ -372,7 +419,12 @@ def _layers_kernel(
     and F); 2, after C, its down tile (G) and the next layer's q/k/v tile (A); 4, after E, the
     next layer's keys/values of the earlier tokens (C). ``PRE_W``: each GEMV phase's first
     ``BK`` weight columns of the program's first tile loaded into registers while it waits at
-    the barrier before the phase (:func:`_first_chunk`; the chain probe's register preload)."""
+    the barrier before the phase (:func:`_first_chunk`; the chain probe's register preload).
+    ``LATE_R``: the RMSNorms before A and F apply their scale to the dot products (computed
+    beside them, :func:`_late_chunk`) instead of first reading the whole input for it, so the
+    weight loads need not wait for that reduction (float32 throughout: not eager's bf16
+    rounding of the normalized input). ``EARLY_RES``: E and G load their residual rows before
+    the K loop (:func:`_add_residual`; the same arithmetic)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     QKV_N: tl.constexpr = (HQ + 2 * HKV) * D
@@ -397,12 +449,15 @@ def _layers_kernel(
         if (SKIP & 1) == 0:
             wqkv_ptr = _layer_ptr(layer_ptrs, layer, 0)
             ln1 = _layer_ptr(layer_ptrs, layer, 4)
-            r = _rms_scale(x_ptr, H, BK, eps)
+            if LATE_R:
+                r = eps
+            else:
+                r = _rms_scale(x_ptr, H, BK, eps)
             for t in range(pid, tl.cdiv(QKV_N, R_QKV), nprog):
                 rows, ok = _tile_rows(t, QKV_N, R_QKV, P_QKV)
                 y = _rows_dot(
                     wqkv_ptr, rows, ok, x_ptr, ln1, r, H, BK,
-                    P_QKV, 1, EXACT, 1, w0_a, t == pid, PRE_W,
+                    P_QKV, 3 if LATE_R else 1, EXACT, 1, w0_a, t == pid, PRE_W,
                 )  # fmt: skip
                 y = round_as(y, tl.bfloat16, EXACT)
                 tl.store(qkv_ptr + rows, y.to(qkv_ptr.dtype.element_ty), mask=ok)
@@ -485,6 +540,7 @@ def _layers_kernel(
             wo_ptr = _layer_ptr(layer_ptrs, layer, 1)
             for t in range(pid, tl.cdiv(H, R_H), nprog):
                 rows, ok = _tile_rows(t, H, R_H, P_H)
+                res = _load_res(x_ptr, rows, ok) if EARLY_RES else 0
                 if MERGE_E:  # the splits merged in the o projection's input chunks
                     y = _rows_dot(
                         wo_ptr, rows, ok, part_ptr, ml_ptr, D, HQ * D, BK, P_H,
@@ -495,7 +551,7 @@ def _layers_kernel(
                         wo_ptr, rows, ok, attn_ptr, attn_ptr, 1.0, HQ * D, BK,
                         P_H, 0, EXACT, 1, w0_e, t == pid, PRE_W,
                     )  # fmt: skip
-                _add_residual(y, x_ptr, h2_ptr, rows, ok, EXACT)
+                _add_residual(y, x_ptr, h2_ptr, rows, ok, EXACT, res, EARLY_RES)
         phase += 1
         grid_arrive(bar_ptr)
         if PRE_W:  # F's first gate and up chunks
@@ -516,12 +572,15 @@ def _layers_kernel(
         if (SKIP & 32) == 0:
             wgu = _layer_ptr(layer_ptrs, layer, 2)
             ln2 = _layer_ptr(layer_ptrs, layer, 5)
-            r2 = _rms_scale(h2_ptr, H, BK, eps)
+            if LATE_R:
+                r2 = eps
+            else:
+                r2 = _rms_scale(h2_ptr, H, BK, eps)
             for t in range(pid, tl.cdiv(FF, R_FF), nprog):
                 rows, ok = _tile_rows(t, FF, R_FF, P_FF)
                 gate, up = _rows_dot2(
                     wgu, rows, rows + FF, ok, h2_ptr, ln2, r2, H, BK, P_FF, EXACT, w0_g, w0_u,
-                    t == pid, PRE_W,
+                    t == pid, PRE_W, LATE_R,
                 )  # fmt: skip
                 gate = round_as(gate, tl.bfloat16, EXACT)
                 silu = round_as(gate / (1.0 + tl.exp(-gate)), tl.bfloat16, EXACT)
@@ -539,11 +598,12 @@ def _layers_kernel(
             wd_ptr = _layer_ptr(layer_ptrs, layer, 3)
             for t in range(pid, tl.cdiv(H, R_H), nprog):
                 rows, ok = _tile_rows(t, H, R_H, P_H)
+                res = _load_res(h2_ptr, rows, ok) if EARLY_RES else 0
                 y = _rows_dot(
                     wd_ptr, rows, ok, act_ptr, act_ptr, 1.0, FF, BK, P_H, 0, EXACT, 1, w0_d,
                     t == pid, PRE_W,
                 )  # fmt: skip
-                _add_residual(y, h2_ptr, x_ptr, rows, ok, EXACT)
+                _add_residual(y, h2_ptr, x_ptr, rows, ok, EXACT, res, EARLY_RES)
         phase += 1
         grid_arrive(bar_ptr)
         if PRE_W:  # the next layer's first q/k/v chunk (the last layer: its own, unused)
@@ -611,7 +671,8 @@ class Scratch:
 def persistent_layers(
     x, table, dims, block_size, block_table, slot, seq_len, cos, sin, eps, scratch: Scratch,
     programs=1, block_k=64, block_t=32, num_warps=4, fuse_b=False, merge_e=False, pre_kv=False,
-    merge_c=False, skip=0, info=None, check=True, prefetch=0, pre_w=False,
+    merge_c=False, skip=0, info=None, check=True, prefetch=0, pre_w=False, late_r=False,
+    early_res=False,
 ):  # fmt: skip
     """Run :func:`_layers_kernel` over every layer of ``table`` (:func:`layer_table`, ``[L,
     10]``; ``dims`` = ``(H, HQ, HKV, D, FF)``, ``block_size`` the caches' tokens per block) on
@@ -626,9 +687,11 @@ def persistent_layers(
     ``merge_c``: ``MERGE_C`` (the last split of a KV head merges its group); ``skip``: the
     kernel's ``SKIP`` mask (phases whose work is left out, for timing only); ``prefetch``: the
     kernel's ``PF`` mask of L2 prefetches (0 under the interpreter: inline PTX); ``pre_w``: its
-    ``PRE_W`` (each GEMV's first weight chunk loaded during the barrier wait); ``info``: a dict
-    that gets the launch's register line (``"usage"``) and, compiled on a GPU, the kernel's
-    PTX (``"ptx"``); ``check``: the residency check of
+    ``PRE_W`` (each GEMV's first weight chunk loaded during the barrier wait); ``late_r``,
+    ``early_res``: its ``LATE_R`` (the RMSNorm scales applied to the dot products: float32,
+    not eager's roundings) and ``EARLY_RES`` (residual rows loaded before the K loops);
+    ``info``: a dict that gets the launch's register line (``"usage"``) and, compiled on a
+    GPU, the kernel's PTX (``"ptx"``); ``check``: the residency check of
     :func:`kernels.grid_barrier.launch_resident` (a caller that checked once may skip it: it
     compiles and queries the device, host work on every eager call).
 
@@ -662,7 +725,7 @@ def persistent_layers(
         layers, eps,
         d**-0.5, h, hq, hkv, d, ff, block_size, scratch.splits, block_t, block_k,
         r_qkv, p2(r_qkv), r_h, p2(r_h), r_ff, p2(r_ff), interpreting(), fuse_b, merge_e,
-        pre_kv, merge_c, skip, prefetch if gpu else 0, pre_w,
+        pre_kv, merge_c, skip, prefetch if gpu else 0, pre_w, late_r, early_res,
     )  # fmt: skip
     usage = launch_resident(_layers_kernel, (programs,), args, num_warps, x.device, check)
     if info is not None:

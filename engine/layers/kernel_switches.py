@@ -17,15 +17,19 @@ one tree (``bench/latency_ab.sh``) and as an escape hatch should a kernel misbeh
   compiled composition (``engine.layers.pointwise``) instead of ``kernels/swiglu.py``'s Triton
   kernel (2.8 against 1.4-1.7 TB/s on an H100; docs/benchmarks.md, 2026-12-05, fourth session).
 
-* ``QWEN_SERVE_PERSISTENT_DECODE=1`` (off by default, not yet measured inside the engine):
-  one-token decode steps of a dense bf16 Qwen3 model on one GPU of compute capability 9.0+ run
-  all layers in one
-  persistent launch (``engine/models/persistent_decode.py``, ``kernels/persistent_decode.py``).
-  Its layout's benchmark knobs (off/unset by default): ``QWEN_SERVE_PERSISTENT_PRE_KV=1`` and
-  ``QWEN_SERVE_PERSISTENT_PRE_W=1`` (the first K/V tile, the GEMVs' first weight chunks loaded
-  during the barrier waits), and the counts ``QWEN_SERVE_PERSISTENT_MAX_CONTEXT`` (the longest
-  context it takes) and ``QWEN_SERVE_PERSISTENT_BLOCK_K`` (its K chunk), read with
-  :func:`persistent_options`.
+* ``QWEN_SERVE_PERSISTENT_DECODE=0``: one-token decode steps of one sequence run the layer
+  loop. On by default on CUDA devices: such steps of a dense bf16 Qwen3 model on one GPU of
+  compute capability 9.0+ with up to 512 tokens of context run all layers in one persistent
+  launch (``engine/models/persistent_decode.py``, ``kernels/persistent_decode.py``; 6-7 %
+  faster than the layer loop on an H100, docs/benchmarks.md, 2026-12-06, fourteenth session).
+  Elsewhere (the Triton interpreter, for tests) only when set to 1, which also warns when a
+  model cannot take it. Its layout's knobs: ``QWEN_SERVE_PERSISTENT_PRE_KV=0``,
+  ``QWEN_SERVE_PERSISTENT_PRE_W=0`` (on by default: the first K/V tile, the GEMVs' first
+  weight chunks loaded during the barrier waits), ``QWEN_SERVE_PERSISTENT_LATE_R=1`` (off by
+  default: the RMSNorm scales applied after the dot products),
+  ``QWEN_SERVE_PERSISTENT_EARLY_RES=1`` (off by default: residual rows loaded before the K
+  loops), and the counts ``QWEN_SERVE_PERSISTENT_MAX_CONTEXT`` (the longest context it takes)
+  and ``QWEN_SERVE_PERSISTENT_BLOCK_K`` (its K chunk), read with :func:`persistent_options`.
 
 The others default to on (the fusions only where their table,
 ``kernels/configs/gemv_fused_<device>.json``, says they win; see
@@ -38,6 +42,8 @@ layer reads it; it changes no result bit).
 
 from __future__ import annotations
 
+import os
+
 from kernels.switches import env_count, env_switch
 
 FUSED_QK_ROPE = env_switch("QWEN_SERVE_FUSED_QK_ROPE")
@@ -47,20 +53,31 @@ FUSED_SWIGLU_GEMV = env_switch("QWEN_SERVE_FUSED_SWIGLU_GEMV")
 FUSED_MERGE_GEMV = env_switch("QWEN_SERVE_FUSED_MERGE_GEMV")
 FUSED_QKV_ROPE_GEMV = env_switch("QWEN_SERVE_FUSED_QKV_ROPE_GEMV")
 TRITON_SWIGLU = env_switch("QWEN_SERVE_TRITON_SWIGLU")
-PERSISTENT_DECODE = env_switch("QWEN_SERVE_PERSISTENT_DECODE", default=False)
-PERSISTENT_PRE_KV = env_switch("QWEN_SERVE_PERSISTENT_PRE_KV", default=False)
-PERSISTENT_PRE_W = env_switch("QWEN_SERVE_PERSISTENT_PRE_W", default=False)
+PERSISTENT_DECODE = env_switch("QWEN_SERVE_PERSISTENT_DECODE")
+#: QWEN_SERVE_PERSISTENT_DECODE set on: the path is also tried off CUDA (the Triton interpreter)
+#: and a model or device that cannot take it is warned about
+PERSISTENT_DECODE_ASKED = PERSISTENT_DECODE and "QWEN_SERVE_PERSISTENT_DECODE" in os.environ
+PERSISTENT_PRE_KV = env_switch("QWEN_SERVE_PERSISTENT_PRE_KV")
+PERSISTENT_PRE_W = env_switch("QWEN_SERVE_PERSISTENT_PRE_W")
+PERSISTENT_LATE_R = env_switch("QWEN_SERVE_PERSISTENT_LATE_R", default=False)
+PERSISTENT_EARLY_RES = env_switch("QWEN_SERVE_PERSISTENT_EARLY_RES", default=False)
 
 
 def persistent_options(environ=None) -> dict:
     """The persistent decode path's keyword options for
     :func:`engine.models.persistent_decode.build` from the environment: ``pre_kv``,
-    ``pre_w`` (this module's switches) and, where set, ``max_context`` and ``block_k``
-    (``QWEN_SERVE_PERSISTENT_MAX_CONTEXT``, ``..._BLOCK_K``; unset: the module's defaults).
+    ``pre_w``, ``late_r``, ``early_res`` (this module's switches) and, where set,
+    ``max_context`` and ``block_k`` (``QWEN_SERVE_PERSISTENT_MAX_CONTEXT``, ``..._BLOCK_K``;
+    unset: the module's defaults).
 
     Raises:
         ValueError: a count that is not an integer >= 1, naming the variable."""
-    options = {"pre_kv": PERSISTENT_PRE_KV, "pre_w": PERSISTENT_PRE_W}
+    options = {
+        "pre_kv": PERSISTENT_PRE_KV,
+        "pre_w": PERSISTENT_PRE_W,
+        "late_r": PERSISTENT_LATE_R,
+        "early_res": PERSISTENT_EARLY_RES,
+    }
     for key in ("max_context", "block_k"):
         value = env_count(f"QWEN_SERVE_PERSISTENT_{key.upper()}", 0, environ=environ)
         if value:

@@ -20,6 +20,7 @@ form (a batch-1 twin graph) has not yet run on a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,12 @@ from kernels.persistent_decode import Scratch, layer_table, persistent_layers
 #: at ~128 tokens and 3.5 % slower at ~1,024 (its attention phase grows faster with the context
 #: than the engine's split-KV decode kernel); 512 sits below the crossover between them
 MAX_CONTEXT = 512
+
+#: the kernel's layout options the engine passes on (:func:`build`; all off by default):
+#: ``PRE_KV``, ``PRE_W`` (the first K/V tile, each GEMV's first weight chunk loaded during the
+#: barrier waits), ``LATE_R`` (the RMSNorm scales applied after the dot products), ``EARLY_RES``
+#: (residual rows loaded before the K loops); :func:`kernels.persistent_decode.persistent_layers`
+LAYOUT_FLAGS = ("pre_kv", "pre_w", "late_r", "early_res")
 
 #: K-chunk widths tried, widest first (the kernel's ``block_k`` must divide H, FF and HQ x D)
 _BLOCK_KS = (256, 128, 64, 32, 16)
@@ -59,10 +66,8 @@ class PersistentDecode:
     max_context: int = MAX_CONTEXT
     #: the first layer's q/k/v weight address when the table was made (a moved weight: stale)
     first_weight: int = 0
-    #: the kernel's ``PRE_KV`` and ``PRE_W`` (the first K/V tile and each GEMV's first weight
-    #: chunk loaded during the barrier waits)
-    pre_kv: bool = False
-    pre_w: bool = False
+    #: the kernel's layout options (:data:`LAYOUT_FLAGS`: bool each), passed to every launch
+    flags: dict = dataclasses.field(default_factory=dict)
 
     def forward(
         self, model, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -85,7 +90,7 @@ class PersistentDecode:
             x, self.table, self.dims, self.block_size, meta.block_tables[0],
             meta.slot_mapping[:1], meta.seq_lens[:1], cos.reshape(-1), sin.reshape(-1), self.eps,
             self.scratch, self.programs, self.block_k, 32, self.num_warps, fuse_b=True,
-            check=False, pre_kv=self.pre_kv, pre_w=self.pre_w,
+            check=False, **self.flags,
         )  # fmt: skip
         norm = inner.norm
         return model.ops.rms_norm(x[None], norm.weight, norm.eps)
@@ -129,25 +134,29 @@ def unsupported_reason(model, kv_caches) -> str | None:
 
 def build(
     model, kv_caches, block_size: int, *, max_context: int = MAX_CONTEXT,
-    block_k: int | None = None, pre_kv: bool = False, pre_w: bool = False,
+    block_k: int | None = None, **flags: bool,
 ) -> PersistentDecode:  # fmt: skip
     """The kernel's state over ``model``'s parameters and ``kv_caches`` (no copies: the table
     holds their addresses, so they must not be reallocated afterwards). Call before any CUDA
     graph is captured: the table and the scratch are allocated here, and one launch that
     stores nothing compiles the kernel and checks its residency. ``max_context``: the longest
     context (tokens) a step may have to take this path; ``block_k``: the kernel's K chunk (None:
-    the widest of :data:`_BLOCK_KS` that fits); ``pre_kv``, ``pre_w``: the kernel's layout
-    options (:class:`PersistentDecode`). The engine reads them from the environment
+    the widest of :data:`_BLOCK_KS` that fits); ``flags``: the kernel's layout options
+    (:data:`LAYOUT_FLAGS`). The engine reads them from the environment
     (``engine.layers.kernel_switches.persistent_options``).
 
     Raises:
-        ValueError: :func:`unsupported_reason` gives a reason, ``block_k`` does not divide the
+        ValueError: :func:`unsupported_reason` gives a reason, a flag not in
+            :data:`LAYOUT_FLAGS`, ``block_k`` does not divide the
             hidden, intermediate and attention widths, or the kernel's programs cannot all be
             resident on this GPU (:func:`kernels.grid_barrier.launch_resident`).
     """
     reason = unsupported_reason(model, kv_caches)
     if reason is not None:
         raise ValueError(f"persistent decode unavailable: {reason}")
+    unknown = sorted(set(flags) - set(LAYOUT_FLAGS))
+    if unknown:
+        raise ValueError(f"persistent decode: unknown layout options {unknown}")
     cfg = model.config
     attn = model.model.layers[0].self_attn
     h, ff = cfg.hidden_size, cfg.intermediate_size
@@ -179,8 +188,7 @@ def build(
         num_warps=8 if device.type == "cuda" else 4,
         max_context=max_context,
         first_weight=tensors[0].data_ptr(),
-        pre_kv=pre_kv,
-        pre_w=pre_w,
+        flags={k: bool(v) for k, v in flags.items()},
     )
     # one launch now, storing nothing (slot -1): compiles the kernel and checks that all its
     # programs can be resident, before any request or graph capture needs it
@@ -191,7 +199,7 @@ def build(
         x, table, dims, block_size, torch.zeros(1, dtype=torch.int32, device=device),
         torch.full((1,), -1, dtype=torch.int64, device=device), one, rows[: dims[3]],
         rows[dims[3] :], state.eps, state.scratch, programs, state.block_k, 32,
-        state.num_warps, fuse_b=True, pre_kv=pre_kv, pre_w=pre_w,
+        state.num_warps, fuse_b=True, **state.flags,
     )  # fmt: skip
     return state
 

@@ -210,7 +210,10 @@ class ModelRunner:
             )
             for _ in range(mc.num_hidden_layers)
         ]
-        if kernel_switches.PERSISTENT_DECODE:  # (before the warm-up and the graph captures)
+        # the persistent decode path (before the warm-up and the graph captures): on by default
+        # on CUDA devices; elsewhere (the Triton interpreter) only when asked for
+        asked = kernel_switches.PERSISTENT_DECODE_ASKED
+        if kernel_switches.PERSISTENT_DECODE and (cuda or asked):
             enable = getattr(model, "enable_persistent_decode", None)
             options = kernel_switches.persistent_options()
             reason = (
@@ -218,8 +221,12 @@ class ModelRunner:
             )
             if reason is None:
                 log.info("one-token decode steps run all layers in one persistent launch")
-            else:
+            elif asked:
                 log.warning("QWEN_SERVE_PERSISTENT_DECODE=1 not applied: %s", reason)
+            else:
+                log.info(
+                    "one-token decode steps run the layer loop (no persistent path: %s)", reason
+                )
         capacity = num_blocks * config.block_size
         if capacity < max_len:
             log.warning(

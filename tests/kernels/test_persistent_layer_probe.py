@@ -68,6 +68,36 @@ def test_layers_match_torch(device, context, splits, fuse_b, merge_e, pre_kv, me
     verr = max((a.float() - b.float()).abs().max().item() for a, b in zip(vc, vr))
     assert kerr < 0.1 and verr < 0.1, (kerr, verr)
     assert scratch.bar.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("late_r,early_res", [(1, 0), (0, 1), (1, 1)])
+@pytest.mark.parametrize("context,splits", [(37, 4), (17, 2)])
+def test_late_norm_scale_and_early_residual(device, context, splits, late_r, early_res):
+    """``late_r`` (the RMSNorm scales applied to the dot products: float32, not the reference's
+    bf16 rounding of the normalized input) close to the torch layers; ``early_res`` alone (the
+    residual rows loaded before the K loops) the same arithmetic: bit-equal under the
+    interpreter."""
+    layers, eps = 2, 1e-6
+    wt, kc, vc, bt, cos, sin, x0 = setup(layers, DIMS, context, 16, device, seed=context + 5)
+    ref, kr, vr = _reference(wt, x0, kc, vc, bt, context, cos, sin, eps)
+    compiled = device.type == "cuda" and not interpreting()
+    programs = torch.cuda.get_device_properties(device).multi_processor_count if compiled else 1
+    scratch = Scratch(DIMS, splits, device)
+    x = x0.clone()
+    persistent_layers(
+        x, wt, kc, vc, bt, context, cos, sin, eps, scratch, programs, block_k=32, block_t=16,
+        fuse_b=True, pre_kv=True, pre_w=True, late_r=bool(late_r), early_res=bool(early_res),
+    )  # fmt: skip
+    if not compiled and not late_r:
+        assert torch.equal(x, ref)
+    if not compiled and late_r:
+        assert not torch.equal(x, ref)  # the late scale's arithmetic did run
+    rel = ((x.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < 1e-2, rel
+    kerr = max((a.float() - b.float()).abs().max().item() for a, b in zip(kc, kr))
+    verr = max((a.float() - b.float()).abs().max().item() for a, b in zip(vc, vr))
+    assert kerr < 0.1 and verr < 0.1, (kerr, verr)
+    assert scratch.bar.tolist() == [0, 0]
     assert scratch.count.tolist() == [0] * DIMS[2]
 
 

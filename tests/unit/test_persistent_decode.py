@@ -56,11 +56,14 @@ def interpreter():
 
 
 @pytest.mark.parametrize(
-    "options", [{}, {"pre_kv": True, "pre_w": True, "block_k": 16}], ids=["default", "layout"]
+    "options",
+    [{}, {"pre_kv": True, "pre_w": True, "early_res": True, "block_k": 16}],
+    ids=["default", "layout"],
 )
 def test_decode_steps_match_the_layer_loop(interpreter, options):
     """``options``: :func:`persistent_decode.build`'s layout options, passed on to every launch
-    (the first K/V tile and weight chunks loaded during the waits, a narrower K chunk)."""
+    (the first K/V tile, weight chunks and residual rows loaded early, a narrower K chunk: the
+    same arithmetic)."""
     cfg = _bf16_config()
     loop, fast = _model(cfg), _model(cfg)
     fast.load_state_dict(loop.state_dict())
@@ -69,10 +72,7 @@ def test_decode_steps_match_the_layer_loop(interpreter, options):
     assert fast.enable_persistent_decode(caches_fast, BLOCK, **options) is None
     state = fast.persistent_decode
     assert state is not None
-    assert (state.pre_kv, state.pre_w) == (
-        options.get("pre_kv", False),
-        options.get("pre_w", False),
-    )
+    assert state.flags == {k: v for k, v in options.items() if k != "block_k"}
     assert state.block_k == options.get("block_k", persistent_decode._block_k(
         cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim
     ))  # fmt: skip
@@ -126,9 +126,7 @@ def test_refuses_models_it_cannot_run(interpreter):
 def test_layout_options_from_the_environment_and_a_bad_block_k(interpreter):
     from engine.layers import kernel_switches
 
-    assert kernel_switches.persistent_options({}) == {
-        "pre_kv": kernel_switches.PERSISTENT_PRE_KV, "pre_w": kernel_switches.PERSISTENT_PRE_W
-    }  # fmt: skip
+    assert set(kernel_switches.persistent_options({})) == set(persistent_decode.LAYOUT_FLAGS)
     env = {"QWEN_SERVE_PERSISTENT_MAX_CONTEXT": "2048", "QWEN_SERVE_PERSISTENT_BLOCK_K": "64"}
     got = kernel_switches.persistent_options(env)
     assert (got["max_context"], got["block_k"]) == (2048, 64)
@@ -138,6 +136,9 @@ def test_layout_options_from_the_environment_and_a_bad_block_k(interpreter):
     m = _model(cfg)
     reason = m.enable_persistent_decode(_caches(cfg), BLOCK, block_k=48)
     assert "block_k 48 must divide" in reason and m.persistent_decode is None
+    assert "unknown layout options ['pre_q']" in m.enable_persistent_decode(
+        _caches(cfg), BLOCK, pre_q=True
+    )
     assert m.enable_persistent_decode(_caches(cfg), BLOCK, max_context=77) is None
     assert m.persistent_decode.max_context == 77
 
@@ -156,6 +157,7 @@ def _tiny_engine(monkeypatch, model_dir, persistent: bool):
     from engine.worker.build import build_engine
 
     monkeypatch.setattr(kernel_switches, "PERSISTENT_DECODE", persistent)
+    monkeypatch.setattr(kernel_switches, "PERSISTENT_DECODE_ASKED", persistent)
     return build_engine(
         EngineConfig(model=model_dir, num_kv_blocks=32, block_size=BLOCK, dtype="bfloat16"),
         eos_token_ids=frozenset(),
