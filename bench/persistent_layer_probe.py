@@ -78,7 +78,7 @@ def persistent_layers(
     x, wt: Weights, k_caches, v_caches, block_table, seq_len, cos, sin, eps, scratch: Scratch,
     programs=1, block_k=64, block_t=32, num_warps=4, fuse_b=False, merge_e=False, pre_kv=False,
     merge_c=False, skip=0, table=None, info=None, slot=None, prefetch=0, pre_w=False,
-    late_r=False, early_res=False,
+    late_r=False, early_res=False, row_sm=False,
 ):  # fmt: skip
     """:func:`kernels.persistent_decode.persistent_layers` over ``wt``'s layers and the caches
     ``k_caches``/``v_caches`` (one ``[blocks, BS, HKV, D]`` tensor per layer); ``table``: their
@@ -86,8 +86,9 @@ def persistent_layers(
     token's cache slot (an int64 ``[1]`` device tensor inside a graph; None: from the block
     table and an int ``seq_len``); ``prefetch``: the kernel's ``PF`` mask of L2 prefetches;
     ``pre_w``: its ``PRE_W`` (each GEMV's first weight chunk loaded during the wait);
-    ``late_r``, ``early_res``: its ``LATE_R`` and ``EARLY_RES`` (the norm scales applied after
-    the dot products; the residual rows loaded before the K loops)."""
+    ``late_r``, ``early_res``, ``row_sm``: its ``LATE_R``, ``EARLY_RES`` and ``ROW_SM`` (the
+    norm scales applied after the dot products; the residual rows loaded before the K loops;
+    the attention's online softmax per row)."""
     if table is None:
         table = layer_table(wt, k_caches, v_caches)
     bs = k_caches[0].shape[1]
@@ -97,7 +98,7 @@ def persistent_layers(
     return pd.persistent_layers(
         x, table, wt.dims, bs, block_table, slot, seq_len, cos, sin, eps, scratch, programs,
         block_k, block_t, num_warps, fuse_b, merge_e, pre_kv, merge_c, skip, info,
-        prefetch=prefetch, pre_w=pre_w, late_r=late_r, early_res=early_res,
+        prefetch=prefetch, pre_w=pre_w, late_r=late_r, early_res=early_res, row_sm=row_sm,
     )  # fmt: skip
 
 
@@ -172,8 +173,8 @@ def main() -> int:
     )  # fmt: skip
     ap.add_argument(
         "--layouts", nargs="*", default=["0000", "1000", "1010", "1011"],
-        help="phase layouts to time, each four to seven 0/1 digits: fuse_b, merge_e, pre_kv, "
-        "merge_c, pre_w, late_r, early_res (missing: 0)",
+        help="phase layouts to time, each four to eight 0/1 digits: fuse_b, merge_e, pre_kv, "
+        "merge_c, pre_w, late_r, early_res, row_sm (missing: 0)",
     )  # fmt: skip
     ap.add_argument(
         "--prefetch", type=int, nargs="*", default=[0],
@@ -188,7 +189,7 @@ def main() -> int:
         "output is not checked)",
     )  # fmt: skip
     args = ap.parse_args()
-    args.layouts = [tuple(c == "1" for c in lay.ljust(7, "0")) for lay in args.layouts]
+    args.layouts = [tuple(c == "1" for c in lay.ljust(8, "0")) for lay in args.layouts]
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         print("persistent_layer_probe: needs a CUDA device of compute capability 9.0+; skipped")
         return 0
@@ -217,7 +218,8 @@ def main() -> int:
         for warps in args.warps:
             variants = [(lay, pf, False) for lay in args.layouts for pf in args.prefetch]
             variants += [(args.layouts[0], args.prefetch[0], True)] if args.hot_l2 else []
-            for (fuse_b, merge_e, pre_kv, merge_c, pre_w, late_r, early_res), pf, hot in variants:
+            for lay_flags, pf, hot in variants:
+                fuse_b, merge_e, pre_kv, merge_c, pre_w, late_r, early_res, row_sm = lay_flags
                 x = x0.clone()
 
                 info: dict = {}
@@ -225,12 +227,13 @@ def main() -> int:
                 def run(
                     warps=warps, x=x, sc=scratch, lay=(fuse_b, merge_e, pre_kv, merge_c), info=info,
                     pf=pf, tab=hot_table if hot else table, pw=pre_w, lr=late_r, er=early_res,
+                    rs=row_sm,
                 ):  # fmt: skip
                     x.copy_(x0)
                     return persistent_layers(
                         x, wt, kc, vc, bt, seq_t, cos, sin, eps, sc, programs,
                         args.block_k, args.block_t, warps, *lay, table=tab, info=info,
-                        slot=slot_t, prefetch=pf, pre_w=pw, late_r=lr, early_res=er,
+                        slot=slot_t, prefetch=pf, pre_w=pw, late_r=lr, early_res=er, row_sm=rs,
                     )  # fmt: skip
 
                 label = (
@@ -241,6 +244,7 @@ def main() -> int:
                     f"{', first weight chunks during the wait' if pre_w else ''}"
                     f"{', norm scales late' if late_r else ''}"
                     f"{', residual early' if early_res else ''}"
+                    f"{', softmax per row' if row_sm else ''}"
                     f"{f', L2 prefetch {pf}' if pf else ''}"
                     f"{', every layer on layer 0 tensors (hot L2)' if hot else ''}"
                 )
@@ -276,7 +280,7 @@ def main() -> int:
                 return persistent_layers(
                     x, wt, kc, vc, bt, seq_t, cos, sin, eps, scratch, programs, args.block_k,
                     args.block_t, args.warps[0], *lay[:4], skip=bit, table=table, slot=slot_t,
-                    pre_w=lay[4], late_r=lay[5], early_res=lay[6],
+                    pre_w=lay[4], late_r=lay[5], early_res=lay[6], row_sm=lay[7],
                 )  # fmt: skip
 
             timed = time_or_report(f"skip {name}", run, args.reps)

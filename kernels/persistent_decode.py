@@ -210,12 +210,13 @@ def _tile_rows(t, N: tl.constexpr, R: tl.constexpr, BP: tl.constexpr):
 @triton.jit
 def _kv_tile(
     kc, vc, bt_ptr, t0, c_hi, g, HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    BT: tl.constexpr,
+    BT: tl.constexpr, RT: tl.constexpr,
 ):  # fmt: skip
-    """KV head ``g``'s keys and values ``[BT, D]`` (bf16, read at L2) of tokens ``t0 + [0,
-    BT)`` through the block table, and their mask ``tok < c_hi`` (masked rows: zeros, no
-    traffic)."""
-    tok = t0 + tl.arange(0, BT)
+    """KV head ``g``'s keys and values ``[RT, D]`` (bf16, read at L2) of tokens ``t0 + [0,
+    BT)`` through the block table (``RT`` a multiple of ``BT``: row ``j`` holds token ``t0 + j
+    % BT``, the tile repeated for each query head of the group, :func:`_attn_split`'s
+    ``ROW_SM``), and their mask ``tok < c_hi`` (masked rows: zeros, no traffic)."""
+    tok = t0 + tl.arange(0, RT) % BT
     t_ok = tok < c_hi
     blk = tl.load(bt_ptr + tok // BS, mask=t_ok, other=0).to(tl.int64)
     kv_off = ((blk * BS + tok % BS) * HKV + g)[:, None] * D + tl.arange(0, D)[None, :]
@@ -230,6 +231,7 @@ def _attn_split(
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, S: tl.constexpr,
     BT: tl.constexpr, FUSED: tl.constexpr, qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, eps, slot,
     HQ: tl.constexpr, EXACT: tl.constexpr, pre_k=0, pre_v=0, pre_ok=0, PRE: tl.constexpr = False,
+    ROW_SM: tl.constexpr = False,
 ):  # fmt: skip
     """Split ``s`` of KV head ``g``: the ``G`` query heads of its group over tokens
     ``[s * chunk, (s + 1) * chunk)`` of the context (``chunk`` = ``ceil(seq_len / S)`` rounded
@@ -242,41 +244,43 @@ def _attn_split(
     The ``BT``-token tiles are software-pipelined (each tile's keys/values asked for before the
     previous tile's arithmetic); ``PRE``: the first tile is ``pre_k``/``pre_v`` ``[BT, D]``
     (valid where ``pre_ok``), loaded earlier by the caller (:func:`_kv_tile` of ``lo`` and the
-    same ``c_hi``)."""
+    same ``c_hi``).
+    ``ROW_SM``: the online softmax runs per row of a ``[G * BT, D]`` tile (row ``j``: query
+    head ``j // BT`` of the group against token ``j % BT``; the tile's keys/values repeated per
+    head, ``_kv_tile``'s ``RT``) -- each row keeps its own running max, sum and ``[D]``
+    accumulator, so a tile needs no reduction across warps (only the dot over ``D``) and no
+    layout conversion of the keys/values; the rows of each head are merged once, after the
+    last tile (FlashDecoding's split merge, arXiv:2311.01282, over the rows). Float32 sums in
+    another order than the per-head loop: not bit-equal to it."""
     chunk = tl.cdiv(tl.cdiv(seq_len, S), BT) * BT
     lo = s * chunk
     hi = tl.minimum(lo + chunk, seq_len)
     hq = g * G + tl.arange(0, G)
     d = tl.arange(0, D)
     c_hi = tl.minimum(hi, seq_len - 1) if FUSED else hi  # FUSED: the new token from registers
+    RT: tl.constexpr = BT * G if ROW_SM else BT
     # software pipelining: each tile's keys/values are asked for before the previous tile's
     # (or the queries') arithmetic, so their latency overlaps it
     if PRE:
         k, v, t_ok = pre_k, pre_v, pre_ok
     else:
-        k, v, t_ok = _kv_tile(kc, vc, bt_ptr, lo, c_hi, g, HKV, D, BS, BT)
-    if FUSED:
-        q = norm_rope_rows(  # (exact roundings: no FMA may skip rotary's, kernels.rounding)
-            qkv_ptr, hq, hq < HQ, D, 1, qn_ptr, cos_ptr, sin_ptr, 1, 1, eps, D, True, True
-        ).to(tl.float32)
+        k, v, t_ok = _kv_tile(kc, vc, bt_ptr, lo, c_hi, g, HKV, D, BS, BT, RT)
+    if ROW_SM:
+        m, l_sum, acc, q = _attn_rows(
+            k, v, t_ok, kc, vc, bt_ptr, lo, c_hi, g, scale, HKV, G, D, BS, BT, FUSED, q_ptr,
+            qkv_ptr, qn_ptr, cos_ptr, sin_ptr, eps,
+        )  # fmt: skip
     else:
-        q = tl.load(q_ptr + hq[:, None] * D + d[None, :], cache_modifier=".cg").to(tl.float32)
-    m = tl.full((G,), float("-inf"), dtype=tl.float32)
-    l_sum = tl.zeros((G,), dtype=tl.float32)
-    acc = tl.zeros((G, D), dtype=tl.float32)
-    for t0 in range(lo, c_hi, BT):
-        k_next, v_next, ok_next = _kv_tile(kc, vc, bt_ptr, t0 + BT, c_hi, g, HKV, D, BS, BT)
-        sc = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale  # [G, BT]
-        sc = tl.where(t_ok[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(sc - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        m = m_new
-        k, v, t_ok = k_next, v_next, ok_next
+        m, l_sum, acc, q = _attn_heads(
+            k, v, t_ok, kc, vc, bt_ptr, lo, c_hi, g, scale, HKV, G, D, BS, BT, FUSED, q_ptr,
+            qkv_ptr, qn_ptr, cos_ptr, sin_ptr, eps,
+        )  # fmt: skip
     if FUSED:
         if (lo < seq_len) & (seq_len <= hi):  # this split holds the new token
+            if ROW_SM:  # (the per-head loop returned its queries)
+                q_new = _group_q(g, G, D, FUSED, q_ptr, qkv_ptr, qn_ptr, cos_ptr, sin_ptr, eps)
+            else:
+                q_new = q
             gk = g + tl.arange(0, 1)
             k_new = norm_rope_rows(
                 qkv_ptr + HQ * D, gk, gk < HKV, D, 1, kn_ptr, cos_ptr, sin_ptr, 1, 1, eps, D,
@@ -287,7 +291,7 @@ def _attn_split(
             store = (v_off * 0 + slot) >= 0  # a negative slot stores nothing (padding)
             tl.store(kc + slot * HKV * D + v_off, k_new, mask=store)
             tl.store(vc + slot * HKV * D + v_off, v_new, mask=store)
-            sc = tl.sum(q * k_new.to(tl.float32), axis=1) * scale  # [G]
+            sc = tl.sum(q_new * k_new.to(tl.float32), axis=1) * scale  # [G]
             m_new = tl.maximum(m, sc)
             alpha = tl.exp(m - m_new)
             p = tl.exp(sc - m_new)
@@ -297,6 +301,104 @@ def _attn_split(
     tl.store(part_ptr + (hq[:, None] * S + s) * D + d[None, :], acc)
     tl.store(ml_ptr + (hq * S + s) * 2, m)
     tl.store(ml_ptr + (hq * S + s) * 2 + 1, l_sum)
+
+
+@triton.jit
+def _group_q(g, G: tl.constexpr, D: tl.constexpr, FUSED: tl.constexpr, q_ptr, qkv_ptr, qn_ptr,
+             cos_ptr, sin_ptr, eps):  # fmt: skip
+    """The float32 queries ``[G, D]`` of KV head ``g``'s group: normalized and rotated from
+    ``qkv`` (``FUSED``, phase B's :func:`kernels.qk_norm_rope.norm_rope_rows`) or read from
+    ``q``."""
+    hq = g * G + tl.arange(0, G)
+    if FUSED:
+        q = norm_rope_rows(  # (exact roundings: no FMA may skip rotary's, kernels.rounding)
+            qkv_ptr, hq, hq >= 0, D, 1, qn_ptr, cos_ptr, sin_ptr, 1, 1, eps, D, True, True
+        ).to(tl.float32)
+    else:
+        q = tl.load(q_ptr + hq[:, None] * D + tl.arange(0, D)[None, :], cache_modifier=".cg")
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def _attn_heads(
+    k, v, t_ok, kc, vc, bt_ptr, lo, c_hi, g, scale, HKV: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr, FUSED: tl.constexpr, q_ptr, qkv_ptr,
+    qn_ptr, cos_ptr, sin_ptr, eps,
+):  # fmt: skip
+    """:func:`_attn_split`'s tile loop per query head: the running ``(m [G], l [G], acc [G,
+    D])`` (float32) over tokens ``[lo, c_hi)`` of KV head ``g``, the first tile ``k``/``v``
+    ``[BT, D]`` (valid where ``t_ok``) given, each next one loaded before the current one's
+    arithmetic; also returns the queries ``q [G, D]``."""
+    q = _group_q(g, G, D, FUSED, q_ptr, qkv_ptr, qn_ptr, cos_ptr, sin_ptr, eps)
+    m = tl.full((G,), float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros((G,), dtype=tl.float32)
+    acc = tl.zeros((G, D), dtype=tl.float32)
+    for t0 in range(lo, c_hi, BT):
+        k_next, v_next, ok_next = _kv_tile(kc, vc, bt_ptr, t0 + BT, c_hi, g, HKV, D, BS, BT, BT)
+        sc = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale  # [G, BT]
+        sc = tl.where(t_ok[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(sc - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        m = m_new
+        k, v, t_ok = k_next, v_next, ok_next
+    return m, l_sum, acc, q
+
+
+@triton.jit
+def _attn_rows(
+    k, v, t_ok, kc, vc, bt_ptr, lo, c_hi, g, scale, HKV: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr, FUSED: tl.constexpr, q_ptr, qkv_ptr,
+    qn_ptr, cos_ptr, sin_ptr, eps,
+):  # fmt: skip
+    """:func:`_attn_heads` per row (``_attn_split``'s ``ROW_SM``): tiles ``[G * BT, D]`` (row
+    ``j``: head ``j // BT``, token ``j % BT``), a running ``(m, l, acc)`` per row, merged per
+    head after the last tile; returns the same ``(m [G], l [G], acc [G, D])`` (``m = -inf``,
+    ``l = 0``, ``acc = 0`` for a head without tokens), and 0 for the queries (not kept)."""
+    RT: tl.constexpr = G * BT
+    j = tl.arange(0, RT)
+    head = j // BT
+    hq = g * G + head
+    if FUSED:  # each row's query: its head's, normalized and rotated (rows repeat heads)
+        q = norm_rope_rows(
+            qkv_ptr, hq, hq >= 0, D, 1, qn_ptr, cos_ptr, sin_ptr, 1, 1, eps, D, True, True
+        ).to(tl.float32)
+    else:
+        q = tl.load(q_ptr + hq[:, None] * D + tl.arange(0, D)[None, :], cache_modifier=".cg")
+        q = q.to(tl.float32)
+    m_r = tl.full((RT,), float("-inf"), dtype=tl.float32)
+    l_r = tl.zeros((RT,), dtype=tl.float32)
+    acc_r = tl.zeros((RT, D), dtype=tl.float32)
+    for t0 in range(lo, c_hi, BT):
+        k_next, v_next, ok_next = _kv_tile(kc, vc, bt_ptr, t0 + BT, c_hi, g, HKV, D, BS, BT, RT)
+        sc = tl.sum(q * k.to(tl.float32), axis=1) * scale  # [RT]
+        m_new = tl.where(t_ok, tl.maximum(m_r, sc), m_r)
+        # a row without a token yet keeps -inf (its l and acc are 0: any finite alpha will do)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_r - m_safe)
+        p = tl.where(t_ok, tl.exp(sc - m_safe), 0.0)
+        l_r = l_r * alpha + p
+        acc_r = acc_r * alpha[:, None] + p[:, None] * v.to(tl.float32)
+        m_r = m_new
+        k, v, t_ok = k_next, v_next, ok_next
+    # merge each head's rows (the split merge over rows): weights exp(m_row - max of the head)
+    gi = tl.arange(0, G)
+    m = tl.full((G,), float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros((G,), dtype=tl.float32)
+    acc = tl.zeros((G, D), dtype=tl.float32)
+    for i in tl.static_range(G):
+        mine = head == i
+        m_i = tl.max(tl.where(mine, m_r, float("-inf")), axis=0)
+        w = tl.where(mine, tl.exp(m_r - tl.where(m_i == float("-inf"), 0.0, m_i)), 0.0)
+        l_i = tl.sum(l_r * w, axis=0)
+        acc_i = tl.sum(acc_r * w[:, None], axis=0)  # [D]
+        m = tl.where(gi == i, m_i, m)
+        l_sum = tl.where(gi == i, l_i, l_sum)
+        acc = tl.where((gi == i)[:, None], acc_i[None, :], acc)
+    return m, l_sum, acc, 0
 
 
 @triton.jit
@@ -386,7 +488,7 @@ def _layers_kernel(
     R_FF: tl.constexpr, P_FF: tl.constexpr, EXACT: tl.constexpr, FUSE_B: tl.constexpr,
     MERGE_E: tl.constexpr, PRE_KV: tl.constexpr, MERGE_C: tl.constexpr, SKIP: tl.constexpr = 0,
     PF: tl.constexpr = 0, PRE_W: tl.constexpr = False, LATE_R: tl.constexpr = False,
-    EARLY_RES: tl.constexpr = False,
+    EARLY_RES: tl.constexpr = False, ROW_SM: tl.constexpr = False,
 ):  # fmt: skip
     """``LAYERS`` Qwen3 decoder layers of one decode token (module docstring, phases A-G), the
     hidden state ``x [H]`` (bf16) updated in place. Scratch: ``h2 [H]``, ``qkv [(HQ + 2 HKV) D]``,
@@ -424,7 +526,9 @@ def _layers_kernel(
     beside them, :func:`_late_chunk`) instead of first reading the whole input for it, so the
     weight loads need not wait for that reduction (float32 throughout: not eager's bf16
     rounding of the normalized input). ``EARLY_RES``: E and G load their residual rows before
-    the K loop (:func:`_add_residual`; the same arithmetic)."""
+    the K loop (:func:`_add_residual`; the same arithmetic). ``ROW_SM``: the attention items'
+    online softmax per row of ``[G * BT, D]`` tiles (:func:`_attn_split`, :func:`_attn_rows`;
+    no cross-warp reduction per tile)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     QKV_N: tl.constexpr = (HQ + 2 * HKV) * D
@@ -470,7 +574,7 @@ def _layers_kernel(
             _prefetch_tile(wgu_pf, pid, FF, R_FF, H, FF)
         if PRE_KV:  # the first tile of this program's attention item, during the wait
             k_pre, v_pre, ok_pre = _kv_tile(
-                kc, vc, bt_ptr, pre_lo, pre_hi, pid // S, HKV, D, BS, BT
+                kc, vc, bt_ptr, pre_lo, pre_hi, pid // S, HKV, D, BS, BT, BT * G if ROW_SM else BT
             )
         grid_wait(bar_ptr, phase * nprog)
         # B: q/k norm + rotary, k/v into the cache slot (FUSE_B: in C's items instead)
@@ -507,7 +611,7 @@ def _layers_kernel(
                         q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, pid // S, pid % S, seq_len, scale,
                         HKV, G, D, BS, S, BT, FUSE_B, qkv_ptr, qn,
                         kn, cos_ptr, sin_ptr, eps, slot, HQ, EXACT, k_pre, v_pre,
-                        ok_pre, True,
+                        ok_pre, True, ROW_SM,
                     )  # fmt: skip
                     if MERGE_C:
                         _split_done(count_ptr, pid // S, part_ptr, ml_ptr, attn_ptr, S, D, G, EXACT)
@@ -515,7 +619,7 @@ def _layers_kernel(
                 _attn_split(
                     q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, item // S, item % S, seq_len, scale,
                     HKV, G, D, BS, S, BT, FUSE_B, qkv_ptr, qn, kn,
-                    cos_ptr, sin_ptr, eps, slot, HQ, EXACT,
+                    cos_ptr, sin_ptr, eps, slot, HQ, EXACT, ROW_SM=ROW_SM,
                 )  # fmt: skip
                 if MERGE_C:
                     _split_done(count_ptr, item // S, part_ptr, ml_ptr, attn_ptr, S, D, G, EXACT)
@@ -672,7 +776,7 @@ def persistent_layers(
     x, table, dims, block_size, block_table, slot, seq_len, cos, sin, eps, scratch: Scratch,
     programs=1, block_k=64, block_t=32, num_warps=4, fuse_b=False, merge_e=False, pre_kv=False,
     merge_c=False, skip=0, info=None, check=True, prefetch=0, pre_w=False, late_r=False,
-    early_res=False,
+    early_res=False, row_sm=False,
 ):  # fmt: skip
     """Run :func:`_layers_kernel` over every layer of ``table`` (:func:`layer_table`, ``[L,
     10]``; ``dims`` = ``(H, HQ, HKV, D, FF)``, ``block_size`` the caches' tokens per block) on
@@ -690,6 +794,7 @@ def persistent_layers(
     ``PRE_W`` (each GEMV's first weight chunk loaded during the barrier wait); ``late_r``,
     ``early_res``: its ``LATE_R`` (the RMSNorm scales applied to the dot products: float32,
     not eager's roundings) and ``EARLY_RES`` (residual rows loaded before the K loops);
+    ``row_sm``: its ``ROW_SM`` (the attention's online softmax per row, merged per head);
     ``info``: a dict that gets the launch's register line (``"usage"``) and, compiled on a
     GPU, the kernel's PTX (``"ptx"``); ``check``: the residency check of
     :func:`kernels.grid_barrier.launch_resident` (a caller that checked once may skip it: it
@@ -725,7 +830,7 @@ def persistent_layers(
         layers, eps,
         d**-0.5, h, hq, hkv, d, ff, block_size, scratch.splits, block_t, block_k,
         r_qkv, p2(r_qkv), r_h, p2(r_h), r_ff, p2(r_ff), interpreting(), fuse_b, merge_e,
-        pre_kv, merge_c, skip, prefetch if gpu else 0, pre_w, late_r, early_res,
+        pre_kv, merge_c, skip, prefetch if gpu else 0, pre_w, late_r, early_res, row_sm,
     )  # fmt: skip
     usage = launch_resident(_layers_kernel, (programs,), args, num_warps, x.device, check)
     if info is not None:

@@ -28,8 +28,11 @@ one tree (``bench/latency_ab.sh``) and as an escape hatch should a kernel misbeh
   weight chunks loaded during the barrier waits), ``QWEN_SERVE_PERSISTENT_LATE_R=1`` (off by
   default: the RMSNorm scales applied after the dot products),
   ``QWEN_SERVE_PERSISTENT_EARLY_RES=1`` (off by default: residual rows loaded before the K
-  loops), and the counts ``QWEN_SERVE_PERSISTENT_MAX_CONTEXT`` (the longest context it takes)
-  and ``QWEN_SERVE_PERSISTENT_BLOCK_K`` (its K chunk), read with :func:`persistent_options`.
+  loops), ``QWEN_SERVE_PERSISTENT_ROW_SM=1`` (off by default: the attention's online softmax
+  per row of head-repeated tiles), and the counts ``QWEN_SERVE_PERSISTENT_MAX_CONTEXT`` (the
+  longest context it takes), ``QWEN_SERVE_PERSISTENT_BLOCK_K`` (its K chunk) and
+  ``QWEN_SERVE_PERSISTENT_BLOCK_T`` (tokens per attention tile), read with
+  :func:`persistent_options`.
 
 The others default to on (the fusions only where their table,
 ``kernels/configs/gemv_fused_<device>.json``, says they win; see
@@ -61,14 +64,15 @@ PERSISTENT_PRE_KV = env_switch("QWEN_SERVE_PERSISTENT_PRE_KV")
 PERSISTENT_PRE_W = env_switch("QWEN_SERVE_PERSISTENT_PRE_W")
 PERSISTENT_LATE_R = env_switch("QWEN_SERVE_PERSISTENT_LATE_R", default=False)
 PERSISTENT_EARLY_RES = env_switch("QWEN_SERVE_PERSISTENT_EARLY_RES", default=False)
+PERSISTENT_ROW_SM = env_switch("QWEN_SERVE_PERSISTENT_ROW_SM", default=False)
 
 
 def persistent_options(environ=None) -> dict:
     """The persistent decode path's keyword options for
     :func:`engine.models.persistent_decode.build` from the environment: ``pre_kv``,
-    ``pre_w``, ``late_r``, ``early_res`` (this module's switches) and, where set,
-    ``max_context`` and ``block_k`` (``QWEN_SERVE_PERSISTENT_MAX_CONTEXT``, ``..._BLOCK_K``;
-    unset: the module's defaults).
+    ``pre_w``, ``late_r``, ``early_res``, ``row_sm`` (this module's switches) and, where set,
+    ``max_context``, ``block_k`` and ``block_t`` (``QWEN_SERVE_PERSISTENT_MAX_CONTEXT``,
+    ``..._BLOCK_K``, ``..._BLOCK_T``; unset: the module's defaults).
 
     Raises:
         ValueError: a count that is not an integer >= 1, naming the variable."""
@@ -77,8 +81,9 @@ def persistent_options(environ=None) -> dict:
         "pre_w": PERSISTENT_PRE_W,
         "late_r": PERSISTENT_LATE_R,
         "early_res": PERSISTENT_EARLY_RES,
+        "row_sm": PERSISTENT_ROW_SM,
     }
-    for key in ("max_context", "block_k"):
+    for key in ("max_context", "block_k", "block_t"):
         value = env_count(f"QWEN_SERVE_PERSISTENT_{key.upper()}", 0, environ=environ)
         if value:
             options[key] = value

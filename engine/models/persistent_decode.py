@@ -40,8 +40,9 @@ MAX_CONTEXT = 512
 #: the kernel's layout options the engine passes on (:func:`build`; all off by default):
 #: ``PRE_KV``, ``PRE_W`` (the first K/V tile, each GEMV's first weight chunk loaded during the
 #: barrier waits), ``LATE_R`` (the RMSNorm scales applied after the dot products), ``EARLY_RES``
-#: (residual rows loaded before the K loops); :func:`kernels.persistent_decode.persistent_layers`
-LAYOUT_FLAGS = ("pre_kv", "pre_w", "late_r", "early_res")
+#: (residual rows loaded before the K loops), ``ROW_SM`` (the attention's online softmax per
+#: row of head-repeated tiles); :func:`kernels.persistent_decode.persistent_layers`
+LAYOUT_FLAGS = ("pre_kv", "pre_w", "late_r", "early_res", "row_sm")
 
 #: K-chunk widths tried, widest first (the kernel's ``block_k`` must divide H, FF and HQ x D)
 _BLOCK_KS = (256, 128, 64, 32, 16)
@@ -62,6 +63,8 @@ class PersistentDecode:
     programs: int
     block_k: int
     num_warps: int = 8
+    #: tokens per attention tile (a power of two)
+    block_t: int = 32
     #: the longest context it runs (:data:`MAX_CONTEXT`; a step's ``meta.max_seq_len``)
     max_context: int = MAX_CONTEXT
     #: the first layer's q/k/v weight address when the table was made (a moved weight: stale)
@@ -89,7 +92,7 @@ class PersistentDecode:
         persistent_layers(
             x, self.table, self.dims, self.block_size, meta.block_tables[0],
             meta.slot_mapping[:1], meta.seq_lens[:1], cos.reshape(-1), sin.reshape(-1), self.eps,
-            self.scratch, self.programs, self.block_k, 32, self.num_warps, fuse_b=True,
+            self.scratch, self.programs, self.block_k, self.block_t, self.num_warps, fuse_b=True,
             check=False, **self.flags,
         )  # fmt: skip
         norm = inner.norm
@@ -134,20 +137,22 @@ def unsupported_reason(model, kv_caches) -> str | None:
 
 def build(
     model, kv_caches, block_size: int, *, max_context: int = MAX_CONTEXT,
-    block_k: int | None = None, **flags: bool,
+    block_k: int | None = None, block_t: int = 32, **flags: bool,
 ) -> PersistentDecode:  # fmt: skip
     """The kernel's state over ``model``'s parameters and ``kv_caches`` (no copies: the table
     holds their addresses, so they must not be reallocated afterwards). Call before any CUDA
     graph is captured: the table and the scratch are allocated here, and one launch that
     stores nothing compiles the kernel and checks its residency. ``max_context``: the longest
     context (tokens) a step may have to take this path; ``block_k``: the kernel's K chunk (None:
-    the widest of :data:`_BLOCK_KS` that fits); ``flags``: the kernel's layout options
+    the widest of :data:`_BLOCK_KS` that fits); ``block_t``: tokens per attention tile (a power
+    of two, 16 or more); ``flags``: the kernel's layout options
     (:data:`LAYOUT_FLAGS`). The engine reads them from the environment
     (``engine.layers.kernel_switches.persistent_options``).
 
     Raises:
         ValueError: :func:`unsupported_reason` gives a reason, a flag not in
-            :data:`LAYOUT_FLAGS`, ``block_k`` does not divide the
+            :data:`LAYOUT_FLAGS`, a ``block_t`` that is no power of two from 16, ``block_k``
+            does not divide the
             hidden, intermediate and attention widths, or the kernel's programs cannot all be
             resident on this GPU (:func:`kernels.grid_barrier.launch_resident`).
     """
@@ -157,6 +162,8 @@ def build(
     unknown = sorted(set(flags) - set(LAYOUT_FLAGS))
     if unknown:
         raise ValueError(f"persistent decode: unknown layout options {unknown}")
+    if block_t < 16 or block_t & (block_t - 1):
+        raise ValueError(f"persistent decode block_t {block_t} must be a power of two >= 16")
     cfg = model.config
     attn = model.model.layers[0].self_attn
     h, ff = cfg.hidden_size, cfg.intermediate_size
@@ -185,6 +192,7 @@ def build(
         scratch=Scratch(dims, splits, device),
         programs=programs,
         block_k=block_k,
+        block_t=block_t,
         num_warps=8 if device.type == "cuda" else 4,
         max_context=max_context,
         first_weight=tensors[0].data_ptr(),
@@ -198,7 +206,7 @@ def build(
     persistent_layers(
         x, table, dims, block_size, torch.zeros(1, dtype=torch.int32, device=device),
         torch.full((1,), -1, dtype=torch.int64, device=device), one, rows[: dims[3]],
-        rows[dims[3] :], state.eps, state.scratch, programs, state.block_k, 32,
+        rows[dims[3] :], state.eps, state.scratch, programs, state.block_k, block_t,
         state.num_warps, fuse_b=True, **state.flags,
     )  # fmt: skip
     return state

@@ -70,13 +70,20 @@ def test_layers_match_torch(device, context, splits, fuse_b, merge_e, pre_kv, me
     assert scratch.bar.tolist() == [0, 0]
 
 
-@pytest.mark.parametrize("late_r,early_res", [(1, 0), (0, 1), (1, 1)])
-@pytest.mark.parametrize("context,splits", [(37, 4), (17, 2)])
-def test_late_norm_scale_and_early_residual(device, context, splits, late_r, early_res):
+@pytest.mark.parametrize(
+    "late_r,early_res,row_sm,pre_kv", [(1, 0, 0, 1), (0, 1, 0, 1), (1, 1, 0, 1), (0, 0, 1, 1),
+                                       (0, 0, 1, 0), (1, 1, 1, 1)],
+)  # fmt: skip
+@pytest.mark.parametrize("context,splits", [(37, 4), (17, 2), (150, 2), (5, 8), (1, 2)])
+def test_late_norm_scale_early_residual_row_softmax(
+    device, context, splits, late_r, early_res, row_sm, pre_kv
+):
     """``late_r`` (the RMSNorm scales applied to the dot products: float32, not the reference's
-    bf16 rounding of the normalized input) close to the torch layers; ``early_res`` alone (the
-    residual rows loaded before the K loops) the same arithmetic: bit-equal under the
-    interpreter."""
+    bf16 rounding of the normalized input) and ``row_sm`` (the attention's online softmax per
+    row of head-repeated tiles, merged per head: float32 sums in another order) close to the
+    torch layers -- splits of several tiles (150 over 2), empty ones (5 over 8), the new token
+    alone (1); ``early_res`` alone (the residual rows loaded before the K loops) the same
+    arithmetic: bit-equal under the interpreter."""
     layers, eps = 2, 1e-6
     wt, kc, vc, bt, cos, sin, x0 = setup(layers, DIMS, context, 16, device, seed=context + 5)
     ref, kr, vr = _reference(wt, x0, kc, vc, bt, context, cos, sin, eps)
@@ -86,9 +93,10 @@ def test_late_norm_scale_and_early_residual(device, context, splits, late_r, ear
     x = x0.clone()
     persistent_layers(
         x, wt, kc, vc, bt, context, cos, sin, eps, scratch, programs, block_k=32, block_t=16,
-        fuse_b=True, pre_kv=True, pre_w=True, late_r=bool(late_r), early_res=bool(early_res),
+        fuse_b=True, pre_kv=bool(pre_kv), pre_w=True, late_r=bool(late_r),
+        early_res=bool(early_res), row_sm=bool(row_sm),
     )  # fmt: skip
-    if not compiled and not late_r:
+    if not compiled and not (late_r or row_sm):
         assert torch.equal(x, ref)
     if not compiled and late_r:
         assert not torch.equal(x, ref)  # the late scale's arithmetic did run

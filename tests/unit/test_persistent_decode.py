@@ -49,6 +49,11 @@ def _caches(cfg):
     ]
 
 
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The relative error ``|got - want| / |want|`` (Frobenius norms, float32)."""
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
 @pytest.fixture
 def interpreter():
     if not interpreting():
@@ -57,13 +62,19 @@ def interpreter():
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"pre_kv": True, "pre_w": True, "early_res": True, "block_k": 16}],
-    ids=["default", "layout"],
+    [
+        {},
+        {"pre_kv": True, "pre_w": True, "early_res": True, "block_k": 16},
+        {"pre_kv": True, "row_sm": True, "late_r": True, "block_t": 16},
+    ],
+    ids=["default", "layout", "rows"],
 )
 def test_decode_steps_match_the_layer_loop(interpreter, options):
     """``options``: :func:`persistent_decode.build`'s layout options, passed on to every launch
     (the first K/V tile, weight chunks and residual rows loaded early, a narrower K chunk: the
-    same arithmetic)."""
+    same arithmetic, bit-equal; the attention's softmax per row and the norm scales applied
+    late, 16-token tiles: float32 sums in another order, close)."""
+    exact = not (options.get("row_sm") or options.get("late_r"))
     cfg = _bf16_config()
     loop, fast = _model(cfg), _model(cfg)
     fast.load_state_dict(loop.state_dict())
@@ -72,7 +83,8 @@ def test_decode_steps_match_the_layer_loop(interpreter, options):
     assert fast.enable_persistent_decode(caches_fast, BLOCK, **options) is None
     state = fast.persistent_decode
     assert state is not None
-    assert state.flags == {k: v for k, v in options.items() if k != "block_k"}
+    assert state.flags == {k: v for k, v in options.items() if not k.startswith("block")}
+    assert state.block_t == options.get("block_t", 32)
     assert state.block_k == options.get("block_k", persistent_decode._block_k(
         cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim
     ))  # fmt: skip
@@ -97,10 +109,16 @@ def test_decode_steps_match_the_layer_loop(interpreter, options):
             got = fast(ids, pos, caches_fast, meta)
             assert got.shape == want.shape == (1, cfg.hidden_size)
             # the kernel rounds where eager torch does and, under the interpreter, sums in
-            # the layer loop's order: the same bits
-            assert torch.equal(got, want), n
+            # the layer loop's order: the same bits (unless the options reorder the sums)
+            if exact:
+                assert torch.equal(got, want), n
+            else:  # (bf16 roundings of other values: compared as a whole)
+                assert _rel(got, want) < 2e-2, n
             for (kf, vf), (kl, vl) in zip(caches_fast, caches_loop):
-                assert torch.equal(kf, kl) and torch.equal(vf, vl)
+                if exact:
+                    assert torch.equal(kf, kl) and torch.equal(vf, vl)
+                else:
+                    assert _rel(kf, kl) < 2e-2 and _rel(vf, vl) < 2e-2, n
         assert calls == [4]
         # two sequences decoding: the layer loop (the persistent path not called)
         ids, pos, meta = _step(gen, [1, 1], [25, 3])
@@ -136,6 +154,7 @@ def test_layout_options_from_the_environment_and_a_bad_block_k(interpreter):
     m = _model(cfg)
     reason = m.enable_persistent_decode(_caches(cfg), BLOCK, block_k=48)
     assert "block_k 48 must divide" in reason and m.persistent_decode is None
+    assert "power of two" in m.enable_persistent_decode(_caches(cfg), BLOCK, block_t=24)
     assert "unknown layout options ['pre_q']" in m.enable_persistent_decode(
         _caches(cfg), BLOCK, pre_q=True
     )
