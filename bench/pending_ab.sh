@@ -66,14 +66,15 @@
 #           then bench/decode_profile.py at batch 1 with
 #           QWEN_SERVE_PERSISTENT_DECODE 0 and 1 (${PERSIST_ROUNDS:-2} alternations), and
 #           engine_check with it on
-#   persistab: the persistent kernels' GPU tests, the layer probe's runs in $PERSIST_PROBE
-#           (';'-separated argument lists; default the layouts 1000 1010 10001 10101 with the
-#           first K/V tile, pre_kv, and the first weight chunks, pre_w, loaded during the
-#           waits), then the engine's batch-1 step for each of $PERSIST_ENGINE's variants
+#   persistab: the persistent kernels' GPU tests, the engine's batch-1 step for each of
+#           $PERSIST_ENGINE's variants
 #           ("[TREE] PROMPT SWITCH [QWEN_SERVE_PERSISTENT_...=V ...]", ';'-separated; default 128
 #           and 1,024-token prompts with QWEN_SERVE_PERSISTENT_DECODE 0/1 -- routed by context:
 #           up to 512 tokens -- the layout knobs at 128 and the bound raised to 2,048 at 1k),
-#           and engine_check with it on (plus $PERSIST_CHECK's variables); PERSIST_TESTS=0: no tests
+#           engine_check with it on (plus $PERSIST_CHECK's variables), then the layer probe's
+#           runs in $PERSIST_PROBE (';'-separated argument lists; default the layouts 1000 1010
+#           10001 10101 with the first K/V tile, pre_kv, and the first weight chunks, pre_w,
+#           loaded during the waits); PERSIST_TESTS=0: no tests
 #   l2pf:   the L2 prefetch kernel's GPU tests and the PDL ones, bench/l2_prefetch_probe.py (a
 #           28-layer GEMV chain with weights cold, hot in L2, and prefetched on a side stream)
 # Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD, all three made
@@ -292,11 +293,6 @@ for stage in ${@:-tests dense}; do
              python3 -m pytest -q -p no:cacheprovider tests/kernels/test_persistent_layer_probe.py \
              tests/kernels/test_grid_barrier_probe.py tests/unit/test_persistent_decode.py -rf \
              --tb=line 2>&1 | tail -8
-           IFS=';' read -ra PROBES <<< "${PERSIST_PROBE:---layouts 1000 1010 10001 10101}"
-           for args in "${PROBES[@]}"; do
-             timeout "$(left 100)" python3 bench/persistent_layer_probe.py --warps 8 $args 2>&1 \
-               | grep "^| [0-9]" | tee -a "$OUT/persistab_probe.txt"
-           done
            # engine variants "PROMPT SWITCH [VAR=VALUE ...]" (the layout knobs of
            # engine.layers.kernel_switches.persistent_options), ';'-separated
            IFS=';' read -ra VARIANTS <<< "${PERSIST_ENGINE:-128 0;128 1;128 1 QWEN_SERVE_PERSISTENT_PRE_KV=1 QWEN_SERVE_PERSISTENT_PRE_W=1;1024 1;1024 1 QWEN_SERVE_PERSISTENT_MAX_CONTEXT=2048;1024 0}"
@@ -310,7 +306,12 @@ for stage in ${@:-tests dense}; do
                | grep -E '"tpot_ms"' | cut -c1-260
            done
            env QWEN_SERVE_PERSISTENT_DECODE=1 ${PERSIST_CHECK:-} timeout "$(left 110)" python3 \
-             bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning | tail -4 ;;
+             bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning | tail -4
+           IFS=';' read -ra PROBES <<< "${PERSIST_PROBE:---layouts 1000 1010 10001 10101}"
+           for args in "${PROBES[@]}"; do
+             timeout "$(left 100)" python3 bench/persistent_layer_probe.py --warps 8 $args 2>&1 \
+               | grep -E "^\| [0-9]|rror|failed" | tee -a "$OUT/persistab_probe.txt"
+           done ;;
     l2pf)  TRITON_INTERPRET=0 timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider \
              tests/kernels/test_l2_prefetch.py tests/kernels/test_pdl.py 2>&1 | tail -4
            timeout "$(left 90)" python3 bench/l2_prefetch_probe.py 2>&1 | grep -v Warning \
