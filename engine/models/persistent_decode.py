@@ -11,11 +11,12 @@ q/k/v bias) stays on the model's own layer loop, which is also the oracle of its
 one-token prompt chunk of one sequence is a decode step by its metadata and takes this path
 too: the same arithmetic.)
 
-Off by default (``QWEN_SERVE_PERSISTENT_DECODE=1`` turns it on, ``engine/layers/
-kernel_switches.py``): inside the engine on an H100 (docs/benchmarks.md, 2026-12-06,
-thirteenth session) the batch-1 step with it ran 1.057 ms against the layer loop's 1.126 at
-~128 tokens of context and 1.217 against 1.175 at ~1k, hence :data:`MAX_CONTEXT`; the routed
-form (a batch-1 twin graph) has not yet run on a GPU.
+On by default on CUDA devices (``QWEN_SERVE_PERSISTENT_DECODE=0`` turns it off, ``engine/
+layers/kernel_switches.py``): inside the engine on an H100 (docs/benchmarks.md, 2026-12-06,
+fourteenth session) the batch-1 step with it ran 1.047 ms against the layer loop's 1.128 at
+~128 tokens of context and 1.065 against 1.139 at 449-512 tokens; at ~1k it would be slower
+(1.216-1.219 against 1.192), hence :data:`MAX_CONTEXT`, and the routed engine ran the layer
+loop there at the layer loop's time (1.188).
 """
 
 from __future__ import annotations
