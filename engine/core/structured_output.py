@@ -31,9 +31,15 @@ GRAMMAR_ERROR_PREFIX = "structured output: "
 
 
 def matcher_error(matcher) -> str:
-    """An llguidance matcher's error, its first line only: the rest is the parser's state dump
-    (the whole grammar and internals), not for a client."""
-    return matcher.get_error().strip().split("\n", 1)[0]
+    """An llguidance matcher's error for a client: its first line, and the reason from the
+    line ``error: ...`` below it where there is one (a regex parse error names its reason
+    there, e.g. ``unclosed group``); the rest is the pattern with a caret, or the parser's state
+    dump (the whole grammar and internals), not for a client."""
+    lines = matcher.get_error().strip().split("\n")
+    reason = next(
+        (ln.strip()[6:].strip() for ln in lines[1:] if ln.strip().startswith("error:")), ""
+    )
+    return f"{lines[0].rstrip(': ')}: {reason}" if reason else lines[0]
 
 
 log = logging.getLogger(__name__)

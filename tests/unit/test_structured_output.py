@@ -324,3 +324,25 @@ def test_grammar_failures_are_the_requests_or_the_engines(embedded):
     assert failed.ready() and failed.engine_fault
     assert "grammar compilation failed: MemoryError" in failed.failure_message
     manager.shutdown()
+
+
+@pytest.mark.parametrize(
+    "regex,reason",
+    [("(", "unclosed group"), ("[z-a]", "invalid character class range")],
+)
+def test_matcher_errors_keep_the_reason_and_drop_the_dump(embedded, regex, reason):
+    """llguidance's message for a bad regex names its reason on a later line (below the pattern
+    and a caret): the client's one-line message keeps it, and nothing of the rest."""
+    from pathlib import Path
+
+    from llguidance import LLTokenizer
+
+    from engine.core.structured_output import matcher_error
+
+    path, tok = embedded
+    llg = LLTokenizer((Path(path) / "tokenizer.json").read_text(), n_vocab=tok.vocab_size)
+    matcher = LLMatcher(llg, LLMatcher.grammar_from_regex(regex), log_level=0)
+    assert matcher.is_error()
+    msg = matcher_error(matcher)
+    assert "\n" not in msg and "^" not in msg, msg
+    assert "regex parse error: " + reason in msg, msg
