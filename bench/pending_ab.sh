@@ -70,7 +70,8 @@
 #           $PERSIST_ENGINE's variants
 #           ("[TREE] PROMPT SWITCH [QWEN_SERVE_PERSISTENT_...=V ...]", ';'-separated; default 128
 #           and 1,024-token prompts with QWEN_SERVE_PERSISTENT_DECODE 0/1 -- routed by context:
-#           up to 512 tokens -- the layout knobs at 128 and the bound raised to 2,048 at 1k),
+#           up to 512 tokens -- the default layout's loads off at 128, and the bound raised to
+#           2,048 at 1k),
 #           engine_check with it on (plus $PERSIST_CHECK's variables), then the layer probe's
 #           runs in $PERSIST_PROBE (';'-separated argument lists; default the layouts 1000 1010
 #           10001 10101 with the first K/V tile, pre_kv, and the first weight chunks, pre_w,
@@ -295,7 +296,7 @@ for stage in ${@:-tests dense}; do
              --tb=line 2>&1 | tail -8
            # engine variants "PROMPT SWITCH [VAR=VALUE ...]" (the layout knobs of
            # engine.layers.kernel_switches.persistent_options), ';'-separated
-           IFS=';' read -ra VARIANTS <<< "${PERSIST_ENGINE:-128 0;128 1;128 1 QWEN_SERVE_PERSISTENT_PRE_KV=1 QWEN_SERVE_PERSISTENT_PRE_W=1;1024 1;1024 1 QWEN_SERVE_PERSISTENT_MAX_CONTEXT=2048;1024 0}"
+           IFS=';' read -ra VARIANTS <<< "${PERSIST_ENGINE:-128 0;128 1;128 1 QWEN_SERVE_PERSISTENT_PRE_KV=0 QWEN_SERVE_PERSISTENT_PRE_W=0;1024 1;1024 1 QWEN_SERVE_PERSISTENT_MAX_CONTEXT=2048;1024 0}"
            for v in "${VARIANTS[@]}"; do
              set -- $v; tree=.
              if ! [[ $1 =~ ^[0-9]+$ ]]; then tree=$1; shift; fi  # a leading tree: "$OLD 128 0"

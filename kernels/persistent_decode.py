@@ -130,8 +130,9 @@ def _rows_dot(
     """float32 ``W[rows] . in`` (``[BP]``, rows valid where ``ok``) over the whole ``K``, the
     input from :func:`_in_chunk` (``MODE``, ``S``); with ``PRE`` and ``first`` the first chunk
     of the weight is ``w0`` (:func:`_w_chunk`). ``MODE`` 3: RMSNorm's input with the scale
-    applied last, ``r * (W[rows] . (w * x))`` (``r`` here the epsilon: the scale is computed
-    beside the dot product, :func:`_late_chunk`; no bf16 rounding of the normalized input)."""
+    applied last, ``rsqrt(mean(x^2) + eps) * (W[rows] . (w * x))``, the scale from sums of
+    squares taken beside the dot product (:func:`_late_chunk`; the argument ``r`` is ``eps``
+    here; no bf16 rounding of the normalized input)."""
     acc = tl.zeros((BP, BK), dtype=tl.float32)
     ss = tl.zeros((BK,), dtype=tl.float32)
     for k0 in tl.static_range(0, K, BK):
@@ -243,8 +244,8 @@ def _attn_split(
     its value from registers and stores both in ``slot``; else ``q`` comes from ``q_ptr``.
     The ``BT``-token tiles are software-pipelined (each tile's keys/values asked for before the
     previous tile's arithmetic); ``PRE``: the first tile is ``pre_k``/``pre_v`` ``[BT, D]``
-    (valid where ``pre_ok``), loaded earlier by the caller (:func:`_kv_tile` of ``lo`` and the
-    same ``c_hi``).
+    (``[G * BT, D]`` with ``ROW_SM``; valid where ``pre_ok``), loaded earlier by the caller
+    (:func:`_kv_tile` of ``lo`` and the same ``c_hi``).
     ``ROW_SM``: the online softmax runs per row of a ``[G * BT, D]`` tile (row ``j``: query
     head ``j // BT`` of the group against token ``j % BT``; the tile's keys/values repeated per
     head, ``_kv_tile``'s ``RT``) -- each row keeps its own running max, sum and ``[D]``
@@ -278,7 +279,7 @@ def _attn_split(
     if FUSED:
         if (lo < seq_len) & (seq_len <= hi):  # this split holds the new token
             if ROW_SM:  # (the per-head loop returned its queries)
-                q_new = _group_q(g, G, D, FUSED, q_ptr, qkv_ptr, qn_ptr, cos_ptr, sin_ptr, eps)
+                q_new = _group_q(hq, D, FUSED, q_ptr, qkv_ptr, qn_ptr, cos_ptr, sin_ptr, eps)
             else:
                 q_new = q
             gk = g + tl.arange(0, 1)
@@ -304,12 +305,11 @@ def _attn_split(
 
 
 @triton.jit
-def _group_q(g, G: tl.constexpr, D: tl.constexpr, FUSED: tl.constexpr, q_ptr, qkv_ptr, qn_ptr,
-             cos_ptr, sin_ptr, eps):  # fmt: skip
-    """The float32 queries ``[G, D]`` of KV head ``g``'s group: normalized and rotated from
-    ``qkv`` (``FUSED``, phase B's :func:`kernels.qk_norm_rope.norm_rope_rows`) or read from
-    ``q``."""
-    hq = g * G + tl.arange(0, G)
+def _group_q(hq, D: tl.constexpr, FUSED: tl.constexpr, q_ptr, qkv_ptr, qn_ptr, cos_ptr, sin_ptr,
+             eps):  # fmt: skip
+    """The float32 queries ``[len(hq), D]`` of the query heads ``hq`` (any, repeats allowed):
+    normalized and rotated from ``qkv`` (``FUSED``, phase B's
+    :func:`kernels.qk_norm_rope.norm_rope_rows`) or read from ``q``."""
     if FUSED:
         q = norm_rope_rows(  # (exact roundings: no FMA may skip rotary's, kernels.rounding)
             qkv_ptr, hq, hq >= 0, D, 1, qn_ptr, cos_ptr, sin_ptr, 1, 1, eps, D, True, True
@@ -330,7 +330,7 @@ def _attn_heads(
     D])`` (float32) over tokens ``[lo, c_hi)`` of KV head ``g``, the first tile ``k``/``v``
     ``[BT, D]`` (valid where ``t_ok``) given, each next one loaded before the current one's
     arithmetic; also returns the queries ``q [G, D]``."""
-    q = _group_q(g, G, D, FUSED, q_ptr, qkv_ptr, qn_ptr, cos_ptr, sin_ptr, eps)
+    q = _group_q(g * G + tl.arange(0, G), D, FUSED, q_ptr, qkv_ptr, qn_ptr, cos_ptr, sin_ptr, eps)
     m = tl.full((G,), float("-inf"), dtype=tl.float32)
     l_sum = tl.zeros((G,), dtype=tl.float32)
     acc = tl.zeros((G, D), dtype=tl.float32)
@@ -361,14 +361,8 @@ def _attn_rows(
     RT: tl.constexpr = G * BT
     j = tl.arange(0, RT)
     head = j // BT
-    hq = g * G + head
-    if FUSED:  # each row's query: its head's, normalized and rotated (rows repeat heads)
-        q = norm_rope_rows(
-            qkv_ptr, hq, hq >= 0, D, 1, qn_ptr, cos_ptr, sin_ptr, 1, 1, eps, D, True, True
-        ).to(tl.float32)
-    else:
-        q = tl.load(q_ptr + hq[:, None] * D + tl.arange(0, D)[None, :], cache_modifier=".cg")
-        q = q.to(tl.float32)
+    # each row's query: its head's (rows repeat heads)
+    q = _group_q(g * G + head, D, FUSED, q_ptr, qkv_ptr, qn_ptr, cos_ptr, sin_ptr, eps)
     m_r = tl.full((RT,), float("-inf"), dtype=tl.float32)
     l_r = tl.zeros((RT,), dtype=tl.float32)
     acc_r = tl.zeros((RT, D), dtype=tl.float32)
@@ -796,9 +790,10 @@ def persistent_layers(
     not eager's roundings) and ``EARLY_RES`` (residual rows loaded before the K loops);
     ``row_sm``: its ``ROW_SM`` (the attention's online softmax per row, merged per head);
     ``info``: a dict that gets the launch's register line (``"usage"``) and, compiled on a
-    GPU, the kernel's PTX (``"ptx"``); ``check``: the residency check of
-    :func:`kernels.grid_barrier.launch_resident` (a caller that checked once may skip it: it
-    compiles and queries the device, host work on every eager call).
+    GPU, the kernel's PTX (``"ptx"``) and its spilled bytes per thread (``"spills"``);
+    ``check``: the residency check of :func:`kernels.grid_barrier.launch_resident` (a caller
+    that checked once may skip it: it compiles and queries the device, host work on every
+    eager call).
 
     Raises:
         ValueError: ``block_k`` not dividing H, FF and HQ * D, a splits count, head count or
@@ -838,4 +833,5 @@ def persistent_layers(
         if gpu:  # (the compiled kernel from the launch's cache)
             compiled = _layers_kernel.warmup(*args, grid=(programs,), num_warps=num_warps)
             info["ptx"] = compiled.asm.get("ptx", "")
+            info["spills"] = int(getattr(compiled, "n_spills", 0) or 0)
     return x

@@ -21,9 +21,11 @@ one tree (``bench/latency_ab.sh``) and as an escape hatch should a kernel misbeh
   loop. On by default on CUDA devices: such steps of a dense bf16 Qwen3 model on one GPU of
   compute capability 9.0+ with up to 512 tokens of context run all layers in one persistent
   launch (``engine/models/persistent_decode.py``, ``kernels/persistent_decode.py``; 6-7 %
-  faster than the layer loop on an H100, docs/benchmarks.md, 2026-12-06, fourteenth session).
-  Elsewhere (the Triton interpreter, for tests) only when set to 1, which also warns when a
-  model cannot take it. Its layout's knobs: ``QWEN_SERVE_PERSISTENT_PRE_KV=0``,
+  faster than the layer loop on an H100, docs/benchmarks.md, 2026-12-06, fourteenth session),
+  for models whose compiled kernel spills at most ``DEFAULT_MAX_SPILL_BYTES`` (the measured
+  Qwen3-0.6B; larger ones spill kilobytes). Set to 1 it is also taken for those and under the
+  Triton interpreter (the tests), and a model that cannot take it is warned about. Its
+  layout's knobs: ``QWEN_SERVE_PERSISTENT_PRE_KV=0``,
   ``QWEN_SERVE_PERSISTENT_PRE_W=0`` (on by default: the first K/V tile, the GEMVs' first
   weight chunks loaded during the barrier waits), ``QWEN_SERVE_PERSISTENT_LATE_R=1`` (off by
   default: the RMSNorm scales applied after the dot products),
@@ -60,29 +62,29 @@ PERSISTENT_DECODE = env_switch("QWEN_SERVE_PERSISTENT_DECODE")
 #: QWEN_SERVE_PERSISTENT_DECODE set on: the path is also tried off CUDA (the Triton interpreter)
 #: and a model or device that cannot take it is warned about
 PERSISTENT_DECODE_ASKED = PERSISTENT_DECODE and "QWEN_SERVE_PERSISTENT_DECODE" in os.environ
-PERSISTENT_PRE_KV = env_switch("QWEN_SERVE_PERSISTENT_PRE_KV")
-PERSISTENT_PRE_W = env_switch("QWEN_SERVE_PERSISTENT_PRE_W")
-PERSISTENT_LATE_R = env_switch("QWEN_SERVE_PERSISTENT_LATE_R", default=False)
-PERSISTENT_EARLY_RES = env_switch("QWEN_SERVE_PERSISTENT_EARLY_RES", default=False)
-PERSISTENT_ROW_SM = env_switch("QWEN_SERVE_PERSISTENT_ROW_SM", default=False)
+
+
+#: the persistent decode path's layout switches (``QWEN_SERVE_PERSISTENT_<NAME>``)
+PERSISTENT_FLAGS = ("pre_kv", "pre_w", "late_r", "early_res", "row_sm")
 
 
 def persistent_options(environ=None) -> dict:
     """The persistent decode path's keyword options for
-    :func:`engine.models.persistent_decode.build` from the environment: ``pre_kv``,
-    ``pre_w``, ``late_r``, ``early_res``, ``row_sm`` (this module's switches) and, where set,
-    ``max_context``, ``block_k`` and ``block_t`` (``QWEN_SERVE_PERSISTENT_MAX_CONTEXT``,
-    ``..._BLOCK_K``, ``..._BLOCK_T``; unset: the module's defaults).
+    :func:`engine.models.persistent_decode.build` that ``environ`` (``os.environ`` when None)
+    sets: the layout flags ``pre_kv``, ``pre_w``, ``late_r``, ``early_res``, ``row_sm``
+    (``QWEN_SERVE_PERSISTENT_PRE_KV``, ...; 1/0) and the counts ``max_context``, ``block_k``,
+    ``block_t`` (``QWEN_SERVE_PERSISTENT_MAX_CONTEXT``, ...). Unset ones are left out: ``build``'s
+    defaults apply.
 
     Raises:
-        ValueError: a count that is not an integer >= 1, naming the variable."""
-    options = {
-        "pre_kv": PERSISTENT_PRE_KV,
-        "pre_w": PERSISTENT_PRE_W,
-        "late_r": PERSISTENT_LATE_R,
-        "early_res": PERSISTENT_EARLY_RES,
-        "row_sm": PERSISTENT_ROW_SM,
-    }
+        ValueError: a value that is not 1/true/yes/on or 0/false/no/off for a flag, not an
+            integer >= 1 for a count, naming the variable."""
+    environ = os.environ if environ is None else environ
+    options = {}
+    for key in PERSISTENT_FLAGS:
+        name = f"QWEN_SERVE_PERSISTENT_{key.upper()}"
+        if name in environ:
+            options[key] = env_switch(name, environ=environ)
     for key in ("max_context", "block_k", "block_t"):
         value = env_count(f"QWEN_SERVE_PERSISTENT_{key.upper()}", 0, environ=environ)
         if value:

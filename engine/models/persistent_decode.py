@@ -38,12 +38,22 @@ from kernels.persistent_decode import Scratch, layer_table, persistent_layers
 #: than the engine's split-KV decode kernel); 512 sits below the crossover between them
 MAX_CONTEXT = 512
 
-#: the kernel's layout options the engine passes on (:func:`build`; all off by default):
-#: ``PRE_KV``, ``PRE_W`` (the first K/V tile, each GEMV's first weight chunk loaded during the
-#: barrier waits), ``LATE_R`` (the RMSNorm scales applied after the dot products), ``EARLY_RES``
-#: (residual rows loaded before the K loops), ``ROW_SM`` (the attention's online softmax per
-#: row of head-repeated tiles); :func:`kernels.persistent_decode.persistent_layers`
+#: the kernel's layout options :func:`build` passes on: ``PRE_KV``, ``PRE_W`` (the first K/V
+#: tile, each GEMV's first weight chunk loaded during the barrier waits), ``LATE_R`` (the
+#: RMSNorm scales applied after the dot products), ``EARLY_RES`` (residual rows loaded before
+#: the K loops), ``ROW_SM`` (the attention's online softmax per row of head-repeated tiles);
+#: :func:`kernels.persistent_decode.persistent_layers`
 LAYOUT_FLAGS = ("pre_kv", "pre_w", "late_r", "early_res", "row_sm")
+
+#: the layout :func:`build` uses for flags not given (the others off): ``PRE_KV`` and ``PRE_W``
+#: measured faster in the engine on an H100 (1.047 against 1.054-1.059 ms at 128 tokens,
+#: docs/benchmarks.md, 2026-12-06, fourteenth session)
+DEFAULT_FLAGS = {"pre_kv": True, "pre_w": True}
+
+#: the spills per thread (bytes) up to which the engine takes the path without being asked
+#: (``QWEN_SERVE_PERSISTENT_DECODE`` unset): the measured Qwen3-0.6B compiles to 6 B on the
+#: device's Triton 3.6; the larger models spill kilobytes (offline: 1.7B 1.4 KB, 8B 78 KB)
+DEFAULT_MAX_SPILL_BYTES = 64
 
 #: K-chunk widths tried, widest first (the kernel's ``block_k`` must divide H, FF and HQ x D)
 _BLOCK_KS = (256, 128, 64, 32, 16)
@@ -138,7 +148,8 @@ def unsupported_reason(model, kv_caches) -> str | None:
 
 def build(
     model, kv_caches, block_size: int, *, max_context: int = MAX_CONTEXT,
-    block_k: int | None = None, block_t: int = 32, **flags: bool,
+    block_k: int | None = None, block_t: int = 32, max_spill_bytes: int | None = None,
+    **flags: bool,
 ) -> PersistentDecode:  # fmt: skip
     """The kernel's state over ``model``'s parameters and ``kv_caches`` (no copies: the table
     holds their addresses, so they must not be reallocated afterwards). Call before any CUDA
@@ -146,15 +157,18 @@ def build(
     stores nothing compiles the kernel and checks its residency. ``max_context``: the longest
     context (tokens) a step may have to take this path; ``block_k``: the kernel's K chunk (None:
     the widest of :data:`_BLOCK_KS` that fits); ``block_t``: tokens per attention tile (a power
-    of two, 16 or more); ``flags``: the kernel's layout options
-    (:data:`LAYOUT_FLAGS`). The engine reads them from the environment
-    (``engine.layers.kernel_switches.persistent_options``).
+    of two, 16 or more); ``max_spill_bytes``: refuse a compiled kernel that spills more
+    bytes per thread than this (None: any; the engine's default path passes a bound: larger
+    models than the measured Qwen3-0.6B spill kilobytes, e.g. 1.4 KB for 1.7B and 78 KB for 8B
+    offline, and would be slower); ``flags``: the kernel's layout options
+    (:data:`LAYOUT_FLAGS`; :data:`DEFAULT_FLAGS` for those not given). The engine reads them
+    from the environment (``engine.layers.kernel_switches.persistent_options``).
 
     Raises:
         ValueError: :func:`unsupported_reason` gives a reason, a flag not in
             :data:`LAYOUT_FLAGS`, a ``block_t`` that is no power of two from 16, ``block_k``
-            does not divide the
-            hidden, intermediate and attention widths, or the kernel's programs cannot all be
+            does not divide the hidden, intermediate and attention widths, the compiled kernel
+            spills more than ``max_spill_bytes``, or the kernel's programs cannot all be
             resident on this GPU (:func:`kernels.grid_barrier.launch_resident`).
     """
     reason = unsupported_reason(model, kv_caches)
@@ -197,10 +211,11 @@ def build(
         num_warps=8 if device.type == "cuda" else 4,
         max_context=max_context,
         first_weight=tensors[0].data_ptr(),
-        flags={k: bool(v) for k, v in flags.items()},
+        flags={k: bool(v) for k, v in {**DEFAULT_FLAGS, **flags}.items()},
     )
     # one launch now, storing nothing (slot -1): compiles the kernel and checks that all its
     # programs can be resident, before any request or graph capture needs it
+    info: dict = {}
     x = torch.zeros(dims[0], dtype=torch.bfloat16, device=device)
     rows = torch.zeros(2 * dims[3], dtype=torch.bfloat16, device=device)
     one = torch.ones(1, dtype=torch.int32, device=device)
@@ -208,8 +223,14 @@ def build(
         x, table, dims, block_size, torch.zeros(1, dtype=torch.int32, device=device),
         torch.full((1,), -1, dtype=torch.int64, device=device), one, rows[: dims[3]],
         rows[dims[3] :], state.eps, state.scratch, programs, state.block_k, block_t,
-        state.num_warps, fuse_b=True, **state.flags,
+        state.num_warps, fuse_b=True, info=info, **state.flags,
     )  # fmt: skip
+    spills = info.get("spills", 0)
+    if max_spill_bytes is not None and spills > max_spill_bytes:
+        raise ValueError(
+            f"persistent decode kernel spills {spills} B per thread for this model (at most "
+            f"{max_spill_bytes} taken by default: only the measured shapes run it)"
+        )
     return state
 
 

@@ -42,6 +42,7 @@ from engine.core.scheduler import ScheduledBatch
 from engine.layers import kernel_switches
 from engine.loader.dummy import init_random_weights
 from engine.loader.safetensors_loader import load_weights
+from engine.models.persistent_decode import DEFAULT_MAX_SPILL_BYTES
 from engine.models.registry import model_class
 from engine.worker.block_table import PersistentBlockTables
 from engine.worker.device import (
@@ -211,14 +212,21 @@ class ModelRunner:
             for _ in range(mc.num_hidden_layers)
         ]
         # the persistent decode path (before the warm-up and the graph captures): on by default
-        # on CUDA devices; elsewhere (the Triton interpreter) only when asked for
+        # on CUDA devices for the shapes it was measured on (a kernel that spills is refused);
+        # elsewhere (the Triton interpreter) and for any shape only when asked for
         asked = kernel_switches.PERSISTENT_DECODE_ASKED
         if kernel_switches.PERSISTENT_DECODE and (cuda or asked):
             enable = getattr(model, "enable_persistent_decode", None)
             options = kernel_switches.persistent_options()
-            reason = (
-                enable(self.kv_caches, config.block_size, **options) if enable else "not this model"
-            )
+            options["max_spill_bytes"] = None if asked else DEFAULT_MAX_SPILL_BYTES
+            try:
+                reason = (
+                    enable(self.kv_caches, config.block_size, **options)
+                    if enable
+                    else "not this model"
+                )
+            except Exception as exc:  # e.g. a compile error: the layer loop stays
+                reason = f"{type(exc).__name__}: {exc}"
             if reason is None:
                 log.info("one-token decode steps run all layers in one persistent launch")
             elif asked:

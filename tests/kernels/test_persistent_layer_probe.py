@@ -68,22 +68,27 @@ def test_layers_match_torch(device, context, splits, fuse_b, merge_e, pre_kv, me
     verr = max((a.float() - b.float()).abs().max().item() for a, b in zip(vc, vr))
     assert kerr < 0.1 and verr < 0.1, (kerr, verr)
     assert scratch.bar.tolist() == [0, 0]
+    assert scratch.count.tolist() == [0] * DIMS[2]
 
 
 @pytest.mark.parametrize(
-    "late_r,early_res,row_sm,pre_kv", [(1, 0, 0, 1), (0, 1, 0, 1), (1, 1, 0, 1), (0, 0, 1, 1),
-                                       (0, 0, 1, 0), (1, 1, 1, 1)],
+    "late_r,early_res,row_sm,pre_kv,fuse_b,merge_e,merge_c",
+    [(1, 0, 0, 1, 1, 0, 0), (0, 1, 0, 1, 1, 0, 0), (1, 1, 0, 1, 1, 0, 0), (0, 0, 1, 1, 1, 0, 0),
+     (0, 0, 1, 0, 1, 0, 0), (1, 1, 1, 1, 1, 0, 0), (0, 0, 1, 0, 0, 0, 0), (0, 0, 1, 1, 1, 0, 1),
+     (0, 0, 1, 0, 1, 1, 0)],
 )  # fmt: skip
 @pytest.mark.parametrize("context,splits", [(37, 4), (17, 2), (150, 2), (5, 8), (1, 2)])
 def test_late_norm_scale_early_residual_row_softmax(
-    device, context, splits, late_r, early_res, row_sm, pre_kv
+    device, context, splits, late_r, early_res, row_sm, pre_kv, fuse_b, merge_e, merge_c
 ):
     """``late_r`` (the RMSNorm scales applied to the dot products: float32, not the reference's
     bf16 rounding of the normalized input) and ``row_sm`` (the attention's online softmax per
     row of head-repeated tiles, merged per head: float32 sums in another order) close to the
     torch layers -- splits of several tiles (150 over 2), empty ones (5 over 8), the new token
-    alone (1); ``early_res`` alone (the residual rows loaded before the K loops) the same
-    arithmetic: bit-equal under the interpreter."""
+    alone (1), with phase B separate (the queries read from ``q``), D folded into E or C;
+    ``early_res`` alone (the residual rows loaded before the K loops) the same arithmetic:
+    bit-equal under the interpreter. ``row_sm``'s float32 partials differ from the per-head
+    loop's where a split holds several tiles (so the option reached the kernel)."""
     layers, eps = 2, 1e-6
     wt, kc, vc, bt, cos, sin, x0 = setup(layers, DIMS, context, 16, device, seed=context + 5)
     ref, kr, vr = _reference(wt, x0, kc, vc, bt, context, cos, sin, eps)
@@ -91,11 +96,23 @@ def test_late_norm_scale_early_residual_row_softmax(
     programs = torch.cuda.get_device_properties(device).multi_processor_count if compiled else 1
     scratch = Scratch(DIMS, splits, device)
     x = x0.clone()
+    caches = [t.clone() for t in kc + vc]
+    flags = dict(
+        fuse_b=bool(fuse_b), merge_e=bool(merge_e), merge_c=bool(merge_c), pre_kv=bool(pre_kv),
+        pre_w=True, late_r=bool(late_r), early_res=bool(early_res),
+    )  # fmt: skip
     persistent_layers(
         x, wt, kc, vc, bt, context, cos, sin, eps, scratch, programs, block_k=32, block_t=16,
-        fuse_b=True, pre_kv=bool(pre_kv), pre_w=True, late_r=bool(late_r),
-        early_res=bool(early_res), row_sm=bool(row_sm),
+        row_sm=bool(row_sm), **flags,
     )  # fmt: skip
+    if row_sm and context == 150:  # two 16-token tiles per split: other float32 partials
+        heads = Scratch(DIMS, splits, device)
+        kh, vh = caches[:layers], caches[layers:]
+        persistent_layers(
+            x0.clone(), wt, kh, vh, bt, context, cos, sin, eps, heads, programs, block_k=32,
+            block_t=16, row_sm=False, **flags,
+        )  # fmt: skip
+        assert not torch.equal(scratch.part, heads.part)
     if not compiled and not (late_r or row_sm):
         assert torch.equal(x, ref)
     if not compiled and late_r:

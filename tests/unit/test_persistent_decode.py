@@ -83,7 +83,8 @@ def test_decode_steps_match_the_layer_loop(interpreter, options):
     assert fast.enable_persistent_decode(caches_fast, BLOCK, **options) is None
     state = fast.persistent_decode
     assert state is not None
-    assert state.flags == {k: v for k, v in options.items() if not k.startswith("block")}
+    given = {k: v for k, v in options.items() if not k.startswith("block")}
+    assert state.flags == {**persistent_decode.DEFAULT_FLAGS, **given}
     assert state.block_t == options.get("block_t", 32)
     assert state.block_k == options.get("block_k", persistent_decode._block_k(
         cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim
@@ -144,7 +145,12 @@ def test_refuses_models_it_cannot_run(interpreter):
 def test_layout_options_from_the_environment_and_a_bad_block_k(interpreter):
     from engine.layers import kernel_switches
 
-    assert set(kernel_switches.persistent_options({})) == set(persistent_decode.LAYOUT_FLAGS)
+    assert kernel_switches.PERSISTENT_FLAGS == persistent_decode.LAYOUT_FLAGS
+    assert kernel_switches.persistent_options({}) == {}  # unset: build's defaults
+    flags = {"QWEN_SERVE_PERSISTENT_PRE_W": "0", "QWEN_SERVE_PERSISTENT_ROW_SM": "on"}
+    assert kernel_switches.persistent_options(flags) == {"pre_w": False, "row_sm": True}
+    with pytest.raises(ValueError, match="QWEN_SERVE_PERSISTENT_LATE_R"):
+        kernel_switches.persistent_options({"QWEN_SERVE_PERSISTENT_LATE_R": "maybe"})
     env = {"QWEN_SERVE_PERSISTENT_MAX_CONTEXT": "2048", "QWEN_SERVE_PERSISTENT_BLOCK_K": "64"}
     got = kernel_switches.persistent_options(env)
     assert (got["max_context"], got["block_k"]) == (2048, 64)
@@ -168,15 +174,17 @@ def test_needs_a_gpu_or_the_interpreter(monkeypatch):
     assert "CUDA" in persistent_decode.unsupported_reason(m, _caches(_bf16_config()))
 
 
-def _tiny_engine(monkeypatch, model_dir, persistent: bool):
+def _tiny_engine(monkeypatch, model_dir, persistent: bool, asked: bool | None = None):
     """The tiny bf16 checkpoint's engine (32 KV blocks) built with
-    ``QWEN_SERVE_PERSISTENT_DECODE``'s value patched to ``persistent``."""
+    ``QWEN_SERVE_PERSISTENT_DECODE``'s value patched to ``persistent``, set explicitly
+    (``asked``; None: when ``persistent``) or left at its default."""
     from engine.core.config import EngineConfig
     from engine.layers import kernel_switches
     from engine.worker.build import build_engine
 
     monkeypatch.setattr(kernel_switches, "PERSISTENT_DECODE", persistent)
-    monkeypatch.setattr(kernel_switches, "PERSISTENT_DECODE_ASKED", persistent)
+    asked = persistent if asked is None else asked
+    monkeypatch.setattr(kernel_switches, "PERSISTENT_DECODE_ASKED", asked)
     return build_engine(
         EngineConfig(model=model_dir, num_kv_blocks=32, block_size=BLOCK, dtype="bfloat16"),
         eos_token_ids=frozenset(),
@@ -202,6 +210,35 @@ def test_engine_greedy_outputs_equal_with_the_switch(
         assert (eng.executor.model.persistent_decode is not None) is on
         outs[on] = (eng.generate(prompts[:1], params), eng.generate(prompts, params))
     assert outs[True] == outs[False]
+
+
+def test_default_is_cuda_only_and_spilling_kernels_are_refused(
+    interpreter,
+    monkeypatch,
+    tiny_qwen3_dir,  # noqa: F811 (the imported fixture)
+):
+    """The switch at its default (on, not set): an engine off CUDA (here the interpreter) keeps
+    the layer loop; asked for, it takes the path. A kernel that spills more than the bound the
+    default passes is refused (the larger models' shapes, never measured), with any bound off
+    when asked for."""
+    eng = _tiny_engine(monkeypatch, tiny_qwen3_dir, True, asked=False)
+    assert eng.executor.model.persistent_decode is None
+    eng = _tiny_engine(monkeypatch, tiny_qwen3_dir, True, asked=True)
+    assert eng.executor.model.persistent_decode is not None
+    real = persistent_decode.persistent_layers
+
+    def spilling(*args, info=None, **kw):  # the compiled kernel's report, as on a GPU
+        out = real(*args, info=info, **kw)
+        if info is not None:
+            info["spills"] = 1400
+        return out
+
+    monkeypatch.setattr(persistent_decode, "persistent_layers", spilling)
+    cfg = _bf16_config()
+    m = _model(cfg)
+    reason = m.enable_persistent_decode(_caches(cfg), BLOCK, max_spill_bytes=64)
+    assert "spills 1400 B per thread" in reason and m.persistent_decode is None
+    assert m.enable_persistent_decode(_caches(cfg), BLOCK, max_spill_bytes=None) is None
 
 
 def _decode_meta(table: list[int], n_before: int, slot_override: int | None = None):
