@@ -278,10 +278,6 @@ def _attn_split(
         )  # fmt: skip
     if FUSED:
         if (lo < seq_len) & (seq_len <= hi):  # this split holds the new token
-            if ROW_SM:  # (the per-head loop returned its queries)
-                q_new = _group_q(hq, D, FUSED, q_ptr, qkv_ptr, qn_ptr, cos_ptr, sin_ptr, eps)
-            else:
-                q_new = q
             gk = g + tl.arange(0, 1)
             k_new = norm_rope_rows(
                 qkv_ptr + HQ * D, gk, gk < HKV, D, 1, kn_ptr, cos_ptr, sin_ptr, 1, 1, eps, D,
@@ -292,7 +288,7 @@ def _attn_split(
             store = (v_off * 0 + slot) >= 0  # a negative slot stores nothing (padding)
             tl.store(kc + slot * HKV * D + v_off, k_new, mask=store)
             tl.store(vc + slot * HKV * D + v_off, v_new, mask=store)
-            sc = tl.sum(q_new * k_new.to(tl.float32), axis=1) * scale  # [G]
+            sc = tl.sum(q * k_new.to(tl.float32), axis=1) * scale  # [G]
             m_new = tl.maximum(m, sc)
             alpha = tl.exp(m - m_new)
             p = tl.exp(sc - m_new)
@@ -357,12 +353,14 @@ def _attn_rows(
     """:func:`_attn_heads` per row (``_attn_split``'s ``ROW_SM``): tiles ``[G * BT, D]`` (row
     ``j``: head ``j // BT``, token ``j % BT``), a running ``(m, l, acc)`` per row, merged per
     head after the last tile; returns the same ``(m [G], l [G], acc [G, D])`` (``m = -inf``,
-    ``l = 0``, ``acc = 0`` for a head without tokens), and 0 for the queries (not kept)."""
+    ``l = 0``, ``acc = 0`` for a head without tokens) and the queries ``[G, D]``."""
     RT: tl.constexpr = G * BT
     j = tl.arange(0, RT)
     head = j // BT
-    # each row's query: its head's (rows repeat heads)
-    q = _group_q(g * G + head, D, FUSED, q_ptr, qkv_ptr, qn_ptr, cos_ptr, sin_ptr, eps)
+    # each row's query: its head's, normalized and rotated once per head (G rows), then
+    # repeated over the head's BT rows (one layout change per item, not per tile)
+    q_g = _group_q(g * G + tl.arange(0, G), D, FUSED, q_ptr, qkv_ptr, qn_ptr, cos_ptr, sin_ptr, eps)
+    q = tl.reshape(tl.broadcast_to(q_g[:, None, :], (G, BT, D)), (RT, D))
     m_r = tl.full((RT,), float("-inf"), dtype=tl.float32)
     l_r = tl.zeros((RT,), dtype=tl.float32)
     acc_r = tl.zeros((RT, D), dtype=tl.float32)
@@ -392,7 +390,7 @@ def _attn_rows(
         m = tl.where(gi == i, m_i, m)
         l_sum = tl.where(gi == i, l_i, l_sum)
         acc = tl.where((gi == i)[:, None], acc_i[None, :], acc)
-    return m, l_sum, acc, 0
+    return m, l_sum, acc, q_g
 
 
 @triton.jit
