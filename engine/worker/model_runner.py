@@ -42,7 +42,6 @@ from engine.core.scheduler import ScheduledBatch
 from engine.layers import kernel_switches
 from engine.loader.dummy import init_random_weights
 from engine.loader.safetensors_loader import load_weights
-from engine.models.persistent_decode import DEFAULT_MAX_SPILL_BYTES
 from engine.models.registry import model_class
 from engine.worker.block_table import PersistentBlockTables
 from engine.worker.device import (
@@ -216,6 +215,9 @@ class ModelRunner:
         # elsewhere (the Triton interpreter) and for any shape only when asked for
         asked = kernel_switches.PERSISTENT_DECODE_ASKED
         if kernel_switches.PERSISTENT_DECODE and (cuda or asked):
+            # (imported here: it imports Triton, which a CPU server never loads)
+            from engine.models.persistent_decode import DEFAULT_MAX_SPILL_BYTES
+
             enable = getattr(model, "enable_persistent_decode", None)
             options = kernel_switches.persistent_options()
             options["max_spill_bytes"] = None if asked else DEFAULT_MAX_SPILL_BYTES
