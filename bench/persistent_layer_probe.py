@@ -78,7 +78,7 @@ def persistent_layers(
     x, wt: Weights, k_caches, v_caches, block_table, seq_len, cos, sin, eps, scratch: Scratch,
     programs=1, block_k=64, block_t=32, num_warps=4, fuse_b=False, merge_e=False, pre_kv=False,
     merge_c=False, skip=0, table=None, info=None, slot=None, prefetch=0, pre_w=False,
-    late_r=False, early_res=False, row_sm=False,
+    late_r=False, early_res=False, row_sm=False, block_k_h=None,
 ):  # fmt: skip
     """:func:`kernels.persistent_decode.persistent_layers` over ``wt``'s layers and the caches
     ``k_caches``/``v_caches`` (one ``[blocks, BS, HKV, D]`` tensor per layer); ``table``: their
@@ -88,7 +88,8 @@ def persistent_layers(
     ``pre_w``: its ``PRE_W`` (each GEMV's first weight chunk loaded during the wait);
     ``late_r``, ``early_res``, ``row_sm``: its ``LATE_R``, ``EARLY_RES`` and ``ROW_SM`` (the
     norm scales applied after the dot products; the residual rows loaded before the K loops;
-    the attention's online softmax per row)."""
+    the attention's online softmax per row); ``block_k_h``: its ``BK_H`` (the o and down
+    projections' K chunk; None: ``block_k``)."""
     if table is None:
         table = layer_table(wt, k_caches, v_caches)
     bs = k_caches[0].shape[1]
@@ -99,6 +100,7 @@ def persistent_layers(
         x, table, wt.dims, bs, block_table, slot, seq_len, cos, sin, eps, scratch, programs,
         block_k, block_t, num_warps, fuse_b, merge_e, pre_kv, merge_c, skip, info,
         prefetch=prefetch, pre_w=pre_w, late_r=late_r, early_res=early_res, row_sm=row_sm,
+        block_k_h=block_k_h,
     )  # fmt: skip
 
 
@@ -166,6 +168,10 @@ def main() -> int:
     ap.add_argument("--warps", type=int, nargs="*", default=[8, 16])
     ap.add_argument("--block-k", type=int, default=256)
     ap.add_argument("--block-t", type=int, default=32)
+    ap.add_argument(
+        "--block-k-h", type=int, nargs="*", default=[0],
+        help="the o and down projections' K chunks to time with each layout (0: --block-k)",
+    )  # fmt: skip
     ap.add_argument("--splits", type=int, nargs="*", default=[0], help="0: programs / H_kv")
     ap.add_argument(
         "--phase-costs", action="store_true",
@@ -216,9 +222,15 @@ def main() -> int:
         splits = sp or triton.next_power_of_2(max(1, programs // dims[2]))
         scratch = Scratch(dims, splits, dev)
         for warps in args.warps:
-            variants = [(lay, pf, False) for lay in args.layouts for pf in args.prefetch]
-            variants += [(args.layouts[0], args.prefetch[0], True)] if args.hot_l2 else []
-            for lay_flags, pf, hot in variants:
+            variants = [
+                (lay, pf, False, bkh)
+                for lay in args.layouts for pf in args.prefetch for bkh in args.block_k_h
+            ]  # fmt: skip
+            variants += (
+                [(args.layouts[0], args.prefetch[0], True, args.block_k_h[0])]
+                if args.hot_l2 else []
+            )  # fmt: skip
+            for lay_flags, pf, hot, bkh in variants:
                 fuse_b, merge_e, pre_kv, merge_c, pre_w, late_r, early_res, row_sm = lay_flags
                 x = x0.clone()
 
@@ -227,13 +239,14 @@ def main() -> int:
                 def run(
                     warps=warps, x=x, sc=scratch, lay=(fuse_b, merge_e, pre_kv, merge_c), info=info,
                     pf=pf, tab=hot_table if hot else table, pw=pre_w, lr=late_r, er=early_res,
-                    rs=row_sm,
+                    rs=row_sm, bkh=bkh or None,
                 ):  # fmt: skip
                     x.copy_(x0)
                     return persistent_layers(
                         x, wt, kc, vc, bt, seq_t, cos, sin, eps, sc, programs,
                         args.block_k, args.block_t, warps, *lay, table=tab, info=info,
                         slot=slot_t, prefetch=pf, pre_w=pw, late_r=lr, early_res=er, row_sm=rs,
+                        block_k_h=bkh,
                     )  # fmt: skip
 
                 label = (
@@ -245,6 +258,7 @@ def main() -> int:
                     f"{', norm scales late' if late_r else ''}"
                     f"{', residual early' if early_res else ''}"
                     f"{', softmax per row' if row_sm else ''}"
+                    f"{f', o/down K chunk {bkh}' if bkh else ''}"
                     f"{f', L2 prefetch {pf}' if pf else ''}"
                     f"{', every layer on layer 0 tensors (hot L2)' if hot else ''}"
                 )

@@ -480,7 +480,7 @@ def _layers_kernel(
     R_FF: tl.constexpr, P_FF: tl.constexpr, EXACT: tl.constexpr, FUSE_B: tl.constexpr,
     MERGE_E: tl.constexpr, PRE_KV: tl.constexpr, MERGE_C: tl.constexpr, SKIP: tl.constexpr = 0,
     PF: tl.constexpr = 0, PRE_W: tl.constexpr = False, LATE_R: tl.constexpr = False,
-    EARLY_RES: tl.constexpr = False, ROW_SM: tl.constexpr = False,
+    EARLY_RES: tl.constexpr = False, ROW_SM: tl.constexpr = False, BK_H: tl.constexpr = 0,
 ):  # fmt: skip
     """``LAYERS`` Qwen3 decoder layers of one decode token (module docstring, phases A-G), the
     hidden state ``x [H]`` (bf16) updated in place. Scratch: ``h2 [H]``, ``qkv [(HQ + 2 HKV) D]``,
@@ -520,11 +520,15 @@ def _layers_kernel(
     rounding of the normalized input). ``EARLY_RES``: E and G load their residual rows before
     the K loop (:func:`_add_residual`; the same arithmetic). ``ROW_SM``: the attention items'
     online softmax per row of ``[G * BT, D]`` tiles (:func:`_attn_split`, :func:`_attn_rows`;
-    no cross-warp reduction per tile)."""
+    no cross-warp reduction per tile). ``BK_H``: the K chunk of E and G (the projections to
+    ``H``, whose tiles have few rows: fewer, wider chunks, so fewer dependent steps and layout
+    changes of the input per tile); 0: ``BK`` (E with ``MERGE_E`` keeps ``BK``)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     QKV_N: tl.constexpr = (HQ + 2 * HKV) * D
     G: tl.constexpr = HQ // HKV
+    BK_G: tl.constexpr = BK_H if BK_H > 0 else BK  # G's K chunk
+    BK_E: tl.constexpr = BK if MERGE_E else BK_G  # E's
     seq_len = tl.load(seq_len_ptr)
     pos = seq_len - 1
     slot = tl.load(slot_ptr).to(tl.int64)  # the new token's cache slot; < 0: not stored
@@ -618,7 +622,7 @@ def _layers_kernel(
         phase += 1
         grid_arrive(bar_ptr)
         if PRE_W:  # E's first o chunk
-            w0_e = _first_chunk(_layer_ptr(layer_ptrs, layer, 1), pid, H, R_H, P_H, HQ * D, BK)
+            w0_e = _first_chunk(_layer_ptr(layer_ptrs, layer, 1), pid, H, R_H, P_H, HQ * D, BK_E)
         else:
             w0_e = 0
         if PF & 2:  # G's weight tile and the next layer's q/k/v tile into L2
@@ -644,7 +648,7 @@ def _layers_kernel(
                     )  # fmt: skip
                 else:
                     y = _rows_dot(
-                        wo_ptr, rows, ok, attn_ptr, attn_ptr, 1.0, HQ * D, BK,
+                        wo_ptr, rows, ok, attn_ptr, attn_ptr, 1.0, HQ * D, BK_E,
                         P_H, 0, EXACT, 1, w0_e, t == pid, PRE_W,
                     )  # fmt: skip
                 _add_residual(y, x_ptr, h2_ptr, rows, ok, EXACT, res, EARLY_RES)
@@ -685,7 +689,7 @@ def _layers_kernel(
         phase += 1
         grid_arrive(bar_ptr)
         if PRE_W:  # G's first down chunk
-            w0_d = _first_chunk(_layer_ptr(layer_ptrs, layer, 3), pid, H, R_H, P_H, FF, BK)
+            w0_d = _first_chunk(_layer_ptr(layer_ptrs, layer, 3), pid, H, R_H, P_H, FF, BK_G)
         else:
             w0_d = 0
         grid_wait(bar_ptr, phase * nprog)
@@ -696,7 +700,7 @@ def _layers_kernel(
                 rows, ok = _tile_rows(t, H, R_H, P_H)
                 res = _load_res(h2_ptr, rows, ok) if EARLY_RES else 0
                 y = _rows_dot(
-                    wd_ptr, rows, ok, act_ptr, act_ptr, 1.0, FF, BK, P_H, 0, EXACT, 1, w0_d,
+                    wd_ptr, rows, ok, act_ptr, act_ptr, 1.0, FF, BK_G, P_H, 0, EXACT, 1, w0_d,
                     t == pid, PRE_W,
                 )  # fmt: skip
                 _add_residual(y, h2_ptr, x_ptr, rows, ok, EXACT, res, EARLY_RES)
@@ -768,7 +772,7 @@ def persistent_layers(
     x, table, dims, block_size, block_table, slot, seq_len, cos, sin, eps, scratch: Scratch,
     programs=1, block_k=64, block_t=32, num_warps=4, fuse_b=False, merge_e=False, pre_kv=False,
     merge_c=False, skip=0, info=None, check=True, prefetch=0, pre_w=False, late_r=False,
-    early_res=False, row_sm=False,
+    early_res=False, row_sm=False, block_k_h=None,
 ):  # fmt: skip
     """Run :func:`_layers_kernel` over every layer of ``table`` (:func:`layer_table`, ``[L,
     10]``; ``dims`` = ``(H, HQ, HKV, D, FF)``, ``block_size`` the caches' tokens per block) on
@@ -787,6 +791,8 @@ def persistent_layers(
     ``early_res``: its ``LATE_R`` (the RMSNorm scales applied to the dot products: float32,
     not eager's roundings) and ``EARLY_RES`` (residual rows loaded before the K loops);
     ``row_sm``: its ``ROW_SM`` (the attention's online softmax per row, merged per head);
+    ``block_k_h``: its ``BK_H``, the K chunk of the o and down projections (None: ``block_k``;
+    it must divide HQ * D and FF);
     ``info``: a dict that gets the launch's register line (``"usage"``) and, compiled on a
     GPU, the kernel's PTX (``"ptx"``) and its spilled bytes per thread (``"spills"``);
     ``check``: the residency check of :func:`kernels.grid_barrier.launch_resident` (a caller
@@ -794,7 +800,8 @@ def persistent_layers(
     eager call).
 
     Raises:
-        ValueError: ``block_k`` not dividing H, FF and HQ * D, a splits count, head count or
+        ValueError: ``block_k`` not dividing H, FF and HQ * D, ``block_k_h`` not a power of two
+            dividing FF and HQ * D, a splits count, head count or
             head dim that is no power of two, ``pre_kv`` without ``fuse_b``, ``prefetch`` on a
             GPU below compute capability 9.0 (the bulk prefetch is sm_90 PTX), or more
             programs than the GPU holds at once (:func:`kernels.grid_barrier.launch_resident`).
@@ -802,6 +809,9 @@ def persistent_layers(
     h, hq, hkv, d, ff = dims
     if any(k % block_k for k in (h, ff, hq * d)):
         raise ValueError(f"block_k {block_k} must divide H, FF and HQ * D")
+    block_k_h = block_k if block_k_h is None else block_k_h
+    if any(k % block_k_h for k in (ff, hq * d)) or block_k_h & (block_k_h - 1):
+        raise ValueError(f"block_k_h {block_k_h} must be a power of two dividing FF and HQ * D")
     for name, v in (("splits", scratch.splits), ("HQ", hq), ("HKV", hkv), ("D", d)):
         if v & (v - 1):
             raise ValueError(f"{name} = {v} must be a power of two")
@@ -824,6 +834,7 @@ def persistent_layers(
         d**-0.5, h, hq, hkv, d, ff, block_size, scratch.splits, block_t, block_k,
         r_qkv, p2(r_qkv), r_h, p2(r_h), r_ff, p2(r_ff), interpreting(), fuse_b, merge_e,
         pre_kv, merge_c, skip, prefetch if gpu else 0, pre_w, late_r, early_res, row_sm,
+        block_k_h,
     )  # fmt: skip
     usage = launch_resident(_layers_kernel, (programs,), args, num_warps, x.device, check)
     if info is not None:

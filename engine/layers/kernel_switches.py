@@ -33,7 +33,8 @@ one tree (``bench/latency_ab.sh``) and as an escape hatch should a kernel misbeh
   loops), ``QWEN_SERVE_PERSISTENT_ROW_SM=1`` (off by default: the attention's online softmax
   per row of head-repeated tiles), and the counts ``QWEN_SERVE_PERSISTENT_MAX_CONTEXT`` (the
   longest context it takes), ``QWEN_SERVE_PERSISTENT_BLOCK_K`` (its K chunk) and
-  ``QWEN_SERVE_PERSISTENT_BLOCK_T`` (tokens per attention tile), read with
+  ``QWEN_SERVE_PERSISTENT_BLOCK_T`` (tokens per attention tile) and
+  ``QWEN_SERVE_PERSISTENT_BLOCK_K_H`` (the o and down projections' K chunk), read with
   :func:`persistent_options`.
 
 The others default to on (the fusions only where their table,
@@ -73,8 +74,8 @@ def persistent_options(environ=None) -> dict:
     :func:`engine.models.persistent_decode.build` that ``environ`` (``os.environ`` when None)
     sets: the layout flags ``pre_kv``, ``pre_w``, ``late_r``, ``early_res``, ``row_sm``
     (``QWEN_SERVE_PERSISTENT_PRE_KV``, ...; 1/0) and the counts ``max_context``, ``block_k``,
-    ``block_t`` (``QWEN_SERVE_PERSISTENT_MAX_CONTEXT``, ...). Unset ones are left out: ``build``'s
-    defaults apply.
+    ``block_t``, ``block_k_h`` (``QWEN_SERVE_PERSISTENT_MAX_CONTEXT``, ...). Unset ones are
+    left out: ``build``'s defaults apply.
 
     Raises:
         ValueError: a value that is not 1/true/yes/on or 0/false/no/off for a flag, not an
@@ -85,7 +86,7 @@ def persistent_options(environ=None) -> dict:
         name = f"QWEN_SERVE_PERSISTENT_{key.upper()}"
         if name in environ:
             options[key] = env_switch(name, environ=environ)
-    for key in ("max_context", "block_k", "block_t"):
+    for key in ("max_context", "block_k", "block_t", "block_k_h"):
         value = env_count(f"QWEN_SERVE_PERSISTENT_{key.upper()}", 0, environ=environ)
         if value:
             options[key] = value

@@ -76,6 +76,8 @@ class PersistentDecode:
     num_warps: int = 8
     #: tokens per attention tile (a power of two)
     block_t: int = 32
+    #: the o and down projections' K chunk (None: ``block_k``)
+    block_k_h: int | None = None
     #: the longest context it runs (:data:`MAX_CONTEXT`; a step's ``meta.max_seq_len``)
     max_context: int = MAX_CONTEXT
     #: the first layer's q/k/v weight address when the table was made (a moved weight: stale)
@@ -104,7 +106,7 @@ class PersistentDecode:
             x, self.table, self.dims, self.block_size, meta.block_tables[0],
             meta.slot_mapping[:1], meta.seq_lens[:1], cos.reshape(-1), sin.reshape(-1), self.eps,
             self.scratch, self.programs, self.block_k, self.block_t, self.num_warps, fuse_b=True,
-            check=False, **self.flags,
+            check=False, block_k_h=self.block_k_h, **self.flags,
         )  # fmt: skip
         norm = inner.norm
         return model.ops.rms_norm(x[None], norm.weight, norm.eps)
@@ -148,8 +150,8 @@ def unsupported_reason(model, kv_caches) -> str | None:
 
 def build(
     model, kv_caches, block_size: int, *, max_context: int = MAX_CONTEXT,
-    block_k: int | None = None, block_t: int = 32, max_spill_bytes: int | None = None,
-    **flags: bool,
+    block_k: int | None = None, block_t: int = 32, block_k_h: int | None = None,
+    max_spill_bytes: int | None = None, **flags: bool,
 ) -> PersistentDecode:  # fmt: skip
     """The kernel's state over ``model``'s parameters and ``kv_caches`` (no copies: the table
     holds their addresses, so they must not be reallocated afterwards). Call before any CUDA
@@ -157,12 +159,14 @@ def build(
     stores nothing compiles the kernel and checks its residency. ``max_context``: the longest
     context (tokens) a step may have to take this path; ``block_k``: the kernel's K chunk (None:
     the widest of :data:`_BLOCK_KS` that fits); ``block_t``: tokens per attention tile (a power
-    of two, 16 or more); ``max_spill_bytes``: refuse a compiled kernel that spills more
-    bytes per thread than this (None: any; the engine's default path passes a bound: larger
-    models than the measured Qwen3-0.6B spill kilobytes, e.g. 1.4 KB for 1.7B and 78 KB for 8B
-    offline, and would be slower); ``flags``: the kernel's layout options
-    (:data:`LAYOUT_FLAGS`; :data:`DEFAULT_FLAGS` for those not given). The engine reads them
-    from the environment (``engine.layers.kernel_switches.persistent_options``).
+    of two, 16 or more); ``block_k_h``: the o and down projections' K chunk (None: ``block_k``;
+    a power of two dividing the intermediate and attention widths); ``max_spill_bytes``: refuse
+    a compiled kernel that spills more bytes per thread than this (None: any; the engine's
+    default path passes a bound: larger models than the measured Qwen3-0.6B spill kilobytes,
+    e.g. 1.4 KB for 1.7B and 78 KB for 8B offline, and would be slower); ``flags``: the
+    kernel's layout options (:data:`LAYOUT_FLAGS`; :data:`DEFAULT_FLAGS` for those not given).
+    The engine reads them from the environment
+    (``engine.layers.kernel_switches.persistent_options``).
 
     Raises:
         ValueError: :func:`unsupported_reason` gives a reason, a flag not in
@@ -208,6 +212,7 @@ def build(
         programs=programs,
         block_k=block_k,
         block_t=block_t,
+        block_k_h=block_k_h,
         num_warps=8 if device.type == "cuda" else 4,
         max_context=max_context,
         first_weight=tensors[0].data_ptr(),
@@ -223,7 +228,7 @@ def build(
         x, table, dims, block_size, torch.zeros(1, dtype=torch.int32, device=device),
         torch.full((1,), -1, dtype=torch.int64, device=device), one, rows[: dims[3]],
         rows[dims[3] :], state.eps, state.scratch, programs, state.block_k, block_t,
-        state.num_warps, fuse_b=True, info=info, **state.flags,
+        state.num_warps, fuse_b=True, info=info, block_k_h=block_k_h, **state.flags,
     )  # fmt: skip
     spills = info.get("spills", 0)
     if max_spill_bytes is not None and spills > max_spill_bytes:

@@ -126,6 +126,34 @@ def test_late_norm_scale_early_residual_row_softmax(
     assert scratch.count.tolist() == [0] * DIMS[2]
 
 
+@pytest.mark.parametrize("pre_w", [0, 1])
+@pytest.mark.parametrize("context,splits", [(37, 4), (150, 2)])
+def test_wider_k_chunk_for_o_and_down(device, context, splits, pre_w):
+    """``block_k_h`` (``BK_H``: the o and down projections' K chunk, here twice ``block_k``,
+    their first chunk preloaded with ``pre_w``): the torch layers' results, bit-equal under the
+    interpreter; a chunk that does not divide FF or HQ * D is refused."""
+    layers, eps = 2, 1e-6
+    wt, kc, vc, bt, cos, sin, x0 = setup(layers, DIMS, context, 16, device, seed=context + 9)
+    ref, kr, vr = _reference(wt, x0, kc, vc, bt, context, cos, sin, eps)
+    compiled = device.type == "cuda" and not interpreting()
+    programs = torch.cuda.get_device_properties(device).multi_processor_count if compiled else 1
+    scratch = Scratch(DIMS, splits, device)
+    x = x0.clone()
+    persistent_layers(
+        x, wt, kc, vc, bt, context, cos, sin, eps, scratch, programs, block_k=16, block_t=16,
+        fuse_b=True, pre_kv=True, pre_w=bool(pre_w), block_k_h=32,
+    )  # fmt: skip
+    if not compiled:
+        assert torch.equal(x, ref)
+    rel = ((x.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < 1e-2, rel
+    with pytest.raises(ValueError, match="block_k_h 64 must be a power of two dividing FF"):
+        persistent_layers(
+            x0.clone(), wt, kc, vc, bt, context, cos, sin, eps, scratch, programs, block_k=16,
+            fuse_b=True, block_k_h=64,
+        )  # fmt: skip
+
+
 def test_refuses_odd_splits(device):
     wt, kc, vc, bt, cos, sin, x0 = setup(1, DIMS, 8, 16, device)
     with pytest.raises(ValueError, match="splits = 3"):

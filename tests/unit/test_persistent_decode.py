@@ -64,16 +64,17 @@ def interpreter():
     "options",
     [
         {},
-        {"pre_kv": True, "pre_w": True, "early_res": True, "block_k": 16},
+        {"pre_kv": True, "pre_w": True, "early_res": True, "block_k": 16, "block_k_h": 64},
         {"pre_kv": True, "row_sm": True, "late_r": True, "block_t": 16},
     ],
     ids=["default", "layout", "rows"],
 )
 def test_decode_steps_match_the_layer_loop(interpreter, options):
     """``options``: :func:`persistent_decode.build`'s layout options, passed on to every launch
-    (the first K/V tile, weight chunks and residual rows loaded early, a narrower K chunk: the
-    same arithmetic, bit-equal; the attention's softmax per row and the norm scales applied
-    late, 16-token tiles: float32 sums in another order, close)."""
+    (the first K/V tile, weight chunks and residual rows loaded early, a narrower K chunk, a
+    wider one for the o and down projections: the same arithmetic, bit-equal; the attention's
+    softmax per row and the norm scales applied late, 16-token tiles: float32 sums in another
+    order, close)."""
     exact = not (options.get("row_sm") or options.get("late_r"))
     cfg = _bf16_config()
     loop, fast = _model(cfg), _model(cfg)
@@ -86,6 +87,7 @@ def test_decode_steps_match_the_layer_loop(interpreter, options):
     given = {k: v for k, v in options.items() if not k.startswith("block")}
     assert state.flags == {**persistent_decode.DEFAULT_FLAGS, **given}
     assert state.block_t == options.get("block_t", 32)
+    assert state.block_k_h == options.get("block_k_h")
     assert state.block_k == options.get("block_k", persistent_decode._block_k(
         cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim
     ))  # fmt: skip
