@@ -810,7 +810,7 @@ def persistent_layers(
     if any(k % block_k for k in (h, ff, hq * d)):
         raise ValueError(f"block_k {block_k} must divide H, FF and HQ * D")
     block_k_h = block_k if block_k_h is None else block_k_h
-    if any(k % block_k_h for k in (ff, hq * d)) or block_k_h & (block_k_h - 1):
+    if block_k_h < 1 or block_k_h & (block_k_h - 1) or any(k % block_k_h for k in (ff, hq * d)):
         raise ValueError(f"block_k_h {block_k_h} must be a power of two dividing FF and HQ * D")
     for name, v in (("splits", scratch.splits), ("HQ", hq), ("HKV", hkv), ("D", d)):
         if v & (v - 1):

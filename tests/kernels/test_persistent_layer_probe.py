@@ -147,11 +147,12 @@ def test_wider_k_chunk_for_o_and_down(device, context, splits, pre_w):
         assert torch.equal(x, ref)
     rel = ((x.float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel < 1e-2, rel
-    with pytest.raises(ValueError, match="block_k_h 64 must be a power of two dividing FF"):
-        persistent_layers(
-            x0.clone(), wt, kc, vc, bt, context, cos, sin, eps, scratch, programs, block_k=16,
-            fuse_b=True, block_k_h=64,
-        )  # fmt: skip
+    for bad in (64, 0):
+        with pytest.raises(ValueError, match=f"block_k_h {bad} must be a power of two dividing"):
+            persistent_layers(
+                x0.clone(), wt, kc, vc, bt, context, cos, sin, eps, scratch, programs,
+                block_k=16, fuse_b=True, block_k_h=bad,
+            )  # fmt: skip
 
 
 def test_refuses_odd_splits(device):
