@@ -32,6 +32,48 @@ def _reference(wt, x0, kc, vc, bt, context, cos, sin, eps):
     return ref, kr, vr
 
 
+class _Case:
+    """A two-layer case of :data:`DIMS` at ``context`` tokens over ``splits`` splits: its
+    inputs (:func:`setup`, ``seed``), the torch reference after the last layer
+    (:func:`_reference`: ``ref``, ``kr``, ``vr``), the program count (``programs``, else the SM
+    count compiled on a GPU, else 1) and a fresh scratch."""
+
+    def __init__(self, device, context, splits, seed, eps=1e-6, programs=None):
+        self.layers, self.context, self.eps = 2, context, eps
+        self.wt, self.kc, self.vc, self.bt, self.cos, self.sin, self.x0 = setup(
+            self.layers, DIMS, context, 16, device, seed=seed
+        )
+        self.ref, self.kr, self.vr = _reference(
+            self.wt, self.x0, self.kc, self.vc, self.bt, context, self.cos, self.sin, eps
+        )
+        self.compiled = device.type == "cuda" and not interpreting()
+        self.programs = programs or (
+            torch.cuda.get_device_properties(device).multi_processor_count if self.compiled else 1
+        )
+        self.scratch = Scratch(DIMS, splits, device)
+
+    def run(self, x, kc=None, vc=None, scratch=None, **kw):
+        """``persistent_layers`` on ``x`` (updated in place) over the case's caches (or
+        ``kc``/``vc``) and scratch (or ``scratch``), ``kw`` its options."""
+        persistent_layers(
+            x, self.wt, self.kc if kc is None else kc, self.vc if vc is None else vc, self.bt,
+            self.context, self.cos, self.sin, self.eps,
+            self.scratch if scratch is None else scratch, self.programs, **kw,
+        )  # fmt: skip
+
+    def check_close(self, x):
+        """``x`` within 1e-2 of the reference (relative norm), the caches' stored k/v (and
+        nothing else) as the reference stored them, the barrier and merge counters back at
+        zero."""
+        rel = ((x.float() - self.ref.float()).norm() / self.ref.float().norm()).item()
+        assert rel < 1e-2, rel
+        kerr = max((a.float() - b.float()).abs().max().item() for a, b in zip(self.kc, self.kr))
+        verr = max((a.float() - b.float()).abs().max().item() for a, b in zip(self.vc, self.vr))
+        assert kerr < 0.1 and verr < 0.1, (kerr, verr)
+        assert self.scratch.bar.tolist() == [0, 0]
+        assert self.scratch.count.tolist() == [0] * DIMS[2]
+
+
 @pytest.mark.parametrize(
     "fuse_b,merge_e,pre_kv,merge_c,pre_w",
     [(0, 0, 0, 0, 0), (1, 0, 0, 0, 0), (1, 1, 0, 0, 0), (1, 0, 1, 0, 0), (1, 0, 1, 1, 0),
@@ -46,29 +88,16 @@ def test_layers_match_torch(device, context, splits, fuse_b, merge_e, pre_kv, me
     splits longer than the preloaded keys (150 over 2), the new token alone in its split (17
     over 2) or in the context (1). Under the interpreter (one program, the reference's order
     of operations) the results are bit-equal; on a GPU sums run in another order."""
-    layers, eps = 2, 1e-6
-    wt, kc, vc, bt, cos, sin, x0 = setup(layers, DIMS, context, 16, device, seed=context)
-    ref, kr, vr = _reference(wt, x0, kc, vc, bt, context, cos, sin, eps)
-    compiled = device.type == "cuda" and not interpreting()
-    programs = torch.cuda.get_device_properties(device).multi_processor_count if compiled else 1
-    scratch = Scratch(DIMS, splits, device)
-    x = x0.clone()
-    persistent_layers(
-        x, wt, kc, vc, bt, context, cos, sin, eps, scratch, programs, block_k=32, block_t=16,
-        fuse_b=bool(fuse_b), merge_e=bool(merge_e), pre_kv=bool(pre_kv), merge_c=bool(merge_c),
-        pre_w=bool(pre_w),
+    case = _Case(device, context, splits, seed=context)
+    x = case.x0.clone()
+    case.run(
+        x, block_k=32, block_t=16, fuse_b=bool(fuse_b), merge_e=bool(merge_e),
+        pre_kv=bool(pre_kv), merge_c=bool(merge_c), pre_w=bool(pre_w),
     )  # fmt: skip
-    if not compiled:
-        assert torch.equal(x, ref)
-        assert all(torch.equal(a, b) for a, b in zip(kc + vc, kr + vr))
-    rel = ((x.float() - ref.float()).norm() / ref.float().norm()).item()
-    assert rel < 1e-2, rel
-    # the stored k/v of the new token (and nothing else) as the reference stored them
-    kerr = max((a.float() - b.float()).abs().max().item() for a, b in zip(kc, kr))
-    verr = max((a.float() - b.float()).abs().max().item() for a, b in zip(vc, vr))
-    assert kerr < 0.1 and verr < 0.1, (kerr, verr)
-    assert scratch.bar.tolist() == [0, 0]
-    assert scratch.count.tolist() == [0] * DIMS[2]
+    if not case.compiled:
+        assert torch.equal(x, case.ref)
+        assert all(torch.equal(a, b) for a, b in zip(case.kc + case.vc, case.kr + case.vr))
+    case.check_close(x)
 
 
 @pytest.mark.parametrize(
@@ -89,41 +118,24 @@ def test_late_norm_scale_early_residual_row_softmax(
     ``early_res`` alone (the residual rows loaded before the K loops) the same arithmetic:
     bit-equal under the interpreter. ``row_sm``'s float32 partials differ from the per-head
     loop's where a split holds several tiles (so the option reached the kernel)."""
-    layers, eps = 2, 1e-6
-    wt, kc, vc, bt, cos, sin, x0 = setup(layers, DIMS, context, 16, device, seed=context + 5)
-    ref, kr, vr = _reference(wt, x0, kc, vc, bt, context, cos, sin, eps)
-    compiled = device.type == "cuda" and not interpreting()
-    programs = torch.cuda.get_device_properties(device).multi_processor_count if compiled else 1
-    scratch = Scratch(DIMS, splits, device)
-    x = x0.clone()
-    caches = [t.clone() for t in kc + vc]
+    case = _Case(device, context, splits, seed=context + 5)
+    x = case.x0.clone()
+    caches = [t.clone() for t in case.kc + case.vc]
     flags = dict(
         fuse_b=bool(fuse_b), merge_e=bool(merge_e), merge_c=bool(merge_c), pre_kv=bool(pre_kv),
-        pre_w=True, late_r=bool(late_r), early_res=bool(early_res),
+        pre_w=True, late_r=bool(late_r), early_res=bool(early_res), block_k=32, block_t=16,
     )  # fmt: skip
-    persistent_layers(
-        x, wt, kc, vc, bt, context, cos, sin, eps, scratch, programs, block_k=32, block_t=16,
-        row_sm=bool(row_sm), **flags,
-    )  # fmt: skip
+    case.run(x, row_sm=bool(row_sm), **flags)
     if row_sm and context == 150:  # two 16-token tiles per split: other float32 partials
         heads = Scratch(DIMS, splits, device)
-        kh, vh = caches[:layers], caches[layers:]
-        persistent_layers(
-            x0.clone(), wt, kh, vh, bt, context, cos, sin, eps, heads, programs, block_k=32,
-            block_t=16, row_sm=False, **flags,
-        )  # fmt: skip
-        assert not torch.equal(scratch.part, heads.part)
-    if not compiled and not (late_r or row_sm):
-        assert torch.equal(x, ref)
-    if not compiled and late_r:
-        assert not torch.equal(x, ref)  # the late scale's arithmetic did run
-    rel = ((x.float() - ref.float()).norm() / ref.float().norm()).item()
-    assert rel < 1e-2, rel
-    kerr = max((a.float() - b.float()).abs().max().item() for a, b in zip(kc, kr))
-    verr = max((a.float() - b.float()).abs().max().item() for a, b in zip(vc, vr))
-    assert kerr < 0.1 and verr < 0.1, (kerr, verr)
-    assert scratch.bar.tolist() == [0, 0]
-    assert scratch.count.tolist() == [0] * DIMS[2]
+        kh, vh = caches[: case.layers], caches[case.layers :]
+        case.run(case.x0.clone(), kh, vh, heads, row_sm=False, **flags)
+        assert not torch.equal(case.scratch.part, heads.part)
+    if not case.compiled and not (late_r or row_sm):
+        assert torch.equal(x, case.ref)
+    if not case.compiled and late_r:
+        assert not torch.equal(x, case.ref)  # the late scale's arithmetic did run
+    case.check_close(x)
 
 
 @pytest.mark.parametrize("pre_w", [0, 1])
@@ -132,27 +144,15 @@ def test_wider_k_chunk_for_o_and_down(device, context, splits, pre_w):
     """``block_k_h`` (``BK_H``: the o and down projections' K chunk, here twice ``block_k``,
     their first chunk preloaded with ``pre_w``): the torch layers' results, bit-equal under the
     interpreter; a chunk that does not divide FF or HQ * D is refused."""
-    layers, eps = 2, 1e-6
-    wt, kc, vc, bt, cos, sin, x0 = setup(layers, DIMS, context, 16, device, seed=context + 9)
-    ref, kr, vr = _reference(wt, x0, kc, vc, bt, context, cos, sin, eps)
-    compiled = device.type == "cuda" and not interpreting()
-    programs = torch.cuda.get_device_properties(device).multi_processor_count if compiled else 1
-    scratch = Scratch(DIMS, splits, device)
-    x = x0.clone()
-    persistent_layers(
-        x, wt, kc, vc, bt, context, cos, sin, eps, scratch, programs, block_k=16, block_t=16,
-        fuse_b=True, pre_kv=True, pre_w=bool(pre_w), block_k_h=32,
-    )  # fmt: skip
-    if not compiled:
-        assert torch.equal(x, ref)
-    rel = ((x.float() - ref.float()).norm() / ref.float().norm()).item()
-    assert rel < 1e-2, rel
+    case = _Case(device, context, splits, seed=context + 9)
+    x = case.x0.clone()
+    case.run(x, block_k=16, block_t=16, fuse_b=True, pre_kv=True, pre_w=bool(pre_w), block_k_h=32)
+    if not case.compiled:
+        assert torch.equal(x, case.ref)
+    case.check_close(x)
     for bad in (64, 0):
         with pytest.raises(ValueError, match=f"block_k_h {bad} must be a power of two dividing"):
-            persistent_layers(
-                x0.clone(), wt, kc, vc, bt, context, cos, sin, eps, scratch, programs,
-                block_k=16, fuse_b=True, block_k_h=bad,
-            )  # fmt: skip
+            case.run(case.x0.clone(), block_k=16, fuse_b=True, block_k_h=bad)
 
 
 def test_refuses_odd_splits(device):
@@ -213,19 +213,14 @@ def test_layers_with_few_programs_on_gpu(device, programs, fuse_b, merge_e, pre_
     arrivals); the interpreter runs one program only."""
     if device.type != "cuda" or interpreting():
         pytest.skip("several programs need a GPU (the interpreter runs programs one by one)")
-    layers, eps, context = 2, 1e-6, 150
-    wt, kc, vc, bt, cos, sin, x0 = setup(layers, DIMS, context, 16, device, seed=programs)
-    ref, _kr, _vr = _reference(wt, x0, kc, vc, bt, context, cos, sin, eps)
-    scratch = Scratch(DIMS, 8, device)  # 2 KV heads x 8 splits: several items per program
-    x = x0.clone()
-    persistent_layers(
-        x, wt, kc, vc, bt, context, cos, sin, eps, scratch, programs, block_k=32, block_t=16,
-        fuse_b=bool(fuse_b), merge_e=bool(merge_e), pre_kv=bool(pre_kv), merge_c=bool(merge_c),
-        pre_w=bool(pre_w),
+    # 2 KV heads x 8 splits: several items per program
+    case = _Case(device, 150, 8, seed=programs, programs=programs)
+    x = case.x0.clone()
+    case.run(
+        x, block_k=32, block_t=16, fuse_b=bool(fuse_b), merge_e=bool(merge_e),
+        pre_kv=bool(pre_kv), merge_c=bool(merge_c), pre_w=bool(pre_w),
     )  # fmt: skip
-    rel = ((x.float() - ref.float()).norm() / ref.float().norm()).item()
-    assert rel < 1e-2, rel
-    assert scratch.bar.tolist() == [0, 0] and scratch.count.tolist() == [0] * DIMS[2]
+    case.check_close(x)
 
 
 @pytest.mark.parametrize("programs", [0, 3])
