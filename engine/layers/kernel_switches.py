@@ -32,7 +32,7 @@ one tree (``bench/latency_ab.sh``) and as an escape hatch should a kernel misbeh
   ``QWEN_SERVE_PERSISTENT_EARLY_RES=1`` (off by default: residual rows loaded before the K
   loops), ``QWEN_SERVE_PERSISTENT_ROW_SM=1`` (off by default: the attention's online softmax
   per row of head-repeated tiles), and the counts ``QWEN_SERVE_PERSISTENT_MAX_CONTEXT`` (the
-  longest context it takes), ``QWEN_SERVE_PERSISTENT_BLOCK_K`` (its K chunk) and
+  longest context it takes), ``QWEN_SERVE_PERSISTENT_BLOCK_K`` (its K chunk),
   ``QWEN_SERVE_PERSISTENT_BLOCK_T`` (tokens per attention tile) and
   ``QWEN_SERVE_PERSISTENT_BLOCK_K_H`` (the o and down projections' K chunk), read with
   :func:`persistent_options`.

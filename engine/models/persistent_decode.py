@@ -28,6 +28,7 @@ import torch
 import triton
 
 from engine.attention.metadata import AttentionMetadata
+from engine.layers.kernel_switches import PERSISTENT_FLAGS
 from kernels.interpreter import interpreting
 from kernels.persistent_decode import Scratch, layer_table, persistent_layers
 
@@ -38,12 +39,12 @@ from kernels.persistent_decode import Scratch, layer_table, persistent_layers
 #: than the engine's split-KV decode kernel); 512 sits below the crossover between them
 MAX_CONTEXT = 512
 
-#: the kernel's layout options :func:`build` passes on: ``PRE_KV``, ``PRE_W`` (the first K/V
-#: tile, each GEMV's first weight chunk loaded during the barrier waits), ``LATE_R`` (the
-#: RMSNorm scales applied after the dot products), ``EARLY_RES`` (residual rows loaded before
-#: the K loops), ``ROW_SM`` (the attention's online softmax per row of head-repeated tiles);
-#: :func:`kernels.persistent_decode.persistent_layers`
-LAYOUT_FLAGS = ("pre_kv", "pre_w", "late_r", "early_res", "row_sm")
+#: the kernel's layout options :func:`build` passes on (the names the environment's switches
+#: use too): ``PRE_KV``, ``PRE_W`` (the first K/V tile, each GEMV's first weight chunk loaded
+#: during the barrier waits), ``LATE_R`` (the RMSNorm scales applied after the dot products),
+#: ``EARLY_RES`` (residual rows loaded before the K loops), ``ROW_SM`` (the attention's online
+#: softmax per row of head-repeated tiles); :func:`kernels.persistent_decode.persistent_layers`
+LAYOUT_FLAGS = PERSISTENT_FLAGS
 
 #: the layout :func:`build` uses for flags not given (the others off): ``PRE_KV`` and ``PRE_W``
 #: measured faster in the engine on an H100 (1.047 against 1.054-1.059 ms at 128 tokens,
@@ -187,14 +188,8 @@ def build(
     attn = model.model.layers[0].self_attn
     h, ff = cfg.hidden_size, cfg.intermediate_size
     dims = (h, attn.num_heads, attn.num_kv_heads, attn.head_dim, ff)
-    widths = (h, ff, dims[1] * dims[3])
-    if block_k is None:
-        block_k = _block_k(*widths)
-    elif any(w % block_k for w in widths):
-        raise ValueError(
-            f"persistent decode block_k {block_k} must divide the hidden, intermediate and "
-            f"attention widths {widths}"
-        )
+    if block_k is None:  # (a given one that does not divide: the launch below refuses it)
+        block_k = _block_k(h, ff, dims[1] * dims[3])
     tensors = _layer_tensors(model, kv_caches)
     per = len(tensors) // len(model.model.layers)
     table = layer_table([tensors[i : i + per] for i in range(0, len(tensors), per)])
