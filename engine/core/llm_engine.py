@@ -79,7 +79,8 @@ class LLMEngine:
         )
         log.info(
             "engine ready: %s, KV cache %d blocks x %d tokens (%.2f GiB), max_model_len %d, "
-            "step budget %d tokens (%d while nothing decodes; %s)",
+            "tokens per step at most %d (--max-num-batched-tokens; %d in steps where no "
+            "request decodes; %s)",
             executor.description,
             info.num_kv_blocks,
             info.block_size,
@@ -87,11 +88,11 @@ class LLMEngine:
             info.max_model_len,
             config.max_num_batched_tokens,
             self.scheduler.prefill_only_token_budget,
-            "whole prompts of {}-{} tokens on an idle engine".format(
+            "prompts of {}-{} tokens run whole on an idle engine".format(
                 *self.scheduler.lone_prompt_tokens
             )
             if self.scheduler.lone_prompt_tokens[1]
-            else "no whole-prompt steps",
+            else "no prompt runs whole in one step",
         )
 
     # ---------------------------------------------------------------- requests
