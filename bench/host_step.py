@@ -138,7 +138,7 @@ def fake_device(eng, new: bool, mr, sampler: str, graphs: bool = True) -> None:
                 runner.block_tables.width,
                 runner.cache_info.max_model_len,
             )
-            keys = g.sizes + ([g.short_key] if g.short_key else [])  # (the persistent twin)
+            keys = g.sizes + g.twin_keys  # (the persistent twins)
             g.graphs = {s: _NoGraph() for s in keys}
             g.logits = {s: torch.zeros(s if isinstance(s, int) else 1, FAKE_VOCAB) for s in keys}
             runner.graphs = g

@@ -19,23 +19,23 @@ one tree (``bench/latency_ab.sh``) and as an escape hatch should a kernel misbeh
 
 * ``QWEN_SERVE_PERSISTENT_DECODE=0``: one-token decode steps of one sequence run the layer
   loop. On by default on CUDA devices: such steps of a dense bf16 Qwen3 model on one GPU of
-  compute capability 9.0+ with up to 512 tokens of context run all layers in one persistent
-  launch (``engine/models/persistent_decode.py``, ``kernels/persistent_decode.py``; 6-7 %
-  faster than the layer loop on an H100, docs/benchmarks.md, 2026-12-06, fourteenth session),
+  compute capability 9.0+ with up to 2,048 tokens of context run all layers in one persistent
+  launch (``engine/models/persistent_decode.py``, ``kernels/persistent_decode.py``; 8-16 %
+  faster than the layer loop on an H100, docs/benchmarks.md, 2026-12-06, fifteenth session),
   for models whose compiled kernel spills at most ``DEFAULT_MAX_SPILL_BYTES`` (the measured
   Qwen3-0.6B; larger ones spill kilobytes). Set to 1 it is also taken for those and under the
   Triton interpreter (the tests), and a model that cannot take it is warned about. Its
-  layout's knobs: ``QWEN_SERVE_PERSISTENT_PRE_KV=0``,
-  ``QWEN_SERVE_PERSISTENT_PRE_W=0`` (on by default: the first K/V tile, the GEMVs' first
-  weight chunks loaded during the barrier waits), ``QWEN_SERVE_PERSISTENT_LATE_R=1`` (off by
-  default: the RMSNorm scales applied after the dot products),
-  ``QWEN_SERVE_PERSISTENT_EARLY_RES=1`` (off by default: residual rows loaded before the K
-  loops), ``QWEN_SERVE_PERSISTENT_ROW_SM=1`` (off by default: the attention's online softmax
-  per row of head-repeated tiles), and the counts ``QWEN_SERVE_PERSISTENT_MAX_CONTEXT`` (the
-  longest context it takes), ``QWEN_SERVE_PERSISTENT_BLOCK_K`` (its K chunk),
-  ``QWEN_SERVE_PERSISTENT_BLOCK_T`` (tokens per attention tile) and
-  ``QWEN_SERVE_PERSISTENT_BLOCK_K_H`` (the o and down projections' K chunk), read with
-  :func:`persistent_options`.
+  layout's knobs: ``QWEN_SERVE_PERSISTENT_PRE_KV=0``, ``QWEN_SERVE_PERSISTENT_PRE_W=0``,
+  ``QWEN_SERVE_PERSISTENT_LATE_R=0`` (on by default: the first K/V tile, the GEMVs' first
+  weight chunks loaded during the barrier waits; the RMSNorm scales applied after the dot
+  products), ``QWEN_SERVE_PERSISTENT_EARLY_RES=1`` (off by default: residual rows loaded
+  before the K loops), ``QWEN_SERVE_PERSISTENT_ROW_SM=1``/``0`` (the attention's online
+  softmax per row of head-repeated tiles for every context, or for none; by default for
+  contexts over ``QWEN_SERVE_PERSISTENT_ROW_SM_AFTER`` tokens, 512), and the counts
+  ``QWEN_SERVE_PERSISTENT_MAX_CONTEXT`` (the longest context it takes),
+  ``QWEN_SERVE_PERSISTENT_BLOCK_K`` (its K chunk), ``QWEN_SERVE_PERSISTENT_BLOCK_T`` (tokens
+  per attention tile) and ``QWEN_SERVE_PERSISTENT_BLOCK_K_H`` (the o and down projections' K
+  chunk), read with :func:`persistent_options`.
 
 The others default to on (the fusions only where their table,
 ``kernels/configs/gemv_fused_<device>.json``, says they win; see
@@ -74,8 +74,8 @@ def persistent_options(environ=None) -> dict:
     :func:`engine.models.persistent_decode.build` that ``environ`` (``os.environ`` when None)
     sets: the layout flags ``pre_kv``, ``pre_w``, ``late_r``, ``early_res``, ``row_sm``
     (``QWEN_SERVE_PERSISTENT_PRE_KV``, ...; 1/0) and the counts ``max_context``, ``block_k``,
-    ``block_t``, ``block_k_h`` (``QWEN_SERVE_PERSISTENT_MAX_CONTEXT``, ...). Unset ones are
-    left out: ``build``'s defaults apply.
+    ``block_t``, ``block_k_h``, ``row_sm_after`` (``QWEN_SERVE_PERSISTENT_MAX_CONTEXT``,
+    ...). Unset ones are left out: ``build``'s defaults apply.
 
     Raises:
         ValueError: a value that is not 1/true/yes/on or 0/false/no/off for a flag, not an
@@ -86,7 +86,7 @@ def persistent_options(environ=None) -> dict:
         name = f"QWEN_SERVE_PERSISTENT_{key.upper()}"
         if name in environ:
             options[key] = env_switch(name, environ=environ)
-    for key in ("max_context", "block_k", "block_t", "block_k_h"):
+    for key in ("max_context", "block_k", "block_t", "block_k_h", "row_sm_after"):
         value = env_count(f"QWEN_SERVE_PERSISTENT_{key.upper()}", 0, environ=environ)
         if value:
             options[key] = value

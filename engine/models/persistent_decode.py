@@ -12,11 +12,12 @@ one-token prompt chunk of one sequence is a decode step by its metadata and take
 too: the same arithmetic.)
 
 On by default on CUDA devices (``QWEN_SERVE_PERSISTENT_DECODE=0`` turns it off, ``engine/
-layers/kernel_switches.py``): inside the engine on an H100 (docs/benchmarks.md, 2026-12-06,
-fourteenth session) the batch-1 step with it ran 1.047 ms against the layer loop's 1.128 at
-~128 tokens of context and 1.065 against 1.139 at 449-512 tokens; at ~1k it would be slower
-(1.216-1.219 against 1.192), hence :data:`MAX_CONTEXT`, and the routed engine ran the layer
-loop there at the layer loop's time (1.188).
+layers/kernel_switches.py``). Inside the engine on an H100 (docs/benchmarks.md, 2026-12-06,
+fifteenth session), batch-1 step against the layer loop: 0.942 against 1.122 ms at ~128 tokens
+of context, 0.962 at 449-512, 1.055 against 1.177 at ~1k and 1.118 against 1.217 at ~2k. The
+attention's per-head loop is faster up to :data:`ROW_SM_AFTER` tokens and its per-row softmax
+(``ROW_SM``) above (at ~1k: 1.055 against 1.132 ms), so the path runs two compilations of the
+kernel, chosen by the step's context; contexts over :data:`MAX_CONTEXT` run the layer loop.
 """
 
 from __future__ import annotations
@@ -33,11 +34,19 @@ from kernels.interpreter import interpreting
 from kernels.persistent_decode import Scratch, layer_table, persistent_layers
 
 #: the longest context (tokens, the new one counted) a step may have to take the persistent path;
-#: longer ones run the layer loop (the decode graphs capture a batch-1 twin bounded at it). On an
-#: H100 (docs/benchmarks.md, 2026-12-06, thirteenth session) the persistent step was 6 % faster
-#: at ~128 tokens and 3.5 % slower at ~1,024 (its attention phase grows faster with the context
-#: than the engine's split-KV decode kernel); 512 sits below the crossover between them
-MAX_CONTEXT = 512
+#: longer ones run the layer loop (the decode graphs capture batch-1 twins bounded at it and at
+#: :data:`ROW_SM_AFTER`). Measured faster than the layer loop up to ~2k tokens on an H100
+#: (docs/benchmarks.md, 2026-12-06, fifteenth session: 1.118 against 1.217 ms at 2,001-2,064
+#: tokens); longer contexts were not measured (the attention items' tiles are walked one after
+#: another, so the kernel's attention phase grows faster with the context than the engine's
+#: split-KV decode kernel)
+MAX_CONTEXT = 2048
+
+#: contexts (tokens) up to which the kernel's attention runs its per-head loop; longer ones run
+#: the per-row softmax (``ROW_SM``), unless ``row_sm`` is given to :func:`build`. H100, fifteenth
+#: session: per-head 0.942 / 0.962 ms against per-row 0.975 / 0.991 at ~128 / 449-512 tokens,
+#: per-row 1.055 against 1.132 at ~1k (docs/benchmarks.md)
+ROW_SM_AFTER = 512
 
 #: the kernel's layout options :func:`build` passes on (the names the environment's switches
 #: use too): ``PRE_KV``, ``PRE_W`` (the first K/V tile, each GEMV's first weight chunk loaded
@@ -46,15 +55,23 @@ MAX_CONTEXT = 512
 #: softmax per row of head-repeated tiles); :func:`kernels.persistent_decode.persistent_layers`
 LAYOUT_FLAGS = PERSISTENT_FLAGS
 
-#: the layout :func:`build` uses for flags not given (the others off): ``PRE_KV`` and ``PRE_W``
-#: measured faster in the engine on an H100 (1.047 against 1.054-1.059 ms at 128 tokens,
-#: docs/benchmarks.md, 2026-12-06, fourteenth session)
-DEFAULT_FLAGS = {"pre_kv": True, "pre_w": True}
+#: the layout :func:`build` uses for flags not given (the others off; ``row_sm`` by context,
+#: :data:`ROW_SM_AFTER`), each measured faster in the engine on an H100 at ~128 tokens:
+#: ``PRE_KV`` and ``PRE_W`` 1.047 against 1.054-1.059 ms (docs/benchmarks.md, 2026-12-06,
+#: fourteenth session), ``LATE_R`` 0.942 against 0.969 (fifteenth session, with the wide o/down
+#: K chunk, :data:`BLOCK_K_H`)
+DEFAULT_FLAGS = {"pre_kv": True, "pre_w": True, "late_r": True}
+
+#: the widest K chunk of the o and down projections (the kernel's ``BK_H``) :func:`build` picks
+#: when none is given (the widest power of two up to it dividing both widths): on an H100, 0.969
+#: against 1.044 ms with ``block_k``'s 256 at ~128 tokens (fifteenth session)
+BLOCK_K_H = 1024
 
 #: the spills per thread (bytes) up to which the engine takes the path without being asked
-#: (``QWEN_SERVE_PERSISTENT_DECODE`` unset): the measured Qwen3-0.6B compiles to 6 B on the
-#: device's Triton 3.6; the larger models spill kilobytes (offline: 1.7B 1.4 KB, 8B 78 KB)
-DEFAULT_MAX_SPILL_BYTES = 64
+#: (``QWEN_SERVE_PERSISTENT_DECODE`` unset): the measured Qwen3-0.6B compiles to 2-6 B on the
+#: device's Triton 3.6 (the layouts measured); the larger models spill kilobytes (offline:
+#: 1.7B 1.4 KB, 8B 78 KB)
+DEFAULT_MAX_SPILL_BYTES = 256
 
 #: K-chunk widths tried, widest first (the kernel's ``block_k`` must divide H, FF and HQ x D)
 _BLOCK_KS = (256, 128, 64, 32, 16)
@@ -83,8 +100,25 @@ class PersistentDecode:
     max_context: int = MAX_CONTEXT
     #: the first layer's q/k/v weight address when the table was made (a moved weight: stale)
     first_weight: int = 0
-    #: the kernel's layout options (:data:`LAYOUT_FLAGS`: bool each), passed to every launch
+    #: the kernel's layout options (:data:`LAYOUT_FLAGS` but ``row_sm``: bool each), passed
+    #: to every launch
     flags: dict = dataclasses.field(default_factory=dict)
+    #: steps whose ``meta.max_seq_len`` exceeds it launch with ``row_sm`` (0: all of them;
+    #: ``max_context`` or more: none)
+    row_sm_after: int = ROW_SM_AFTER
+
+    @property
+    def context_bounds(self) -> tuple[int, ...]:
+        """The context bounds (ascending) of the launches' two layouts: a CUDA graph captured
+        with ``meta.max_seq_len`` at one of them replays the right one for every step within
+        it (the decode graphs' batch-1 twins)."""
+        low = min(self.row_sm_after, self.max_context)
+        return (self.max_context,) if low in (0, self.max_context) else (low, self.max_context)
+
+    def launch_flags(self, max_seq_len: int) -> dict:
+        """The layout options of a step whose contexts are at most ``max_seq_len`` tokens:
+        :attr:`flags` with ``row_sm`` above :attr:`row_sm_after`."""
+        return {**self.flags, "row_sm": max_seq_len > self.row_sm_after}
 
     def forward(
         self, model, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -107,7 +141,7 @@ class PersistentDecode:
             x, self.table, self.dims, self.block_size, meta.block_tables[0],
             meta.slot_mapping[:1], meta.seq_lens[:1], cos.reshape(-1), sin.reshape(-1), self.eps,
             self.scratch, self.programs, self.block_k, self.block_t, self.num_warps, fuse_b=True,
-            check=False, block_k_h=self.block_k_h, **self.flags,
+            check=False, block_k_h=self.block_k_h, **self.launch_flags(meta.max_seq_len),
         )  # fmt: skip
         norm = inner.norm
         return model.ops.rms_norm(x[None], norm.weight, norm.eps)
@@ -152,17 +186,20 @@ def unsupported_reason(model, kv_caches) -> str | None:
 def build(
     model, kv_caches, block_size: int, *, max_context: int = MAX_CONTEXT,
     block_k: int | None = None, block_t: int = 32, block_k_h: int | None = None,
-    max_spill_bytes: int | None = None, **flags: bool,
+    row_sm_after: int = ROW_SM_AFTER, max_spill_bytes: int | None = None, **flags: bool,
 ) -> PersistentDecode:  # fmt: skip
     """The kernel's state over ``model``'s parameters and ``kv_caches`` (no copies: the table
     holds their addresses, so they must not be reallocated afterwards). Call before any CUDA
-    graph is captured: the table and the scratch are allocated here, and one launch that
-    stores nothing compiles the kernel and checks its residency. ``max_context``: the longest
-    context (tokens) a step may have to take this path; ``block_k``: the kernel's K chunk (None:
-    the widest of :data:`_BLOCK_KS` that fits); ``block_t``: tokens per attention tile (a power
-    of two, 16 or more); ``block_k_h``: the o and down projections' K chunk (None: ``block_k``;
-    a power of two dividing the intermediate and attention widths); ``max_spill_bytes``: refuse
-    a compiled kernel that spills more bytes per thread than this (None: any; the engine's
+    graph is captured: the table and the scratch are allocated here, and one launch per layout
+    that stores nothing compiles the kernel and checks its residency. ``max_context``: the
+    longest context (tokens) a step may have to take this path; ``block_k``: the kernel's K
+    chunk (None: the widest of :data:`_BLOCK_KS` that fits); ``block_t``: tokens per attention
+    tile (a power of two, 16 or more); ``block_k_h``: the o and down projections' K chunk (None:
+    the widest power of two up to :data:`BLOCK_K_H` dividing the intermediate and attention
+    widths; given: such a power of two); ``row_sm_after``: steps with longer contexts launch
+    with ``ROW_SM`` (the attention's softmax per row), shorter ones without (ignored when
+    ``row_sm`` is given: then every step takes that value); ``max_spill_bytes``: refuse a
+    compiled kernel that spills more bytes per thread than this (None: any; the engine's
     default path passes a bound: larger models than the measured Qwen3-0.6B spill kilobytes,
     e.g. 1.4 KB for 1.7B and 78 KB for 8B offline, and would be slower); ``flags``: the
     kernel's layout options (:data:`LAYOUT_FLAGS`; :data:`DEFAULT_FLAGS` for those not given).
@@ -172,7 +209,8 @@ def build(
     Raises:
         ValueError: :func:`unsupported_reason` gives a reason, a flag not in
             :data:`LAYOUT_FLAGS`, a ``block_t`` that is no power of two from 16, ``block_k``
-            does not divide the hidden, intermediate and attention widths, the compiled kernel
+            does not divide the hidden, intermediate and attention widths, ``block_k_h`` is no
+            power of two dividing the intermediate and attention widths, a compiled layout
             spills more than ``max_spill_bytes``, or the kernel's programs cannot all be
             resident on this GPU (:func:`kernels.grid_barrier.launch_resident`).
     """
@@ -190,6 +228,14 @@ def build(
     dims = (h, attn.num_heads, attn.num_kv_heads, attn.head_dim, ff)
     if block_k is None:  # (a given one that does not divide: the launch below refuses it)
         block_k = _block_k(h, ff, dims[1] * dims[3])
+    if block_k_h is None:  # (the widths are multiples of block_k: some power of two divides)
+        block_k_h = next(
+            bk
+            for bk in _powers_of_two_down(BLOCK_K_H)
+            if ff % bk == 0 and dims[1] * dims[3] % bk == 0
+        )
+    if "row_sm" in flags:  # one layout for every context
+        row_sm_after = 0 if flags.pop("row_sm") else max_context
     tensors = _layer_tensors(model, kv_caches)
     per = len(tensors) // len(model.model.layers)
     table = layer_table([tensors[i : i + per] for i in range(0, len(tensors), per)])
@@ -212,26 +258,35 @@ def build(
         max_context=max_context,
         first_weight=tensors[0].data_ptr(),
         flags={k: bool(v) for k, v in {**DEFAULT_FLAGS, **flags}.items()},
+        row_sm_after=row_sm_after,
     )
-    # one launch now, storing nothing (slot -1): compiles the kernel and checks that all its
-    # programs can be resident, before any request or graph capture needs it
-    info: dict = {}
+    # one launch per layout now, storing nothing (slot -1): compiles the kernel and checks that
+    # all its programs can be resident, before any request or graph capture needs it
     x = torch.zeros(dims[0], dtype=torch.bfloat16, device=device)
     rows = torch.zeros(2 * dims[3], dtype=torch.bfloat16, device=device)
     one = torch.ones(1, dtype=torch.int32, device=device)
-    persistent_layers(
-        x, table, dims, block_size, torch.zeros(1, dtype=torch.int32, device=device),
-        torch.full((1,), -1, dtype=torch.int64, device=device), one, rows[: dims[3]],
-        rows[dims[3] :], state.eps, state.scratch, programs, state.block_k, block_t,
-        state.num_warps, fuse_b=True, info=info, block_k_h=block_k_h, **state.flags,
-    )  # fmt: skip
-    spills = info.get("spills", 0)
-    if max_spill_bytes is not None and spills > max_spill_bytes:
-        raise ValueError(
-            f"persistent decode kernel spills {spills} B per thread for this model (at most "
-            f"{max_spill_bytes} taken by default: only the measured shapes run it)"
-        )
+    for bound in state.context_bounds:
+        info: dict = {}
+        persistent_layers(
+            x, table, dims, block_size, torch.zeros(1, dtype=torch.int32, device=device),
+            torch.full((1,), -1, dtype=torch.int64, device=device), one, rows[: dims[3]],
+            rows[dims[3] :], state.eps, state.scratch, programs, state.block_k, block_t,
+            state.num_warps, fuse_b=True, info=info, block_k_h=block_k_h,
+            **state.launch_flags(bound),
+        )  # fmt: skip
+        spills = info.get("spills", 0)
+        if max_spill_bytes is not None and spills > max_spill_bytes:
+            raise ValueError(
+                f"persistent decode kernel spills {spills} B per thread for this model (at "
+                f"most {max_spill_bytes} taken by default: only the measured shapes run it)"
+            )
     return state
+
+
+def _powers_of_two_down(n: int):
+    while n >= 1:
+        yield n
+        n //= 2
 
 
 def _block_k(*widths: int) -> int | None:

@@ -7,7 +7,7 @@ captured size, replays, and reads the rows of its real tokens.
 
 * :class:`DecodeGraphs`: one graph per decode batch size (one new token per sequence); padding
   rows store nothing (slot -1) and attend to one token of block 0. With a persistent decode
-  path, batch 1 has a short-context twin that runs it.
+  path, batch 1 has shorter-context twins that run it.
 * :class:`PrefillGraphs`: one graph per padded token count for every other step (prefills,
   prompt chunks, decodes mixed with chunks) -- vLLM's "full" CUDA-graph mode for mixed batches.
   This works because the attention kernels' grids depend only on tensor shapes (the padded token
@@ -219,11 +219,12 @@ class DecodeGraphs:
     (the tests' CPU check of the padding and of the staged inputs).
 
     A model with a persistent decode path (``model.persistent_decode``, which takes one-token
-    steps of one sequence up to its ``max_context``) whose ``max_context`` is below
-    ``max_seq_len`` gets a batch-1 twin keyed ``(1, max_context)``: captured with that bound
-    (the persistent launch) and replayed for batch-1 steps whose contexts fit it; batch 1's own
-    graph, captured with ``max_seq_len``, runs the layer loop for longer ones. (Where the model
-    length is within ``max_context`` there is no twin: batch 1's own graph is persistent.)
+    steps of one sequence up to its ``max_context``, in a layout chosen by context up to each
+    of its ``context_bounds``) gets a batch-1 twin keyed ``(1, bound)`` for each bound below
+    ``max_seq_len``: captured with that bound (the persistent launch of that layout) and
+    replayed for batch-1 steps whose contexts fit it and no smaller bound; batch 1's own graph,
+    captured with ``max_seq_len``, runs the layer loop for longer ones (or, where the model
+    length is within ``max_context``, the persistent launch of the longest layout).
     """
 
     def __init__(
@@ -241,12 +242,12 @@ class DecodeGraphs:
         self.graphs: dict[int | tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[int | tuple[int, int], torch.Tensor] = {}
         self.pool = pool  # memory pool shared with other graphs (e.g. PrefillGraphs.pool)
-        short = getattr(getattr(model, "persistent_decode", None), "max_context", max_seq_len)
-        #: the batch-1 twin's key (the persistent path's context bound), or None
-        self.short_key = (1, short) if short < max_seq_len and self.sizes[0] == 1 else None
+        bounds = getattr(getattr(model, "persistent_decode", None), "context_bounds", ())
+        #: the batch-1 twins' keys ``(1, context bound)``, ascending (the persistent path's)
+        self.twin_keys = [(1, b) for b in bounds if b < max_seq_len] if self.sizes[0] == 1 else []
 
     def _run(self, key: int | tuple[int, int]) -> torch.Tensor:
-        """The padded forward of a key: a batch size (contexts up to ``max_seq_len``) or the
+        """The padded forward of a key: a batch size (contexts up to ``max_seq_len``) or a
         twin's ``(1, context bound)``."""
         bs, max_len = key if isinstance(key, tuple) else (key, self.max_seq_len)
         meta = self.inputs.metadata(bs, bs, 1, max_len)
@@ -258,10 +259,11 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every batch size, largest first so smaller graphs share its memory pool (the
-        batch-1 twin last)."""
-        keys = ([self.short_key] if self.short_key else []) + self.sizes
+        batch-1 twins last)."""
+        keys = self.twin_keys + self.sizes
         self.pool = capture_graphs(keys, self._run, self.graphs, self.logits, self.pool)
-        twin = f"; batch 1 up to {self.short_key[1]} tokens persistent" if self.short_key else ""
+        bounds = "/".join(str(k[1]) for k in self.twin_keys)
+        twin = f"; batch 1 up to {bounds} tokens persistent" if bounds else ""
         log.info("captured decode CUDA graphs for batch sizes %s%s", self.sizes, twin)
 
     def can_run(self, batch: int, max_seq_len: int) -> bool:
@@ -284,8 +286,10 @@ class DecodeGraphs:
         b = len(inp.seq_lens)
         bs = self.padded_size(b)
         self.inputs.stage_decode(inp, bs, staging, prev_token_ids)
-        short = self.short_key is not None and bs == 1 and inp.max_seq_len <= self.short_key[1]
-        return self._replay(self.short_key if short else bs, b)
+        key = bs
+        if bs == 1:  # the twin of the smallest context bound the step fits, if any
+            key = next((k for k in self.twin_keys if inp.max_seq_len <= k[1]), bs)
+        return self._replay(key, b)
 
     def padded_size(self, batch: int) -> int:
         """The captured batch size a decode step of ``batch`` sequences replays."""

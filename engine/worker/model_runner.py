@@ -230,7 +230,13 @@ class ModelRunner:
             except Exception as exc:  # e.g. a compile error: the layer loop stays
                 reason = f"{type(exc).__name__}: {exc}"
             if reason is None:
-                log.info("one-token decode steps run all layers in one persistent launch")
+                pd = model.persistent_decode
+                log.info(
+                    "one-token decode steps of one sequence with up to %d tokens of context run "
+                    "all layers in one persistent launch (attention softmax per row over %d)",
+                    pd.max_context,
+                    pd.row_sm_after,
+                )
             elif asked:
                 log.warning("QWEN_SERVE_PERSISTENT_DECODE=1 not applied: %s", reason)
             else:

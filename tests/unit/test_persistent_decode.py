@@ -64,18 +64,23 @@ def interpreter():
     "options",
     [
         {},
-        {"pre_kv": True, "pre_w": True, "early_res": True, "block_k": 16, "block_k_h": 64},
+        {
+            "pre_kv": True, "pre_w": True, "early_res": True, "late_r": False, "block_k": 16,
+            "block_k_h": 64,
+        },
         {"pre_kv": True, "row_sm": True, "late_r": True, "block_t": 16},
+        {"row_sm_after": 23},
     ],
-    ids=["default", "layout", "rows"],
-)
-def test_decode_steps_match_the_layer_loop(interpreter, options):
+    ids=["default", "layout", "rows", "rows-by-context"],
+)  # fmt: skip
+def test_decode_steps_match_the_layer_loop(interpreter, monkeypatch, options):
     """``options``: :func:`persistent_decode.build`'s layout options, passed on to every launch
     (the first K/V tile, weight chunks and residual rows loaded early, a narrower K chunk, a
     wider one for the o and down projections: the same arithmetic, bit-equal; the attention's
-    softmax per row and the norm scales applied late, 16-token tiles: float32 sums in another
-    order, close)."""
-    exact = not (options.get("row_sm") or options.get("late_r"))
+    softmax per row and the norm scales applied late -- the default --, 16-token tiles:
+    float32 sums in another order, close); the softmax per row for every step, or by context
+    (the steps at contexts over ``row_sm_after``: here 24 and 25 of 22-25)."""
+    exact = options.get("late_r") is False and not options.get("row_sm")
     cfg = _bf16_config()
     loop, fast = _model(cfg), _model(cfg)
     fast.load_state_dict(loop.state_dict())
@@ -84,10 +89,16 @@ def test_decode_steps_match_the_layer_loop(interpreter, options):
     assert fast.enable_persistent_decode(caches_fast, BLOCK, **options) is None
     state = fast.persistent_decode
     assert state is not None
-    given = {k: v for k, v in options.items() if not k.startswith("block")}
+    given = {k: v for k, v in options.items() if k in persistent_decode.LAYOUT_FLAGS}
+    row_sm = given.pop("row_sm", None)
     assert state.flags == {**persistent_decode.DEFAULT_FLAGS, **given}
+    assert state.row_sm_after == (
+        options.get("row_sm_after", persistent_decode.ROW_SM_AFTER) if row_sm is None
+        else 0 if row_sm else state.max_context
+    )  # fmt: skip
     assert state.block_t == options.get("block_t", 32)
-    assert state.block_k_h == options.get("block_k_h")
+    # (no width given: the widest power of two up to BLOCK_K_H dividing FF = 128 and HQ D = 64)
+    assert state.block_k_h == options.get("block_k_h", 64)
     assert state.block_k == options.get("block_k", persistent_decode._block_k(
         cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim
     ))  # fmt: skip
@@ -99,6 +110,14 @@ def test_decode_steps_match_the_layer_loop(interpreter, options):
         return forward(*args)
 
     fast.persistent_decode.forward = counted
+    launched = []  # each launch's row_sm (the layout the step's context chose)
+    real = persistent_decode.persistent_layers
+
+    def recorded(*args, **kw):
+        launched.append(kw["row_sm"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(persistent_decode, "persistent_layers", recorded)
     gen = torch.Generator().manual_seed(3)
     with torch.inference_mode():
         # a prompt (the layer loop in both), then decode steps of one sequence
@@ -123,6 +142,10 @@ def test_decode_steps_match_the_layer_loop(interpreter, options):
                 else:
                     assert _rel(kf, kl) < 2e-2 and _rel(vf, vl) < 2e-2, n
         assert calls == [4]
+        want_rows = {None: [False] * 4, True: [True] * 4, False: [False] * 4}[row_sm]
+        if "row_sm_after" in options:
+            want_rows = [False, False, True, True]  # contexts 22, 23 | 24, 25 (over 23)
+        assert launched == want_rows
         # two sequences decoding: the layer loop (the persistent path not called)
         ids, pos, meta = _step(gen, [1, 1], [25, 3])
         fast_out = fast(ids, pos, caches_fast, meta)
@@ -153,9 +176,12 @@ def test_layout_options_from_the_environment_and_a_bad_block_k(interpreter):
     assert kernel_switches.persistent_options(flags) == {"pre_w": False, "row_sm": True}
     with pytest.raises(ValueError, match="QWEN_SERVE_PERSISTENT_LATE_R"):
         kernel_switches.persistent_options({"QWEN_SERVE_PERSISTENT_LATE_R": "maybe"})
-    env = {"QWEN_SERVE_PERSISTENT_MAX_CONTEXT": "2048", "QWEN_SERVE_PERSISTENT_BLOCK_K": "64"}
+    env = {
+        "QWEN_SERVE_PERSISTENT_MAX_CONTEXT": "2048", "QWEN_SERVE_PERSISTENT_BLOCK_K": "64",
+        "QWEN_SERVE_PERSISTENT_ROW_SM_AFTER": "300",
+    }  # fmt: skip
     got = kernel_switches.persistent_options(env)
-    assert (got["max_context"], got["block_k"]) == (2048, 64)
+    assert got == {"max_context": 2048, "block_k": 64, "row_sm_after": 300}
     with pytest.raises(ValueError, match="QWEN_SERVE_PERSISTENT_BLOCK_K"):
         kernel_switches.persistent_options({"QWEN_SERVE_PERSISTENT_BLOCK_K": "0"})
     cfg = _bf16_config()
@@ -166,8 +192,19 @@ def test_layout_options_from_the_environment_and_a_bad_block_k(interpreter):
     assert "unknown layout options ['pre_q']" in m.enable_persistent_decode(
         _caches(cfg), BLOCK, pre_q=True
     )
+    assert "block_k_h 48 must be a power of two" in m.enable_persistent_decode(
+        _caches(cfg), BLOCK, block_k_h=48
+    )
     assert m.enable_persistent_decode(_caches(cfg), BLOCK, max_context=77) is None
     assert m.persistent_decode.max_context == 77
+    # the context bounds of the two layouts (the decode graphs' batch-1 twins)
+    pd = m.persistent_decode
+    assert (pd.row_sm_after, pd.context_bounds) == (persistent_decode.ROW_SM_AFTER, (77,))
+    pd.max_context = 2048
+    assert pd.context_bounds == (persistent_decode.ROW_SM_AFTER, 2048)
+    assert [pd.launch_flags(n)["row_sm"] for n in (1, 512, 513, 2048)] == [0, 0, 1, 1]
+    pd.row_sm_after = 0
+    assert pd.context_bounds == (2048,)
 
 
 def test_needs_a_gpu_or_the_interpreter(monkeypatch):
@@ -265,14 +302,15 @@ def test_scattered_blocks_and_a_padding_slot(interpreter, slot_override):
     """Blocks of the sequence out of order in the cache (the pages the kernel gathers), and a
     negative slot (a padding row: nothing stored, by either path; its output is not used, and
     the two paths differ there: the loop attends to whatever the cache holds at the new
-    position, the kernel to the new key from registers)."""
+    position, the kernel to the new key from registers). The norm scales applied where eager
+    torch applies them (``late_r`` off): the same bits."""
     cfg = _bf16_config()
     loop, fast = _model(cfg, seed=5), _model(cfg)
     fast.load_state_dict(loop.state_dict())
     caches_loop = _caches(cfg)  # random keys/values: every block holds "earlier tokens"
     caches_fast = [(k.clone(), v.clone()) for k, v in caches_loop]
     before = [(k.clone(), v.clone()) for k, v in caches_loop]
-    assert fast.enable_persistent_decode(caches_fast, BLOCK) is None
+    assert fast.enable_persistent_decode(caches_fast, BLOCK, late_r=False) is None
     table = [37, 5, 22, 11]
     pos, meta = _decode_meta(table, 3 * BLOCK + 6, slot_override)
     ids = torch.tensor([17])
@@ -347,11 +385,12 @@ def test_decode_graphs_route_batch_one_by_context(
     monkeypatch,
     tiny_qwen3_dir,  # noqa: F811 (the imported fixture)
 ):
-    """The decode graphs' batch-1 twin (``(1, max_context)``, the persistent path) serves
-    one-sequence steps up to the bound and batch 1's own graph (the layer loop) the longer
-    ones, the padded forwards run eagerly on the CPU: a request whose context crosses the
-    bound while decoding gets the layer loop's greedy tokens, and the persistent launch runs
-    only for the steps within the bound."""
+    """The decode graphs' batch-1 twins (``(1, bound)`` for the persistent path's two layouts'
+    context bounds, here 15 and 17) serve one-sequence steps up to each bound (the smallest
+    that fits) and batch 1's own graph (the layer loop) the longer ones, the padded forwards
+    run eagerly on the CPU: a request whose context crosses the bounds while decoding gets the
+    layer loop's greedy tokens, and the persistent launch runs only for the steps within the
+    bounds, in the per-head layout up to 15 and the per-row one above."""
     from engine.core.request import SamplingParams
     from engine.worker.cuda_graph import DecodeGraphs
 
@@ -363,17 +402,16 @@ def test_decode_graphs_route_batch_one_by_context(
         r = eng.executor
         if on:
             pd = r.model.persistent_decode
-            pd.max_context = 17
+            pd.max_context, pd.row_sm_after = 17, 15
             pd.forward = lambda *a, f=pd.forward: seen.append(a[3].max_seq_len) or f(*a)
         graphs = DecodeGraphs(
             r.model, r.kv_caches, eng.config.max_num_seqs, r.block_tables.width,
             r.cache_info.max_model_len,
         )  # fmt: skip
-        assert graphs.short_key == ((1, 17) if on else None)
+        assert graphs.twin_keys == ([(1, 15), (1, 17)] if on else [])
         r.graphs = graphs
         outs[on] = eng.generate([prompt], params)
     assert outs[True] == outs[False]
-    # decode steps at contexts 14..21 (the prompt's 13, then one more each): the twin's bound
-    # (17) is the persistent launch's metadata for the steps up to it, the rest ran the loop
-    assert seen and set(seen) == {17}
-    assert len(seen) == 4  # contexts 14, 15, 16, 17
+    # decode steps at contexts 14..21 (the prompt's 13, then one more each): a twin's bound
+    # is the persistent launch's metadata for the steps up to it, the rest ran the loop
+    assert seen == [15, 15, 17, 17]  # contexts 14, 15 | 16, 17
