@@ -9,7 +9,7 @@ the embedding and the rotary rows before, the final RMSNorm after, as
 steps, contexts over :data:`MAX_CONTEXT`, tensor parallelism, quantized or MoE models, Qwen2's
 q/k/v bias) stays on the model's own layer loop, which is also the oracle of its tests. (A
 one-token prompt chunk of one sequence is a decode step by its metadata and takes this path
-too: the same arithmetic.)
+too, in the layout its metadata's ``max_seq_len`` picks.)
 
 On by default on CUDA devices (``QWEN_SERVE_PERSISTENT_DECODE=0`` turns it off, ``engine/
 layers/kernel_switches.py``). Inside the engine on an H100 (docs/benchmarks.md, 2026-12-06,
@@ -23,6 +23,7 @@ kernel, chosen by the step's context; contexts over :data:`MAX_CONTEXT` run the 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,9 @@ ROW_SM_AFTER = 512
 #: softmax per row of head-repeated tiles); :func:`kernels.persistent_decode.persistent_layers`
 LAYOUT_FLAGS = PERSISTENT_FLAGS
 
+#: ``row_sm_after`` for a ``row_sm`` forced off: above any context
+NEVER = sys.maxsize
+
 #: the layout :func:`build` uses for flags not given (the others off; ``row_sm`` by context,
 #: :data:`ROW_SM_AFTER`), each measured faster in the engine on an H100 at ~128 tokens:
 #: ``PRE_KV`` and ``PRE_W`` 1.047 against 1.054-1.059 ms (docs/benchmarks.md, 2026-12-06,
@@ -68,9 +72,10 @@ DEFAULT_FLAGS = {"pre_kv": True, "pre_w": True, "late_r": True}
 BLOCK_K_H = 1024
 
 #: the spills per thread (bytes) up to which the engine takes the path without being asked
-#: (``QWEN_SERVE_PERSISTENT_DECODE`` unset): the measured Qwen3-0.6B compiles to 2-6 B on the
-#: device's Triton 3.6 (the layouts measured); the larger models spill kilobytes (offline:
-#: 1.7B 1.4 KB, 8B 78 KB)
+#: (``QWEN_SERVE_PERSISTENT_DECODE`` unset): Qwen3-0.6B's probe layouts compile to 2-6 B on the
+#: device's Triton 3.6; the default layout's own figure was not read (the timed engine runs
+#: set the switch, which lifts the bound, so their times include whatever it spills), hence
+#: room above that; the larger models spill kilobytes (offline: 1.7B 1.4 KB, 8B 78 KB)
 DEFAULT_MAX_SPILL_BYTES = 256
 
 #: K-chunk widths tried, widest first (the kernel's ``block_k`` must divide H, FF and HQ x D)
@@ -104,7 +109,7 @@ class PersistentDecode:
     #: to every launch
     flags: dict = dataclasses.field(default_factory=dict)
     #: steps whose ``meta.max_seq_len`` exceeds it launch with ``row_sm`` (0: all of them;
-    #: ``max_context`` or more: none)
+    #: :data:`NEVER`: none, whatever ``max_context`` becomes)
     row_sm_after: int = ROW_SM_AFTER
 
     @property
@@ -126,9 +131,11 @@ class PersistentDecode:
         """Hidden states ``[1, H]`` of a one-token decode step (``input_ids``, ``positions``
         int64 ``[1]``; ``meta`` with ``is_decode`` and one sequence), the token's k/v stored in
         every layer's cache at ``meta.slot_mapping[0]`` (none when negative): embedding,
-        :func:`kernels.persistent_decode.persistent_layers`, final RMSNorm. The roundings are
-        eager torch's at the same points as the layer loop's (the kernel's output is the
-        residual stream after the last layer's add); the sums run in another order on a GPU.
+        :func:`kernels.persistent_decode.persistent_layers`, final RMSNorm. The kernel's output
+        is the residual stream after the last layer's add, as the layer loop's; its roundings
+        are eager torch's at the same points unless ``late_r`` (float32 through the norms) or
+        ``row_sm`` (float32 sums in another order) is on -- both are by default, so outputs are
+        close to the layer loop's, not bit-equal -- and its sums run in another order on a GPU.
 
         Raises:
             RuntimeError: the model's weights moved since the table was made."""
@@ -208,7 +215,8 @@ def build(
 
     Raises:
         ValueError: :func:`unsupported_reason` gives a reason, a flag not in
-            :data:`LAYOUT_FLAGS`, a ``block_t`` that is no power of two from 16, ``block_k``
+            :data:`LAYOUT_FLAGS`, a negative ``row_sm_after``, a ``block_t`` that is no power
+            of two from 16, ``block_k``
             does not divide the hidden, intermediate and attention widths, ``block_k_h`` is no
             power of two dividing the intermediate and attention widths, a compiled layout
             spills more than ``max_spill_bytes``, or the kernel's programs cannot all be
@@ -235,7 +243,9 @@ def build(
             if ff % bk == 0 and dims[1] * dims[3] % bk == 0
         )
     if "row_sm" in flags:  # one layout for every context
-        row_sm_after = 0 if flags.pop("row_sm") else max_context
+        row_sm_after = 0 if flags.pop("row_sm") else NEVER
+    if row_sm_after < 0:
+        raise ValueError(f"persistent decode row_sm_after {row_sm_after} must be >= 0")
     tensors = _layer_tensors(model, kv_caches)
     per = len(tensors) // len(model.model.layers)
     table = layer_table([tensors[i : i + per] for i in range(0, len(tensors), per)])

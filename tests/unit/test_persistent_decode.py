@@ -70,31 +70,44 @@ def interpreter():
         },
         {"pre_kv": True, "row_sm": True, "late_r": True, "block_t": 16},
         {"row_sm_after": 23},
+        {"row_sm": False},
     ],
-    ids=["default", "layout", "rows", "rows-by-context"],
+    ids=["default", "layout", "rows", "rows-by-context", "heads"],
 )  # fmt: skip
 def test_decode_steps_match_the_layer_loop(interpreter, monkeypatch, options):
     """``options``: :func:`persistent_decode.build`'s layout options, passed on to every launch
     (the first K/V tile, weight chunks and residual rows loaded early, a narrower K chunk, a
     wider one for the o and down projections: the same arithmetic, bit-equal; the attention's
     softmax per row and the norm scales applied late -- the default --, 16-token tiles:
-    float32 sums in another order, close); the softmax per row for every step, or by context
-    (the steps at contexts over ``row_sm_after``: here 24 and 25 of 22-25)."""
+    float32 sums in another order, close); the softmax per row for every step, for none, or by
+    context (the steps at contexts over ``row_sm_after``: here 24 and 25 of 22-25). ``build``
+    compiles (launches once) each layout it will run: both by context, one when forced."""
     exact = options.get("late_r") is False and not options.get("row_sm")
     cfg = _bf16_config()
     loop, fast = _model(cfg), _model(cfg)
     fast.load_state_dict(loop.state_dict())
     caches_loop = _caches(cfg)
     caches_fast = [(k.clone(), v.clone()) for k, v in caches_loop]
+    launched = []  # each launch's row_sm (build's, then the steps': the layout their context chose)
+    real = persistent_decode.persistent_layers
+
+    def recorded(*args, **kw):
+        launched.append(kw["row_sm"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(persistent_decode, "persistent_layers", recorded)
     assert fast.enable_persistent_decode(caches_fast, BLOCK, **options) is None
+    row_sm = options.get("row_sm")
+    assert launched == ([False, True] if row_sm is None else [row_sm])
+    launched.clear()
     state = fast.persistent_decode
     assert state is not None
     given = {k: v for k, v in options.items() if k in persistent_decode.LAYOUT_FLAGS}
-    row_sm = given.pop("row_sm", None)
+    given.pop("row_sm", None)
     assert state.flags == {**persistent_decode.DEFAULT_FLAGS, **given}
     assert state.row_sm_after == (
         options.get("row_sm_after", persistent_decode.ROW_SM_AFTER) if row_sm is None
-        else 0 if row_sm else state.max_context
+        else 0 if row_sm else persistent_decode.NEVER
     )  # fmt: skip
     assert state.block_t == options.get("block_t", 32)
     # (no width given: the widest power of two up to BLOCK_K_H dividing FF = 128 and HQ D = 64)
@@ -110,14 +123,6 @@ def test_decode_steps_match_the_layer_loop(interpreter, monkeypatch, options):
         return forward(*args)
 
     fast.persistent_decode.forward = counted
-    launched = []  # each launch's row_sm (the layout the step's context chose)
-    real = persistent_decode.persistent_layers
-
-    def recorded(*args, **kw):
-        launched.append(kw["row_sm"])
-        return real(*args, **kw)
-
-    monkeypatch.setattr(persistent_decode, "persistent_layers", recorded)
     gen = torch.Generator().manual_seed(3)
     with torch.inference_mode():
         # a prompt (the layer loop in both), then decode steps of one sequence
@@ -195,6 +200,13 @@ def test_layout_options_from_the_environment_and_a_bad_block_k(interpreter):
     assert "block_k_h 48 must be a power of two" in m.enable_persistent_decode(
         _caches(cfg), BLOCK, block_k_h=48
     )
+    assert "row_sm_after -1 must be" in m.enable_persistent_decode(
+        _caches(cfg), BLOCK, row_sm_after=-1
+    )
+    # no o/down K chunk given: the widest power of two dividing FF (here 96: 32) and HQ x D (64)
+    narrow = _model(_bf16_config(intermediate_size=96))
+    assert narrow.enable_persistent_decode(_caches(cfg), BLOCK) is None
+    assert narrow.persistent_decode.block_k_h == 32
     assert m.enable_persistent_decode(_caches(cfg), BLOCK, max_context=77) is None
     assert m.persistent_decode.max_context == 77
     # the context bounds of the two layouts (the decode graphs' batch-1 twins)
@@ -205,6 +217,11 @@ def test_layout_options_from_the_environment_and_a_bad_block_k(interpreter):
     assert [pd.launch_flags(n)["row_sm"] for n in (1, 512, 513, 2048)] == [0, 0, 1, 1]
     pd.row_sm_after = 0
     assert pd.context_bounds == (2048,)
+    # forced off: no step runs the per-row layout, whatever the bound becomes
+    assert m.enable_persistent_decode(_caches(cfg), BLOCK, max_context=77, row_sm=False) is None
+    pd = m.persistent_decode
+    pd.max_context = 4096
+    assert pd.context_bounds == (4096,) and not pd.launch_flags(4096)["row_sm"]
 
 
 def test_needs_a_gpu_or_the_interpreter(monkeypatch):
@@ -412,6 +429,9 @@ def test_decode_graphs_route_batch_one_by_context(
         r.graphs = graphs
         outs[on] = eng.generate([prompt], params)
     assert outs[True] == outs[False]
+    # a model length between the bounds: one twin (batch 1's own graph holds the longer layout)
+    graphs = DecodeGraphs(r.model, r.kv_caches, eng.config.max_num_seqs, r.block_tables.width, 16)
+    assert graphs.twin_keys == [(1, 15)]
     # decode steps at contexts 14..21 (the prompt's 13, then one more each): a twin's bound
     # is the persistent launch's metadata for the steps up to it, the rest ran the loop
     assert seen == [15, 15, 17, 17]  # contexts 14, 15 | 16, 17
