@@ -355,8 +355,6 @@ def _attn_rows(
     head after the last tile; returns the same ``(m [G], l [G], acc [G, D])`` (``m = -inf``,
     ``l = 0``, ``acc = 0`` for a head without tokens) and the queries ``[G, D]``."""
     RT: tl.constexpr = G * BT
-    j = tl.arange(0, RT)
-    head = j // BT
     # each row's query: its head's, normalized and rotated once per head (G rows), then
     # repeated over the head's BT rows (one layout change per item, not per tile)
     q_g = _group_q(g * G + tl.arange(0, G), D, FUSED, q_ptr, qkv_ptr, qn_ptr, cos_ptr, sin_ptr, eps)
@@ -376,20 +374,13 @@ def _attn_rows(
         acc_r = acc_r * alpha[:, None] + p[:, None] * v.to(tl.float32)
         m_r = m_new
         k, v, t_ok = k_next, v_next, ok_next
-    # merge each head's rows (the split merge over rows): weights exp(m_row - max of the head)
-    gi = tl.arange(0, G)
-    m = tl.full((G,), float("-inf"), dtype=tl.float32)
-    l_sum = tl.zeros((G,), dtype=tl.float32)
-    acc = tl.zeros((G, D), dtype=tl.float32)
-    for i in tl.static_range(G):
-        mine = head == i
-        m_i = tl.max(tl.where(mine, m_r, float("-inf")), axis=0)
-        w = tl.where(mine, tl.exp(m_r - tl.where(m_i == float("-inf"), 0.0, m_i)), 0.0)
-        l_i = tl.sum(l_r * w, axis=0)
-        acc_i = tl.sum(acc_r * w[:, None], axis=0)  # [D]
-        m = tl.where(gi == i, m_i, m)
-        l_sum = tl.where(gi == i, l_i, l_sum)
-        acc = tl.where((gi == i)[:, None], acc_i[None, :], acc)
+    # merge each head's rows (the split merge over rows): weights exp(m_row - max of the head),
+    # the rows viewed as [G, BT] (head j // BT is row j's: one reduction per quantity)
+    m_h = tl.reshape(m_r, (G, BT))
+    m = tl.max(m_h, axis=1)  # [G]
+    w = tl.exp(m_h - tl.where(m == float("-inf"), 0.0, m)[:, None])  # (a -inf row: weight 0)
+    l_sum = tl.sum(tl.reshape(l_r, (G, BT)) * w, axis=1)
+    acc = tl.sum(tl.reshape(acc_r, (G, BT, D)) * w[:, :, None], axis=1)
     return m, l_sum, acc, q_g
 
 
