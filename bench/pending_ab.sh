@@ -68,10 +68,10 @@
 #           engine_check with it on
 #   persistab: the persistent kernels' GPU tests, the engine's batch-1 step for each of
 #           $PERSIST_ENGINE's variants
-#           ("[TREE] PROMPT SWITCH [QWEN_SERVE_PERSISTENT_...=V ...]", ';'-separated; default 128
-#           and 1,024-token prompts with QWEN_SERVE_PERSISTENT_DECODE 0/1 -- routed by context:
-#           up to 512 tokens -- the default layout's loads off at 128, and the bound raised to
-#           2,048 at 1k),
+#           ("[TREE] PROMPT SWITCH [QWEN_SERVE_PERSISTENT_...=V ...]", ';'-separated; SWITCH
+#           0/1 sets QWEN_SERVE_PERSISTENT_DECODE, "-" leaves it unset; default: the
+#           layer loop at 128-, 1,024- and 2,000-token prompts, the default path at those and
+#           448 -- its per-head layout up to 512 tokens of context, per-row up to 2,048),
 #           engine_check with it on (plus $PERSIST_CHECK's variables), then the layer probe's
 #           runs in $PERSIST_PROBE (';'-separated argument lists; default the layouts 1000 1010
 #           10001 10101 with the first K/V tile, pre_kv, and the first weight chunks, pre_w,
@@ -296,12 +296,15 @@ for stage in ${@:-tests dense}; do
              --tb=line 2>&1 | tail -8
            # engine variants "PROMPT SWITCH [VAR=VALUE ...]" (the layout knobs of
            # engine.layers.kernel_switches.persistent_options), ';'-separated
-           IFS=';' read -ra VARIANTS <<< "${PERSIST_ENGINE:-128 0;128 1;128 1 QWEN_SERVE_PERSISTENT_PRE_KV=0 QWEN_SERVE_PERSISTENT_PRE_W=0;1024 1;1024 1 QWEN_SERVE_PERSISTENT_MAX_CONTEXT=2048;1024 0}"
+           IFS=';' read -ra VARIANTS <<< "${PERSIST_ENGINE:-128 0;128 -;448 -;1024 0;1024 -;2000 0;2000 -}"
            for v in "${VARIANTS[@]}"; do
              set -- $v; tree=.
              if ! [[ $1 =~ ^[0-9]+$ ]]; then tree=$1; shift; fi  # a leading tree: "$OLD 128 0"
              p=$1; on=$2; shift 2
-             env QWEN_SERVE_PERSISTENT_DECODE=$on "$@" timeout "$(left 75)" python3 \
+             # SWITCH "-": the variable unset (the default path, its spill bound applied)
+             if [ "$on" = - ]; then sw=(-u QWEN_SERVE_PERSISTENT_DECODE); else
+               sw=(QWEN_SERVE_PERSISTENT_DECODE=$on); fi
+             env "${sw[@]}" "$@" timeout "$(left 75)" python3 \
                bench/decode_profile.py --tree $tree --ckpt $CKPT --batch 1 --steps 64 \
                --prompt-tokens $p --top 2 --label "$tree prompt=$p persistent=$on $*" 2>&1 \
                | grep -E '"tpot_ms"' | cut -c1-260
