@@ -120,10 +120,32 @@ class PersistentDecode:
         low = min(self.row_sm_after, self.max_context)
         return (self.max_context,) if low in (0, self.max_context) else (low, self.max_context)
 
+    def row_sm_contexts(self) -> str:
+        """Which contexts launch with ``row_sm``, in words (the start-up log): "never",
+        "always" or "over N tokens"."""
+        if self.row_sm_after >= self.max_context:
+            return "never"
+        return f"over {self.row_sm_after} tokens" if self.row_sm_after else "always"
+
     def launch_flags(self, max_seq_len: int) -> dict:
         """The layout options of a step whose contexts are at most ``max_seq_len`` tokens:
         :attr:`flags` with ``row_sm`` above :attr:`row_sm_after`."""
         return {**self.flags, "row_sm": max_seq_len > self.row_sm_after}
+
+    def launch(
+        self, x, block_table, slot, seq_len, cos, sin, max_seq_len: int, check: bool,
+        info: dict | None = None,
+    ) -> None:  # fmt: skip
+        """One :func:`kernels.persistent_decode.persistent_layers` launch over every layer on
+        ``x [H]`` (bf16, in place) in the layout of a step whose contexts are at most
+        ``max_seq_len`` tokens (:meth:`launch_flags`); ``block_table``, ``slot``, ``seq_len``,
+        ``cos``/``sin`` and ``check``, ``info``: that function's."""
+        persistent_layers(
+            x, self.table, self.dims, self.block_size, block_table, slot, seq_len, cos, sin,
+            self.eps, self.scratch, self.programs, self.block_k, self.block_t, self.num_warps,
+            fuse_b=True, info=info, check=check, block_k_h=self.block_k_h,
+            **self.launch_flags(max_seq_len),
+        )  # fmt: skip
 
     def forward(
         self, model, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -144,11 +166,9 @@ class PersistentDecode:
             raise RuntimeError("the model's weights moved after its persistent-decode table")
         x = inner.embed_tokens(input_ids).reshape(-1).contiguous()
         cos, sin = inner.rotary_emb.lookup(positions, x.dtype)
-        persistent_layers(
-            x, self.table, self.dims, self.block_size, meta.block_tables[0],
-            meta.slot_mapping[:1], meta.seq_lens[:1], cos.reshape(-1), sin.reshape(-1), self.eps,
-            self.scratch, self.programs, self.block_k, self.block_t, self.num_warps, fuse_b=True,
-            check=False, block_k_h=self.block_k_h, **self.launch_flags(meta.max_seq_len),
+        self.launch(
+            x, meta.block_tables[0], meta.slot_mapping[:1], meta.seq_lens[:1], cos.reshape(-1),
+            sin.reshape(-1), meta.max_seq_len, check=False,
         )  # fmt: skip
         norm = inner.norm
         return model.ops.rms_norm(x[None], norm.weight, norm.eps)
@@ -182,7 +202,7 @@ def unsupported_reason(model, kv_caches) -> str | None:
     hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     if any(v & (v - 1) for v in (hq, hkv, d)):
         return "head counts and head size must be powers of two"
-    if _block_k(cfg.hidden_size, cfg.intermediate_size, hq * d) is None:
+    if _widest(_BLOCK_KS, cfg.hidden_size, cfg.intermediate_size, hq * d) is None:
         return "no K chunk divides the hidden, intermediate and attention widths"
     for t in _layer_tensors(model, kv_caches):
         if t.dtype != torch.bfloat16:
@@ -235,13 +255,10 @@ def build(
     h, ff = cfg.hidden_size, cfg.intermediate_size
     dims = (h, attn.num_heads, attn.num_kv_heads, attn.head_dim, ff)
     if block_k is None:  # (a given one that does not divide: the launch below refuses it)
-        block_k = _block_k(h, ff, dims[1] * dims[3])
+        block_k = _widest(_BLOCK_KS, h, ff, dims[1] * dims[3])
     if block_k_h is None:  # (the widths are multiples of block_k: some power of two divides)
-        block_k_h = next(
-            bk
-            for bk in _powers_of_two_down(BLOCK_K_H)
-            if ff % bk == 0 and dims[1] * dims[3] % bk == 0
-        )
+        powers = (BLOCK_K_H >> i for i in range(BLOCK_K_H.bit_length()))
+        block_k_h = _widest(powers, ff, dims[1] * dims[3])
     if "row_sm" in flags:  # one layout for every context
         row_sm_after = 0 if flags.pop("row_sm") else NEVER
     if row_sm_after < 0:
@@ -277,12 +294,10 @@ def build(
     one = torch.ones(1, dtype=torch.int32, device=device)
     for bound in state.context_bounds:
         info: dict = {}
-        persistent_layers(
-            x, table, dims, block_size, torch.zeros(1, dtype=torch.int32, device=device),
+        state.launch(
+            x, torch.zeros(1, dtype=torch.int32, device=device),
             torch.full((1,), -1, dtype=torch.int64, device=device), one, rows[: dims[3]],
-            rows[dims[3] :], state.eps, state.scratch, programs, state.block_k, block_t,
-            state.num_warps, fuse_b=True, info=info, block_k_h=block_k_h,
-            **state.launch_flags(bound),
+            rows[dims[3] :], bound, check=True, info=info,
         )  # fmt: skip
         spills = info.get("spills", 0)
         if max_spill_bytes is not None and spills > max_spill_bytes:
@@ -293,14 +308,9 @@ def build(
     return state
 
 
-def _powers_of_two_down(n: int):
-    while n >= 1:
-        yield n
-        n //= 2
-
-
-def _block_k(*widths: int) -> int | None:
-    return next((bk for bk in _BLOCK_KS if all(w % bk == 0 for w in widths)), None)
+def _widest(chunks, *widths: int) -> int | None:
+    """The first of ``chunks`` (widest first) dividing every one of ``widths``, or None."""
+    return next((bk for bk in chunks if all(w % bk == 0 for w in widths)), None)
 
 
 def _layer_tensors(model, kv_caches) -> list[torch.Tensor]:

@@ -231,14 +231,11 @@ class ModelRunner:
                 reason = f"{type(exc).__name__}: {exc}"
             if reason is None:
                 pd = model.persistent_decode
-                rows = "never" if pd.row_sm_after >= pd.max_context else (
-                    f"over {pd.row_sm_after} tokens" if pd.row_sm_after else "always"
-                )  # fmt: skip
                 log.info(
                     "one-token decode steps of one sequence with up to %d tokens of context run "
                     "all layers in one persistent launch (attention softmax per row: %s)",
                     pd.max_context,
-                    rows,
+                    pd.row_sm_contexts(),
                 )
             elif asked:
                 log.warning("QWEN_SERVE_PERSISTENT_DECODE=1 not applied: %s", reason)

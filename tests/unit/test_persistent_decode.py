@@ -112,8 +112,9 @@ def test_decode_steps_match_the_layer_loop(interpreter, monkeypatch, options):
     assert state.block_t == options.get("block_t", 32)
     # (no width given: the widest power of two up to BLOCK_K_H dividing FF = 128 and HQ D = 64)
     assert state.block_k_h == options.get("block_k_h", 64)
-    assert state.block_k == options.get("block_k", persistent_decode._block_k(
-        cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim
+    assert state.block_k == options.get("block_k", persistent_decode._widest(
+        persistent_decode._BLOCK_KS, cfg.hidden_size, cfg.intermediate_size,
+        cfg.num_attention_heads * cfg.head_dim,
     ))  # fmt: skip
     calls = [0]
     forward = fast.persistent_decode.forward
@@ -215,13 +216,15 @@ def test_layout_options_from_the_environment_and_a_bad_block_k(interpreter):
     pd.max_context = 2048
     assert pd.context_bounds == (persistent_decode.ROW_SM_AFTER, 2048)
     assert [pd.launch_flags(n)["row_sm"] for n in (1, 512, 513, 2048)] == [0, 0, 1, 1]
+    assert pd.row_sm_contexts() == f"over {persistent_decode.ROW_SM_AFTER} tokens"
     pd.row_sm_after = 0
-    assert pd.context_bounds == (2048,)
+    assert pd.context_bounds == (2048,) and pd.row_sm_contexts() == "always"
     # forced off: no step runs the per-row layout, whatever the bound becomes
     assert m.enable_persistent_decode(_caches(cfg), BLOCK, max_context=77, row_sm=False) is None
     pd = m.persistent_decode
     pd.max_context = 4096
     assert pd.context_bounds == (4096,) and not pd.launch_flags(4096)["row_sm"]
+    assert pd.row_sm_contexts() == "never"
 
 
 def test_needs_a_gpu_or_the_interpreter(monkeypatch):
