@@ -75,7 +75,7 @@
 #           engine_check with it on (plus $PERSIST_CHECK's variables), then the layer probe's
 #           runs in $PERSIST_PROBE (';'-separated argument lists; default the layouts 1000 1010
 #           10001 10101 with the first K/V tile, pre_kv, and the first weight chunks, pre_w,
-#           loaded during the waits); PERSIST_TESTS=0: no tests
+#           loaded during the waits; "": none); PERSIST_TESTS=0: no tests
 #   l2pf:   the L2 prefetch kernel's GPU tests and the PDL ones, bench/l2_prefetch_probe.py (a
 #           28-layer GEMV chain with weights cold, hot in L2, and prefetched on a side stream)
 # Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD, all three made
@@ -311,7 +311,7 @@ for stage in ${@:-tests dense}; do
            done
            env QWEN_SERVE_PERSISTENT_DECODE=1 ${PERSIST_CHECK:-} timeout "$(left 110)" python3 \
              bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning | tail -4
-           IFS=';' read -ra PROBES <<< "${PERSIST_PROBE:---layouts 1000 1010 10001 10101}"
+           IFS=";" read -ra PROBES <<< "${PERSIST_PROBE---layouts 1000 1010 10001 10101}"  # ("": no probe)
            for args in "${PROBES[@]}"; do
              timeout "$(left 100)" python3 bench/persistent_layer_probe.py --warps 8 $args 2>&1 \
                | grep -E "^\| [0-9]|rror|failed" | tee -a "$OUT/persistab_probe.txt"
