@@ -78,7 +78,7 @@ def persistent_layers(
     x, wt: Weights, k_caches, v_caches, block_table, seq_len, cos, sin, eps, scratch: Scratch,
     programs=1, block_k=64, block_t=32, num_warps=4, fuse_b=False, merge_e=False, pre_kv=False,
     merge_c=False, skip=0, table=None, info=None, slot=None, prefetch=0, pre_w=False,
-    late_r=False, early_res=False, row_sm=False, block_k_h=None,
+    late_r=False, early_res=False, row_sm=False, block_k_h=None, dot_attn=False,
 ):  # fmt: skip
     """:func:`kernels.persistent_decode.persistent_layers` over ``wt``'s layers and the caches
     ``k_caches``/``v_caches`` (one ``[blocks, BS, HKV, D]`` tensor per layer); ``table``: their
@@ -89,7 +89,8 @@ def persistent_layers(
     ``late_r``, ``early_res``, ``row_sm``: its ``LATE_R``, ``EARLY_RES`` and ``ROW_SM`` (the
     norm scales applied after the dot products; the residual rows loaded before the K loops;
     the attention's online softmax per row); ``block_k_h``: its ``BK_H`` (the o and down
-    projections' K chunk; None: ``block_k``)."""
+    projections' K chunk; None: ``block_k``); ``dot_attn``: its ``DOT`` (the attention's
+    per-head loop on tensor cores)."""
     if table is None:
         table = layer_table(wt, k_caches, v_caches)
     bs = k_caches[0].shape[1]
@@ -100,7 +101,7 @@ def persistent_layers(
         x, table, wt.dims, bs, block_table, slot, seq_len, cos, sin, eps, scratch, programs,
         block_k, block_t, num_warps, fuse_b, merge_e, pre_kv, merge_c, skip, info,
         prefetch=prefetch, pre_w=pre_w, late_r=late_r, early_res=early_res, row_sm=row_sm,
-        block_k_h=block_k_h,
+        block_k_h=block_k_h, dot_attn=dot_attn,
     )  # fmt: skip
 
 
@@ -179,8 +180,8 @@ def main() -> int:
     )  # fmt: skip
     ap.add_argument(
         "--layouts", nargs="*", default=["0000", "1000", "1010", "1011"],
-        help="phase layouts to time, each four to eight 0/1 digits: fuse_b, merge_e, pre_kv, "
-        "merge_c, pre_w, late_r, early_res, row_sm (missing: 0)",
+        help="phase layouts to time, each four to nine 0/1 digits: fuse_b, merge_e, pre_kv, "
+        "merge_c, pre_w, late_r, early_res, row_sm, dot_attn (missing: 0)",
     )  # fmt: skip
     ap.add_argument(
         "--prefetch", type=int, nargs="*", default=[0],
@@ -195,7 +196,7 @@ def main() -> int:
         "output is not checked)",
     )  # fmt: skip
     args = ap.parse_args()
-    args.layouts = [tuple(c == "1" for c in lay.ljust(8, "0")) for lay in args.layouts]
+    args.layouts = [tuple(c == "1" for c in lay.ljust(9, "0")) for lay in args.layouts]
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         print("persistent_layer_probe: needs a CUDA device of compute capability 9.0+; skipped")
         return 0
@@ -231,7 +232,7 @@ def main() -> int:
                 if args.hot_l2 else []
             )  # fmt: skip
             for lay_flags, pf, hot, bkh in variants:
-                fuse_b, merge_e, pre_kv, merge_c, pre_w, late_r, early_res, row_sm = lay_flags
+                fuse_b, merge_e, pre_kv, merge_c, pre_w, late_r, early_res, row_sm, dot = lay_flags
                 x = x0.clone()
 
                 info: dict = {}
@@ -239,14 +240,14 @@ def main() -> int:
                 def run(
                     warps=warps, x=x, sc=scratch, lay=(fuse_b, merge_e, pre_kv, merge_c), info=info,
                     pf=pf, tab=hot_table if hot else table, pw=pre_w, lr=late_r, er=early_res,
-                    rs=row_sm, bkh=bkh or None,
+                    rs=row_sm, bkh=bkh or None, dot=dot,
                 ):  # fmt: skip
                     x.copy_(x0)
                     return persistent_layers(
                         x, wt, kc, vc, bt, seq_t, cos, sin, eps, sc, programs,
                         args.block_k, args.block_t, warps, *lay, table=tab, info=info,
                         slot=slot_t, prefetch=pf, pre_w=pw, late_r=lr, early_res=er, row_sm=rs,
-                        block_k_h=bkh,
+                        block_k_h=bkh, dot_attn=dot,
                     )  # fmt: skip
 
                 label = (
@@ -258,6 +259,7 @@ def main() -> int:
                     f"{', norm scales late' if late_r else ''}"
                     f"{', residual early' if early_res else ''}"
                     f"{', softmax per row' if row_sm else ''}"
+                    f"{', attention on tensor cores' if dot else ''}"
                     f"{f', o/down K chunk {bkh}' if bkh else ''}"
                     f"{f', L2 prefetch {pf}' if pf else ''}"
                     f"{', every layer on layer 0 tensors (hot L2)' if hot else ''}"

@@ -232,7 +232,7 @@ def _attn_split(
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, S: tl.constexpr,
     BT: tl.constexpr, FUSED: tl.constexpr, qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, eps, slot,
     HQ: tl.constexpr, EXACT: tl.constexpr, pre_k=0, pre_v=0, pre_ok=0, PRE: tl.constexpr = False,
-    ROW_SM: tl.constexpr = False,
+    ROW_SM: tl.constexpr = False, DOT: tl.constexpr = False,
 ):  # fmt: skip
     """Split ``s`` of KV head ``g``: the ``G`` query heads of its group over tokens
     ``[s * chunk, (s + 1) * chunk)`` of the context (``chunk`` = ``ceil(seq_len / S)`` rounded
@@ -252,7 +252,9 @@ def _attn_split(
     accumulator, so a tile needs no reduction across warps (only the dot over ``D``) and no
     layout conversion of the keys/values; the rows of each head are merged once, after the
     last tile (FlashDecoding's split merge, arXiv:2311.01282, over the rows). Float32 sums in
-    another order than the per-head loop: not bit-equal to it."""
+    another order than the per-head loop: not bit-equal to it. ``DOT`` (without ``ROW_SM``):
+    the per-head loop on tensor cores, :func:`_attn_dot` (the group's rows padded to
+    :data:`DOT_ROWS`, the padding's results not stored)."""
     chunk = tl.cdiv(tl.cdiv(seq_len, S), BT) * BT
     lo = s * chunk
     hi = tl.minimum(lo + chunk, seq_len)
@@ -270,6 +272,11 @@ def _attn_split(
         m, l_sum, acc, q = _attn_rows(
             k, v, t_ok, kc, vc, bt_ptr, lo, c_hi, g, scale, HKV, G, D, BS, BT, FUSED, q_ptr,
             qkv_ptr, qn_ptr, cos_ptr, sin_ptr, eps,
+        )  # fmt: skip
+    elif DOT:
+        m, l_sum, acc, q = _attn_dot(
+            k, v, t_ok, kc, vc, bt_ptr, lo, c_hi, g, scale, HKV, G, D, BS, BT, FUSED, q_ptr,
+            qkv_ptr, qn_ptr, cos_ptr, sin_ptr, eps, EXACT,
         )  # fmt: skip
     else:
         m, l_sum, acc, q = _attn_heads(
@@ -295,9 +302,16 @@ def _attn_split(
             l_sum = l_sum * alpha + p
             acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)
             m = m_new
-    tl.store(part_ptr + (hq[:, None] * S + s) * D + d[None, :], acc)
-    tl.store(ml_ptr + (hq * S + s) * 2, m)
-    tl.store(ml_ptr + (hq * S + s) * 2 + 1, l_sum)
+    if DOT and not ROW_SM:  # DOT_ROWS rows, the group's first G stored
+        r = tl.arange(0, DOT_ROWS)
+        hr = g * G + r
+        tl.store(part_ptr + (hr[:, None] * S + s) * D + d[None, :], acc, mask=(r < G)[:, None])
+        tl.store(ml_ptr + (hr * S + s) * 2, m, mask=r < G)
+        tl.store(ml_ptr + (hr * S + s) * 2 + 1, l_sum, mask=r < G)
+    else:
+        tl.store(part_ptr + (hq[:, None] * S + s) * D + d[None, :], acc)
+        tl.store(ml_ptr + (hq * S + s) * 2, m)
+        tl.store(ml_ptr + (hq * S + s) * 2 + 1, l_sum)
 
 
 @triton.jit
@@ -339,6 +353,51 @@ def _attn_heads(
         p = tl.exp(sc - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        m = m_new
+        k, v, t_ok = k_next, v_next, ok_next
+    return m, l_sum, acc, q
+
+
+#: the rows of :func:`_attn_dot`'s query tile: the GQA group's heads padded to the smallest M of
+#: Triton's ``tl.dot`` (16)
+DOT_ROWS = tl.constexpr(16)
+
+
+@triton.jit
+def _attn_dot(
+    k, v, t_ok, kc, vc, bt_ptr, lo, c_hi, g, scale, HKV: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr, FUSED: tl.constexpr, q_ptr, qkv_ptr,
+    qn_ptr, cos_ptr, sin_ptr, eps, EXACT: tl.constexpr,
+):  # fmt: skip
+    """:func:`_attn_heads` on tensor cores (``_attn_split``'s ``DOT``): the group's ``G`` query
+    heads padded to ``DOT_ROWS`` rows (the padding repeats head ``G - 1``; its results are
+    not stored), each tile's scores ``q k^T`` and the weighted values ``p v`` as ``tl.dot``
+    (bf16 operands, float32 accumulation: the probabilities ``p`` rounded to bf16 for the
+    second product, as FlashAttention-2, arXiv:2307.08691, and the engine's paged decode
+    kernel do), the online softmax between them in float32. Returns ``(m [R], l [R], acc [R,
+    D])`` and the queries ``[R, D]``, ``R`` = ``DOT_ROWS``. ``EXACT`` (the interpreter, whose
+    ``tl.dot`` multiplies bf16 as raw integers): float32 operands, ``p`` rounded as on a GPU.
+    Needs ``G <= DOT_ROWS`` and ``BT``, ``D`` of 16 or more."""
+    hq = g * G + tl.minimum(tl.arange(0, DOT_ROWS), G - 1)
+    q = _group_q(hq, D, FUSED, q_ptr, qkv_ptr, qn_ptr, cos_ptr, sin_ptr, eps)  # bf16 values
+    q_op = q if EXACT else q.to(tl.bfloat16)
+    m = tl.full((DOT_ROWS,), float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros((DOT_ROWS,), dtype=tl.float32)
+    acc = tl.zeros((DOT_ROWS, D), dtype=tl.float32)
+    for t0 in range(lo, c_hi, BT):
+        k_next, v_next, ok_next = _kv_tile(kc, vc, bt_ptr, t0 + BT, c_hi, g, HKV, D, BS, BT, BT)
+        k_op = k.to(tl.float32) if EXACT else k
+        sc = tl.dot(q_op, tl.trans(k_op)) * scale  # [R, BT]
+        sc = tl.where(t_ok[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(sc - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        if EXACT:  # p rounded to nearest as a GPU's cast does (the interpreter's truncates)
+            pv = tl.dot(round_as(p, tl.bfloat16, EXACT), v.to(tl.float32))
+        else:
+            pv = tl.dot(p.to(tl.bfloat16), v)
+        acc = acc * alpha[:, None] + pv
         m = m_new
         k, v, t_ok = k_next, v_next, ok_next
     return m, l_sum, acc, q
@@ -472,6 +531,7 @@ def _layers_kernel(
     MERGE_E: tl.constexpr, PRE_KV: tl.constexpr, MERGE_C: tl.constexpr, SKIP: tl.constexpr = 0,
     PF: tl.constexpr = 0, PRE_W: tl.constexpr = False, LATE_R: tl.constexpr = False,
     EARLY_RES: tl.constexpr = False, ROW_SM: tl.constexpr = False, BK_H: tl.constexpr = 0,
+    DOT: tl.constexpr = False,
 ):  # fmt: skip
     """``LAYERS`` Qwen3 decoder layers of one decode token (module docstring, phases A-G), the
     hidden state ``x [H]`` (bf16) updated in place. Scratch: ``h2 [H]``, ``qkv [(HQ + 2 HKV) D]``,
@@ -511,7 +571,9 @@ def _layers_kernel(
     rounding of the normalized input). ``EARLY_RES``: E and G load their residual rows before
     the K loop (:func:`_add_residual`; the same arithmetic). ``ROW_SM``: the attention items'
     online softmax per row of ``[G * BT, D]`` tiles (:func:`_attn_split`, :func:`_attn_rows`;
-    no cross-warp reduction per tile). ``BK_H``: the K chunk of E and G (the projections to
+    no cross-warp reduction per tile). ``DOT`` (not with ``ROW_SM``): the items' per-head
+    loop on tensor cores (:func:`_attn_dot`: the group's queries padded to 16 rows, each tile's
+    two products as ``tl.dot``). ``BK_H``: the K chunk of E and G (the projections to
     ``H``, whose tiles have few rows: fewer, wider chunks, so fewer dependent steps and layout
     changes of the input per tile); 0: ``BK`` (E with ``MERGE_E`` keeps ``BK``)."""
     pid = tl.program_id(0)
@@ -598,7 +660,7 @@ def _layers_kernel(
                         q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, pid // S, pid % S, seq_len, scale,
                         HKV, G, D, BS, S, BT, FUSE_B, qkv_ptr, qn,
                         kn, cos_ptr, sin_ptr, eps, slot, HQ, EXACT, k_pre, v_pre,
-                        ok_pre, True, ROW_SM,
+                        ok_pre, True, ROW_SM, DOT,
                     )  # fmt: skip
                     if MERGE_C:
                         _split_done(count_ptr, pid // S, part_ptr, ml_ptr, attn_ptr, S, D, G, EXACT)
@@ -606,7 +668,7 @@ def _layers_kernel(
                 _attn_split(
                     q_ptr, kc, vc, bt_ptr, part_ptr, ml_ptr, item // S, item % S, seq_len, scale,
                     HKV, G, D, BS, S, BT, FUSE_B, qkv_ptr, qn, kn,
-                    cos_ptr, sin_ptr, eps, slot, HQ, EXACT, ROW_SM=ROW_SM,
+                    cos_ptr, sin_ptr, eps, slot, HQ, EXACT, ROW_SM=ROW_SM, DOT=DOT,
                 )  # fmt: skip
                 if MERGE_C:
                     _split_done(count_ptr, item // S, part_ptr, ml_ptr, attn_ptr, S, D, G, EXACT)
@@ -763,7 +825,7 @@ def persistent_layers(
     x, table, dims, block_size, block_table, slot, seq_len, cos, sin, eps, scratch: Scratch,
     programs=1, block_k=64, block_t=32, num_warps=4, fuse_b=False, merge_e=False, pre_kv=False,
     merge_c=False, skip=0, info=None, check=True, prefetch=0, pre_w=False, late_r=False,
-    early_res=False, row_sm=False, block_k_h=None,
+    early_res=False, row_sm=False, block_k_h=None, dot_attn=False,
 ):  # fmt: skip
     """Run :func:`_layers_kernel` over every layer of ``table`` (:func:`layer_table`, ``[L,
     10]``; ``dims`` = ``(H, HQ, HKV, D, FF)``, ``block_size`` the caches' tokens per block) on
@@ -782,6 +844,8 @@ def persistent_layers(
     ``early_res``: its ``LATE_R`` (the RMSNorm scales applied to the dot products: float32,
     not eager's roundings) and ``EARLY_RES`` (residual rows loaded before the K loops);
     ``row_sm``: its ``ROW_SM`` (the attention's online softmax per row, merged per head);
+    ``dot_attn``: its ``DOT`` (the attention's per-head loop on tensor cores; not with
+    ``row_sm``);
     ``block_k_h``: its ``BK_H``, the K chunk of the o and down projections (None: ``block_k``;
     it must divide HQ * D and FF);
     ``info``: a dict that gets the launch's register line (``"usage"``) and, compiled on a
@@ -795,7 +859,9 @@ def persistent_layers(
             dividing FF and HQ * D, a splits count, head count or
             head dim that is no power of two, ``pre_kv`` without ``fuse_b``, ``prefetch`` on a
             GPU below compute capability 9.0 (the bulk prefetch is sm_90 PTX), or more
-            programs than the GPU holds at once (:func:`kernels.grid_barrier.launch_resident`).
+            programs than the GPU holds at once (:func:`kernels.grid_barrier.launch_resident`),
+            ``dot_attn`` with ``row_sm``, a GQA group over 16 heads, or a ``block_t`` or head dim
+            under 16.
     """
     h, hq, hkv, d, ff = dims
     if any(k % block_k for k in (h, ff, hq * d)):
@@ -808,6 +874,11 @@ def persistent_layers(
             raise ValueError(f"{name} = {v} must be a power of two")
     if pre_kv and not fuse_b:
         raise ValueError("pre_kv needs fuse_b")
+    if dot_attn and (row_sm or hq // hkv > DOT_ROWS.value or min(block_t, d) < 16):
+        raise ValueError(
+            "dot_attn needs row_sm off, a GQA group of at most 16 heads and block_t and the head "
+            "dim of 16 or more (tl.dot's smallest tile)"
+        )
     gpu = x.device.type == "cuda" and not interpreting()
     if prefetch and gpu and torch.cuda.get_device_capability(x.device)[0] < 9:
         raise ValueError("prefetch needs compute capability 9.0+ (cp.async.bulk.prefetch)")
@@ -825,7 +896,7 @@ def persistent_layers(
         d**-0.5, h, hq, hkv, d, ff, block_size, scratch.splits, block_t, block_k,
         r_qkv, p2(r_qkv), r_h, p2(r_h), r_ff, p2(r_ff), interpreting(), fuse_b, merge_e,
         pre_kv, merge_c, skip, prefetch if gpu else 0, pre_w, late_r, early_res, row_sm,
-        block_k_h,
+        block_k_h, dot_attn,
     )  # fmt: skip
     usage = launch_resident(_layers_kernel, (programs,), args, num_warps, x.device, check)
     if info is not None:

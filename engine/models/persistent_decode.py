@@ -53,7 +53,8 @@ ROW_SM_AFTER = 512
 #: use too): ``PRE_KV``, ``PRE_W`` (the first K/V tile, each GEMV's first weight chunk loaded
 #: during the barrier waits), ``LATE_R`` (the RMSNorm scales applied after the dot products),
 #: ``EARLY_RES`` (residual rows loaded before the K loops), ``ROW_SM`` (the attention's online
-#: softmax per row of head-repeated tiles); :func:`kernels.persistent_decode.persistent_layers`
+#: softmax per row of head-repeated tiles), ``DOT_ATTN`` (the per-head loop of the steps without
+#: ``ROW_SM`` on tensor cores); :func:`kernels.persistent_decode.persistent_layers`
 LAYOUT_FLAGS = PERSISTENT_FLAGS
 
 #: ``row_sm_after`` for a ``row_sm`` forced off: above any context
@@ -129,8 +130,11 @@ class PersistentDecode:
 
     def launch_flags(self, max_seq_len: int) -> dict:
         """The layout options of a step whose contexts are at most ``max_seq_len`` tokens:
-        :attr:`flags` with ``row_sm`` above :attr:`row_sm_after`."""
-        return {**self.flags, "row_sm": max_seq_len > self.row_sm_after}
+        :attr:`flags` with ``row_sm`` above :attr:`row_sm_after` (``dot_attn``, a per-head
+        loop's option, only without it)."""
+        row_sm = max_seq_len > self.row_sm_after
+        dot_attn = self.flags.get("dot_attn", False) and not row_sm
+        return {**self.flags, "row_sm": row_sm, "dot_attn": dot_attn}
 
     def launch(
         self, x, block_table, slot, seq_len, cos, sin, max_seq_len: int, check: bool,

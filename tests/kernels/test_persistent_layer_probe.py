@@ -155,6 +155,36 @@ def test_wider_k_chunk_for_o_and_down(device, context, splits, pre_w):
             case.run(case.x0.clone(), block_k=16, fuse_b=True, block_k_h=bad)
 
 
+@pytest.mark.parametrize(
+    "pre_kv,merge_c,late_r", [(1, 1, 1), (0, 0, 0), (1, 0, 0)]
+)  # fmt: skip
+@pytest.mark.parametrize("context,splits", [(37, 4), (150, 2), (17, 2), (5, 8), (1, 2)])
+def test_attention_on_tensor_cores(device, context, splits, pre_kv, merge_c, late_r):
+    """``dot_attn`` (``DOT``: the attention's per-head loop as ``tl.dot`` over the group's
+    queries padded to 16 rows, the probabilities rounded to bf16 for the second product) close
+    to the torch layers -- splits of several tiles (150 over 2), the new token alone in its
+    split (17 over 2) or in the context (1), splits left empty (5 over 8), with and without the
+    first tile preloaded and the merge in C; its float32 partials differ from the CUDA-core
+    loop's (so the option reached the kernel); refused with ``row_sm`` or 8-token tiles."""
+    case = _Case(device, context, splits, seed=context + 13)
+    x = case.x0.clone()
+    caches = [t.clone() for t in case.kc + case.vc]
+    flags = dict(
+        fuse_b=True, pre_kv=bool(pre_kv), merge_c=bool(merge_c), pre_w=True,
+        late_r=bool(late_r), block_k=32, block_t=16,
+    )  # fmt: skip
+    case.run(x, dot_attn=True, **flags)
+    case.check_close(x)
+    if context > 1:  # (one token: only the new one, from registers, not through tl.dot)
+        loop = Scratch(DIMS, splits, device)
+        kh, vh = caches[: case.layers], caches[case.layers :]
+        case.run(case.x0.clone(), kh, vh, loop, dot_attn=False, **flags)
+        assert not torch.equal(case.scratch.part, loop.part)
+    for bad in (dict(row_sm=True), dict(block_t=8)):
+        with pytest.raises(ValueError, match="dot_attn needs row_sm off"):
+            case.run(case.x0.clone(), **{**flags, "dot_attn": True, **bad})
+
+
 def test_refuses_odd_splits(device):
     wt, kc, vc, bt, cos, sin, x0 = setup(1, DIMS, 8, 16, device)
     with pytest.raises(ValueError, match="splits = 3"):

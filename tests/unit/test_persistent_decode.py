@@ -71,8 +71,9 @@ def interpreter():
         {"pre_kv": True, "row_sm": True, "late_r": True, "block_t": 16},
         {"row_sm_after": 23},
         {"row_sm": False},
+        {"dot_attn": True, "row_sm_after": 23},
     ],
-    ids=["default", "layout", "rows", "rows-by-context", "heads"],
+    ids=["default", "layout", "rows", "rows-by-context", "heads", "dot-by-context"],
 )  # fmt: skip
 def test_decode_steps_match_the_layer_loop(interpreter, monkeypatch, options):
     """``options``: :func:`persistent_decode.build`'s layout options, passed on to every launch
@@ -80,8 +81,10 @@ def test_decode_steps_match_the_layer_loop(interpreter, monkeypatch, options):
     wider one for the o and down projections: the same arithmetic, bit-equal; the attention's
     softmax per row and the norm scales applied late -- the default --, 16-token tiles:
     float32 sums in another order, close); the softmax per row for every step, for none, or by
-    context (the steps at contexts over ``row_sm_after``: here 24 and 25 of 22-25). ``build``
-    compiles (launches once) each layout it will run: both by context, one when forced."""
+    context (the steps at contexts over ``row_sm_after``: here 24 and 25 of 22-25), the
+    per-head loop on tensor cores (``dot_attn``: its steps only, not the per-row ones).
+    ``build`` compiles (launches once) each layout it will run: both by context, one when
+    forced."""
     exact = options.get("late_r") is False and not options.get("row_sm")
     cfg = _bf16_config()
     loop, fast = _model(cfg), _model(cfg)
@@ -89,17 +92,21 @@ def test_decode_steps_match_the_layer_loop(interpreter, monkeypatch, options):
     caches_loop = _caches(cfg)
     caches_fast = [(k.clone(), v.clone()) for k, v in caches_loop]
     launched = []  # each launch's row_sm (build's, then the steps': the layout their context chose)
+    dots = []  # and its dot_attn
     real = persistent_decode.persistent_layers
 
     def recorded(*args, **kw):
         launched.append(kw["row_sm"])
+        dots.append(kw["dot_attn"])
         return real(*args, **kw)
 
     monkeypatch.setattr(persistent_decode, "persistent_layers", recorded)
     assert fast.enable_persistent_decode(caches_fast, BLOCK, **options) is None
     row_sm = options.get("row_sm")
     assert launched == ([False, True] if row_sm is None else [row_sm])
+    assert dots == [bool(options.get("dot_attn")) and not r for r in launched]
     launched.clear()
+    dots.clear()
     state = fast.persistent_decode
     assert state is not None
     given = {k: v for k, v in options.items() if k in persistent_decode.LAYOUT_FLAGS}
@@ -152,6 +159,7 @@ def test_decode_steps_match_the_layer_loop(interpreter, monkeypatch, options):
         if "row_sm_after" in options:
             want_rows = [False, False, True, True]  # contexts 22, 23 | 24, 25 (over 23)
         assert launched == want_rows
+        assert dots == [bool(options.get("dot_attn")) and not r for r in want_rows]
         # two sequences decoding: the layer loop (the persistent path not called)
         ids, pos, meta = _step(gen, [1, 1], [25, 3])
         fast_out = fast(ids, pos, caches_fast, meta)
@@ -180,6 +188,8 @@ def test_layout_options_from_the_environment_and_a_bad_block_k(interpreter):
     assert kernel_switches.persistent_options({}) == {}  # unset: build's defaults
     flags = {"QWEN_SERVE_PERSISTENT_PRE_W": "0", "QWEN_SERVE_PERSISTENT_ROW_SM": "on"}
     assert kernel_switches.persistent_options(flags) == {"pre_w": False, "row_sm": True}
+    dot = {"QWEN_SERVE_PERSISTENT_DOT_ATTN": "1"}
+    assert kernel_switches.persistent_options(dot) == {"dot_attn": True}
     with pytest.raises(ValueError, match="QWEN_SERVE_PERSISTENT_LATE_R"):
         kernel_switches.persistent_options({"QWEN_SERVE_PERSISTENT_LATE_R": "maybe"})
     env = {
@@ -216,6 +226,9 @@ def test_layout_options_from_the_environment_and_a_bad_block_k(interpreter):
     pd.max_context = 2048
     assert pd.context_bounds == (persistent_decode.ROW_SM_AFTER, 2048)
     assert [pd.launch_flags(n)["row_sm"] for n in (1, 512, 513, 2048)] == [0, 0, 1, 1]
+    pd.flags["dot_attn"] = True  # (the per-head loop's option: not with the per-row softmax)
+    assert [pd.launch_flags(n)["dot_attn"] for n in (1, 512, 513, 2048)] == [1, 1, 0, 0]
+    pd.flags["dot_attn"] = False
     assert pd.row_sm_contexts() == f"over {persistent_decode.ROW_SM_AFTER} tokens"
     pd.row_sm_after = 0
     assert pd.context_bounds == (2048,) and pd.row_sm_contexts() == "always"
