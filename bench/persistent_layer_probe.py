@@ -280,7 +280,11 @@ def main() -> int:
         scratch = Scratch(dims, splits, dev)
         lay = args.layouts[0]
         base = None
-        print(f"\nphase costs, layout {lay}, {args.warps[0]} warps, {splits} splits (us per layer)")
+        bkh = args.block_k_h[0] or None  # (the first o/down K chunk, as the layouts' first row)
+        print(
+            f"\nphase costs, layout {''.join(str(int(f)) for f in lay)}, {args.warps[0]} warps, "
+            f"{splits} splits, o/down K chunk {bkh or args.block_k} (us per layer)"
+        )
         print("| phase left out | us per launch | its work, us per layer |")
         print("|---|---|---|")
         fuse_b, merge_e, _pre, merge_c = lay[:4]
@@ -297,6 +301,7 @@ def main() -> int:
                     x, wt, kc, vc, bt, seq_t, cos, sin, eps, scratch, programs, args.block_k,
                     args.block_t, args.warps[0], *lay[:4], skip=bit, table=table, slot=slot_t,
                     pre_w=lay[4], late_r=lay[5], early_res=lay[6], row_sm=lay[7],
+                    dot_attn=lay[8], block_k_h=bkh,
                 )  # fmt: skip
 
             timed = time_or_report(f"skip {name}", run, args.reps)

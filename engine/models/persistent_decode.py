@@ -53,7 +53,7 @@ ROW_SM_AFTER = 512
 #: use too): ``PRE_KV``, ``PRE_W`` (the first K/V tile, each GEMV's first weight chunk loaded
 #: during the barrier waits), ``LATE_R`` (the RMSNorm scales applied after the dot products),
 #: ``EARLY_RES`` (residual rows loaded before the K loops), ``ROW_SM`` (the attention's online
-#: softmax per row of head-repeated tiles), ``DOT_ATTN`` (the per-head loop of the steps without
+#: softmax per row of head-repeated tiles), ``DOT`` (the per-head loop of the steps without
 #: ``ROW_SM`` on tensor cores); :func:`kernels.persistent_decode.persistent_layers`
 LAYOUT_FLAGS = PERSISTENT_FLAGS
 
@@ -128,6 +128,16 @@ class PersistentDecode:
             return "never"
         return f"over {self.row_sm_after} tokens" if self.row_sm_after else "always"
 
+    def dot_attn_contexts(self) -> str:
+        """Which contexts launch with ``dot_attn`` (the per-head loop's option, so only those
+        without ``row_sm``), in words (the start-up log): "never", "always" or "up to N
+        tokens"."""
+        if not self.flags.get("dot_attn") or self.row_sm_after == 0:
+            return "never"
+        return "always" if self.row_sm_after >= self.max_context else (
+            f"up to {self.row_sm_after} tokens"
+        )  # fmt: skip
+
     def launch_flags(self, max_seq_len: int) -> dict:
         """The layout options of a step whose contexts are at most ``max_seq_len`` tokens:
         :attr:`flags` with ``row_sm`` above :attr:`row_sm_after` (``dot_attn``, a per-head
@@ -159,9 +169,11 @@ class PersistentDecode:
         every layer's cache at ``meta.slot_mapping[0]`` (none when negative): embedding,
         :func:`kernels.persistent_decode.persistent_layers`, final RMSNorm. The kernel's output
         is the residual stream after the last layer's add, as the layer loop's; its roundings
-        are eager torch's at the same points unless ``late_r`` (float32 through the norms) or
-        ``row_sm`` (float32 sums in another order) is on -- both are by default, so outputs are
-        close to the layer loop's, not bit-equal -- and its sums run in another order on a GPU.
+        are eager torch's at the same points unless ``late_r`` (float32 through the norms),
+        ``row_sm`` (float32 sums in another order) or ``dot_attn`` (the attention's products on
+        tensor cores, its probabilities rounded to bf16) is on -- ``late_r`` always and
+        ``row_sm`` for long contexts are by default, so outputs are close to the layer loop's,
+        not bit-equal -- and its sums run in another order on a GPU.
 
         Raises:
             RuntimeError: the model's weights moved since the table was made."""

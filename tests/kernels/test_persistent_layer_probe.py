@@ -165,8 +165,16 @@ def test_attention_on_tensor_cores(device, context, splits, pre_kv, merge_c, lat
     to the torch layers -- splits of several tiles (150 over 2), the new token alone in its
     split (17 over 2) or in the context (1), splits left empty (5 over 8), with and without the
     first tile preloaded and the merge in C; its float32 partials differ from the CUDA-core
-    loop's (so the option reached the kernel); refused with ``row_sm`` or 8-token tiles."""
+    loop's (so the option reached the kernel), and nothing is stored past the heads' rows (the
+    padding); refused with ``row_sm`` or 8-token tiles."""
     case = _Case(device, context, splits, seed=context + 13)
+    # the partials' buffers end in 16 NaN guard rows: a padded query row stored past the last
+    # group's heads would overwrite them
+    hq = DIMS[1]
+    sc = case.scratch
+    part = torch.full((hq + 16, *sc.part.shape[1:]), float("nan"), device=device)
+    ml = torch.full((hq + 16, *sc.ml.shape[1:]), float("nan"), device=device)
+    sc.part, sc.ml = part[:hq], ml[:hq]
     x = case.x0.clone()
     caches = [t.clone() for t in case.kc + case.vc]
     flags = dict(
@@ -175,6 +183,7 @@ def test_attention_on_tensor_cores(device, context, splits, pre_kv, merge_c, lat
     )  # fmt: skip
     case.run(x, dot_attn=True, **flags)
     case.check_close(x)
+    assert part[hq:].isnan().all() and ml[hq:].isnan().all()
     if context > 1:  # (one token: only the new one, from registers, not through tl.dot)
         loop = Scratch(DIMS, splits, device)
         kh, vh = caches[: case.layers], caches[case.layers :]

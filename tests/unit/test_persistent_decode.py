@@ -85,7 +85,9 @@ def test_decode_steps_match_the_layer_loop(interpreter, monkeypatch, options):
     per-head loop on tensor cores (``dot_attn``: its steps only, not the per-row ones).
     ``build`` compiles (launches once) each layout it will run: both by context, one when
     forced."""
-    exact = options.get("late_r") is False and not options.get("row_sm")
+    exact = options.get("late_r") is False and not (
+        options.get("row_sm") or options.get("dot_attn")
+    )
     cfg = _bf16_config()
     loop, fast = _model(cfg), _model(cfg)
     fast.load_state_dict(loop.state_dict())
@@ -226,18 +228,24 @@ def test_layout_options_from_the_environment_and_a_bad_block_k(interpreter):
     pd.max_context = 2048
     assert pd.context_bounds == (persistent_decode.ROW_SM_AFTER, 2048)
     assert [pd.launch_flags(n)["row_sm"] for n in (1, 512, 513, 2048)] == [0, 0, 1, 1]
+    assert pd.dot_attn_contexts() == "never"
     pd.flags["dot_attn"] = True  # (the per-head loop's option: not with the per-row softmax)
     assert [pd.launch_flags(n)["dot_attn"] for n in (1, 512, 513, 2048)] == [1, 1, 0, 0]
+    assert pd.dot_attn_contexts() == f"up to {persistent_decode.ROW_SM_AFTER} tokens"
     pd.flags["dot_attn"] = False
     assert pd.row_sm_contexts() == f"over {persistent_decode.ROW_SM_AFTER} tokens"
     pd.row_sm_after = 0
     assert pd.context_bounds == (2048,) and pd.row_sm_contexts() == "always"
+    pd.flags["dot_attn"] = True
+    assert pd.dot_attn_contexts() == "never" and not pd.launch_flags(1)["dot_attn"]
     # forced off: no step runs the per-row layout, whatever the bound becomes
     assert m.enable_persistent_decode(_caches(cfg), BLOCK, max_context=77, row_sm=False) is None
     pd = m.persistent_decode
     pd.max_context = 4096
     assert pd.context_bounds == (4096,) and not pd.launch_flags(4096)["row_sm"]
     assert pd.row_sm_contexts() == "never"
+    pd.flags["dot_attn"] = True
+    assert pd.dot_attn_contexts() == "always" and pd.launch_flags(4096)["dot_attn"]
 
 
 def test_needs_a_gpu_or_the_interpreter(monkeypatch):
