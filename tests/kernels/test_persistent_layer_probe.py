@@ -61,12 +61,12 @@ class _Case:
             self.scratch if scratch is None else scratch, self.programs, **kw,
         )  # fmt: skip
 
-    def check_close(self, x):
-        """``x`` within 1e-2 of the reference (relative norm), the caches' stored k/v (and
+    def check_close(self, x, tol=1e-2):
+        """``x`` within ``tol`` of the reference (relative norm), the caches' stored k/v (and
         nothing else) as the reference stored them, the barrier and merge counters back at
         zero."""
         rel = ((x.float() - self.ref.float()).norm() / self.ref.float().norm()).item()
-        assert rel < 1e-2, rel
+        assert rel < tol, rel
         kerr = max((a.float() - b.float()).abs().max().item() for a, b in zip(self.kc, self.kr))
         verr = max((a.float() - b.float()).abs().max().item() for a, b in zip(self.vc, self.vr))
         assert kerr < 0.1 and verr < 0.1, (kerr, verr)
@@ -182,7 +182,7 @@ def test_attention_on_tensor_cores(device, context, splits, pre_kv, merge_c, lat
         late_r=bool(late_r), block_k=32, block_t=16,
     )  # fmt: skip
     case.run(x, dot_attn=True, **flags)
-    case.check_close(x)
+    case.check_close(x, tol=2e-2)  # (p rounded to bf16: 2-10e-3 here, a bug 6e-2 or more)
     assert part[hq:].isnan().all() and ml[hq:].isnan().all()
     if context > 1:  # (one token: only the new one, from registers, not through tl.dot)
         loop = Scratch(DIMS, splits, device)
