@@ -33,7 +33,9 @@ one tree (``bench/latency_ab.sh``) and as an escape hatch should a kernel misbeh
   softmax per row of head-repeated tiles for every context, or for none; by default for
   contexts over ``QWEN_SERVE_PERSISTENT_ROW_SM_AFTER`` tokens, 512),
   ``QWEN_SERVE_PERSISTENT_DOT_ATTN=1`` (off by default, not yet timed on a GPU: the per-head
-  attention loop, the contexts without the per-row softmax, on tensor cores), and the counts
+  attention loop, the contexts without the per-row softmax, on tensor cores),
+  ``QWEN_SERVE_PERSISTENT_MERGE_C=1`` (off by default: the attention splits merged by the
+  last split of each KV head instead of in a phase of their own), and the counts
   ``QWEN_SERVE_PERSISTENT_MAX_CONTEXT`` (the longest context it takes),
   ``QWEN_SERVE_PERSISTENT_BLOCK_K`` (its K chunk), ``QWEN_SERVE_PERSISTENT_BLOCK_T`` (tokens
   per attention tile) and ``QWEN_SERVE_PERSISTENT_BLOCK_K_H`` (the o and down projections' K
@@ -68,14 +70,14 @@ PERSISTENT_DECODE_ASKED = PERSISTENT_DECODE and "QWEN_SERVE_PERSISTENT_DECODE" i
 
 
 #: the persistent decode path's layout switches (``QWEN_SERVE_PERSISTENT_<NAME>``)
-PERSISTENT_FLAGS = ("pre_kv", "pre_w", "late_r", "early_res", "row_sm", "dot_attn")
+PERSISTENT_FLAGS = ("pre_kv", "pre_w", "late_r", "early_res", "row_sm", "dot_attn", "merge_c")
 
 
 def persistent_options(environ=None) -> dict:
     """The persistent decode path's keyword options for
     :func:`engine.models.persistent_decode.build` that ``environ`` (``os.environ`` when None)
     sets: the layout flags ``pre_kv``, ``pre_w``, ``late_r``, ``early_res``, ``row_sm``,
-    ``dot_attn`` (``QWEN_SERVE_PERSISTENT_PRE_KV``, ...; 1/0) and the counts
+    ``dot_attn``, ``merge_c`` (``QWEN_SERVE_PERSISTENT_PRE_KV``, ...; 1/0) and the counts
     ``max_context``, ``block_k``, ``block_t``, ``block_k_h``, ``row_sm_after``
     (``QWEN_SERVE_PERSISTENT_MAX_CONTEXT``, ...). Unset ones are left out: ``build``'s
     defaults apply.

@@ -54,7 +54,8 @@ ROW_SM_AFTER = 512
 #: during the barrier waits), ``LATE_R`` (the RMSNorm scales applied after the dot products),
 #: ``EARLY_RES`` (residual rows loaded before the K loops), ``ROW_SM`` (the attention's online
 #: softmax per row of head-repeated tiles), ``DOT`` (the per-head loop of the steps without
-#: ``ROW_SM`` on tensor cores); :func:`kernels.persistent_decode.persistent_layers`
+#: ``ROW_SM`` on tensor cores), ``MERGE_C`` (the splits merged by the last split of each KV head,
+#: no merge phase and its barrier); :func:`kernels.persistent_decode.persistent_layers`
 LAYOUT_FLAGS = PERSISTENT_FLAGS
 
 #: ``row_sm_after`` for a ``row_sm`` forced off: above any context

@@ -66,7 +66,7 @@ def interpreter():
         {},
         {
             "pre_kv": True, "pre_w": True, "early_res": True, "late_r": False, "block_k": 16,
-            "block_k_h": 64,
+            "block_k_h": 64, "merge_c": True,
         },
         {"pre_kv": True, "row_sm": True, "late_r": True, "block_t": 16},
         {"row_sm_after": 23},
@@ -78,7 +78,8 @@ def interpreter():
 def test_decode_steps_match_the_layer_loop(interpreter, monkeypatch, options):
     """``options``: :func:`persistent_decode.build`'s layout options, passed on to every launch
     (the first K/V tile, weight chunks and residual rows loaded early, a narrower K chunk, a
-    wider one for the o and down projections: the same arithmetic, bit-equal; the attention's
+    wider one for the o and down projections, the splits merged by the last one: the same
+    arithmetic, bit-equal; the attention's
     softmax per row and the norm scales applied late -- the default --, 16-token tiles:
     float32 sums in another order, close); the softmax per row for every step, for none, or by
     context (the steps at contexts over ``row_sm_after``: here 24 and 25 of 22-25), the
@@ -95,11 +96,13 @@ def test_decode_steps_match_the_layer_loop(interpreter, monkeypatch, options):
     caches_fast = [(k.clone(), v.clone()) for k, v in caches_loop]
     launched = []  # each launch's row_sm (build's, then the steps': the layout their context chose)
     dots = []  # and its dot_attn
+    merges = set()  # and its merge_c
     real = persistent_decode.persistent_layers
 
     def recorded(*args, **kw):
         launched.append(kw["row_sm"])
         dots.append(kw["dot_attn"])
+        merges.add(kw.get("merge_c", False))
         return real(*args, **kw)
 
     monkeypatch.setattr(persistent_decode, "persistent_layers", recorded)
@@ -162,6 +165,7 @@ def test_decode_steps_match_the_layer_loop(interpreter, monkeypatch, options):
             want_rows = [False, False, True, True]  # contexts 22, 23 | 24, 25 (over 23)
         assert launched == want_rows
         assert dots == [bool(options.get("dot_attn")) and not r for r in want_rows]
+        assert merges == {bool(options.get("merge_c"))}
         # two sequences decoding: the layer loop (the persistent path not called)
         ids, pos, meta = _step(gen, [1, 1], [25, 3])
         fast_out = fast(ids, pos, caches_fast, meta)
@@ -190,8 +194,8 @@ def test_layout_options_from_the_environment_and_a_bad_block_k(interpreter):
     assert kernel_switches.persistent_options({}) == {}  # unset: build's defaults
     flags = {"QWEN_SERVE_PERSISTENT_PRE_W": "0", "QWEN_SERVE_PERSISTENT_ROW_SM": "on"}
     assert kernel_switches.persistent_options(flags) == {"pre_w": False, "row_sm": True}
-    dot = {"QWEN_SERVE_PERSISTENT_DOT_ATTN": "1"}
-    assert kernel_switches.persistent_options(dot) == {"dot_attn": True}
+    dot = {"QWEN_SERVE_PERSISTENT_DOT_ATTN": "1", "QWEN_SERVE_PERSISTENT_MERGE_C": "1"}
+    assert kernel_switches.persistent_options(dot) == {"dot_attn": True, "merge_c": True}
     with pytest.raises(ValueError, match="QWEN_SERVE_PERSISTENT_LATE_R"):
         kernel_switches.persistent_options({"QWEN_SERVE_PERSISTENT_LATE_R": "maybe"})
     env = {
