@@ -194,6 +194,22 @@ def test_attention_on_tensor_cores(device, context, splits, pre_kv, merge_c, lat
             case.run(case.x0.clone(), **{**flags, "dot_attn": True, **bad})
 
 
+def test_merge_in_c_leaves_no_work_to_phase_d(device):
+    """With ``merge_c`` the splits are merged in C, so leaving phase D's work out (``skip`` 8)
+    changes nothing: the torch layers' result, bit-equal under the interpreter (without
+    ``merge_c`` the same skip leaves the attention output unmerged)."""
+    case = _Case(device, 150, 2, seed=21)
+    flags = dict(block_k=32, block_t=16, fuse_b=True, pre_kv=True, skip=8)
+    x = case.x0.clone()
+    case.run(x, merge_c=True, **flags)
+    if not case.compiled:
+        assert torch.equal(x, case.ref)
+    case.check_close(x)
+    unmerged = case.x0.clone()
+    case.run(unmerged, merge_c=False, **flags)
+    assert not torch.allclose(unmerged.float(), case.ref.float(), rtol=1e-2, atol=1e-2)
+
+
 def test_refuses_odd_splits(device):
     wt, kc, vc, bt, cos, sin, x0 = setup(1, DIMS, 8, 16, device)
     with pytest.raises(ValueError, match="splits = 3"):

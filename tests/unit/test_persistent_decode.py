@@ -79,9 +79,9 @@ def test_decode_steps_match_the_layer_loop(interpreter, monkeypatch, options):
     """``options``: :func:`persistent_decode.build`'s layout options, passed on to every launch
     (the first K/V tile, weight chunks and residual rows loaded early, a narrower K chunk, a
     wider one for the o and down projections, the splits merged by the last one: the same
-    arithmetic, bit-equal; the attention's
-    softmax per row and the norm scales applied late -- the default --, 16-token tiles:
-    float32 sums in another order, close); the softmax per row for every step, for none, or by
+    arithmetic, bit-equal; the attention's softmax per row and the norm scales applied late --
+    the default --, 16-token tiles: float32 sums in another order, close); the softmax per row
+    for every step, for none, or by
     context (the steps at contexts over ``row_sm_after``: here 24 and 25 of 22-25), the
     per-head loop on tensor cores (``dot_attn``: its steps only, not the per-row ones).
     ``build`` compiles (launches once) each layout it will run: both by context, one when
@@ -368,11 +368,17 @@ def test_scattered_blocks_and_a_padding_slot(interpreter, slot_override):
         assert (torch.equal(kf, kb) and torch.equal(vf, vb)) is (slot_override == -1)
 
 
+@pytest.mark.parametrize(
+    "options", [{}, {"dot_attn": True, "merge_c": True}, {"row_sm": True}],
+    ids=["default", "dot-merge-c", "rows"],
+)  # fmt: skip
 @pytest.mark.parametrize("context", [21, 300])
-def test_decode_steps_close_to_the_layer_loop_on_gpu(context):
+def test_decode_steps_close_to_the_layer_loop_on_gpu(context, options):
     """On a GPU of compute capability 9.0+ (compiled kernels, the SM count's programs, the
-    splits merged across programs): hidden states and caches close to the layer loop's (the
-    sums run in another order than cuBLAS's and the fused GEMVs'), with the blocks scattered."""
+    splits merged across programs, by phase D or by their last split's atomics with
+    ``merge_c``; the attention on tensor cores with ``dot_attn``, per row with ``row_sm``):
+    hidden states and caches close to the layer loop's (the sums run in another order than
+    cuBLAS's and the fused GEMVs'), with the blocks scattered."""
     if not torch.cuda.is_available() or interpreting():
         pytest.skip("needs a CUDA device and compiled kernels (TRITON_INTERPRET=0)")
     if torch.cuda.get_device_capability()[0] < 9:
@@ -383,7 +389,7 @@ def test_decode_steps_close_to_the_layer_loop_on_gpu(context):
     loop, fast = loop.cuda(), fast.cuda()
     caches_loop = [(k.cuda(), v.cuda()) for k, v in _caches(cfg)]
     caches_fast = [(k.clone(), v.clone()) for k, v in caches_loop]
-    assert fast.enable_persistent_decode(caches_fast, BLOCK) is None
+    assert fast.enable_persistent_decode(caches_fast, BLOCK, **options) is None
     table = torch.randperm(NUM_BLOCKS)[: -(-(context + 4) // BLOCK)].tolist()
     with torch.inference_mode():
         for n in range(context, context + 4):
