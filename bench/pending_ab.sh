@@ -136,7 +136,7 @@ for stage in ${@:-tests dense}; do
                | grep -v Warning | grep -E '^\||"tpot_ms"' | cut -c1-400 | head -20
            done ;;
     fusedcheck) QWEN_SERVE_DECODE_FUSED_REDUCE=1 QWEN_SERVE_DECODE_FUSED_QK_ROPE=1 timeout "$(left 110)" \
-             python3 bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning | tail -4 ;;
+             python3 bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning | tail -6 ;;
     check) timeout "$(left 110)" python3 bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning \
              | tee "$OUT/check.txt" | tail -8 ;;
     fp8)   timeout "$(left 200)" python3 bench/fp8_sweep.py --out "$OUT" --write-table --budget-s 140 \
@@ -310,7 +310,7 @@ for stage in ${@:-tests dense}; do
                | grep -E '"tpot_ms"' | cut -c1-260
            done
            env QWEN_SERVE_PERSISTENT_DECODE=1 ${PERSIST_CHECK:-} timeout "$(left 110)" python3 \
-             bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning | tail -4
+             bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning | tail -6
            IFS=";" read -ra PROBES <<< "${PERSIST_PROBE---layouts 1000 1010 10001 10101}"  # ("": no probe)
            for args in "${PROBES[@]}"; do
              timeout "$(left 100)" python3 bench/persistent_layer_probe.py --warps 8 $args 2>&1 \
