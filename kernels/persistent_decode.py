@@ -821,6 +821,13 @@ class Scratch:
         self.splits = splits
 
 
+def dot_attn_fits(hq: int, hkv: int, d: int, block_t: int) -> bool:
+    """Whether ``DOT`` (the per-head attention loop on tensor cores) takes this shape: a GQA
+    group (``hq // hkv`` query heads per KV head) of at most :data:`DOT_ROWS`, and a head dim
+    ``d`` and attention tile ``block_t`` (tokens) of 16 or more (``tl.dot``'s smallest tile)."""
+    return hq // hkv <= DOT_ROWS.value and min(block_t, d) >= 16
+
+
 def persistent_layers(
     x, table, dims, block_size, block_table, slot, seq_len, cos, sin, eps, scratch: Scratch,
     programs=1, block_k=64, block_t=32, num_warps=4, fuse_b=False, merge_e=False, pre_kv=False,
@@ -874,7 +881,7 @@ def persistent_layers(
             raise ValueError(f"{name} = {v} must be a power of two")
     if pre_kv and not fuse_b:
         raise ValueError("pre_kv needs fuse_b")
-    if dot_attn and (row_sm or hq // hkv > DOT_ROWS.value or min(block_t, d) < 16):
+    if dot_attn and (row_sm or not dot_attn_fits(hq, hkv, d, block_t)):
         raise ValueError(
             "dot_attn needs row_sm off, a GQA group of at most 16 heads and block_t and the head "
             "dim of 16 or more (tl.dot's smallest tile)"

@@ -32,7 +32,7 @@ one tree (``bench/latency_ab.sh``) and as an escape hatch should a kernel misbeh
   before the K loops), ``QWEN_SERVE_PERSISTENT_ROW_SM=1``/``0`` (the attention's online
   softmax per row of head-repeated tiles for every context, or for none; by default for
   contexts over ``QWEN_SERVE_PERSISTENT_ROW_SM_AFTER`` tokens, 512),
-  ``QWEN_SERVE_PERSISTENT_DOT_ATTN=1`` (off by default, not yet timed on a GPU: the per-head
+  ``QWEN_SERVE_PERSISTENT_DOT_ATTN=0`` (on by default where the shape takes it: the per-head
   attention loop, the contexts without the per-row softmax, on tensor cores),
   ``QWEN_SERVE_PERSISTENT_MERGE_C=1`` (off by default: the attention splits merged by the
   last split of each KV head instead of in a phase of their own), and the counts

@@ -32,7 +32,7 @@ import triton
 from engine.attention.metadata import AttentionMetadata
 from engine.layers.kernel_switches import PERSISTENT_FLAGS
 from kernels.interpreter import interpreting
-from kernels.persistent_decode import Scratch, layer_table, persistent_layers
+from kernels.persistent_decode import Scratch, dot_attn_fits, layer_table, persistent_layers
 
 #: the longest context (tokens, the new one counted) a step may have to take the persistent path;
 #: longer ones run the layer loop (the decode graphs capture batch-1 twins bounded at it and at
@@ -65,8 +65,10 @@ NEVER = sys.maxsize
 #: :data:`ROW_SM_AFTER`), each measured faster in the engine on an H100 at ~128 tokens:
 #: ``PRE_KV`` and ``PRE_W`` 1.047 against 1.054-1.059 ms (docs/benchmarks.md, 2026-12-06,
 #: fourteenth session), ``LATE_R`` 0.942 against 0.969 (fifteenth session, with the wide o/down
-#: K chunk, :data:`BLOCK_K_H`)
-DEFAULT_FLAGS = {"pre_kv": True, "pre_w": True, "late_r": True}
+#: K chunk, :data:`BLOCK_K_H`), ``DOT`` 0.933 against 0.957-0.961 (seventeenth session, two
+#: calls; it applies to the contexts without ``row_sm`` and is dropped for a shape it cannot
+#: take, :func:`kernels.persistent_decode.dot_attn_fits`)
+DEFAULT_FLAGS = {"pre_kv": True, "pre_w": True, "late_r": True, "dot_attn": True}
 
 #: the widest K chunk of the o and down projections (the kernel's ``BK_H``) :func:`build` picks
 #: when none is given (the widest power of two up to it dividing both widths): on an H100, 0.969
@@ -280,6 +282,8 @@ def build(
         row_sm_after = 0 if flags.pop("row_sm") else NEVER
     if row_sm_after < 0:
         raise ValueError(f"persistent decode row_sm_after {row_sm_after} must be >= 0")
+    defaults = dict(DEFAULT_FLAGS)  # (DOT by default only where the shape takes it)
+    defaults["dot_attn"] = defaults["dot_attn"] and dot_attn_fits(*dims[1:4], block_t)
     tensors = _layer_tensors(model, kv_caches)
     per = len(tensors) // len(model.model.layers)
     table = layer_table([tensors[i : i + per] for i in range(0, len(tensors), per)])
@@ -301,7 +305,7 @@ def build(
         num_warps=8 if device.type == "cuda" else 4,
         max_context=max_context,
         first_weight=tensors[0].data_ptr(),
-        flags={k: bool(v) for k, v in {**DEFAULT_FLAGS, **flags}.items()},
+        flags={k: bool(v) for k, v in {**defaults, **flags}.items()},
         row_sm_after=row_sm_after,
     )
     # one launch per layout now, storing nothing (slot -1): compiles the kernel and checks that

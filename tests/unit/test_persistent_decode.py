@@ -66,7 +66,7 @@ def interpreter():
         {},
         {
             "pre_kv": True, "pre_w": True, "early_res": True, "late_r": False, "block_k": 16,
-            "block_k_h": 64, "merge_c": True,
+            "block_k_h": 64, "merge_c": True, "dot_attn": False,
         },
         {"pre_kv": True, "row_sm": True, "late_r": True, "block_t": 16},
         {"row_sm_after": 23},
@@ -86,9 +86,9 @@ def test_decode_steps_match_the_layer_loop(interpreter, monkeypatch, options):
     per-head loop on tensor cores (``dot_attn``: its steps only, not the per-row ones).
     ``build`` compiles (launches once) each layout it will run: both by context, one when
     forced."""
-    exact = options.get("late_r") is False and not (
-        options.get("row_sm") or options.get("dot_attn")
-    )
+    # DOT by default (the test shape takes it: a GQA group of 2, 16-dim heads)
+    dot_on = options.get("dot_attn", persistent_decode.DEFAULT_FLAGS["dot_attn"])
+    exact = options.get("late_r") is False and not (options.get("row_sm") or dot_on)
     cfg = _bf16_config()
     loop, fast = _model(cfg), _model(cfg)
     fast.load_state_dict(loop.state_dict())
@@ -109,7 +109,7 @@ def test_decode_steps_match_the_layer_loop(interpreter, monkeypatch, options):
     assert fast.enable_persistent_decode(caches_fast, BLOCK, **options) is None
     row_sm = options.get("row_sm")
     assert launched == ([False, True] if row_sm is None else [row_sm])
-    assert dots == [bool(options.get("dot_attn")) and not r for r in launched]
+    assert dots == [dot_on and not r for r in launched]
     launched.clear()
     dots.clear()
     state = fast.persistent_decode
@@ -164,7 +164,7 @@ def test_decode_steps_match_the_layer_loop(interpreter, monkeypatch, options):
         if "row_sm_after" in options:
             want_rows = [False, False, True, True]  # contexts 22, 23 | 24, 25 (over 23)
         assert launched == want_rows
-        assert dots == [bool(options.get("dot_attn")) and not r for r in want_rows]
+        assert dots == [dot_on and not r for r in want_rows]
         assert merges == {bool(options.get("merge_c"))}
         # two sequences decoding: the layer loop (the persistent path not called)
         ids, pos, meta = _step(gen, [1, 1], [25, 3])
@@ -232,11 +232,12 @@ def test_layout_options_from_the_environment_and_a_bad_block_k(interpreter):
     pd.max_context = 2048
     assert pd.context_bounds == (persistent_decode.ROW_SM_AFTER, 2048)
     assert [pd.launch_flags(n)["row_sm"] for n in (1, 512, 513, 2048)] == [0, 0, 1, 1]
-    assert pd.dot_attn_contexts() == "never"
-    pd.flags["dot_attn"] = True  # (the per-head loop's option: not with the per-row softmax)
+    # DOT by default: the per-head loop's option, so not with the per-row softmax
+    assert pd.flags["dot_attn"] is True
     assert [pd.launch_flags(n)["dot_attn"] for n in (1, 512, 513, 2048)] == [1, 1, 0, 0]
     assert pd.dot_attn_contexts() == f"up to {persistent_decode.ROW_SM_AFTER} tokens"
     pd.flags["dot_attn"] = False
+    assert pd.dot_attn_contexts() == "never" and not pd.launch_flags(1)["dot_attn"]
     assert pd.row_sm_contexts() == f"over {persistent_decode.ROW_SM_AFTER} tokens"
     pd.row_sm_after = 0
     assert pd.context_bounds == (2048,) and pd.row_sm_contexts() == "always"
@@ -250,6 +251,22 @@ def test_layout_options_from_the_environment_and_a_bad_block_k(interpreter):
     assert pd.row_sm_contexts() == "never"
     pd.flags["dot_attn"] = True
     assert pd.dot_attn_contexts() == "always" and pd.launch_flags(4096)["dot_attn"]
+
+
+def test_tensor_core_attention_only_where_the_shape_takes_it(interpreter):
+    """``DOT`` is on by default where ``tl.dot`` takes the shape (heads of 16 dims or more, a
+    GQA group of at most 16): a model with 8-dim heads gets the per-head loop on CUDA cores,
+    and asking for ``DOT`` there is refused with the reason."""
+    from kernels.persistent_decode import dot_attn_fits
+
+    assert dot_attn_fits(16, 8, 128, 32) and dot_attn_fits(32, 2, 16, 16)
+    assert not dot_attn_fits(34, 2, 128, 32)  # a group of 17
+    assert not dot_attn_fits(16, 8, 8, 32) and not dot_attn_fits(16, 8, 128, 8)
+    cfg = _bf16_config(head_dim=8)
+    m = _model(cfg)
+    assert m.enable_persistent_decode(_caches(cfg), BLOCK) is None
+    assert m.persistent_decode.flags["dot_attn"] is False
+    assert "dot_attn needs" in m.enable_persistent_decode(_caches(cfg), BLOCK, dot_attn=True)
 
 
 def test_needs_a_gpu_or_the_interpreter(monkeypatch):
@@ -348,14 +365,15 @@ def test_scattered_blocks_and_a_padding_slot(interpreter, slot_override):
     negative slot (a padding row: nothing stored, by either path; its output is not used, and
     the two paths differ there: the loop attends to whatever the cache holds at the new
     position, the kernel to the new key from registers). The norm scales applied where eager
-    torch applies them (``late_r`` off): the same bits."""
+    torch applies them (``late_r`` off) and the attention on CUDA cores (``dot_attn`` off): the
+    same bits."""
     cfg = _bf16_config()
     loop, fast = _model(cfg, seed=5), _model(cfg)
     fast.load_state_dict(loop.state_dict())
     caches_loop = _caches(cfg)  # random keys/values: every block holds "earlier tokens"
     caches_fast = [(k.clone(), v.clone()) for k, v in caches_loop]
     before = [(k.clone(), v.clone()) for k, v in caches_loop]
-    assert fast.enable_persistent_decode(caches_fast, BLOCK, late_r=False) is None
+    assert fast.enable_persistent_decode(caches_fast, BLOCK, late_r=False, dot_attn=False) is None
     table = [37, 5, 22, 11]
     pos, meta = _decode_meta(table, 3 * BLOCK + 6, slot_override)
     ids = torch.tensor([17])
