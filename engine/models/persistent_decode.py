@@ -174,9 +174,10 @@ class PersistentDecode:
         is the residual stream after the last layer's add, as the layer loop's; its roundings
         are eager torch's at the same points unless ``late_r`` (float32 through the norms),
         ``row_sm`` (float32 sums in another order) or ``dot_attn`` (the attention's products on
-        tensor cores, its probabilities rounded to bf16) is on -- ``late_r`` always and
-        ``row_sm`` for long contexts are by default, so outputs are close to the layer loop's,
-        not bit-equal -- and its sums run in another order on a GPU.
+        tensor cores, its probabilities rounded to bf16) is on -- ``late_r`` always,
+        ``dot_attn`` for short contexts and ``row_sm`` for long ones are by default, so outputs
+        are close to the layer loop's, not bit-equal -- and its sums run in another order on a
+        GPU.
 
         Raises:
             RuntimeError: the model's weights moved since the table was made."""
@@ -258,7 +259,8 @@ def build(
             of two from 16, ``block_k``
             does not divide the hidden, intermediate and attention widths, ``block_k_h`` is no
             power of two dividing the intermediate and attention widths, a compiled layout
-            spills more than ``max_spill_bytes``, or the kernel's programs cannot all be
+            spills more than ``max_spill_bytes`` (``dot_attn`` not given: also without
+            ``DOT``, which is then left off), or the kernel's programs cannot all be
             resident on this GPU (:func:`kernels.grid_barrier.launch_resident`).
     """
     reason = unsupported_reason(model, kv_caches)
@@ -313,19 +315,29 @@ def build(
     x = torch.zeros(dims[0], dtype=torch.bfloat16, device=device)
     rows = torch.zeros(2 * dims[3], dtype=torch.bfloat16, device=device)
     one = torch.ones(1, dtype=torch.int32, device=device)
-    for bound in state.context_bounds:
-        info: dict = {}
-        state.launch(
-            x, torch.zeros(1, dtype=torch.int32, device=device),
-            torch.full((1,), -1, dtype=torch.int64, device=device), one, rows[: dims[3]],
-            rows[dims[3] :], bound, check=True, info=info,
-        )  # fmt: skip
-        spills = info.get("spills", 0)
-        if max_spill_bytes is not None and spills > max_spill_bytes:
-            raise ValueError(
-                f"persistent decode kernel spills {spills} B per thread for this model (at "
-                f"most {max_spill_bytes} taken by default: only the measured shapes run it)"
-            )
+
+    def spills() -> int:  # the most any layout spills (bytes per thread)
+        most = 0
+        for bound in state.context_bounds:
+            info: dict = {}
+            state.launch(
+                x, torch.zeros(1, dtype=torch.int32, device=device),
+                torch.full((1,), -1, dtype=torch.int64, device=device), one, rows[: dims[3]],
+                rows[dims[3] :], bound, check=True, info=info,
+            )  # fmt: skip
+            most = max(most, info.get("spills", 0))
+        return most
+
+    most = spills()
+    if max_spill_bytes is not None and most > max_spill_bytes and "dot_attn" not in flags:
+        if state.flags["dot_attn"]:  # DOT by default only: without it before giving up
+            state.flags["dot_attn"] = False
+            most = spills()
+    if max_spill_bytes is not None and most > max_spill_bytes:
+        raise ValueError(
+            f"persistent decode kernel spills {most} B per thread for this model (at "
+            f"most {max_spill_bytes} taken by default: only the measured shapes run it)"
+        )
     return state
 
 

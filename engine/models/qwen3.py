@@ -486,9 +486,10 @@ class Qwen3ForCausalLM(nn.Module):
         (:mod:`engine.models.persistent_decode`) over these ``kv_caches`` (which must not be
         reallocated afterwards); call before CUDA graphs are captured. ``options``: the
         keyword options of :func:`engine.models.persistent_decode.build`. Returns None when
-        enabled, else why not (the layer loop stays)."""
+        enabled, else why not (the layer loop stays: a path enabled before is dropped)."""
         from engine.models import persistent_decode
 
+        self.persistent_decode = None
         reason = persistent_decode.unsupported_reason(self, kv_caches)
         if reason is None:
             try:

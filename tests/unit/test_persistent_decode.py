@@ -70,10 +70,11 @@ def interpreter():
         },
         {"pre_kv": True, "row_sm": True, "late_r": True, "block_t": 16},
         {"row_sm_after": 23},
+        {"row_sm": False, "dot_attn": False},
         {"row_sm": False},
-        {"dot_attn": True, "row_sm_after": 23},
+        {"dot_attn": False, "row_sm_after": 23},
     ],
-    ids=["default", "layout", "rows", "rows-by-context", "heads", "dot-by-context"],
+    ids=["default", "layout", "rows", "rows-by-context", "heads", "dot-heads", "cuda-by-context"],
 )  # fmt: skip
 def test_decode_steps_match_the_layer_loop(interpreter, monkeypatch, options):
     """``options``: :func:`persistent_decode.build`'s layout options, passed on to every launch
@@ -83,7 +84,8 @@ def test_decode_steps_match_the_layer_loop(interpreter, monkeypatch, options):
     the default --, 16-token tiles: float32 sums in another order, close); the softmax per row
     for every step, for none, or by
     context (the steps at contexts over ``row_sm_after``: here 24 and 25 of 22-25), the
-    per-head loop on tensor cores (``dot_attn``: its steps only, not the per-row ones).
+    per-head loop on tensor cores (``dot_attn``, the default: its steps only, not the per-row
+    ones) or on CUDA cores (``dot_attn`` off).
     ``build`` compiles (launches once) each layout it will run: both by context, one when
     forced."""
     # DOT by default (the test shape takes it: a GQA group of 2, 16-dim heads)
@@ -321,7 +323,8 @@ def test_default_is_cuda_only_and_spilling_kernels_are_refused(
     """The switch at its default (on, not set): an engine off CUDA (here the interpreter) keeps
     the layer loop; asked for, it takes the path. A kernel that spills more than the bound the
     default passes is refused (the larger models' shapes, never measured), with any bound off
-    when asked for."""
+    when asked for; where only the layout with ``DOT`` spills, the default drops ``DOT``, not
+    the path, and ``DOT`` asked for is refused."""
     eng = _tiny_engine(monkeypatch, tiny_qwen3_dir, True, asked=False)
     assert eng.executor.model.persistent_decode is None
     eng = _tiny_engine(monkeypatch, tiny_qwen3_dir, True, asked=True)
@@ -340,6 +343,19 @@ def test_default_is_cuda_only_and_spilling_kernels_are_refused(
     reason = m.enable_persistent_decode(_caches(cfg), BLOCK, max_spill_bytes=64)
     assert "spills 1400 B per thread" in reason and m.persistent_decode is None
     assert m.enable_persistent_decode(_caches(cfg), BLOCK, max_spill_bytes=None) is None
+
+    def spilling_dot(*args, info=None, **kw):  # only the layout with DOT spills
+        out = real(*args, info=info, **kw)
+        if info is not None:
+            info["spills"] = 1400 if kw["dot_attn"] else 0
+        return out
+
+    monkeypatch.setattr(persistent_decode, "persistent_layers", spilling_dot)
+    # DOT by default: dropped rather than the path; asked for: refused
+    assert m.enable_persistent_decode(_caches(cfg), BLOCK, max_spill_bytes=64) is None
+    assert m.persistent_decode.flags["dot_attn"] is False
+    reason = m.enable_persistent_decode(_caches(cfg), BLOCK, max_spill_bytes=64, dot_attn=True)
+    assert "spills 1400 B per thread" in reason and m.persistent_decode is None
 
 
 def _decode_meta(table: list[int], n_before: int, slot_override: int | None = None):
@@ -387,14 +403,15 @@ def test_scattered_blocks_and_a_padding_slot(interpreter, slot_override):
 
 
 @pytest.mark.parametrize(
-    "options", [{}, {"dot_attn": True, "merge_c": True}, {"row_sm": True}],
-    ids=["default", "dot-merge-c", "rows"],
+    "options", [{}, {"dot_attn": False}, {"merge_c": True}, {"row_sm": True}],
+    ids=["default", "cuda-cores", "merge-c", "rows"],
 )  # fmt: skip
 @pytest.mark.parametrize("context", [21, 300])
 def test_decode_steps_close_to_the_layer_loop_on_gpu(context, options):
     """On a GPU of compute capability 9.0+ (compiled kernels, the SM count's programs, the
     splits merged across programs, by phase D or by their last split's atomics with
-    ``merge_c``; the attention on tensor cores with ``dot_attn``, per row with ``row_sm``):
+    ``merge_c``; the attention's per-head loop on tensor cores by default, on CUDA cores with
+    ``dot_attn`` off, per row with ``row_sm``):
     hidden states and caches close to the layer loop's (the sums run in another order than
     cuBLAS's and the fused GEMVs'), with the blocks scattered."""
     if not torch.cuda.is_available() or interpreting():
