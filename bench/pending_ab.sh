@@ -304,10 +304,12 @@ for stage in ${@:-tests dense}; do
              # SWITCH "-": the variable unset (the default path, its spill bound applied)
              if [ "$on" = - ]; then sw=(-u QWEN_SERVE_PERSISTENT_DECODE); else
                sw=(QWEN_SERVE_PERSISTENT_DECODE=$on); fi
-             env "${sw[@]}" "$@" timeout "$(left 75)" python3 \
+             # (120 s: a cold machine's first persistent row compiles the kernel's layouts)
+             env "${sw[@]}" "$@" timeout "$(left 120)" python3 \
                bench/decode_profile.py --tree $tree --ckpt $CKPT --batch 1 --steps 64 \
                --prompt-tokens $p --top 2 --label "$tree prompt=$p persistent=$on $*" 2>&1 \
-               | grep -E '"tpot_ms"' | cut -c1-260
+               | grep -E '"tpot_ms"|Error' | cut -c1-260
+             rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || echo "-- row '$v' ended with status $rc (124: timeout)"
            done
            env QWEN_SERVE_PERSISTENT_DECODE=1 ${PERSIST_CHECK:-} timeout "$(left 110)" python3 \
              bench/engine_check.py --ckpt $CKPT 2>&1 | grep -v Warning | tail -6
