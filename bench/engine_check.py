@@ -168,9 +168,7 @@ def main() -> int:
     out_b1 = [graph_eng.generate([p], params)[0] for p in b1_prompts]
     consistent = reference_consistency(ref_eng, b1_prompts, out_b1, err)
     path = (
-        f"persistent decode up to {pd.max_context} tokens; softmax per row: "
-        f"{pd.row_sm_contexts()}; tensor-core attention: {pd.dot_attn_contexts()}; last split "
-        f"merges: {'yes' if pd.flags.get('merge_c') else 'no'}"
+        f"persistent decode up to {pd.max_context} tokens; {pd.layout_summary()}"
         if pd is not None
         else "layer loop (no persistent path)"
     )

@@ -141,6 +141,16 @@ class PersistentDecode:
             f"up to {self.row_sm_after} tokens"
         )  # fmt: skip
 
+    def layout_summary(self) -> str:
+        """The launches' layouts in words (the start-up log, ``bench/engine_check.py``): which
+        contexts take the per-row softmax and the tensor-core attention, and whether the last
+        split of each KV head merges the splits."""
+        return (
+            f"attention softmax per row: {self.row_sm_contexts()}; attention on tensor cores: "
+            f"{self.dot_attn_contexts()}; splits merged by the last one: "
+            f"{'yes' if self.flags.get('merge_c') else 'no'}"
+        )
+
     def launch_flags(self, max_seq_len: int) -> dict:
         """The layout options of a step whose contexts are at most ``max_seq_len`` tokens:
         :attr:`flags` with ``row_sm`` above :attr:`row_sm_after` (``dot_attn``, a per-head
@@ -328,12 +338,14 @@ def build(
             most = max(most, info.get("spills", 0))
         return most
 
+    def too_many(spilled: int) -> bool:
+        return max_spill_bytes is not None and spilled > max_spill_bytes
+
     most = spills()
-    if max_spill_bytes is not None and most > max_spill_bytes and "dot_attn" not in flags:
-        if state.flags["dot_attn"]:  # DOT by default only: without it before giving up
-            state.flags["dot_attn"] = False
-            most = spills()
-    if max_spill_bytes is not None and most > max_spill_bytes:
+    if too_many(most) and "dot_attn" not in flags and state.flags["dot_attn"]:
+        state.flags["dot_attn"] = False  # DOT by default only: without it before giving up
+        most = spills()
+    if too_many(most):
         raise ValueError(
             f"persistent decode kernel spills {most} B per thread for this model (at "
             f"most {max_spill_bytes} taken by default: only the measured shapes run it)"

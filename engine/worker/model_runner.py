@@ -233,12 +233,9 @@ class ModelRunner:
                 pd = model.persistent_decode
                 log.info(
                     "one-token decode steps of one sequence with up to %d tokens of context run "
-                    "all layers in one persistent launch (attention softmax per row: %s; "
-                    "attention on tensor cores: %s; splits merged by the last one: %s)",
+                    "all layers in one persistent launch (%s)",
                     pd.max_context,
-                    pd.row_sm_contexts(),
-                    pd.dot_attn_contexts(),
-                    "yes" if pd.flags.get("merge_c") else "no",
+                    pd.layout_summary(),
                 )
             elif asked:
                 log.warning("QWEN_SERVE_PERSISTENT_DECODE=1 not applied: %s", reason)

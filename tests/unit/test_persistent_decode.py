@@ -238,6 +238,11 @@ def test_layout_options_from_the_environment_and_a_bad_block_k(interpreter):
     assert pd.flags["dot_attn"] is True
     assert [pd.launch_flags(n)["dot_attn"] for n in (1, 512, 513, 2048)] == [1, 1, 0, 0]
     assert pd.dot_attn_contexts() == f"up to {persistent_decode.ROW_SM_AFTER} tokens"
+    n = persistent_decode.ROW_SM_AFTER
+    assert pd.layout_summary() == (  # (the start-up line's and engine_check's words)
+        f"attention softmax per row: over {n} tokens; attention on tensor cores: up to {n} "
+        "tokens; splits merged by the last one: no"
+    )
     pd.flags["dot_attn"] = False
     assert pd.dot_attn_contexts() == "never" and not pd.launch_flags(1)["dot_attn"]
     assert pd.row_sm_contexts() == f"over {persistent_decode.ROW_SM_AFTER} tokens"
