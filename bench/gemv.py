@@ -8,8 +8,8 @@ on the CPU, to check the script's logic under the Triton interpreter: ``python b
 ``--out`` only).
 
 Shapes: Qwen3-0.6B's projections (qkv 1024->4096, o 2048->1024, gate_up 1024->6144, down
-3072->1024) and Qwen3-8B's, at M = 1 and 16; ``--fused``: qkv and gate_up with the residual add
-+ RMSNorm before them, down with SwiGLU, o with split-KV decode attention's merge
+3072->1024) and Qwen3-8B's, at M = 1, 16 and 64 (``--ms``); ``--fused``: qkv and gate_up with
+the residual add + RMSNorm before them, down with SwiGLU, o with split-KV decode attention's merge
 (``kernels/gemv_merge.py``; unfused: the decode kernel's reduce launch, then the product).
 Each timing is the median of CUDA-graph replays over enough weight copies (>= 256 MB) that no
 weight is still in the 50 MB L2 from the last call, as in a real step where every layer reads
@@ -65,7 +65,7 @@ from engine.layers.dense_linear import _small_m_product  # noqa: E402
 from engine.layers.norm import add_rms_norm  # noqa: E402
 from kernels.configs import current_table, device_name, table_path  # noqa: E402
 from kernels.decode_attention import choose_num_splits, merge_splits  # noqa: E402
-from kernels.gemv import GemvConfig, gemv  # noqa: E402
+from kernels.gemv import GEMV_WIDE_MAX_M, GemvConfig, gemv, m_bucket  # noqa: E402
 from kernels.gemv_fused import fused_gemv_config, gemv_rms_norm, gemv_swiglu  # noqa: E402
 from kernels.gemv_merge import gemv_attn_merge  # noqa: E402
 from kernels.gemv_qk_rope import gemv_rms_norm_qk_rope  # noqa: E402
@@ -99,13 +99,13 @@ def sweep_plain(args, dev, g) -> tuple[dict, list[dict]]:
     for name in args.shapes or [s for s in shapes if s.startswith(("0.6B", "tiny"))]:
         n, k = shapes[name]
         ws = weight_copies(n, k, dev, g, args.tiny)
-        for m in (1, 16):
+        for m in args.ms:
             x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
             ref = x.float() @ ws[0].float().T
             cublas_ms = graph_ms([lambda w=w, x=x: F.linear(x, w) for w in ws])
             cublas_err = rel(F.linear(x, ws[0]), ref)
             best = None
-            for cfg in candidates(n, k, args.sweep, args.tiny):
+            for cfg in candidates(n, k, args.sweep, args.tiny, m):
                 try:
                     err = rel(gemv(x, ws[0], None, cfg), ref)
                     if not accurate(err, cublas_err):
@@ -121,7 +121,7 @@ def sweep_plain(args, dev, g) -> tuple[dict, list[dict]]:
                 print(
                     f"{name} M={m}: no configuration compiled and passed; cuBLAS kept", flush=True
                 )
-                table.setdefault(f"{n},{k}", {})[f"m{m}"] = {"cublas_faster": True}
+                table.setdefault(f"{n},{k}", {})[m_bucket(m)] = {"cublas_faster": True}
                 continue
             ms, cfg, err = best
             gb = n * k * 2 / 1e9
@@ -140,7 +140,7 @@ def sweep_plain(args, dev, g) -> tuple[dict, list[dict]]:
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
-            table.setdefault(f"{n},{k}", {})[f"m{m}"] = {
+            table.setdefault(f"{n},{k}", {})[m_bucket(m)] = {
                 **cfg.__dict__,
                 "cublas_faster": cublas_ms < ms,  # every timed configuration was accurate
                 "gemv_us": round(1e3 * ms, 2),
@@ -463,11 +463,21 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     ap.add_argument("--out", default="/tmp")
     ap.add_argument("--shapes", nargs="*", help=f"plain shapes, of {list(SHAPES)}")
+    ap.add_argument(
+        "--ms", nargs="+", type=int, default=[1, 16, 64],
+        help="plain sweep: the row counts timed, one per table row (m1, m16: 2-16, m64: 17-64)",
+    )  # fmt: skip
     ap.add_argument("--fused-shapes", nargs="*", help=f"of {list(FUSED_SHAPES)}")
     ap.add_argument("--budget-s", type=float, default=50.0, help="fused sweep: stop timing")
     ap.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1))
     ap.add_argument("--compile-budget-s", type=float, default=30.0)
     args = ap.parse_args()
+    if (
+        max(args.ms) > GEMV_WIDE_MAX_M
+        or min(args.ms) < 1
+        or len(set(map(m_bucket, args.ms))) < len(args.ms)
+    ):
+        ap.error(f"--ms: 1 to {GEMV_WIDE_MAX_M} rows, one per table row (m1, m16: 2-16, m64)")
     if args.tiny and args.write_table:
         ap.error("--tiny measures the interpreter: its table is written to --out only")
     if not args.tiny and not torch.cuda.is_available():
@@ -478,10 +488,14 @@ def main() -> int:
     table, _ = (sweep_fused if args.fused else sweep_plain)(args, dev, g)
     name = device_name(dev)
     path = table_path(kernel, name)
-    if (args.fused_shapes if args.fused else args.shapes) and not args.tiny:
-        # a partial sweep: the shapes it did not time keep the entries this device reads now
-        # (its own table's, or its architecture's: an H100 without one reads the H200's)
-        table = {**current_table(kernel, name), **table}
+    partial = args.fused_shapes if args.fused else args.shapes or args.ms != [1, 16, 64]
+    if partial and not args.tiny:
+        # a partial sweep: the shapes and row buckets it did not time keep the entries this
+        # device reads now (its own table's, or its architecture's: an H100 without one reads
+        # the H200's)
+        current = current_table(kernel, name)
+        merged = {key: {**current.get(key, {}), **rows} for key, rows in table.items()}
+        table = {**current, **merged}
     if args.fused and not args.tiny and path.exists():  # (this device's own table only)
         for note in keep_step_verdicts(table, json.loads(path.read_text())):
             print(note)

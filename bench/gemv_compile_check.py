@@ -3,7 +3,8 @@
 Compiles, with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``:
 
 * ``_gemv_kernel`` (``kernels/gemv.py``) with the default tiles and every configuration of the
-  committed H200 table;
+  committed H200 table, and at M = 64 (a 64-row activation tile) with the default tiles and
+  every configuration the plain sweep times for 17-64 rows on Qwen3-0.6B's shapes;
 * ``_gemv_swiglu_kernel`` and ``_gemv_rms_norm_kernel`` (``kernels/gemv_fused.py``) with every
   configuration ``bench/gemv.py --fused`` may time (Qwen3-0.6B's and 8B's K) and the default
   tiles (what a forced fusion without a table uses), the norm with and without the residual
@@ -36,11 +37,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 import torch  # noqa: E402
 
-from bench.gemv_configs import FUSED_SHAPES, fused_candidates  # noqa: E402
+from bench.gemv_configs import FUSED_SHAPES, SHAPES, candidates, fused_candidates  # noqa: E402
 from bench.pdl_ptx import pdl_order_error  # noqa: E402
 from bench.prefill_compile_check import compile_all, compile_sm90, ptxas_usage  # noqa: E402
 from kernels.configs import table_path  # noqa: E402
-from kernels.gemv import GemvConfig, _gemv_kernel, prefetchable  # noqa: E402
+from kernels.gemv import GEMV_WIDE_MAX_M, GemvConfig, _gemv_kernel, block_m, prefetchable  # noqa: E402
 from kernels.gemv_fused import _gemv_rms_norm_kernel, _gemv_swiglu_kernel  # noqa: E402
 from kernels.gemv_qk_rope import _gemv_rms_norm_qk_rope_kernel  # noqa: E402
 
@@ -130,21 +131,29 @@ def _consts(cfg: GemvConfig, **flags) -> dict:
 def jobs(quick: bool) -> list:
     out = []
 
-    def add(label, fn, cfg, shape, **flags):
+    def add(label, fn, cfg, shape, ms=(1, 16), **flags):
         opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-        for m in (1, 16):
-            out.append(
-                (f"{label} {cfg} {flags} M={m}", fn, _consts(cfg, **flags), opts, (m, *shape))
-            )
+        for m in ms:
+            consts = _consts(cfg, **flags)
+            if fn is _gemv_kernel:  # the plain kernel's row tile follows M (16, 32 or 64)
+                consts["BLOCK_M"] = block_m(m)
+            out.append((f"{label} {cfg} {flags} M={m}", fn, consts, opts, (m, *shape)))
 
     plain = {GemvConfig()}
+    wide = {GemvConfig()}  # M = 64: a 64-row activation tile
     if not quick:
         table = json.loads(table_path("gemv", "NVIDIA H200").read_text())
         for rows in table.values():
             for row in rows.values():
-                plain.add(GemvConfig(**{f: row[f] for f in GemvConfig.__dataclass_fields__}))
+                if all(f in row for f in GemvConfig.__dataclass_fields__):
+                    plain.add(GemvConfig(**{f: row[f] for f in GemvConfig.__dataclass_fields__}))
+        for name, (n, k) in SHAPES.items():
+            if name.startswith("0.6B"):
+                wide.update(candidates(n, k, sweep=True, tiny=False, m=GEMV_WIDE_MAX_M))
     for cfg in sorted(plain, key=str):
         add("gemv", _gemv_kernel, cfg, (1024, 3072))
+    for cfg in sorted(wide, key=str):
+        add("gemv", _gemv_kernel, cfg, (1024, 3072), ms=(GEMV_WIDE_MAX_M,))
     rne = {"EMULATE_RNE": False}
     for kind, fn in (("swiglu", _gemv_swiglu_kernel), ("rms_norm", _gemv_rms_norm_kernel)):
         cfgs = {GemvConfig()}

@@ -46,18 +46,23 @@ TINY_FUSED_SHAPES = {
 TINY_CONFIGS = [GemvConfig(16, 32, 1, 4, 1), GemvConfig(32, 32, 2, 4, 1)]
 
 
-def candidates(n: int, k: int, sweep: bool, tiny: bool) -> list[GemvConfig]:
+def candidates(n: int, k: int, sweep: bool, tiny: bool, m: int = 1) -> list[GemvConfig]:
+    """The plain sweep's tiles for ``m`` rows: N tiles of 16-64 (32-128 past 16 rows, where
+    each program's activation tile is 32 or 64 rows: wider N tiles read it fewer times), K
+    tiles of 128/256, 1, 2 or 4 splits (none leaving a split under one K tile), three stages
+    (two for a 128 x 256 weight tile with 64 rows: three exceed an sm_90 block's shared
+    memory), four warps (eight for 128-wide N tiles)."""
     if tiny:
         return TINY_CONFIGS
     if not sweep:
         return [GemvConfig()]
     out = []
-    for bn, bk, split, stages, warps in itertools.product(
-        (16, 32, 64), (128, 256), (1, 2, 4), (3,), (4,)
-    ):
+    widths = (16, 32, 64) if m <= 16 else (32, 64, 128)
+    for bn, bk, split in itertools.product(widths, (128, 256), (1, 2, 4)):
         if k // split < bk:
             continue
-        out.append(GemvConfig(bn, bk, split, warps, stages))
+        stages = 2 if (bn, bk) == (128, 256) else 3
+        out.append(GemvConfig(bn, bk, split, 8 if bn == 128 else 4, stages))
     return out
 
 

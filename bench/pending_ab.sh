@@ -76,6 +76,11 @@
 #           runs in $PERSIST_PROBE (';'-separated argument lists; default the layouts 1000 1010
 #           10001 10101 with the first K/V tile, pre_kv, and the first weight chunks, pre_w,
 #           loaded during the waits; "": none); PERSIST_TESTS=0: no tests
+#   wideab: the plain GEMV at 17-64 rows (kernels/gemv.py's "m64" table row): its GPU tests,
+#           bench/decode_profile.py at batch 32 and 64 (1,024-token prompts) and bench/serve.py
+#           at c=64 with cuBLAS (no m64 row yet), then the sweep at M = 64 on Qwen3-0.6B's
+#           shapes written to this GPU's table (and $OUT), then the same two runs reading it
+#           (WIDE_SERVE=0: no serving runs)
 #   l2pf:   the L2 prefetch kernel's GPU tests and the PDL ones, bench/l2_prefetch_probe.py (a
 #           28-layer GEMV chain with weights cold, hot in L2, and prefetched on a side stream)
 # Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD, all three made
@@ -322,7 +327,22 @@ for stage in ${@:-tests dense}; do
              tests/kernels/test_l2_prefetch.py tests/kernels/test_pdl.py 2>&1 | tail -4
            timeout "$(left 90)" python3 bench/l2_prefetch_probe.py 2>&1 | grep -v Warning \
              | tee "$OUT/l2pf_probe.txt" | tail -16 ;;
-    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab swiglu sampling serveab ttftab httpab attn ttft peer front l2pf qkvrope qkvab splits mergeab gridbar layer persist persistab)"; exit 2 ;;
+    wideab) TRITON_INTERPRET=0 timeout "$(left 90)" python3 -m pytest -q -p no:cacheprovider \
+             tests/kernels/test_gemv.py -rf --tb=line 2>&1 | tail -4
+           wide() {  # $1: a label; the 32- and 64-row decode steps, then serving at c=64
+             timeout "$(left 90)" python3 bench/decode_profile.py --tree . --ckpt $CKPT \
+               --batch 32 64 --steps 32 --prompt-tokens 1024 --top 8 --label "$1" 2>&1 \
+               | grep -E '"tpot_ms"|Error' | cut -c1-700
+             [ "${WIDE_SERVE:-1}" = 0 ] || timeout "$(left 120)" python3 bench/serve.py \
+               --ckpt $CKPT --skip-peer --tokenizer-from .benchassets/tokenizer --concurrency 64 \
+               --prompt-tokens 1024 --out "$OUT/wideab_$1" 2>&1 | grep "^| qwen"
+           }
+           wide cublas
+           timeout "$(left 200)" python3 bench/gemv.py --sweep --ms 64 --shapes "0.6B qkv" \
+             "0.6B o" "0.6B gate_up" "0.6B down" --write-table --out "$OUT" 2>&1 \
+             | grep -E "^\| 0.6B|rror" | tee "$OUT/wideab_sweep.txt"
+           wide gemv64 ;;
+    *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab swiglu sampling serveab ttftab httpab attn ttft peer front l2pf qkvrope qkvab splits mergeab gridbar layer persist persistab wideab)"; exit 2 ;;
   esac
   stamp "$stage"
 done

@@ -1,12 +1,12 @@
 """Small-M linear layer ``y = x W^T (+ b)`` in bf16/fp16 for decode steps: weight-bandwidth bound.
 
-At batch 1-16 a decode step's projections read every weight once and do almost no arithmetic,
+At batch 1-64 a decode step's projections read every weight once and do almost no arithmetic,
 so their time is the weight bytes over the HBM bandwidth the kernel reaches. On the H200 cuBLAS
 reaches about 1.2 TB/s on Qwen3-0.6B's projections at M = 1 (4-13 MB each: 5-9 us per call plus
 a separate split-K reduce kernel for some shapes; ``bench/decode_profile.py``), a third of the
 copy bandwidth. This kernel is the "swap AB" small-batch GEMM (as in TensorRT-LLM's and
 vLLM's small-M paths, and the FP8 ``fp8_gemv`` of :mod:`kernels.fp8_gemm`): the weight tile
-``[BLOCK_N, BLOCK_K]`` is the MMA's first operand and the ``M <= 16`` activation rows its second,
+``[BLOCK_N, BLOCK_K]`` is the MMA's first operand and the ``M <= 64`` activation rows its second,
 one program per (``BLOCK_N`` output features, K split), every tile load pipelined.
 
 Split-K without a second launch (CUTLASS's "serial split-K" semaphore, Stream-K's fix-up): each
@@ -36,8 +36,15 @@ from kernels.configs import device_name, kernel_table
 from kernels.interpreter import interpreting as _interpreting
 from kernels.pdl import launch_options, pdl_enabled, pdl_wait, prefetch_l2
 
-#: at most this many rows go through the small-M kernel (one 16-row MMA operand)
+#: at most this many rows go through the fused small-M kernels of :mod:`kernels.gemv_fused`
+#: (one 16-row MMA operand) and the plain kernel's "m16" table row
 GEMV_MAX_M = 16
+#: at most this many rows go through the plain kernel (:func:`gemv`): its second MMA operand is
+#: 16, 32 or 64 rows wide (the next power of two); M of 17-64 read the table's "m64" row. A
+#: 64-row decode step's projections are still weight-bandwidth bound (64 FLOP per weight byte
+#: against the H100's and H200's ~200-300), where cuBLAS's tiles read 1.2 TB/s on an H100
+#: (``bench/step_times.py --profile``, 2026-12-07)
+GEMV_WIDE_MAX_M = 64
 #: counters per device: enough for N / BLOCK_N tiles of any projection (N <= 16 * 65536)
 NUM_COUNTERS = 65536
 
@@ -229,26 +236,38 @@ def gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig | No
 
     Looks up ``kernels/configs/gemv_<device name>.json`` (``{"<N>,<K>": {"m1": {...},
     "m16": {...}}}``, each entry a :class:`GemvConfig`'s fields plus ``"cublas_faster"``;
-    ``m1`` serves M = 1, ``m16`` every M from 2 to 16). Under the Triton interpreter the tiles
+    ``m1`` serves M = 1, ``m16`` every M from 2 to 16, ``m64`` every M from 17 to
+    :data:`GEMV_WIDE_MAX_M`; a missing row means cuBLAS). Under the Triton interpreter the tiles
     are small (tests cross tile and split boundaries with small shapes).
     """
     if _interpreting():
         return GemvConfig(block_n=16, block_k=32, split_k=max(1, min(3, k // 64)), num_stages=1)
     entry = kernel_table("gemv", device_name(device)).get(f"{n},{k}")
-    row = entry.get("m1" if m == 1 else "m16") if entry is not None else None
+    row = entry.get(m_bucket(m)) if entry is not None and m <= GEMV_WIDE_MAX_M else None
     if row is None or row.get("cublas_faster"):
         return None
     return GemvConfig(**{f: row[f] for f in GemvConfig.__dataclass_fields__})
 
 
+def m_bucket(m: int) -> str:
+    """The table row that serves ``m`` rows: "m1", "m16" (2-16) or "m64" (17 and more)."""
+    return "m1" if m == 1 else "m16" if m <= GEMV_MAX_M else "m64"
+
+
+def block_m(m: int) -> int:
+    """The kernel's row tile for ``m`` rows: the next power of two, at least 16 (an MMA
+    operand's smallest width)."""
+    return max(16, triton.next_power_of_2(m))
+
+
 def gemv_supports(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether :func:`gemv` takes these operands: 2-D ``x`` of at most ``GEMV_MAX_M`` rows, ``w``
-    ``[N, K]`` with unit stride on K, a ``[N]`` unit-stride bias or None, one dtype and one
+    """Whether :func:`gemv` takes these operands: 2-D ``x`` of at most ``GEMV_WIDE_MAX_M`` rows,
+    ``w`` ``[N, K]`` with unit stride on K, a ``[N]`` unit-stride bias or None, one dtype and one
     device for all, and a device the kernel runs on."""
     return (
         x.dim() == 2
         and w.dim() == 2
-        and x.shape[0] <= GEMV_MAX_M
+        and x.shape[0] <= GEMV_WIDE_MAX_M
         and x.shape[1] == w.shape[1]
         and w.stride(1) == 1
         and x.dtype == w.dtype
@@ -273,7 +292,7 @@ def gemv(
     config: GemvConfig | None = None,
     pdl: int | None = None,
 ) -> torch.Tensor:
-    """``x [M, K] @ w[N, K]^T (+ bias [N])`` -> ``[M, N]`` in x's dtype, for ``M <= 16``.
+    """``x [M, K] @ w[N, K]^T (+ bias [N])`` -> ``[M, N]`` in x's dtype, for ``M <= 64``.
 
     Args:
         x: ``[M, K]`` bf16, fp16 or fp32 (fp32 with an IEEE dot: no TF32 rounding); any row
@@ -290,14 +309,14 @@ def gemv(
         split order by the last program of each N tile).
 
     Raises:
-        ValueError: more than ``GEMV_MAX_M`` rows, mismatched K, operands :func:`gemv_supports`
+        ValueError: more than ``GEMV_WIDE_MAX_M`` rows, mismatched K, operands :func:`gemv_supports`
             refuses (weight K stride, bias shape or stride, dtypes, devices), or more N tiles
             than split-K counters.
     """
     m, k = x.shape
     n = w.shape[0]
-    if m > GEMV_MAX_M:
-        raise ValueError(f"gemv takes at most {GEMV_MAX_M} rows, got {m}")
+    if m > GEMV_WIDE_MAX_M:
+        raise ValueError(f"gemv takes at most {GEMV_WIDE_MAX_M} rows, got {m}")
     if w.shape[1] != k:
         raise ValueError(f"x has {k} features, the weight {w.shape[1]}")
     if not gemv_supports(x, w, bias):
@@ -327,7 +346,7 @@ def gemv(
         x.stride(0),
         w.stride(0),
         out.stride(0),
-        BLOCK_M=16,
+        BLOCK_M=block_m(m),
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         SPLIT_K=plan.split_k,

@@ -35,7 +35,7 @@ def _small_m_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 @torch.library.custom_op("qwen_serve::linear", mutates_args=())
 def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x [M, K] @ weight[N, K]^T (+ bias)`` -> new ``[M, N]`` (``x`` 2-D): the small-M kernel
-    for ``M <= GEMV_MAX_M`` where it applies and the device's table prefers it, else
+    for ``M <= GEMV_WIDE_MAX_M`` where it applies and the device's table prefers it, else
     ``F.linear``."""
     return _small_m_product(x, weight, bias)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gemv import GEMV_MAX_M, GemvConfig, gemv, gemv_counters
+from kernels.gemv import GEMV_MAX_M, GEMV_WIDE_MAX_M, GemvConfig, gemv, gemv_counters
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16] if DEVICE == "cuda" else [torch.float32, torch.bfloat16]
@@ -34,6 +34,9 @@ def _rel(a, b):
         (3, 80, 200, GemvConfig(16, 32, 3, 4, 1)),  # N and K tails, three splits
         (16, 48, 96, GemvConfig(32, 32, 2, 4, 1)),  # full 16 rows, N tile past N
         (5, 33, 64, GemvConfig(16, 16, 4, 4, 1)),  # split-K of single K tiles
+        (17, 40, 96, GemvConfig(16, 32, 2, 4, 1)),  # a 32-row tile, 15 rows masked
+        (64, 48, 80, GemvConfig(32, 32, 3, 4, 1)),  # a full 64-row tile, K tail, splits
+        (33, 24, 64, GemvConfig(16, 32, 1, 4, 1)),  # a 64-row tile, 31 rows masked
     ],
 )
 @pytest.mark.parametrize("bias", [False, True])
@@ -61,11 +64,34 @@ def test_split_k_result_is_deterministic_and_counters_reset():
 
 
 def test_gemv_refuses_too_many_rows_and_mismatched_k():
-    x, w, _ = _inputs(GEMV_MAX_M + 1, 32, 64, torch.float32, seed=4)
+    x, w, _ = _inputs(GEMV_WIDE_MAX_M + 1, 32, 64, torch.float32, seed=4)
     with pytest.raises(ValueError, match="at most"):
         gemv(x, w)
     with pytest.raises(ValueError, match="features"):
         gemv(x[:2], w[:, :32])
+
+
+def test_table_rows_serve_their_row_counts(monkeypatch):
+    """``gemv_config`` reads "m1" for one row, "m16" for 2-16, "m64" for 17-64, and says cuBLAS
+    (None) past 64 rows, where the bucket's row is missing, or where cuBLAS won."""
+    import kernels.gemv as kg
+
+    def row(block_n, faster=False):
+        return {**GemvConfig(block_n=block_n).__dict__, "cublas_faster": faster}
+
+    table = {"96,64": {"m1": row(16), "m16": row(32), "m64": row(64)}, "48,64": {"m1": row(16)}}
+    table["80,64"] = {"m64": row(64, faster=True)}
+    monkeypatch.setattr(kg, "_interpreting", lambda: False)  # read the table, not tiny tiles
+    monkeypatch.setattr(kg, "kernel_table", lambda kernel, name: table)
+    monkeypatch.setattr(kg, "device_name", lambda device: "test")
+    cpu = torch.device("cpu")
+    widths = {m: kg.gemv_config(m, 96, 64, cpu) for m in (1, 2, 16, 17, 33, 64, 65)}
+    assert {m: c.block_n if c else None for m, c in widths.items()} == {
+        1: 16, 2: 32, 16: 32, 17: 64, 33: 64, 64: 64, 65: None
+    }  # fmt: skip
+    assert kg.gemv_config(1, 48, 64, cpu) is not None and kg.gemv_config(20, 48, 64, cpu) is None
+    assert kg.gemv_config(20, 80, 64, cpu) is None
+    assert [kg.block_m(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
 
 
 def test_gemv_strided_rows():
@@ -82,7 +108,7 @@ def test_linear_op_dispatch_matches_f_linear():
     result for small and large M; on the CPU ``dense_linear`` is F.linear itself."""
     from engine.layers.dense_linear import dense_linear, linear_op
 
-    for m in (1, 7, GEMV_MAX_M + 9):
+    for m in (1, 7, GEMV_MAX_M + 9, GEMV_WIDE_MAX_M + 9):
         x, w, b = _inputs(m, 64, 96, torch.float32, seed=m)
         ref = torch.nn.functional.linear(x, w, b)
         assert _rel(linear_op(x, w, b), ref) < 1e-5
