@@ -455,6 +455,13 @@ def keep_step_verdicts(table: dict, current: dict) -> list[str]:
     return notes
 
 
+def merge_partial(current: dict, swept: dict) -> dict:
+    """A partial sweep's table: ``current`` (``{"<key>": {"<bucket>": row}}``) with each row
+    ``swept`` timed replacing its own (key, bucket) only; neither argument is modified."""
+    merged = {key: {**current.get(key, {}), **rows} for key, rows in swept.items()}
+    return {**current, **merged}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="all plain tile configurations")
@@ -488,14 +495,12 @@ def main() -> int:
     table, _ = (sweep_fused if args.fused else sweep_plain)(args, dev, g)
     name = device_name(dev)
     path = table_path(kernel, name)
-    partial = args.fused_shapes if args.fused else args.shapes or args.ms != [1, 16, 64]
+    every_bucket = set(map(m_bucket, args.ms)) == {"m1", "m16", "m64"}
+    partial = args.fused_shapes if args.fused else (args.shapes or not every_bucket)
     if partial and not args.tiny:
-        # a partial sweep: the shapes and row buckets it did not time keep the entries this
-        # device reads now (its own table's, or its architecture's: an H100 without one reads
-        # the H200's)
-        current = current_table(kernel, name)
-        merged = {key: {**current.get(key, {}), **rows} for key, rows in table.items()}
-        table = {**current, **merged}
+        # the shapes and row buckets it did not time keep the entries this device reads now
+        # (its own table's, or its architecture's: an H100 without one reads the H200's)
+        table = merge_partial(current_table(kernel, name), table)
     if args.fused and not args.tiny and path.exists():  # (this device's own table only)
         for note in keep_step_verdicts(table, json.loads(path.read_text())):
             print(note)

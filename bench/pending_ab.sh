@@ -335,13 +335,16 @@ for stage in ${@:-tests dense}; do
                | grep -E '"tpot_ms"|Error' | cut -c1-700
              [ "${WIDE_SERVE:-1}" = 0 ] || timeout "$(left 120)" python3 bench/serve.py \
                --ckpt $CKPT --skip-peer --tokenizer-from .benchassets/tokenizer --concurrency 64 \
-               --prompt-tokens 1024 --out "$OUT/wideab_$1" 2>&1 | grep "^| qwen"
+               --prompt-tokens 1024 --out "$OUT/wideab_$1" 2>&1 | grep -E "^\| qwen|Error"
            }
            wide cublas
            timeout "$(left 200)" python3 bench/gemv.py --sweep --ms 64 --shapes "0.6B qkv" \
              "0.6B o" "0.6B gate_up" "0.6B down" --write-table --out "$OUT" 2>&1 \
-             | grep -E "^\| 0.6B|rror" | tee "$OUT/wideab_sweep.txt"
-           wide gemv64 ;;
+             | grep -E "^\| 0.6B|rror|^wrote" | tee "$OUT/wideab_sweep.txt"
+           # the second round only where the sweep finished and wrote a 64-row entry (a sweep cut
+           # by the budget writes nothing: the same runs would time cuBLAS again)
+           if grep -qs '"m64"' "$OUT"/gemv_*.json; then wide gemv64
+           else echo "-- wideab: no m64 table row written (sweep cut or failed): second round skipped"; fi ;;
     *)     echo "unknown stage $stage (tests check dense decode decprof fusedcheck fp8 ab lc fp8ab swiglu sampling serveab ttftab httpab attn ttft peer front l2pf qkvrope qkvab splits mergeab gridbar layer persist persistab wideab)"; exit 2 ;;
   esac
   stamp "$stage"

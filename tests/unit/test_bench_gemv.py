@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = dict(tiny=True, sweep=False, shapes=None, fused_shapes=None, budget_s=1e9)
+    base = dict(tiny=True, sweep=False, shapes=None, fused_shapes=None, budget_s=1e9, ms=[1, 16])
     base.update(compile_workers=0, compile_budget_s=0.0)
     return argparse.Namespace(**{**base, **kw})
 
@@ -83,9 +83,39 @@ def test_a_wrong_fused_configuration_is_never_chosen(monkeypatch):
     }
 
 
+def test_tiny_plain_sweep_fills_the_row_buckets_the_kernel_reads(monkeypatch):
+    """The plain sweep at 1 and 20 rows writes each tiny shape's "m1" and "m64" rows (20 rows
+    are the 17-64 bucket), which ``kernels.gemv.gemv_config`` serves to 1 and to 17-64 rows;
+    a partial sweep's merge replaces only the buckets it timed."""
+    import kernels.gemv as kg
+    from bench import gemv as bg
+
+    g = torch.Generator().manual_seed(0)
+    args = _args(shapes=["tiny qkv"], ms=[1, 20])
+    table, rows = bg.sweep_plain(args, torch.device("cpu"), g)
+    assert [r["m"] for r in rows] == [1, 20] and set(table) == {"96,64"}
+    assert set(table["96,64"]) == {"m1", "m64"}
+    monkeypatch.setattr(kg, "_interpreting", lambda: False)  # read the table, not tiny tiles
+    monkeypatch.setattr(kg, "kernel_table", lambda kernel, name: table)
+    for m, bucket in ((1, "m1"), (17, "m64"), (64, "m64")):
+        row = table["96,64"][bucket]
+        want = kg.GemvConfig(*(row[f] for f in kg.GemvConfig.__dataclass_fields__))
+        assert kg.gemv_config(m, 96, 64, torch.device("cpu")) == (
+            None if row["cublas_faster"] else want
+        )
+    assert kg.gemv_config(2, 96, 64, torch.device("cpu")) is None  # no m16 row swept
+    current = {"96,64": {"m1": {"old": 1}, "m16": {"old": 2}}, "64,160": {"m1": {"old": 3}}}
+    merged = bg.merge_partial(current, {"96,64": {"m1": {"new": 1}, "m64": {"new": 4}}})
+    assert merged == {
+        "96,64": {"m1": {"new": 1}, "m16": {"old": 2}, "m64": {"new": 4}},
+        "64,160": {"m1": {"old": 3}},
+    }
+    assert current["96,64"] == {"m1": {"old": 1}, "m16": {"old": 2}}  # not modified
+
+
 def test_gemv_compile_check_quick_compiles_for_sm90():
     stdout = run_compile_check("gemv_compile_check.py", "--quick")
-    assert "FAIL" not in stdout and "21/21 compiled for sm_90" in stdout
+    assert "FAIL" not in stdout and "22/22 compiled for sm_90" in stdout
     assert "swiglu" in stdout and "rms_norm" in stdout and "qkv_rope" in stdout
 
 
