@@ -27,7 +27,8 @@
 #           compiled composition, engine_check and the 1k prefill profile with it on and off
 #   serveab: bench/serve.py at c=1/64/256 (greedy, 1,024-token prompts), $OLD then this tree,
 #           the server flags from $SERVE_ARGS (e.g. "--api-server-count 2"), the concurrencies
-#           from $SERVE_CONC, the prompts' tokens from $SERVE_PROMPT (1024)
+#           from $SERVE_CONC, the prompts' tokens from $SERVE_PROMPT (1024), requests per unit
+#           of concurrency from $SERVE_RPC (2: two waves sent at once; 8 nears a steady state)
 #   ttftab: bench/prefill_profile.py --prompt 1024 in this tree then in $OLD (and each run's
 #           seconds, start-up and graph capture included); TTFT_ROUNDS alternations (1),
 #           TTFT_REPEATS unprofiled first tokens per run (3); this tree's script runs in both
@@ -183,7 +184,7 @@ for stage in ${@:-tests dense}; do
              name=$([ "$root" = . ] && echo new || echo old)
              timeout "$(left 200)" python3 bench/serve.py --ckpt $CKPT --skip-peer \
                --tokenizer-from .benchassets/tokenizer --concurrency ${SERVE_CONC:-1 64 256} \
-               --prompt-tokens ${SERVE_PROMPT:-1024} \
+               --prompt-tokens ${SERVE_PROMPT:-1024} --requests-per-concurrency ${SERVE_RPC:-2} \
                --server-args="${SERVE_ARGS:-}" --server-root "$root" --out "$OUT/serveab_$name" \
                2>&1 | grep -v "Warn\|Writing" > "$OUT/serveab_$name.log"
              echo "-- serve $name ($root) ${SERVE_ARGS:-}"; grep "^|" "$OUT/serveab_$name.log" | tail -5
