@@ -28,7 +28,7 @@
 #   serveab: bench/serve.py at c=1/64/256 (greedy, 1,024-token prompts), $OLD then this tree,
 #           the server flags from $SERVE_ARGS (e.g. "--api-server-count 2"), the concurrencies
 #           from $SERVE_CONC, the prompts' tokens from $SERVE_PROMPT (1024), requests per unit
-#           of concurrency from $SERVE_RPC (2: two waves sent at once; 8 nears a steady state)
+#           of concurrency from $SERVE_RPC (2; 8: the start and end ramps weigh less)
 #   ttftab: bench/prefill_profile.py --prompt 1024 in this tree then in $OLD (and each run's
 #           seconds, start-up and graph capture included); TTFT_ROUNDS alternations (1),
 #           TTFT_REPEATS unprofiled first tokens per run (3); this tree's script runs in both
