@@ -447,7 +447,7 @@ def keep_step_verdicts(table: dict, current: dict) -> list[str]:
             if STEP_VERDICT not in old:
                 continue
             faster = bool(old.get("fused_faster", False))
-            if faster and not all(f in row for f in GemvConfig.__dataclass_fields__):
+            if faster and GemvConfig.from_row(row) is None:
                 continue  # the sweep found no tiles that passed: no fusion to keep on
             row[STEP_VERDICT] = old[STEP_VERDICT]
             row["fused_faster"] = faster

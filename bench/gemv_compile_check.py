@@ -145,9 +145,7 @@ def jobs(quick: bool) -> list:
     if not quick:
         table = json.loads(table_path("gemv", "NVIDIA H200").read_text())
         for rows in table.values():
-            for row in rows.values():
-                if all(f in row for f in GemvConfig.__dataclass_fields__):
-                    plain.add(GemvConfig(**{f: row[f] for f in GemvConfig.__dataclass_fields__}))
+            plain.update(c for c in map(GemvConfig.from_row, rows.values()) if c is not None)
         for name, (n, k) in SHAPES.items():
             if name.startswith("0.6B"):
                 wide.update(candidates(n, k, sweep=True, tiny=False, m=GEMV_WIDE_MAX_M))

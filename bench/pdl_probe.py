@@ -37,9 +37,7 @@ SHAPES = [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("dow
 def table_config(n: int, k: int, dev) -> GemvConfig:
     """The table's M = 1 tiles for ``(n, k)`` even where it prefers cuBLAS, else the defaults."""
     row = (kernel_table("gemv", device_name(dev)).get(f"{n},{k}") or {}).get("m1")
-    if not row:
-        return GemvConfig()
-    return GemvConfig(**{f: row[f] for f in GemvConfig.__dataclass_fields__})
+    return GemvConfig.from_row(row or {}) or GemvConfig()
 
 
 def chain(x, weights, cfgs, pdl: int, breaks: bool, cublas: bool):

@@ -60,6 +60,15 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
 
+    @classmethod
+    def from_row(cls, row: dict) -> GemvConfig | None:
+        """The tiles a table row holds (its entries named as these fields; others ignored), or
+        None where it holds none: a row a sweep wrote when no configuration compiled and
+        passed (``cublas_faster`` / ``fused_faster`` only)."""
+        if not all(f in row for f in cls.__dataclass_fields__):
+            return None
+        return cls(**{f: row[f] for f in cls.__dataclass_fields__})
+
 
 @triton.jit
 def _gemv_kernel(
@@ -246,7 +255,7 @@ def gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig | No
     row = entry.get(m_bucket(m)) if entry is not None and m <= GEMV_WIDE_MAX_M else None
     if row is None or row.get("cublas_faster"):
         return None
-    return GemvConfig(**{f: row[f] for f in GemvConfig.__dataclass_fields__})
+    return GemvConfig.from_row(row)
 
 
 def m_bucket(m: int) -> str:

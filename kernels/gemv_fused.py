@@ -41,6 +41,7 @@ from kernels.gemv import (
     _gemv_epilogue,
     dot_precision,
     gemv_supports,
+    m_bucket,
     pdl_launch_args,
     prefetchable,
     split_plan,
@@ -293,10 +294,10 @@ def fused_gemv_config(kind: str, m: int, n: int, k: int, device: torch.device) -
     if _interpreting():  # K tiles and splits crossed; wide N tiles (fewer interpreted programs)
         return GemvConfig(block_n=64, block_k=32, split_k=max(1, min(2, k // 64)), num_stages=1)
     entry = kernel_table("gemv_fused", device_name(device)).get(f"{kind}:{n},{k}")
-    row = entry.get("m1" if m == 1 else "m16") if entry is not None else None
+    row = entry.get(m_bucket(m)) if entry is not None else None
     if row is None or not row.get("fused_faster"):
         return None
-    return GemvConfig(**{f: row[f] for f in GemvConfig.__dataclass_fields__})
+    return GemvConfig.from_row(row)
 
 
 def _check(x_k: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, what: str) -> None:

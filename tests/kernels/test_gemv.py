@@ -92,6 +92,8 @@ def test_table_rows_serve_their_row_counts(monkeypatch):
     assert kg.gemv_config(1, 48, 64, cpu) is not None and kg.gemv_config(20, 48, 64, cpu) is None
     assert kg.gemv_config(20, 80, 64, cpu) is None
     assert [kg.block_m(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    assert GemvConfig.from_row({"cublas_faster": True, "block_n": 64}) is None  # no whole tiles
+    assert GemvConfig.from_row(row(64)) == GemvConfig(block_n=64)
 
 
 def test_gemv_strided_rows():
