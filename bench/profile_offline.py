@@ -109,23 +109,34 @@ def main() -> None:
         print(f"  {k:55s} {v:7.2f} s  {100 * v / total:5.1f} %")
     eng.scheduler.schedule, mr.prepare_inputs, runner.launch, mr.StepHandle.result = orig
 
-    # steady decode at full batch: 256 requests, 512-token prompts, profile 5 steps
+    # steady decode at full batch: 256 requests, 500-token prompts. The prompts' prefill takes
+    # tens of steps (the attention bound of steps with decodes), so step until three steps in a
+    # row carry no prompt token with all 256 running, then profile 5 decode steps.
     for i in range(256):
         eng.add_request(
             f"d{i}",
             prompts[i % 256][:100] * 5,
-            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=64),
+            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=512),
         )
-    for _ in range(12):
-        eng.step()
+    pure, warm_steps = 0, 0
+    while pure < 3 and warm_steps < 400:
+        _, st = eng.step()
+        warm_steps += 1
+        pure = pure + 1 if st.num_prompt_tokens == 0 and st.num_running == 256 else 0
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            eng.step()
+        stats = [eng.step()[1] for _ in range(5)]
         torch.cuda.synchronize()
+    print(
+        f"decode profile after {warm_steps} warm-up steps: "
+        f"rows {[s.num_running for s in stats]}, "
+        f"prompt tokens {[s.num_prompt_tokens for s in stats]} (5 steps)"
+    )
     ka = prof.key_averages()
     print(ka.table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70))
     print(ka.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))
+    for i in range(256):
+        eng.abort(f"d{i}")
     while eng.has_unfinished():
         eng.step()
 
