@@ -82,6 +82,8 @@
 #           at c=64 with cuBLAS (no m64 row yet), then the sweep at M = 64 on Qwen3-0.6B's
 #           shapes written to this GPU's table (and $OUT), then the same two runs reading it
 #           (WIDE_SERVE=0: no serving runs)
+#   offline: bench/offline.py --skip-hf (nano-vllm's workload with its token budget, 16,384:
+#           the offline figure), this tree only
 #   l2pf:   the L2 prefetch kernel's GPU tests and the PDL ones, bench/l2_prefetch_probe.py (a
 #           28-layer GEMV chain with weights cold, hot in L2, and prefetched on a side stream)
 # Expects carried wheels in .whl, .benchassets/tokenizer and the old tree at $OLD, all three made
@@ -324,6 +326,8 @@ for stage in ${@:-tests dense}; do
              timeout "$(left 100)" python3 bench/persistent_layer_probe.py --warps 8 $args 2>&1 \
                | grep -E "^\| [0-9]|rror|failed" | tee -a "$OUT/persistab_probe.txt"
            done ;;
+    offline) timeout "$(left 150)" python3 bench/offline.py --ckpt $CKPT --skip-hf 2>&1 \
+             | grep -v Warning | tee "$OUT/offline.txt" | tail -6 ;;
     l2pf)  TRITON_INTERPRET=0 timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider \
              tests/kernels/test_l2_prefetch.py tests/kernels/test_pdl.py 2>&1 | tail -4
            timeout "$(left 90)" python3 bench/l2_prefetch_probe.py 2>&1 | grep -v Warning \
