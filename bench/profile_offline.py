@@ -110,8 +110,8 @@ def main() -> None:
     eng.scheduler.schedule, mr.prepare_inputs, runner.launch, mr.StepHandle.result = orig
 
     # steady decode at full batch: 256 requests, 500-token prompts. The prompts' prefill takes
-    # tens of steps (the attention bound of steps with decodes), so step until three steps in a
-    # row carry no prompt token with all 256 running, then profile 5 decode steps.
+    # ~15 steps (steps with decodes carry a bounded prompt share), so step until three steps in
+    # a row carry no prompt token with all 256 running, then profile 5 decode steps.
     for i in range(256):
         eng.add_request(
             f"d{i}",
