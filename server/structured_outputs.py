@@ -21,7 +21,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from engine.core.structured_output import matcher_error
+from engine.core.structured_output import consume_forced, matcher_error, special_spellings
 from server.errors import APIError
 from server.protocol import SamplingFields
 
@@ -252,6 +252,7 @@ class GrammarValidator:
         self.capacity = capacity
         self._lock = threading.Lock()
         self._tokenizer = None
+        self._spellings: dict[int, list[int]] = {}
         self._results: OrderedDict[str, str] = OrderedDict()  # grammar hash -> "" or error
 
     def _llg_tokenizer(self):
@@ -259,11 +260,13 @@ class GrammarValidator:
             if self._tokenizer is None:
                 from llguidance import LLTokenizer
 
-                self._tokenizer = LLTokenizer(
+                tokenizer = LLTokenizer(
                     self.tokenizer_json.read_text(),
                     n_vocab=self.vocab_size,
                     eos_token=self.eos_token_ids or None,
                 )
+                self._spellings = special_spellings(tokenizer)
+                self._tokenizer = tokenizer
             return self._tokenizer
 
     def _check(self, grammar: str) -> str:
@@ -285,7 +288,9 @@ class GrammarValidator:
         if matcher.is_error() or (matcher.is_stopped() and not matcher.is_accepting()):
             return "no text matches it"
         forced = matcher.compute_ff_tokens()
-        if forced and not matcher.consume_tokens(forced) or matcher.is_error():
+        # (forced text that equals a special token's is spelled with ordinary tokens, as the
+        # engine's masks spell it: engine.core.structured_output.special_spellings)
+        if forced and not consume_forced(matcher, forced, self._spellings) or matcher.is_error():
             return (
                 f"no finite text matches it (it forces an endless output: {matcher_error(matcher)})"
             )

@@ -45,6 +45,64 @@ def matcher_error(matcher) -> str:
 log = logging.getLogger(__name__)
 
 
+def special_spellings(tokenizer) -> dict[int, list[int]]:
+    """Special token id -> the ordinary tokens that spell its text, for the special tokens of
+    ``tokenizer`` (an ``llguidance.LLTokenizer``), end-of-sequence ones included (a grammar
+    that completes still allows those: :func:`correct_special_tokens` keeps what the matcher
+    takes).
+
+    llguidance keeps a tokenizer's added tokens (Qwen3's ``<think>``, ``<tool_call>``,
+    ``<|im_start|>``, ...) out of its byte trie: a grammar asks for one only by its special-token
+    syntax, and grammar text such as the regex ``a<think>`` must be spelled with ordinary tokens.
+    But where that text is forced, llguidance 1.9 tokenizes the forced bytes with the HF
+    tokenizer, which matches added tokens inside text, so its mask allows the special token
+    alone and its parser then refuses that token (a known llguidance limitation, also reported
+    to outlines, dottxt-ai/outlines#1771). :func:`correct_special_tokens` and
+    :func:`consume_forced` put the spelling in its place. A token whose text has no ordinary
+    spelling (greedy over the byte trie) is left out."""
+    out = {}
+    for tok in range(tokenizer.vocab_size):
+        if not tokenizer.is_special_token(tok):
+            continue
+        text = tokenizer.decode_bytes([tok])
+        if not text or text.startswith(b"\xff"):
+            continue
+        try:
+            spelling = tokenizer.greedy_tokenize(text.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            continue
+        if spelling and not any(tokenizer.is_special_token(t) for t in spelling):
+            out[tok] = spelling
+    return out
+
+
+def correct_special_tokens(matcher, mask: tuple[bytearray, int, int], spellings) -> None:
+    """Clear from ``mask`` (a packed row, as :func:`_mask_allows` reads it) the special tokens
+    of ``spellings`` (:func:`special_spellings`) that ``matcher`` would refuse, and allow the
+    first token of each one's ordinary spelling where the matcher takes it."""
+    buf, start, end = mask
+    for tok, spelling in spellings.items():
+        if not _mask_allows(mask, tok) or matcher.validate_tokens([tok]) == 1:
+            continue
+        buf[start + tok // 8] &= ~(1 << (tok % 8)) & 0xFF
+        first = spelling[0]
+        if start + first // 8 < end and matcher.validate_tokens([first]) == 1:
+            buf[start + first // 8] |= 1 << (first % 8)
+
+
+def consume_forced(matcher, forced: list[int], spellings) -> bool:
+    """Consume the tokens ``forced`` (``matcher.compute_ff_tokens()``) into ``matcher``, each
+    special token it refuses replaced by its ordinary spelling (:func:`special_spellings`).
+    Returns whether every token (or spelling) was taken."""
+    for tok in forced:
+        if tok in spellings and matcher.validate_tokens([tok]) == 0:
+            if not matcher.consume_tokens(spellings[tok]):
+                return False
+        elif not matcher.consume_token(tok):
+            return False
+    return True
+
+
 def _mask_allows(mask: tuple[bytearray, int, int], token: int) -> bool:
     """Whether bit ``token`` of the packed row ``buf[start:end]`` is set (llguidance's layout:
     little-endian 32-bit words, bit ``t % 32`` of word ``t // 32``, i.e. bit ``t % 8`` of byte
@@ -110,6 +168,9 @@ class StructuredOutputManager:
         self._templates: OrderedDict[str, Future] = OrderedDict()
         self._tokenizer = None
         self._executor = None
+        self._spellings: dict[int, list[int]] | None = None
+        # bytes of a packed row holding a special token's bit (checked before the tokens)
+        self._special_bytes: list[int] = []
         self.mask_bytes = 4 * bitmask_words(vocab_size)
 
     def _llg_tokenizer(self):
@@ -121,6 +182,8 @@ class StructuredOutputManager:
                 n_vocab=self.vocab_size,
                 eos_token=self.eos_token_ids or None,
             )
+            self._spellings = special_spellings(self._tokenizer)
+            self._special_bytes = sorted({tok // 8 for tok in self._spellings})
         return self._tokenizer
 
     def _compile(self, grammar: str):
@@ -147,7 +210,8 @@ class StructuredOutputManager:
 
     def fill_bitmasks(self, states: list[GrammarState]) -> bytearray:
         """The packed bitmasks of ``states`` (active, compiled), row ``i`` for ``states[i]``:
-        ``len(states) * mask_bytes`` bytes, computed in parallel by llguidance's executor."""
+        ``len(states) * mask_bytes`` bytes, computed in parallel by llguidance's executor; a
+        row that allows a special token is corrected by :func:`correct_special_tokens`."""
         if self._executor is None:
             from llguidance import LLExecutor
 
@@ -163,6 +227,9 @@ class StructuredOutputManager:
         del view  # release the buffer export before the bytearray travels on
         for i, st in enumerate(states):
             st._mask = (buf, i * self.mask_bytes, (i + 1) * self.mask_bytes)
+            start = i * self.mask_bytes
+            if any(buf[start + b] for b in self._special_bytes):
+                correct_special_tokens(st._matcher, st._mask, self._spellings)
         return buf
 
     def shutdown(self) -> None:

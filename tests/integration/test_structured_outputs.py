@@ -186,6 +186,66 @@ def test_json_object_regex_and_choice_on_both_endpoints(srv):
             assert c["finish_reason"] == "stop" and check(text), (fields, endpoint, text)
 
 
+def test_grammar_text_equal_to_a_special_token_is_spelled_with_ordinary_tokens(srv):
+    # llguidance 1.9 tokenizes forced text with the HF tokenizer, which matches added tokens
+    # inside text: its mask then allowed the special token alone and its parser refused it
+    # (a 400 up front, or an error mid-request). The text must come out, spelled with ordinary
+    # tokens (the detokenized text is the same).
+    cases = [
+        ({"structured_outputs": {"regex": "[a-z]{2}<\\|im_start\\|>"}}, "[a-z]{2}<\\|im_start\\|>"),
+        ({"structured_outputs": {"regex": "abc </tool_call>"}}, "abc </tool_call>"),
+        ({"guided_regex": "x<\\|im_end\\|>"}, "x<\\|im_end\\|>"),
+        (
+            {"response_format": _schema_format({"type": "string", "const": "<tool_call>"})},
+            '"<tool_call>"',
+        ),
+    ]
+    for i, (fields, pattern) in enumerate(cases):
+        for endpoint, stream in (("chat", False), ("completions", False), ("chat", True)):
+            if endpoint == "chat":
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], **fields}
+                path = "/v1/chat/completions"
+            else:
+                body = {"model": MODEL, "prompt": "go", **fields}
+                path = "/v1/completions"
+            body.update(temperature=1.0, max_tokens=40, seed=i, stream=stream)
+            r = httpx.post(srv.base_url + path, json=body, timeout=300)
+            assert r.status_code == 200, (fields, r.text)
+            if stream:
+                events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+                assert events[-1] == "[DONE]" and "error" not in r.text, r.text
+                chunks = [json.loads(e)["choices"] for e in events[:-1]]
+                text = "".join(c[0]["delta"].get("content") or "" for c in chunks if c)
+                finish = [c[0]["finish_reason"] for c in chunks if c and c[0]["finish_reason"]]
+            else:
+                c = r.json()["choices"][0]
+                text = c["message"]["content"] if endpoint == "chat" else c["text"]
+                finish = [c["finish_reason"]]
+            assert finish == ["stop"] and re.fullmatch(pattern, text), (fields, endpoint, text)
+    # a choice between a special token's text and plain text: both options are reachable
+    seen = set()
+    for seed in range(12):
+        r = httpx.post(
+            srv.base_url + "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": "go",
+                "structured_outputs": {"choice": ["<think>", "x"]},
+                "temperature": 1.0,
+                "max_tokens": 20,
+                "seed": seed,
+            },
+            timeout=300,
+        )
+        assert r.status_code == 200, r.text
+        seen.add(r.json()["choices"][0]["text"])
+    assert seen == {"<think>", "x"}, seen
+
+
+def _schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+
 class Person(BaseModel):
     name: str = Field(max_length=6)
     age: int = Field(ge=0, le=99)

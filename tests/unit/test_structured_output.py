@@ -8,8 +8,10 @@ included) and Python's ``re``; nothing here compares the engine with itself.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -346,3 +348,47 @@ def test_matcher_errors_keep_the_reason_and_drop_the_dump(embedded, regex, reaso
     msg = matcher_error(matcher)
     assert "\n" not in msg and "^" not in msg, msg
     assert "regex parse error: " + reason in msg, msg
+
+
+def test_special_token_corrections_keep_what_the_grammar_asks_for(embedded):
+    # A grammar that asks for the special token itself (llguidance's token syntax, as the
+    # tool-call grammar does) keeps it allowed; one whose forced text merely equals its text
+    # gets the token's ordinary spelling instead (llguidance's mask offered the special token,
+    # which its parser then refused).
+    from llguidance import LLTokenizer
+
+    from engine.core.structured_output import (
+        _mask_allows,
+        consume_forced,
+        correct_special_tokens,
+        special_spellings,
+    )
+
+    path, tok = embedded
+    llg = LLTokenizer((Path(path) / "tokenizer.json").read_text())
+    spellings = special_spellings(llg)
+    call = tok.encode("<tool_call>")
+    assert len(call) == 1 and call[0] in spellings
+    call = call[0]
+    assert "".join(tok.decode([t]) for t in spellings[call]) == "<tool_call>"
+
+    def mask_of(matcher):
+        buf = bytearray(4 * bitmask_words(llg.vocab_size))
+        view = (ctypes.c_char * len(buf)).from_buffer(buf)
+        matcher.unsafe_compute_mask_ptr(ctypes.addressof(view), len(buf))
+        del view
+        return (buf, 0, len(buf))
+
+    asks = LLMatcher(llg, LLMatcher.grammar_from_lark('start: <tool_call> "x"'), log_level=0)
+    mask = mask_of(asks)
+    assert _mask_allows(mask, call)
+    correct_special_tokens(asks, mask, spellings)
+    assert _mask_allows(mask, call) and asks.consume_token(call)
+
+    text = LLMatcher(llg, LLMatcher.grammar_from_regex("<tool_call>x"), log_level=0)
+    mask = mask_of(text)
+    assert _mask_allows(mask, call) and text.validate_tokens([call]) == 0
+    correct_special_tokens(text, mask, spellings)
+    first = spellings[call][0]
+    assert not _mask_allows(mask, call) and _mask_allows(mask, first)
+    assert consume_forced(text, text.compute_ff_tokens(), spellings) and text.is_accepting()
