@@ -65,7 +65,9 @@ def special_spellings(tokenizer) -> dict[int, list[int]]:
         if not tokenizer.is_special_token(tok):
             continue
         text = tokenizer.decode_bytes([tok])
-        if not text or text.startswith(b"\xff"):
+        # (ids past the tokenizer's own vocabulary, padding to the model's width, read as
+        # llguidance's placeholder "<[id]>": no text of theirs)
+        if not text or text.startswith(b"\xff") or text == f"<[{tok}]>".encode():
             continue
         try:
             spelling = tokenizer.greedy_tokenize(text.decode("utf-8"))
@@ -76,18 +78,40 @@ def special_spellings(tokenizer) -> dict[int, list[int]]:
     return out
 
 
-def correct_special_tokens(matcher, mask: tuple[bytearray, int, int], spellings) -> None:
+def special_bytes(spellings) -> list[tuple[int, int, tuple[int, ...]]]:
+    """``(byte, bits, tokens)``: the bytes of a packed mask row that hold the bits of the
+    special tokens of ``spellings`` (:func:`special_spellings`), each with those bits and
+    tokens, so a row is checked a byte at a time (:func:`correct_special_tokens`)."""
+    by_byte: dict[int, list[int]] = {}
+    for tok in sorted(spellings):
+        by_byte.setdefault(tok // 8, []).append(tok)
+    return [
+        (b, sum(1 << (t % 8) for t in toks), tuple(toks)) for b, toks in sorted(by_byte.items())
+    ]
+
+
+def correct_special_tokens(
+    matcher, mask: tuple[bytearray, int, int], spellings, by_byte=None, eos=frozenset()
+) -> None:
     """Clear from ``mask`` (a packed row, as :func:`_mask_allows` reads it) the special tokens
     of ``spellings`` (:func:`special_spellings`) that ``matcher`` would refuse, and allow the
-    first token of each one's ordinary spelling where the matcher takes it."""
+    first token of each one's ordinary spelling where the matcher takes it. ``by_byte``:
+    :func:`special_bytes` of ``spellings`` (computed when None); only the set bits among them
+    cost a matcher call. ``eos``: the matcher's end-of-sequence ids, which it takes exactly
+    when it is accepting (one cheap call instead of a token's validation)."""
     buf, start, end = mask
-    for tok, spelling in spellings.items():
-        if not _mask_allows(mask, tok) or matcher.validate_tokens([tok]) == 1:
+    for b, bits, toks in special_bytes(spellings) if by_byte is None else by_byte:
+        if start + b >= end or not buf[start + b] & bits:
             continue
-        buf[start + tok // 8] &= ~(1 << (tok % 8)) & 0xFF
-        first = spelling[0]
-        if start + first // 8 < end and matcher.validate_tokens([first]) == 1:
-            buf[start + first // 8] |= 1 << (first % 8)
+        for tok in toks:
+            if not buf[start + b] >> (tok % 8) & 1:
+                continue
+            if tok in eos and matcher.is_accepting() or matcher.validate_tokens([tok]) == 1:
+                continue
+            buf[start + b] &= ~(1 << (tok % 8)) & 0xFF
+            first = spellings[tok][0]
+            if start + first // 8 < end and matcher.validate_tokens([first]) == 1:
+                buf[start + first // 8] |= 1 << (first % 8)
 
 
 def consume_forced(matcher, forced: list[int], spellings) -> bool:
@@ -162,28 +186,30 @@ class StructuredOutputManager:
         self.tokenizer_json = Path(tokenizer_json)
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
+        self._eos = frozenset(eos_token_ids)
         self.capacity = capacity
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._lock = threading.Lock()
         self._templates: OrderedDict[str, Future] = OrderedDict()
         self._tokenizer = None
         self._executor = None
-        self._spellings: dict[int, list[int]] | None = None
-        # bytes of a packed row holding a special token's bit (checked before the tokens)
-        self._special_bytes: list[int] = []
+        self._spellings: dict[int, list[int]] = {}
+        # the bytes of a packed row holding special tokens' bits, with those bits and tokens
+        self._special_bytes: list[tuple[int, int, tuple[int, ...]]] = []
         self.mask_bytes = 4 * bitmask_words(vocab_size)
 
     def _llg_tokenizer(self):
         if self._tokenizer is None:
             from llguidance import LLTokenizer
 
-            self._tokenizer = LLTokenizer(
+            tokenizer = LLTokenizer(
                 self.tokenizer_json.read_text(),
                 n_vocab=self.vocab_size,
                 eos_token=self.eos_token_ids or None,
             )
-            self._spellings = special_spellings(self._tokenizer)
-            self._special_bytes = sorted({tok // 8 for tok in self._spellings})
+            self._spellings = special_spellings(tokenizer)
+            self._special_bytes = special_bytes(self._spellings)
+            self._tokenizer = tokenizer  # (last: a later compile finds the spellings built)
         return self._tokenizer
 
     def _compile(self, grammar: str):
@@ -227,9 +253,9 @@ class StructuredOutputManager:
         del view  # release the buffer export before the bytearray travels on
         for i, st in enumerate(states):
             st._mask = (buf, i * self.mask_bytes, (i + 1) * self.mask_bytes)
-            start = i * self.mask_bytes
-            if any(buf[start + b] for b in self._special_bytes):
-                correct_special_tokens(st._matcher, st._mask, self._spellings)
+            correct_special_tokens(
+                st._matcher, st._mask, self._spellings, self._special_bytes, self._eos
+            )
         return buf
 
     def shutdown(self) -> None:

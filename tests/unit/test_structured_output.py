@@ -392,3 +392,52 @@ def test_special_token_corrections_keep_what_the_grammar_asks_for(embedded):
     first = spellings[call][0]
     assert not _mask_allows(mask, call) and _mask_allows(mask, first)
     assert consume_forced(text, text.compute_ff_tokens(), spellings) and text.is_accepting()
+
+
+def test_engine_masks_spell_special_token_text_and_keep_eos(embedded):
+    # The engine's own masks (the model's 151,936-wide vocabulary, padding ids included), a
+    # greedy walk over what each mask allows: a forced special token's text comes out spelled
+    # with ordinary tokens, every allowed token is one the matcher takes, and at an accepting
+    # state the end-of-sequence ids stay allowed.
+    from engine.core.structured_output import (
+        GrammarState,
+        StructuredOutputManager,
+        _mask_allows,
+    )
+
+    path, tok = embedded
+    manager = StructuredOutputManager(f"{path}/tokenizer.json", 151936, tok.eos_token_ids)
+    try:
+        spec = StructuredOutputSpec(LLMatcher.grammar_from_regex("[a-z]{2}<\\|im_start\\|>"))
+        st = GrammarState(spec, manager.template(spec))
+        manager.template(spec).result()
+        assert st.ready() and not st.error
+        # only the tokenizer's added tokens, not the ids that pad it to the model's width
+        assert 20 <= len(manager._spellings) <= 40
+        im_start = tok.encode("<|im_start|>")
+        assert len(im_start) == 1
+        out = []
+        for _ in range(12):
+            mask = (manager.fill_bitmasks([st]), 0, manager.mask_bytes)
+            allowed = [t for t in range(151936) if _mask_allows(mask, t)]
+            assert allowed and im_start[0] not in allowed
+            for t in allowed[:50]:
+                assert st._matcher.validate_tokens([t]) == 1, t
+            st._mask = mask
+            st.accept(allowed[0])
+            assert st.error is None
+            out.append(allowed[0])
+            if st._matcher.is_accepting():
+                break
+        assert re.fullmatch("[a-z]{2}<\\|im_start\\|>", tok.decode(out)), tok.decode(out)
+
+        loop = StructuredOutputSpec(LLMatcher.grammar_from_regex("(<think>)+"))
+        st = GrammarState(loop, manager.template(loop))
+        manager.template(loop).result()
+        assert st.ready()
+        think = manager._spellings[tok.encode("<think>")[0]]
+        assert st._matcher.consume_tokens(think) and st._matcher.is_accepting()
+        mask = (manager.fill_bitmasks([st]), 0, manager.mask_bytes)
+        assert all(_mask_allows(mask, e) for e in tok.eos_token_ids)
+    finally:
+        manager.shutdown()
