@@ -172,18 +172,21 @@ def test_json_object_regex_and_choice_on_both_endpoints(srv):
     ]
     for i, (fields, check) in enumerate(cases):
         for endpoint in ("chat", "completions"):
-            if endpoint == "chat":
-                body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], **fields}
-                path = "/v1/chat/completions"
-            else:
-                body = {"model": MODEL, "prompt": "go", **fields}
-                path = "/v1/completions"
+            path, body = _endpoint_request(endpoint, fields)
             body.update(temperature=1.0, max_tokens=60, seed=i)
             r = httpx.post(srv.base_url + path, json=body, timeout=300)
             assert r.status_code == 200, (fields, r.text)
             c = r.json()["choices"][0]
             text = c["message"]["content"] if endpoint == "chat" else c["text"]
             assert c["finish_reason"] == "stop" and check(text), (fields, endpoint, text)
+
+
+def _endpoint_request(endpoint: str, fields: dict) -> tuple[str, dict]:
+    """(path, body) of a request to "chat" or "completions" with the prompt "go" and ``fields``."""
+    if endpoint == "chat":
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], **fields}
+        return "/v1/chat/completions", body
+    return "/v1/completions", {"model": MODEL, "prompt": "go", **fields}
 
 
 def test_grammar_text_equal_to_a_special_token_is_spelled_with_ordinary_tokens(srv):
@@ -202,12 +205,7 @@ def test_grammar_text_equal_to_a_special_token_is_spelled_with_ordinary_tokens(s
     ]
     for i, (fields, pattern) in enumerate(cases):
         for endpoint, stream in (("chat", False), ("completions", False), ("chat", True)):
-            if endpoint == "chat":
-                body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], **fields}
-                path = "/v1/chat/completions"
-            else:
-                body = {"model": MODEL, "prompt": "go", **fields}
-                path = "/v1/completions"
+            path, body = _endpoint_request(endpoint, fields)
             body.update(temperature=1.0, max_tokens=40, seed=i, stream=stream)
             r = httpx.post(srv.base_url + path, json=body, timeout=300)
             assert r.status_code == 200, (fields, r.text)
