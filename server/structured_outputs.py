@@ -21,7 +21,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from engine.core.structured_output import consume_forced, matcher_error, special_spellings
+from engine.core.structured_output import consume_forced, llg_tokenizer, matcher_error
 from server.errors import APIError
 from server.protocol import SamplingFields
 
@@ -258,14 +258,9 @@ class GrammarValidator:
     def _llg_tokenizer(self):
         with self._lock:
             if self._tokenizer is None:
-                from llguidance import LLTokenizer
-
-                tokenizer = LLTokenizer(
-                    self.tokenizer_json.read_text(),
-                    n_vocab=self.vocab_size,
-                    eos_token=self.eos_token_ids or None,
+                tokenizer, self._spellings = llg_tokenizer(
+                    self.tokenizer_json, self.vocab_size, self.eos_token_ids
                 )
-                self._spellings = special_spellings(tokenizer)
                 self._tokenizer = tokenizer
             return self._tokenizer
 

@@ -78,6 +78,19 @@ def special_spellings(tokenizer) -> dict[int, list[int]]:
     return out
 
 
+def llg_tokenizer(tokenizer_json: Path, vocab_size: int, eos_token_ids: list[int]):
+    """llguidance's view of the checkpoint's tokenizer (``llguidance.LLTokenizer``, ~2 s to
+    build for a 150k vocabulary) padded to ``vocab_size`` ids, ending at ``eos_token_ids``,
+    with its :func:`special_spellings`: ``(tokenizer, spellings)``. Built the same way by the
+    engine's :class:`StructuredOutputManager` and the server's grammar validation."""
+    from llguidance import LLTokenizer
+
+    tokenizer = LLTokenizer(
+        Path(tokenizer_json).read_text(), n_vocab=vocab_size, eos_token=eos_token_ids or None
+    )
+    return tokenizer, special_spellings(tokenizer)
+
+
 def special_bytes(spellings) -> list[tuple[int, int, tuple[int, ...]]]:
     """``(byte, bits, tokens)``: the bytes of a packed mask row that hold the bits of the
     special tokens of ``spellings`` (:func:`special_spellings`), each with those bits and
@@ -200,14 +213,9 @@ class StructuredOutputManager:
 
     def _llg_tokenizer(self):
         if self._tokenizer is None:
-            from llguidance import LLTokenizer
-
-            tokenizer = LLTokenizer(
-                self.tokenizer_json.read_text(),
-                n_vocab=self.vocab_size,
-                eos_token=self.eos_token_ids or None,
+            tokenizer, self._spellings = llg_tokenizer(
+                self.tokenizer_json, self.vocab_size, self.eos_token_ids
             )
-            self._spellings = special_spellings(tokenizer)
             self._special_bytes = special_bytes(self._spellings)
             self._tokenizer = tokenizer  # (last: a later compile finds the spellings built)
         return self._tokenizer
