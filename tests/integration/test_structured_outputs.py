@@ -224,18 +224,11 @@ def test_grammar_text_equal_to_a_special_token_is_spelled_with_ordinary_tokens(s
     # llguidance's own mask already offered "<"): both options stay reachable
     seen = set()
     for seed in range(12):
-        r = httpx.post(
-            srv.base_url + "/v1/completions",
-            json={
-                "model": MODEL,
-                "prompt": "go",
-                "structured_outputs": {"choice": ["<think>", "x"]},
-                "temperature": 1.0,
-                "max_tokens": 20,
-                "seed": seed,
-            },
-            timeout=300,
+        path, body = _endpoint_request(
+            "completions", {"structured_outputs": {"choice": ["<think>", "x"]}}
         )
+        body.update(temperature=1.0, max_tokens=20, seed=seed)
+        r = httpx.post(srv.base_url + path, json=body, timeout=300)
         assert r.status_code == 200, r.text
         seen.add(r.json()["choices"][0]["text"])
     assert seen == {"<think>", "x"}, seen
