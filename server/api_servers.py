@@ -361,7 +361,7 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
         if supervisor.stopping():
             raise StartupInterrupted("stopped before the engine started")
         engine = EngineProcess(
-            config, eos, num_clients=count, ignore_signals=True, should_stop=supervisor.stopping
+            config, eos, num_clients=count, should_stop=supervisor.stopping
         )
         ctx = mp.get_context("spawn")
         shared_connections = ctx.Value("q", 0)

@@ -42,26 +42,24 @@ def _child_main(
     conns: list,
     log_level: int,
     log_interval: float,
-    ignore_signals: bool = False,
 ) -> None:
     """Entry point of the engine process: build the engine, report its limits on ``conns[0]``,
     serve the commands of every front end (:class:`ClientChannels`).
 
-    Every engine core ignores SIGINT: a terminal's Ctrl-C reaches the whole foreground process
-    group, and the server stops the engine itself once its requests are done (the idle core
-    printed a KeyboardInterrupt traceback in the server's log, a busy one could fail the
-    requests the server was finishing). A tensor-parallel engine core, and one serving several
-    API servers (``ignore_signals``), also ignores SIGTERM: launchers (torchrun, the API-server
-    supervisor, a service manager stopping the control group) signal every process, and the
-    engine stops itself once every front end has left (each sends Shutdown or closes its pipe
-    after its requests are done); a core killed by the signal instead would fail the requests
-    still finishing, and leave its ranks to fail on a closed connection. (A lone front end's
-    core keeps SIGTERM: it is daemonic, and multiprocessing ends it with SIGTERM at exit.)"""
+    An engine core ignores SIGINT and SIGTERM (it starts with both blocked: none hits the
+    bootstrap). A terminal's Ctrl-C reaches the whole foreground process group, and launchers
+    (``make serve``'s process group, torchrun, the API-server supervisor, a service manager
+    stopping the control group) signal every process; the front ends drain their requests and
+    the engine stops itself once every front end has left (each sends Shutdown or closes its
+    pipe). A core stopped by the signal instead would fail the requests still finishing (an
+    idle one printed a KeyboardInterrupt traceback), and a tensor-parallel core would leave its
+    ranks to fail on a closed connection. Nothing is lost for it: the process is not daemonic,
+    and a front end that exits without a shutdown closes the pipes and kills it after a
+    timeout (:meth:`EngineProcess.reap`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if config.tensor_parallel_size > 1 or ignore_signals:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if ignore_signals:  # started with them blocked (EngineProcess): none hit the bootstrap
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # started with them blocked (EngineProcess): none hit the bootstrap
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
     # a parent killed during the load (minutes with a large model) must not leave this process
     # loading and holding the GPU: until it reports ready, its parent's death kills it (and a
     # parent already gone before the signal was set ends it here)
@@ -127,8 +125,6 @@ class EngineProcess:
         num_clients: front ends (API servers) it serves, one pipe each (:attr:`conns`).
         log_interval: seconds between the engine's periodic log lines.
         startup_timeout: seconds to wait for the model (compilation and CUDA graphs included).
-        ignore_signals: the process ignores SIGTERM/SIGINT (a supervisor stops it by closing the
-            pipes; see :func:`_child_main`).
         should_stop: called every :data:`STARTUP_POLL_S` seconds while the model loads; True
             kills the process and raises :class:`StartupInterrupted` (a supervisor's signal
             handler sets the flag it reads; it never raises from the handler).
@@ -151,7 +147,6 @@ class EngineProcess:
         num_clients: int = 1,
         log_interval: float = 10.0,
         startup_timeout: float = 1800.0,
-        ignore_signals: bool = False,
         should_stop=None,
     ):
         if num_clients < 1:
@@ -159,35 +154,34 @@ class EngineProcess:
         ctx = mp.get_context("spawn")
         pipes = [ctx.Pipe() for _ in range(num_clients)]
         self.conns = [p[0] for p in pipes]
-        # a tensor-parallel engine core spawns its other ranks, which a daemonic process may
-        # not do; it leaves when its front ends' pipes close (ClientChannels) and its ranks die
-        # with it (engine.worker.tp_worker), and shutdown() kills it after its timeout
+        # not daemonic: multiprocessing would end a daemonic child with SIGTERM at exit, which
+        # the engine core ignores (see _child_main), and a tensor-parallel core spawns its
+        # other ranks, which a daemonic process may not do. It leaves when its front ends'
+        # pipes close (ClientChannels), its ranks die with it (engine.worker.tp_worker), and
+        # join() / reap() kill it after their timeout.
         self.proc = ctx.Process(
             target=_child_main,
             name="engine-core",
-            daemon=config.tensor_parallel_size == 1 and not ignore_signals,
+            daemon=False,
             args=(
                 config,
                 eos_token_ids,
                 [p[1] for p in pipes],
                 logging.getLogger().level,
                 log_interval,
-                ignore_signals,
             ),
         )
         try:
-            # a supervisor's engine core starts with SIGTERM/SIGINT blocked (see _child_main)
+            # the engine core starts with SIGTERM/SIGINT blocked (see _child_main)
             blocked = {signal.SIGTERM, signal.SIGINT}
-            old = signal.pthread_sigmask(signal.SIG_BLOCK, blocked) if ignore_signals else None
+            old = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
             try:
                 self.proc.start()
             finally:
-                if old is not None:
-                    signal.pthread_sigmask(signal.SIG_SETMASK, old)
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)
             for _, child_conn in pipes:
                 child_conn.close()
-            if not self.proc.daemon:  # multiprocessing would join it at exit, maybe forever
-                atexit.register(self.reap)
+            atexit.register(self.reap)  # multiprocessing would join it at exit, maybe forever
             self.limits: EngineLimits = self._wait_ready(startup_timeout, should_stop)
         except BaseException:
             if self.proc.pid is not None and self.proc.is_alive():
