@@ -96,10 +96,12 @@ class Completions:
                     max_model_len=ctx.max_model_len,
                     vocab_size=ctx.vocab_size,
                     defaults=ctx.defaults,
+                    # the default of 16 counts against the prompt when the request set none
+                    max_tokens_param="max_tokens" if req.max_tokens is not None else "prompt",
                     prompt_param="prompt",
                 )
                 params.structured_output = spec
-                ctx.engine.limits.validate(ids)
+                ctx.engine.limits.validate(ids, params.max_tokens)
                 checked.append((ids, params))
         except RequestRejected as exc:
             raise rejected(exc, "prompt") from None

@@ -166,7 +166,7 @@ class Generation:
         self.finished: list[bool] = [False] * n
         self.num_tokens: list[int] = [0] * n
         if n > 1:  # refuse before any choice is queued (add_request checks each one again)
-            engine.limits.validate(prompt_ids)
+            engine.limits.validate(prompt_ids, params.max_tokens)
         try:
             for i in range(n):
                 p = params

@@ -61,7 +61,8 @@ def to_sampling_params(
 
     Args:
         max_tokens: the request's limit (None = up to the model length; 0 = score the prompt
-            only, which the caller allows with echo or prompt_logprobs).
+            only, which the caller allows with echo or prompt_logprobs: the prompt may then
+            fill the whole ``max_model_len``).
         logprobs: number of top alternatives to report (None = no logprobs).
         prompt_logprobs: alternatives per prompt token (None = no prompt log-probabilities).
         max_tokens_param, prompt_param: the request fields that errors name ("max_completion_tokens"
@@ -69,11 +70,20 @@ def to_sampling_params(
 
     Raises:
         APIError: 400 when prompt + max_tokens (or, without max_tokens, prompt + min_tokens)
-            exceed the model length, min_tokens exceeds max_tokens, or a logit_bias /
+            exceed the model length, the prompt leaves no room for a token (unless max_tokens
+            is 0), min_tokens exceeds max_tokens, or a logit_bias /
             stop_token_ids id is outside the vocabulary.
     """
     room = max_model_len - num_prompt_tokens
-    if room < 1:
+    if max_tokens == 0 and room < 0:  # scoring only: the prompt may fill the context
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {num_prompt_tokens} tokens.",
+            prompt_param,
+            "context_length_exceeded",
+        )
+    if max_tokens != 0 and room < 1:
         raise APIError(
             400,
             f"This model's maximum context length is {max_model_len} tokens. However, your "

@@ -44,13 +44,18 @@ class EngineLimits:
     dtype: str
     ranks: tuple[RankLayout, ...] = ()
 
-    def validate(self, prompt_token_ids: list[int]) -> None:
+    def validate(self, prompt_token_ids: list[int], max_tokens: int | None = None) -> None:
         """Reject a prompt that can never be served.
+
+        A prompt must leave room for one generated token (positions ``0 .. max_model_len -
+        1``), except with ``max_tokens == 0``: a request that only scores its prompt keeps no
+        token, so its prompt may fill the whole ``max_model_len`` (its step computes the
+        prompt's positions only).
 
         Raises:
             RequestRejected: empty prompt, ids outside the vocabulary, prompt at or over
-                max_model_len, a prompt the KV cache can never hold, or (chunked prefill off)
-                one over the step budget.
+                max_model_len (over it with ``max_tokens == 0``), a prompt the KV cache can
+                never hold, or (chunked prefill off) one over the step budget.
         """
         n = len(prompt_token_ids)
         if not n:
@@ -59,12 +64,14 @@ class EngineLimits:
             raise RequestRejected(
                 f"prompt token ids must be in [0, {self.vocab_size})", "invalid_token"
             )
-        if n >= self.max_model_len:
+        generated = 0 if max_tokens == 0 else 1
+        if n + generated > self.max_model_len:
             raise RequestRejected(
                 f"prompt has {n} tokens; this model's maximum context length is "
-                f"{self.max_model_len} tokens including at least one generated token"
+                f"{self.max_model_len} tokens"
+                + (" including at least one generated token" if generated else "")
             )
-        blocks = -(-(n + 1) // self.block_size)
+        blocks = -(-(n + generated) // self.block_size)
         if blocks > self.num_kv_blocks:
             raise RequestRejected(
                 f"prompt of {n} tokens needs {blocks} KV blocks; the cache has {self.num_kv_blocks}"

@@ -111,7 +111,7 @@ class LLMEngine:
         """
         if request_id in self.scheduler.requests:
             raise RequestRejected(f"duplicate request id {request_id!r}", "duplicate")
-        self.limits.validate(prompt_token_ids)
+        self.limits.validate(prompt_token_ids, params.max_tokens)
         req = Request(request_id, list(prompt_token_ids), params, max_len=self.max_model_len)
         spec = params.structured_output
         if spec is not None:

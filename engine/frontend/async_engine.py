@@ -183,7 +183,7 @@ class AsyncEngine:
             raise EngineUnavailable("the engine is not running")
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
-        self.limits.validate(prompt_token_ids)
+        self.limits.validate(prompt_token_ids, params.max_tokens)
         stream = RequestStream(request_id, len(prompt_token_ids))
         self._streams[request_id] = stream
         self.core.send(AddRequest(request_id, list(prompt_token_ids), params))

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from tests.metricsutil import num_kv_blocks, scrape
 from tests.serverproc import ServerProcess
 
 PROMPT = "The capital of France is Paris. A cat sat on the mat"
@@ -132,3 +133,44 @@ def test_tokens_as_token_ids_and_score_only(served):
         top_i = ref[j - 1].topk(5).indices.tolist()
         assert {f"token_id:{i}" for i in top_i} <= set(top)  # distinct keys, no collisions
         assert top[f"token_id:{ids[j]}"] == pytest.approx(ref[j - 1, ids[j]].item(), abs=1e-4)
+
+
+def test_score_only_prompt_may_fill_the_whole_context(tiny_served_checkpoint):
+    """``max_tokens: 0`` keeps no token, so a prompt of exactly ``--max-model-len`` tokens is
+    scored (a whole window of a rolling log-likelihood), equal to transformers, in chunks and
+    at a KV-block boundary (32 tokens = 2 blocks of 16); one token more, or any generated
+    token, is a 400 naming the prompt or max_tokens; every KV block is free afterwards."""
+    path, hf = tiny_served_checkpoint
+    n = 32
+    srv = ServerProcess(
+        "--model", path, "--max-model-len", str(n), "--max-num-batched-tokens", "8"
+    ).wait_ready()
+    try:
+        ids = torch.randint(0, hf.config.vocab_size, (n,)).tolist()
+        ref = _ref(hf, ids)
+        out = _post(
+            srv, "/v1/completions", {"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 0}
+        )
+        lp = out["choices"][0]["logprobs"]["token_logprobs"]
+        assert lp[0] is None and len(lp) == n and out["usage"]["completion_tokens"] == 0
+        for j in range(1, n):
+            assert abs(lp[j] - ref[j - 1, ids[j]].item()) < 1e-4
+        out = _post(srv, "/v1/completions", {"prompt": ids, "prompt_logprobs": 0, "max_tokens": 0})
+        plps = out["choices"][0]["prompt_logprobs"]
+        assert [p[str(i)]["logprob"] for p, i in zip(plps[1:], ids[1:])] == pytest.approx(
+            lp[1:], abs=1e-5
+        )
+        for body, param in [
+            ({"prompt": ids + [1], "echo": True, "logprobs": 1, "max_tokens": 0}, "prompt"),
+            ({"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 1}, "prompt"),
+            ({"prompt": ids[:20]}, "prompt"),  # the default 16 tokens: the field was not sent
+            ({"prompt": ids[:20], "max_tokens": 16}, "max_tokens"),
+        ]:
+            r = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["code"] == "context_length_exceeded" and err["param"] == param, err
+        m = scrape(srv.base_url)
+        assert m["qwen_serve:num_free_kv_blocks"] == num_kv_blocks(m), m
+    finally:
+        srv.stop()
