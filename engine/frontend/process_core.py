@@ -18,6 +18,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -131,7 +132,8 @@ class EngineProcess:
 
     Attributes:
         conns: this side of the pipes; hand each to its front end. limits: the engine's
-            constants. proc: the ``multiprocessing`` process.
+            constants. proc: the ``multiprocessing`` process. reaping: :meth:`reap` ran (the
+            pipes end without a Shutdown; a reader seeing that is not an engine death).
 
     Raises:
         RuntimeError: the engine process failed to start (its error message included).
@@ -152,6 +154,7 @@ class EngineProcess:
         if num_clients < 1:
             raise ValueError(f"num_clients must be at least 1, got {num_clients}")
         ctx = mp.get_context("spawn")
+        self.reaping = False  # reap() ran: the pipes end without a Shutdown, on purpose
         pipes = [ctx.Pipe() for _ in range(num_clients)]
         self.conns = [p[0] for p in pipes]
         # not daemonic: multiprocessing would end a daemonic child with SIGTERM at exit, which
@@ -227,10 +230,20 @@ class EngineProcess:
 
     def reap(self, timeout: float = 30.0) -> None:
         """At interpreter exit without a shutdown (a server that failed after starting its
-        engine): close the pipes, which stops the engine loop and its ranks, then wait for the
-        process, and kill it after ``timeout`` seconds."""
+        engine): end the pipes, which stops the engine loop and its ranks, then wait for the
+        process, and kill it after ``timeout`` seconds.
+
+        Each pipe (a socket pair) is shut down before it is closed: closing alone would not
+        end a front end's reader thread blocked in ``recv`` on it (Linux keeps the file open
+        under a blocked read), so the engine would never see the end of the pipe and would be
+        killed only after the timeout."""
+        self.reaping = True
         if not self.proc.is_alive():
             return
+        for conn in self.conns:
+            with contextlib.suppress(OSError, ValueError):  # closed already, or not a socket
+                with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
         self.close_conns()
         self.join(timeout)
 
@@ -300,7 +313,8 @@ class ProcessCore:
                     msg = self._conn.recv()
                 except (EOFError, OSError):
                     self._lost = True
-                    if not self._stopping:
+                    reaped = self._process is not None and self._process.reaping
+                    if not (self._stopping or reaped):
                         if self._proc is not None:
                             self._proc.join(5)
                             log.error("engine process died (exit code %s)", self._proc.exitcode)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -12,6 +16,8 @@ import pytest
 
 from tests.metricsutil import num_kv_blocks, scrape
 from tests.serverproc import ServerProcess, wait_gone
+
+REPO = Path(__file__).resolve().parents[2]
 
 #: the module's server keeps its engine process polling this long after its last work
 IDLE_POLL_MS = 400
@@ -141,6 +147,75 @@ def test_ctrl_c_to_the_process_group_shuts_down_cleanly():
         assert wait_gone([engine], 10) == [], "the engine process outlived the server"
     finally:
         srv.stop()
+
+
+def test_sigterm_to_the_process_group_lets_in_flight_requests_finish():
+    """A SIGTERM to the whole process group (``make serve``'s, a service manager's
+    control-group stop) reaches the engine process too: it ignores it, so a stream in flight
+    still finishes within ``--graceful-timeout`` and the server exits 0 with its engine
+    stopped (a daemonic engine process died of the signal and failed the stream)."""
+    srv = ServerProcess(
+        "--engine-mode", "process", "--max-model-len", "512", "--graceful-timeout", "60"
+    ).wait_ready()
+    try:
+        engine = _engine_pid(srv)
+        body = {"prompt": "a", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    if len(events) == 3:
+                        for pid in (srv.proc.pid, engine):
+                            os.kill(pid, signal.SIGTERM)
+        assert srv.proc.wait(60) == 0
+        log = open(srv.log_path).read()
+        assert events[-1] == "data: [DONE]", log[-4000:]
+        last = json.loads(events[-2][6:])  # an error event when the engine process died
+        assert "choices" in last and last["choices"][0]["finish_reason"] == "length", last
+        assert "engine process died" not in log, log[-4000:]
+        assert wait_gone([engine], 10) == [], "the engine process outlived the server"
+    finally:
+        srv.stop()
+
+
+#: a front end that starts an engine process, reads from it, and exits without a shutdown
+_EXIT_WITHOUT_SHUTDOWN = """
+from engine.core.config import EngineConfig
+from engine.frontend.process_core import ProcessCore
+from engine.loader.embedded import ensure_embedded_checkpoint
+
+if __name__ == "__main__":
+    cfg = EngineConfig(model=str(ensure_embedded_checkpoint()), device="cpu", num_kv_blocks=32)
+    core = ProcessCore(cfg, frozenset())
+    core.start(lambda outputs, stats: None, lambda: print("on_death called", flush=True))
+    print("engine pid", core._proc.pid, flush=True)
+"""
+
+
+def test_a_front_end_exiting_without_shutdown_ends_its_engine_process(tmp_path):
+    """The engine process is not daemonic (it ignores SIGTERM): a front end that exits without
+    a shutdown, its reader thread blocked on the pipe, still ends it at once through the
+    pipe's end (``EngineProcess.reap``) -- not by a kill after the timeout, and without
+    reporting an engine death."""
+    script = tmp_path / "front_end.py"
+    script.write_text(_EXIT_WITHOUT_SHUTDOWN)
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert time.monotonic() - t0 < 60, out[-4000:]
+    assert "still running after" not in out and "engine process died" not in out, out[-4000:]
+    assert "on_death called" not in out, out[-4000:]
+    pid = int(out.split("engine pid ")[1].split()[0])
+    assert wait_gone([pid], 10) == [], "the engine process outlived its front end"
 
 
 @pytest.mark.timeout(120)
