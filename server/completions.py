@@ -96,9 +96,8 @@ class Completions:
                     max_model_len=ctx.max_model_len,
                     vocab_size=ctx.vocab_size,
                     defaults=ctx.defaults,
-                    # the default of 16 counts against the prompt when the request set none
-                    max_tokens_param="max_tokens" if req.max_tokens is not None else "prompt",
                     prompt_param="prompt",
+                    max_tokens_sent=req.max_tokens is not None,
                 )
                 params.structured_output = spec
                 ctx.engine.limits.validate(ids, params.max_tokens)

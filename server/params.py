@@ -56,6 +56,7 @@ def to_sampling_params(
     defaults: dict,
     max_tokens_param: str = "max_tokens",
     prompt_param: str = "messages",
+    max_tokens_sent: bool = True,
 ) -> SamplingParams:
     """Build SamplingParams, applying checkpoint defaults to the fields the request left out.
 
@@ -67,6 +68,8 @@ def to_sampling_params(
         prompt_logprobs: alternatives per prompt token (None = no prompt log-probabilities).
         max_tokens_param, prompt_param: the request fields that errors name ("max_completion_tokens"
             when the chat request used it; "prompt" for text completions).
+        max_tokens_sent: False when ``max_tokens`` is the endpoint's default, not the
+            request's: a context error then names the prompt and says the limit is a default.
 
     Raises:
         APIError: 400 when prompt + max_tokens (or, without max_tokens, prompt + min_tokens)
@@ -97,8 +100,10 @@ def to_sampling_params(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {shown(num_prompt_tokens + max_tokens)} tokens "
             f"({num_prompt_tokens} in the prompt, "
-            f"{shown(max_tokens)} for the completion).",
-            max_tokens_param,
+            f"{shown(max_tokens)} for the completion"
+            + ("" if max_tokens_sent else ", the default max_tokens")
+            + ").",
+            max_tokens_param if max_tokens_sent else prompt_param,
             "context_length_exceeded",
         )
     bias = None

@@ -170,6 +170,7 @@ def test_score_only_prompt_may_fill_the_whole_context(tiny_served_checkpoint):
             assert r.status_code == 400, r.text
             err = r.json()["error"]
             assert err["code"] == "context_length_exceeded" and err["param"] == param, err
+            assert ("the default max_tokens" in err["message"]) == ("max_tokens" not in body), err
         m = scrape(srv.base_url)
         assert m["qwen_serve:num_free_kv_blocks"] == num_kv_blocks(m), m
     finally:
