@@ -41,7 +41,8 @@ class FakeEngine:
     def __init__(self, outputs):
         self.outputs = outputs
         self.limits = types.SimpleNamespace(
-            eos_token_ids=frozenset({PRIMARY_EOS, EXTRA_EOS}), validate=lambda ids: None
+            eos_token_ids=frozenset({PRIMARY_EOS, EXTRA_EOS}),
+            validate=lambda ids, max_tokens=None: None,
         )
         self.aborted = []
 
