@@ -142,9 +142,11 @@ def test_score_only_prompt_may_fill_the_whole_context(tiny_served_checkpoint):
     token, is a 400 naming the prompt or max_tokens; every KV block is free afterwards."""
     path, hf = tiny_served_checkpoint
     n = 32
+    # a fixed KV cache: on a GPU the module's other server holds most of the memory
     srv = ServerProcess(
-        "--model", path, "--max-model-len", str(n), "--max-num-batched-tokens", "8"
-    ).wait_ready()
+        "--model", path, "--max-model-len", str(n), "--max-num-batched-tokens", "8",
+        "--num-kv-blocks", "16",
+    ).wait_ready()  # fmt: skip
     try:
         ids = torch.randint(0, hf.config.vocab_size, (n,)).tolist()
         ref = _ref(hf, ids)
