@@ -360,9 +360,7 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
         eos = Tokenizer(config.model).eos_token_ids
         if supervisor.stopping():
             raise StartupInterrupted("stopped before the engine started")
-        engine = EngineProcess(
-            config, eos, num_clients=count, should_stop=supervisor.stopping
-        )
+        engine = EngineProcess(config, eos, num_clients=count, should_stop=supervisor.stopping)
         ctx = mp.get_context("spawn")
         shared_connections = ctx.Value("q", 0)
         num_ready = ctx.Value("i", 0)

@@ -78,19 +78,13 @@ def to_sampling_params(
             stop_token_ids id is outside the vocabulary.
     """
     room = max_model_len - num_prompt_tokens
-    if max_tokens == 0 and room < 0:  # scoring only: the prompt may fill the context
+    generated = 0 if max_tokens == 0 else 1  # scoring only: the prompt may fill the context
+    if room < generated:
         raise APIError(
             400,
             f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {num_prompt_tokens} tokens.",
-            prompt_param,
-            "context_length_exceeded",
-        )
-    if max_tokens != 0 and room < 1:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {num_prompt_tokens} tokens, which leaves no room for the completion.",
+            f"prompt has {num_prompt_tokens} tokens"
+            + (", which leaves no room for the completion." if generated else "."),
             prompt_param,
             "context_length_exceeded",
         )

@@ -55,8 +55,8 @@ def _child_main(
     pipe). A core stopped by the signal instead would fail the requests still finishing (an
     idle one printed a KeyboardInterrupt traceback), and a tensor-parallel core would leave its
     ranks to fail on a closed connection. Nothing is lost for it: the process is not daemonic,
-    and a front end that exits without a shutdown closes the pipes and kills it after a
-    timeout (:meth:`EngineProcess.reap`)."""
+    and a front end that exits without a shutdown ends the pipes, which stops it, and kills
+    it only if it is still running after a timeout (:meth:`EngineProcess.reap`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # started with them blocked (EngineProcess): none hit the bootstrap
