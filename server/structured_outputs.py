@@ -286,8 +286,15 @@ class GrammarValidator:
         # (forced text that equals a special token's is spelled with ordinary tokens, as the
         # engine's masks spell it: engine.core.structured_output.special_spellings)
         if forced and not consume_forced(matcher, forced, self._spellings) or matcher.is_error():
+            # llguidance stops on its item limits here: the forced start of a grammar whose every
+            # derivation is endless never ends ("Too many items ... ff_tokens"), and a rule of
+            # more alternatives than one parser row holds ("Current row has 2500 items; max is
+            # 2000", e.g. the tools of an enforced call) stops at its first token
             return (
-                f"no finite text matches it (it forces an endless output: {matcher_error(matcher)})"
+                f"the grammar engine stops on its forced start ({matcher_error(matcher)}): either "
+                "no finite text matches it (every derivation is endless), or a rule has more "
+                "alternatives than the engine takes (2,000 in one rule, e.g. the tools of an "
+                "enforced tool call)"
             )
         return ""
 

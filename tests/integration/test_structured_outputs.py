@@ -465,6 +465,32 @@ def test_bad_constraints_are_400_naming_the_parameter(srv, fields, param):
     assert httpx.get(srv.base_url + "/health").status_code == 200
 
 
+def test_more_enforced_tools_than_the_grammar_engine_takes_is_a_clear_400(srv):
+    """2,500 tools under ``tool_choice: "required"``: one rule of 2,500 alternatives, over
+    llguidance's 2,000 per parser row. The 400 names ``tool_choice`` and says so (it read "no
+    finite text matches it (it forces an endless output" before), and the server goes on."""
+    tools = [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}}
+        for i in range(2500)
+    ]
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": tools,
+        "tool_choice": "required",
+        "max_tokens": 5,
+    }
+    r = httpx.post(srv.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tool_choice", err
+    assert "more alternatives than the engine takes (2,000" in err["message"], err
+    assert "2500 items" in err["message"] and "\n" not in err["message"], err
+    body["tools"], body["tool_choice"] = tools[:3], "required"
+    r = httpx.post(srv.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 def test_compile_time_bound_gives_400(tmp_path):
     """A grammar that compiles slower than --grammar-compile-timeout is a 400, and the server
     keeps answering meanwhile."""
