@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from server.chat import check_tool_choice, render_prompt
+from server.chat import check_tool_choice, render_prompt_async
 from server.context import ServerContext
 from server.errors import APIError, body_parse_error
 from server.params import shown
@@ -92,7 +92,7 @@ class Tokenization:
         ctx.check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
             check_tool_choice(req)  # as chat completions checks it
-            text = render_prompt(ctx.tokenizer, req)
+            text = await render_prompt_async(ctx.tokenizer, req)
             param = "messages"
         else:
             text, param = req.prompt, "prompt"

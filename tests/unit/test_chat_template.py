@@ -303,3 +303,47 @@ def test_helpers_and_variables(tmp_path, ckpt, hf_tok):
     assert out == hf_tok.apply_chat_template(
         [U("m")], chat_template=template, data=data, tokenize=False, add_generation_prompt=True
     )
+
+
+@pytest.mark.parametrize("n", [2, 64, 65, 3000])
+def test_long_conversations_render_off_the_event_loop(tok, n):
+    """A conversation of more than RENDER_INLINE_ITEMS messages renders in a worker thread (a
+    60,000-message body held the event loop, /health included, for over a second), a short one
+    inline; both give render_prompt's text, and a template error is the same 400 either way."""
+    import asyncio
+    import threading
+
+    from server.chat import RENDER_INLINE_ITEMS, render_prompt, render_prompt_async
+    from server.errors import APIError
+    from server.protocol import ChatCompletionRequest
+
+    roles = ("user", "assistant")
+    req = ChatCompletionRequest(
+        model="m",
+        messages=[{"role": roles[i % 2], "content": f"m{i}"} for i in range(n - 1)]
+        + [{"role": "user", "content": "last"}],
+    )
+    threads = []
+    render = tok.apply_chat_template
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return render(*args, **kwargs)
+
+    async def main():
+        loop_thread = threading.current_thread()
+        text = await render_prompt_async(tok, req)
+        return loop_thread, text
+
+    tok.apply_chat_template = spy
+    try:
+        loop_thread, text = asyncio.run(main())
+        assert text == render(req.messages and [m.model_dump() for m in req.messages])
+        assert (threads[0] is loop_thread) == (n <= RENDER_INLINE_ITEMS)
+        bad = req.model_copy(update={"chat_template_kwargs": {"messages": []}})
+        with pytest.raises(APIError) as exc:
+            asyncio.run(render_prompt_async(tok, bad))
+        assert exc.value.param == "chat_template_kwargs"
+    finally:
+        del tok.apply_chat_template
+    assert text == render_prompt(tok, req)
