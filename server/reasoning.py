@@ -55,7 +55,8 @@ class Qwen3ReasoningParser:
 
     Format: thinking models emit ``<think>\\n...\\n</think>\\n\\n`` and then the answer. With
     enable_thinking=false the template pre-fills an empty think block in the prompt, so the
-    output has no tags and is all content.
+    output normally has no tags and is all content (the rules read the output, not the
+    setting: an output that opens ``<think>`` anyway is split the same way).
 
     Rules (same for `feed`/`finish` and `split`):
       * output starting with ``<think>``: the tag is dropped; text up to the first ``</think>``

@@ -18,6 +18,7 @@ CASES = {
     "think_no_answer": ("<think>\nonly reasoning\n</think>\n\n", "only reasoning", None),
     "empty_think": ("<think>\n\n</think>\n\nHi", None, "Hi"),
     "only_open_tag": ("<think>", None, None),
+    "only_open_tag_newline": ("<think>\n", None, None),  # max_tokens right after the tag
     "empty": ("", None, None),
     "tool_call_after_think": (
         '<think>\nuse tool\n</think>\n\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
