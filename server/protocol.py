@@ -172,15 +172,25 @@ class ChatMessage(_Lenient):
     @classmethod
     def _text_parts_only(cls, v):
         """A content part other than text (``image_url``, ``input_audio``, ``file``...) gets a
-        message that says so, not the union's "valid string" error."""
+        message that says so, and a malformed part (not an object, no ``type``, a text part
+        without a string ``text``) one that names it, not the union's "valid string" error."""
         if isinstance(v, list):
-            for part in v:
-                kind = part.get("type") if isinstance(part, dict) else None
+            for i, part in enumerate(v):
+                if not isinstance(part, dict):
+                    raise ValueError(
+                        f"content part {i} is not an object: a content list holds "
+                        '{"type": "text", "text": "..."} parts'
+                    )
+                kind = part.get("type")
                 if isinstance(kind, str) and kind != "text":
                     raise ValueError(
                         f"content parts of type '{kind}' are not supported: this server takes "
                         "text only (a string or a list of text parts)"
                     )
+                if kind is None:
+                    raise ValueError(f'content part {i} has no "type" (a text part has "text")')
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f'content part {i} of type "text" needs a string "text"')
         return v
 
     @field_validator("content")

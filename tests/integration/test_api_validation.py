@@ -333,6 +333,22 @@ def test_non_text_content_parts_are_named_as_unsupported(client):
         assert f"content parts of type '{part['type']}' are not supported" in err["message"]
 
 
+def test_malformed_text_parts_are_named(client):
+    """A part without ``type``, a text part without a string ``text``, a part that is not an
+    object: each 400 names the part (it read "Input should be a valid string" before)."""
+    for part, said in (
+        ({"text": "hi"}, 'content part 1 has no "type"'),
+        ({"type": "text"}, 'content part 1 of type "text" needs a string "text"'),
+        ({"type": "text", "text": 3}, 'content part 1 of type "text" needs a string "text"'),
+        ("hi", "content part 1 is not an object"),
+    ):
+        content = [{"type": "text", "text": "look"}, part]
+        with pytest.raises(openai.BadRequestError) as e:
+            send(client, "chat", {"messages": [{"role": "user", "content": content}]})
+        err = e.value.body
+        assert err["param"] == "messages.0.content" and said in err["message"], err
+
+
 def test_null_content_says_what_the_message_needs(client):
     """An assistant message with neither content nor tool_calls is told it needs one of them;
     another role's null content is told the content is null or missing."""
