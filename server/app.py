@@ -21,7 +21,10 @@ from server.tokenize import Tokenization
 
 
 class BodySizeLimit:
-    """ASGI middleware: POST bodies larger than ``max_bytes`` get 413 before any parsing."""
+    """ASGI middleware: POST bodies larger than ``max_bytes`` get 413 before any parsing; a
+    body within the limit is read whole here, and its size in bytes is left for the handlers in
+    the request's state (``request.state.body_bytes``: a large one renders its chat template
+    off the event loop, :func:`server.chat.render_prompt_async`)."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -47,6 +50,8 @@ class BodySizeLimit:
                     break
                 if not msg.get("more_body", False):
                     break
+        if not too_big:
+            scope.setdefault("state", {})["body_bytes"] = size
         if too_big:
             resp = error_response(
                 413, f"request body exceeds {self.max_bytes} bytes", code="request_too_large"
@@ -179,7 +184,7 @@ def create_app(ctx: ServerContext):
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
-        gen = await chat.start(req)
+        gen = await chat.start(req, getattr(raw.state, "body_bytes", 0))
         if req.stream:
             return await stream_response(chat.stream(req, gen), gen.abort)
         try:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor
 
 from engine.core.limits import RequestRejected
 from engine.frontend.tokenizer import Tokenizer
@@ -144,26 +145,36 @@ def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> str:
     return continue_final_message(text, req.messages[-1]) if req.continue_final_message else text
 
 
-#: a conversation of more messages and tools than this is rendered in a worker thread: the
-#: sandboxed template takes ~20 us a message on the 2-core CPU box (60,000 short messages, a
-#: 2.8 MB body within --max-body-bytes: 1.2 s), and inline it would hold every other request's
-#: stream (and /health) for that long; below it the thread hand-off (~0.1 ms) costs more than it
-#: frees
+#: a conversation of more messages and rendered tools than this, or a request body of more
+#: bytes than this, is rendered in the server's template thread: the sandboxed template takes
+#: ~20 us a message on the 2-core CPU box (60,000 short messages, a 2.8 MB body within
+#: --max-body-bytes: 1.2 s; one tool call's 2.2 MB of arguments: 0.4 s), and inline it would
+#: hold every other request's stream (and /health) for that long; below both the thread
+#: hand-off (~0.1 ms) costs more than it frees
 RENDER_INLINE_ITEMS = 64
+RENDER_INLINE_BYTES = 64 << 10
 
 
-async def render_prompt_async(tokenizer: Tokenizer, req: ChatCompletionRequest) -> str:
-    """:func:`render_prompt` off the event loop for a long conversation (more than
-    :data:`RENDER_INLINE_ITEMS` messages and tools together). The template holds the GIL while
-    it renders, but the interpreter switches threads every 5 ms, so the event loop keeps
-    serving meanwhile.
+async def render_prompt_async(
+    tokenizer: Tokenizer, req: ChatCompletionRequest, pool: Executor, body_bytes: int = 0
+) -> str:
+    """:func:`render_prompt` off the event loop, on ``pool`` (the server's one template
+    thread, :attr:`ServerContext.render_pool`), for a long conversation (more than
+    :data:`RENDER_INLINE_ITEMS` messages and rendered tools together) or a large request
+    (``body_bytes``, the request body's size, above :data:`RENDER_INLINE_BYTES`). The template
+    holds the GIL while it renders, so the event loop is slowed, not stopped: it runs again
+    each time the interpreter switches threads (every 5 ms), where inline it waited for the
+    whole render (measured: a 60,000-message body held /health 1.5-1.9 s inline, ~0.25 s with
+    the render in the thread, the rest being the body's parsing). One thread: the GIL would
+    not run two renders at once anyway, and more would slow the event loop more.
 
     Raises:
         APIError: as :func:`render_prompt`.
     """
-    if len(req.messages) + len(req.tools or ()) <= RENDER_INLINE_ITEMS:
+    tools = len(req.tools) if req.tools and req.tool_choice != "none" else 0
+    if len(req.messages) + tools <= RENDER_INLINE_ITEMS and body_bytes <= RENDER_INLINE_BYTES:
         return render_prompt(tokenizer, req)
-    return await asyncio.to_thread(render_prompt, tokenizer, req)
+    return await asyncio.get_running_loop().run_in_executor(pool, render_prompt, tokenizer, req)
 
 
 def continue_final_message(text: str, final: ChatMessage) -> str:
@@ -204,8 +215,10 @@ class ChatCompletions:
     def __init__(self, ctx: ServerContext):
         self.ctx = ctx
 
-    async def start(self, req: ChatCompletionRequest) -> Generation:
-        """Validate, render and tokenize, then queue the request's choices.
+    async def start(self, req: ChatCompletionRequest, body_bytes: int = 0) -> Generation:
+        """Validate, render and tokenize, then queue the request's choices. ``body_bytes``: the
+        request body's size (0: unknown), which picks where the template renders
+        (:func:`render_prompt_async`).
 
         Raises:
             APIError: 400/404 with an OpenAI error body.
@@ -240,7 +253,7 @@ class ChatCompletions:
             ):
                 await ctx.structured_output(tool_grammar, tool_param)
             grammar, param = tools_grammar, "tool_choice"
-        prompt = await render_prompt_async(ctx.tokenizer, req)
+        prompt = await render_prompt_async(ctx.tokenizer, req, ctx.render_pool, body_bytes)
         prompt_ids = await ctx.encode_request_prompt(prompt, "messages", req.add_special_tokens)
         ctx.check_prompt_length(len(prompt_ids), "messages")
         thinking = thinking_state(prompt, req.continue_final_message)

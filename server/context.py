@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -58,6 +59,8 @@ class ServerContext:
     grammar_validator: compiles structured-output grammars before a request is queued
         (None: structured outputs are refused with a 400).
     cors: the API's CORS policy (:class:`CorsPolicy`).
+    render_pool: the one thread that renders long conversations' chat templates off the event
+        loop (:func:`server.chat.render_prompt_async`).
     """
 
     engine: AsyncEngine
@@ -73,6 +76,11 @@ class ServerContext:
     encoder: PromptEncoder | None = None
     grammar_validator: GrammarValidator | None = None
     cors: CorsPolicy = field(default_factory=CorsPolicy)
+    #: the thread that renders long conversations' chat templates
+    #: (:func:`server.chat.render_prompt_async`; started on first use)
+    render_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="chat-template")
+    )
 
     #: prompts of at least this many characters are encoded in a worker thread, shorter ones
     #: inline, by ``tokenizers`` (its worst case on the dev VM at 2,047 characters: ~5 ms)...

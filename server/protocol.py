@@ -176,6 +176,8 @@ class ChatMessage(_Lenient):
         without a string ``text``) one that names it, not the union's "valid string" error."""
         if isinstance(v, list):
             for i, part in enumerate(v):
+                if isinstance(part, TextPart):  # built in Python, already validated
+                    continue
                 if not isinstance(part, dict):
                     raise ValueError(
                         f"content part {i} is not an object: a content list holds "
@@ -187,8 +189,10 @@ class ChatMessage(_Lenient):
                         f"content parts of type '{kind}' are not supported: this server takes "
                         "text only (a string or a list of text parts)"
                     )
-                if kind is None:
-                    raise ValueError(f'content part {i} has no "type" (a text part has "text")')
+                if not isinstance(kind, str):
+                    raise ValueError(
+                        f'content part {i} has no string "type" (a text part has "type": "text")'
+                    )
                 if not isinstance(part.get("text"), str):
                     raise ValueError(f'content part {i} of type "text" needs a string "text"')
         return v

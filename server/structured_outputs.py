@@ -18,6 +18,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -235,7 +236,15 @@ class GrammarValidator:
         tokenizer_json: the checkpoint's tokenizer.json; vocab_size: the model's logits width;
         eos_token_ids: ids that end generation.
         timeout_s: the longest a compilation may take before the request gets a 400.
+
+    The checks run on the validator's own worker threads (:data:`CHECK_THREADS`), not the event
+    loop's default pool: there, prompts being encoded and long chat templates being rendered
+    could hold every thread, and the wait for one would count against ``timeout_s`` (a trivial
+    schema got "took over 3 s to compile" behind six 60,000-message renders).
     """
+
+    #: grammars checked at once (a compile beyond them waits for one to finish)
+    CHECK_THREADS = 2
 
     def __init__(
         self,
@@ -254,6 +263,7 @@ class GrammarValidator:
         self._tokenizer = None
         self._spellings: dict[int, list[int]] = {}
         self._results: OrderedDict[str, str] = OrderedDict()  # grammar hash -> "" or error
+        self._pool = ThreadPoolExecutor(self.CHECK_THREADS, thread_name_prefix="grammar-check")
 
     def _llg_tokenizer(self):
         with self._lock:
@@ -290,11 +300,12 @@ class GrammarValidator:
             # derivation is endless never ends ("Too many items ... ff_tokens"), and a rule of
             # more alternatives than one parser row holds ("Current row has 2500 items; max is
             # 2000", e.g. the tools of an enforced call) stops at its first token
+            reason = matcher_error(matcher).split("; consider making your grammar")[0]
             return (
-                f"the grammar engine stops on its forced start ({matcher_error(matcher)}): either "
-                "no finite text matches it (every derivation is endless), or a rule has more "
-                "alternatives than the engine takes (2,000 in one rule, e.g. the tools of an "
-                "enforced tool call)"
+                f"it stops on its forced start ({reason}): either no finite text matches it "
+                "(every derivation is endless), or a rule the output starts with has more "
+                "alternatives than llguidance takes (2,000, e.g. the tools of an enforced tool "
+                "call)"
             )
         return ""
 
@@ -308,9 +319,8 @@ class GrammarValidator:
         error = self._results.get(key)
         if error is None:
             try:
-                error = await asyncio.wait_for(
-                    asyncio.to_thread(self._check, grammar), self.timeout_s
-                )
+                check = asyncio.get_running_loop().run_in_executor(self._pool, self._check, grammar)
+                error = await asyncio.wait_for(check, self.timeout_s)
             except asyncio.TimeoutError:
                 raise APIError(
                     400,

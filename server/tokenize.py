@@ -92,7 +92,8 @@ class Tokenization:
         ctx.check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
             check_tool_choice(req)  # as chat completions checks it
-            text = await render_prompt_async(ctx.tokenizer, req)
+            body_bytes = getattr(raw.state, "body_bytes", 0)
+            text = await render_prompt_async(ctx.tokenizer, req, ctx.render_pool, body_bytes)
             param = "messages"
         else:
             text, param = req.prompt, "prompt"

@@ -337,7 +337,8 @@ def test_malformed_text_parts_are_named(client):
     """A part without ``type``, a text part without a string ``text``, a part that is not an
     object: each 400 names the part (it read "Input should be a valid string" before)."""
     for part, said in (
-        ({"text": "hi"}, 'content part 1 has no "type"'),
+        ({"text": "hi"}, 'content part 1 has no string "type"'),
+        ({"type": 5, "text": "hi"}, 'content part 1 has no string "type"'),
         ({"type": "text"}, 'content part 1 of type "text" needs a string "text"'),
         ({"type": "text", "text": 3}, 'content part 1 of type "text" needs a string "text"'),
         ("hi", "content part 1 is not an object"),

@@ -305,15 +305,28 @@ def test_helpers_and_variables(tmp_path, ckpt, hf_tok):
     )
 
 
-@pytest.mark.parametrize("n", [2, 64, 65, 3000])
-def test_long_conversations_render_off_the_event_loop(tok, n):
-    """A conversation of more than RENDER_INLINE_ITEMS messages renders in a worker thread (a
-    60,000-message body held the event loop, /health included, for over a second), a short one
-    inline; both give render_prompt's text, and a template error is the same 400 either way."""
+@pytest.mark.parametrize(
+    "n, tools, body_bytes, inline",
+    [
+        (2, 0, 0, True),
+        (64, 0, 0, True),
+        (65, 0, 0, False),
+        (3000, 0, 0, False),
+        (2, 0, 65536, True),
+        (2, 0, 65537, False),  # a large body: one long message, a tool's big schema
+        (60, 5, 0, False),  # tools count with the messages where they are rendered
+    ],
+)
+def test_long_conversations_render_off_the_event_loop(tok, n, tools, body_bytes, inline):
+    """A conversation of more than RENDER_INLINE_ITEMS messages and rendered tools, or a request
+    body over RENDER_INLINE_BYTES, renders on the server's template thread (a 60,000-message
+    body held the event loop, /health included, for over a second), a small one inline; both
+    give render_prompt's text, and a template error is the same 400 either way."""
     import asyncio
     import threading
+    from concurrent.futures import ThreadPoolExecutor
 
-    from server.chat import RENDER_INLINE_ITEMS, render_prompt, render_prompt_async
+    from server.chat import render_prompt, render_prompt_async
     from server.errors import APIError
     from server.protocol import ChatCompletionRequest
 
@@ -322,6 +335,7 @@ def test_long_conversations_render_off_the_event_loop(tok, n):
         model="m",
         messages=[{"role": roles[i % 2], "content": f"m{i}"} for i in range(n - 1)]
         + [{"role": "user", "content": "last"}],
+        tools=[WEATHER_TOOL | {"function": {"name": f"f{i}"}} for i in range(tools)] or None,
     )
     threads = []
     render = tok.apply_chat_template
@@ -330,20 +344,25 @@ def test_long_conversations_render_off_the_event_loop(tok, n):
         threads.append(threading.current_thread())
         return render(*args, **kwargs)
 
-    async def main():
-        loop_thread = threading.current_thread()
-        text = await render_prompt_async(tok, req)
-        return loop_thread, text
+    pool = ThreadPoolExecutor(1, thread_name_prefix="chat-template")
+
+    async def main(request):
+        return threading.current_thread(), await render_prompt_async(tok, request, pool, body_bytes)
 
     tok.apply_chat_template = spy
     try:
-        loop_thread, text = asyncio.run(main())
-        assert text == render(req.messages and [m.model_dump() for m in req.messages])
-        assert (threads[0] is loop_thread) == (n <= RENDER_INLINE_ITEMS)
+        loop_thread, text = asyncio.run(main(req))
+        assert (threads[0] is loop_thread) == inline
+        assert threads[0].name.startswith("chat-template") != inline
+        if tools:  # with tool_choice "none" the tools are not rendered, and not counted
+            threads.clear()
+            asyncio.run(main(req.model_copy(update={"tool_choice": "none"})))
+            assert threads[0] is loop_thread  # 60 messages: inline
         bad = req.model_copy(update={"chat_template_kwargs": {"messages": []}})
         with pytest.raises(APIError) as exc:
-            asyncio.run(render_prompt_async(tok, bad))
+            asyncio.run(main(bad))
         assert exc.value.param == "chat_template_kwargs"
     finally:
         del tok.apply_chat_template
+        pool.shutdown()
     assert text == render_prompt(tok, req)
