@@ -8,6 +8,8 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 
+from pydantic import BaseModel
+
 from engine.core.limits import RequestRejected
 from engine.frontend.tokenizer import Tokenizer
 from server.context import ServerContext
@@ -141,8 +143,32 @@ def render_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> str:
             **(req.chat_template_kwargs or {}),
         )
     except ValueError as exc:
+        if isinstance(exc.__cause__, RecursionError):  # the field nested deepest is named
+            fields = {"messages": req.messages, "tools": req.tools or []}
+            fields["chat_template_kwargs"] = req.chat_template_kwargs or {}
+            param = max(fields, key=lambda name: _nesting(fields[name]))
+            raise APIError(
+                400, f"{param} holds a value nested too deeply for the chat template", param
+            ) from None
         raise APIError(400, f"chat template error: {exc}", "messages") from None
     return continue_final_message(text, req.messages[-1]) if req.continue_final_message else text
+
+
+def _nesting(value) -> int:
+    """How deeply ``value`` nests (pydantic models, dicts, lists, tuples; 0 for a scalar),
+    walked without recursion: the values it measures are those too deep to recurse into."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, BaseModel):
+            item = dict(item)
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, depth + 1) for v in item)
+        else:
+            deepest = max(deepest, depth)
+    return deepest
 
 
 #: a conversation of more messages and rendered tools than this, or a request body of more

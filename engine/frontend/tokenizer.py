@@ -186,8 +186,9 @@ class Tokenizer:
 
         Raises:
             ChatTemplateError: no template, a template syntax error, ``raise_exception`` in the
-                template, a sandbox violation (`jinja2.exceptions.SecurityError`), or any other
-                rendering failure; the original error is chained as ``__cause__``.
+                template, a sandbox violation (`jinja2.exceptions.SecurityError`), a value
+                nested deeper than Python's recursion limit allows, or any other rendering
+                failure; the original error is chained as ``__cause__``.
         """
         reserved = _RESERVED_VARIABLES.intersection(template_kwargs)
         if reserved:
@@ -195,13 +196,16 @@ class Tokenizer:
         name = "tool_use" if tools is not None and "tool_use" in self._templates else "default"
         template = self._compiled_template(name)
         variables = self._special_tokens_map()
-        variables.update(_plain(template_kwargs))
-        variables.update(
-            messages=_alias_reasoning([_drop_none(_plain(m)) for m in messages]),
-            tools=_plain(list(tools)) if tools is not None else None,
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-        )
+        try:  # (a JSON value nested some hundreds deep: a tool schema, call arguments)
+            variables.update(_plain(template_kwargs))
+            variables.update(
+                messages=_alias_reasoning([_drop_none(_plain(m)) for m in messages]),
+                tools=_plain(list(tools)) if tools is not None else None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except RecursionError as e:
+            raise ChatTemplateError("a value is nested too deeply to render") from e
         try:
             return template.render(**variables)
         except SecurityError as e:

@@ -458,6 +458,38 @@ def test_huge_token_id_to_detokenize_is_400(server):
     assert "more than 1000000000000000000" in err["message"] and len(err["message"]) < 200
 
 
+def test_values_nested_too_deeply_for_the_template_are_400(server):
+    """A tool schema or call arguments nested some hundreds deep: JSON and pydantic take them,
+    the template's conversion recursed past Python's limit (a 500 RecursionError). Now a 400
+    naming the field, on chat completions and /tokenize, and the server goes on."""
+    deep = '{"type": "string"}'
+    for _ in range(400):
+        deep = '{"type": "object", "properties": {"a": ' + deep + "}}"
+    tools = '[{"type": "function", "function": {"name": "f", "parameters": ' + deep + "}}]"
+    call = '{"id": "c1", "type": "function", "function": {"name": "f", "arguments": ' + deep + "}}"
+    user = '{"role": "user", "content": "x"}'
+    cases = (
+        (f'{{"messages": [{user}], "tools": {tools}, "tool_choice": "auto"', "tools"),
+        (
+            f'{{"messages": [{user}, {{"role": "assistant", "tool_calls": [{call}]}}, '
+            f'{{"role": "tool", "tool_call_id": "c1", "content": "r"}}]',
+            "messages",
+        ),
+    )
+    for fields, param in cases:
+        for path, extra in (("/v1/chat/completions", ', "max_tokens": 2}'), ("/tokenize", "}")):
+            r = httpx.post(
+                server.base_url + path,
+                content=fields + extra,
+                headers={"content-type": "application/json"},
+                timeout=60,
+            )
+            assert r.status_code == 400, (path, r.text[:300])
+            err = r.json()["error"]
+            assert err["param"] == param and "nested too deeply" in err["message"], err
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
 def test_invalid_json_is_400(server):
     for raw in (
         b"{not json",
