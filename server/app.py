@@ -50,13 +50,12 @@ class BodySizeLimit:
                     break
                 if not msg.get("more_body", False):
                     break
-        if not too_big:
-            scope.setdefault("state", {})["body_bytes"] = size
         if too_big:
             resp = error_response(
                 413, f"request body exceeds {self.max_bytes} bytes", code="request_too_large"
             )
             return await resp(scope, receive, send)
+        scope.setdefault("state", {})["body_bytes"] = size
 
         async def replay():
             if messages:
