@@ -1,9 +1,10 @@
 """The slow-client guard of ``server/http_protocol.py`` over both HTTP parsers, on an in-process
 uvicorn server with a small ASGI app (bodies over 1,000 bytes get the server's 413 before they
 arrive): an upgrade offer on an ordinary POST keeps its body, the body left after an early 413
-is not taken for header bytes, a pipelined request neither cuts the response before it nor
-escapes the body deadline, the header bound holds while a response streams, and a header block
-split over several reads restarts its count with every request. Found by review of the
+is not taken for header bytes (and is read before the 413 on a connection that closes after
+it), a pipelined request neither cuts the response before it nor escapes the body deadline, the
+header bound holds while a response streams, and a header block split over several reads
+restarts its count with every request. Found by review of the
 httptools protocol (uvicorn issue 2722 for the upgrade offer); h11 is checked alike."""
 
 from __future__ import annotations
@@ -249,6 +250,52 @@ def test_empty_lines_before_a_request_line_do_not_lift_the_header_bound(http):
     assert not still_open, data
     if http == "httptools":
         assert b" 400 " in data, data
+
+
+async def _send_all_then_read(http: str, payload: bytes, read_s: float) -> tuple[bytes, str]:
+    """As Python's urllib: a blocking socket (in a thread) sends the whole ``payload``, then
+    reads until the server closes (or ``read_s`` s pass); returns what came back and how the
+    connection ended ("closed", "open", or the reset's exception name)."""
+
+    def client(addr) -> tuple[bytes, str]:
+        data = b""
+        with socket.create_connection(addr, timeout=read_s) as sock:
+            try:
+                sock.sendall(payload)
+                while got := sock.recv(65536):
+                    data += got
+                return data, "closed"
+            except TimeoutError:
+                return data, "open"
+            except OSError as e:  # ConnectionResetError, BrokenPipeError
+                return data, type(e).__name__
+
+    async with _Server(http) as addr:
+        return await asyncio.to_thread(client, addr)
+
+
+@pytest.mark.parametrize("http", PARSERS)
+@pytest.mark.parametrize("version", ["HTTP/1.1", "HTTP/1.0"])
+def test_a_whole_body_sent_before_reading_on_a_closing_connection_gets_its_413(http, version):
+    """A client that sends its whole oversized body before it reads (Python's urllib, which
+    sends ``Connection: close``; or HTTP/1.0) gets the 413, not a connection reset: the
+    server reads and drops the body before answering, as the connection closes after the
+    response (closing it with the body unread resets it, and the client lost the 413)."""
+    body = b"a" * (16 << 20)  # more than the sockets buffer: unread when the server answers
+    head = b"POST /big %s\r\nHost: x\r\nConnection: close\r\n" % version.encode()
+    head += b"Content-Length: %d\r\n\r\n" % len(body)
+    data, end = asyncio.run(_send_all_then_read(http, head + body, read_s=10.0))
+    assert data.startswith(b"HTTP/1.1 413") and end == "closed", (end, data[:200])
+
+
+@pytest.mark.parametrize("http", PARSERS)
+def test_a_closing_request_that_waits_for_100_continue_gets_its_413_at_once(http):
+    """``Expect: 100-continue``: the client sends no body until told to, so the 413 comes at
+    once (nothing is read first), and the connection closes."""
+    head = b"POST /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    head += b"Expect: 100-continue\r\nContent-Length: 5000\r\n\r\n"
+    data, still_open = asyncio.run(_exchange(http, [head], read_s=1.0))
+    assert data.startswith(b"HTTP/1.1 413") and not still_open, data
 
 
 @pytest.mark.parametrize("http", PARSERS)
