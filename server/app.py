@@ -19,49 +19,24 @@ from server.generation import EngineError, engine_api_error
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from server.tokenize import Tokenization
 
-#: the most body bytes :class:`BodySizeLimit` reads and drops before its 413 where the
-#: connection closes after the response (64 MiB): larger bodies get the 413 at once
-DRAIN_MAX_BYTES = 64 << 20
-
-
-def _closes_after_response(scope, headers: dict) -> bool:
-    """Whether the connection ends after this request's response and the client sends the
-    body without waiting for one: HTTP/1.0, or ``Connection: close`` (Python's ``urllib``
-    sends it), and no ``Expect: 100-continue`` (such a client waits for the go-ahead, which an
-    early 413 replaces, and sends no body)."""
-    tokens = {t.strip() for t in headers.get(b"connection", b"").lower().split(b",")}
-    closes = scope.get("http_version") == "1.0" or b"close" in tokens
-    return closes and b"100-continue" not in headers.get(b"expect", b"").lower()
-
 
 class BodySizeLimit:
     """ASGI middleware: POST bodies larger than ``max_bytes`` get 413 before any parsing; a
     body within the limit is read whole here, and its size in bytes is left for the handlers in
     the request's state (``request.state.body_bytes``: a large one renders its chat template
-    off the event loop, :func:`server.chat.render_prompt_async`).
+    off the event loop, :func:`server.chat.render_prompt_async`)."""
 
-    The 413 comes as soon as the size is known (the declared ``Content-Length``, or the bytes
-    read so far), except on a connection that closes after the response
-    (:func:`_closes_after_response`): there the rest of a body of at most ``drain_max_bytes``
-    is read and dropped first. The server closes such a connection once the response is
-    written, and closing a socket with unread bytes resets it (TCP RST, RFC 9293 3.6.1): a
-    client that sends its whole body before reading, as ``urllib`` does, then got "connection
-    reset" instead of the 413 (nginx drains for the same reason, ``lingering_close``). The
-    server's body deadline still bounds the reading; a larger declared body gets the 413 at
-    once, and an undeclared (chunked) one once that many bytes are dropped."""
-
-    def __init__(self, app, max_bytes: int, drain_max_bytes: int = DRAIN_MAX_BYTES):
-        self.app, self.max_bytes, self.drain_max_bytes = app, max_bytes, drain_max_bytes
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        declared = headers.get(b"content-length")
-        declared = int(declared) if declared is not None and declared.isdigit() else None
-        too_big = declared is not None and declared > self.max_bytes
-        messages, size, more = [], 0, True
+        declared = dict(scope["headers"]).get(b"content-length")
+        too_big = declared is not None and declared.isdigit() and int(declared) > self.max_bytes
+        messages = []
         if not too_big:
+            size = 0
             while True:
                 msg = await receive()
                 if msg["type"] == "http.disconnect":
@@ -70,16 +45,12 @@ class BodySizeLimit:
                 if msg["type"] != "http.request":
                     break
                 size += len(msg.get("body", b""))
-                more = msg.get("more_body", False)
                 if size > self.max_bytes:
                     too_big = True
                     break
-                if not more:
+                if not msg.get("more_body", False):
                     break
         if too_big:
-            if more and _closes_after_response(scope, headers):
-                if not await self._drain(receive, size, declared):
-                    return
             resp = error_response(
                 413, f"request body exceeds {self.max_bytes} bytes", code="request_too_large"
             )
@@ -92,21 +63,6 @@ class BodySizeLimit:
             return await receive()
 
         return await self.app(scope, replay, send)
-
-    async def _drain(self, receive, size: int, declared: int | None) -> bool:
-        """Read and drop the rest of a body of which ``size`` bytes were read, up to
-        ``drain_max_bytes`` in all (none where ``declared`` is larger); False when the client
-        went away meanwhile (no reply then)."""
-        if declared is not None and declared > self.drain_max_bytes:
-            return True
-        while size <= self.drain_max_bytes:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return False
-            size += len(msg.get("body", b""))
-            if not msg.get("more_body", False):
-                break
-        return True
 
 
 def route_path(scope) -> str:

@@ -47,6 +47,15 @@ queues it), so a queued request neither times out while it waits nor escapes the
 it runs; a 400 for a request that cannot be parsed is written only where no response is under
 way.
 
+Lingering close: a response may come before its request's body (a 413 from the declared
+size, a 401 from the headers). When the connection then closes (``Connection: close``, as
+Python's ``urllib`` sends, or HTTP/1.0, or h11's rule for an unread body), closing the socket
+with body bytes unread resets it (TCP RST, RFC 9293 3.6.1), and a client that sends its whole
+body before it reads loses the response. So the guard half-closes instead (the response, then
+FIN), reads and drops what still comes, and closes when the client does, or after
+:data:`LINGER_S` at most (:func:`guarded_protocol`'s ``linger_s``; nginx's
+``lingering_close``).
+
 The connection cap (``--limit-concurrency N``) is admission per connection
 (:class:`ConnectionSlots`): the first N open connections are served; a connection opened while N
 are open gets ``503`` (an OpenAI error body, ``connection: close``) for its request and is
@@ -74,6 +83,10 @@ HTTP_PARSERS = ("auto", "httptools", "h11")
 REFUSE_WAIT_S = 1.0
 #: seconds a refused connection is still read from (and what it sends dropped) after its 503
 REFUSE_LINGER_S = 2.0
+#: the most seconds a connection that closes with its request's body still arriving (an early
+#: 413 or 401 on ``Connection: close``) is still read from, and what it sends dropped, after
+#: its response (nginx's ``lingering_time`` is 30 s)
+LINGER_S = 30.0
 
 
 def _error_response(status: str, message: str, kind: str, code: str, headers: str = "") -> bytes:
@@ -115,6 +128,26 @@ def _unavailable_response(limit: int) -> bytes:
         "too_many_connections",
         "retry-after: 1\r\n",
     )
+
+
+class _LingeringTransport:
+    """A request cycle's view of its connection's transport (uvicorn's ``RequestResponseCycle``
+    closes the connection through it): ``close()`` with the response complete and the
+    request's body still arriving lingers instead (``protocol._linger()``); everything else is
+    the transport's."""
+
+    def __init__(self, transport, protocol, cycle):
+        self._transport, self._protocol, self._cycle = transport, protocol, cycle
+
+    def close(self) -> None:
+        cycle = self._cycle
+        if cycle.response_complete and cycle.more_body and not self._transport.is_closing():
+            self._protocol._linger()
+        else:
+            self._transport.close()
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
 
 
 class ConnectionSlots:
@@ -184,11 +217,13 @@ def guarded_protocol(
     slots: ConnectionSlots | None = None,
     http: str = "auto",
     max_header_bytes: int = 16384,
+    linger_s: float = LINGER_S,
 ) -> type[asyncio.Protocol]:
     """A protocol class for ``uvicorn.Config(http=...)``: :func:`protocol_base` of ``http``
     with the two read deadlines (seconds, > 0), the header size bound (bytes; h11 applies its
-    own, ``uvicorn.Config(h11_max_incomplete_event_size=...)``, which should be the same) and,
-    with ``slots``, the connection cap (see the module docstring).
+    own, ``uvicorn.Config(h11_max_incomplete_event_size=...)``, which should be the same), the
+    longest lingering close (``linger_s`` seconds) and, with ``slots``, the connection cap (see
+    the module docstring).
 
     Raises:
         ValueError: as :func:`protocol_base`.
@@ -210,6 +245,7 @@ def guarded_protocol(
             # parsed one: a pipelined request is parsed at once and queued behind it)
             self._has_slot = slots is None or slots.acquire()
             self._refused = False  # the 503 was written
+            self._lingering = False  # closing after a response, the request's body unread
             super().connection_made(transport)
             if not self._has_slot:
                 log.warning(
@@ -223,6 +259,8 @@ def guarded_protocol(
             self._arm("headers", header_timeout)
 
         def data_received(self, data: bytes) -> None:
+            if self._lingering:  # the rest of a body whose response is written: dropped
+                return
             if not self._has_slot:  # its request (whatever of it arrived) gets the 503
                 self._refuse()
                 return
@@ -235,6 +273,7 @@ def guarded_protocol(
             super().data_received(data)
             cycle = self.cycle
             if cycle is not None and cycle is not before:  # its headers are in: a new request
+                self._watch(cycle)
                 self._cancel()
                 if cycle.more_body:
                     self._arm("body", body_timeout)
@@ -339,6 +378,29 @@ def guarded_protocol(
         def on_headers_complete(self) -> None:
             self._in_headers = False
             super().on_headers_complete()
+            self._watch(self.cycle)
+
+        def _watch(self, cycle) -> None:
+            """Give ``cycle`` the transport view that lingers on close
+            (:class:`_LingeringTransport`), before its ASGI task runs."""
+            if not isinstance(cycle.transport, _LingeringTransport):
+                cycle.transport = _LingeringTransport(self.transport, self, cycle)
+
+        def _linger(self) -> None:
+            """Close after a response whose request's body is still arriving (module
+            docstring, lingering close): half-close, drop what comes, close at the client's
+            end of the connection or after ``linger_s``."""
+            if self._lingering:
+                return
+            self._cancel()
+            if not self.transport.can_write_eof():
+                self.transport.close()
+                return
+            self._lingering = True
+            self._unset_keepalive_if_required()
+            self.transport.write_eof()
+            self.flow.resume_reading()  # (paused by the body's high-water mark)
+            self._read_timer = self.loop.call_later(linger_s, self.transport.close)
 
         def on_message_complete(self) -> None:
             super().on_message_complete()  # returns early for a body read after its response
@@ -360,10 +422,16 @@ def guarded_protocol(
             return cycle is None or cycle.response_complete
 
         def on_response_complete(self) -> None:
+            if self._lingering:  # closing: no keep-alive wait, the linger's timer stands
+                super().on_response_complete()
+                self._unset_keepalive_if_required()
+                return
             self._cancel()  # idle until the next request: the keep-alive timeout applies
             before = self._in_flight()
             super().on_response_complete()
             cycle = self._in_flight()
+            if cycle is not None:  # (h11 parses a pipelined request only now)
+                self._watch(cycle)
             if cycle is not before and cycle is not None:
                 # a pipelined request starts now (h11 parses it only now; httptools dequeues
                 # it): its body, if still to come, has the body deadline from here

@@ -1,16 +1,18 @@
 """The slow-client guard of ``server/http_protocol.py`` over both HTTP parsers, on an in-process
 uvicorn server with a small ASGI app (bodies over 1,000 bytes get the server's 413 before they
 arrive): an upgrade offer on an ordinary POST keeps its body, the body left after an early 413
-is not taken for header bytes (and is read before the 413 on a connection that closes after
-it), a pipelined request neither cuts the response before it nor escapes the body deadline, the
-header bound holds while a response streams, and a header block split over several reads
-restarts its count with every request. Found by review of the
-httptools protocol (uvicorn issue 2722 for the upgrade offer); h11 is checked alike."""
+is not taken for header bytes (and, where the connection closes after the 413, is dropped
+during a bounded lingering close instead of resetting it), a pipelined request neither cuts
+the response before it nor escapes the body deadline, the header bound holds while a response
+streams, and a header block split over several reads restarts its count with every request.
+Found by review of the httptools protocol (uvicorn issue 2722 for the upgrade offer); h11 is
+checked alike."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import pytest
 import uvicorn
@@ -54,16 +56,24 @@ async def _app(scope, receive, send):
 
 
 class _Server:
-    """The guard (1 s for headers, 1.5 s for a body, 16 KiB of incomplete headers) around
+    """The guard (1 s for headers, 1.5 s for a body, 16 KiB of incomplete headers, a lingering
+    close of at most ``linger_s``) around
     ``_app`` behind the server's 1,000-byte body limit, on a loopback port."""
 
     def __init__(
-        self, http: str, header_s: float = 1.0, keep_alive_s: int = 5, body_limit: int = 1000
+        self,
+        http: str,
+        header_s: float = 1.0,
+        keep_alive_s: int = 5,
+        body_limit: int = 1000,
+        linger_s: float = 30.0,
     ):
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(8)
-        protocol = guarded_protocol(header_s, 1.5, http=http, max_header_bytes=16384)
+        protocol = guarded_protocol(
+            header_s, 1.5, http=http, max_header_bytes=16384, linger_s=linger_s
+        )
         config = uvicorn.Config(
             BodySizeLimit(_app, body_limit),
             http=protocol,
@@ -252,16 +262,30 @@ def test_empty_lines_before_a_request_line_do_not_lift_the_header_bound(http):
         assert b" 400 " in data, data
 
 
-async def _send_all_then_read(http: str, payload: bytes, read_s: float) -> tuple[bytes, str]:
-    """As Python's urllib: a blocking socket (in a thread) sends the whole ``payload``, then
-    reads until the server closes (or ``read_s`` s pass); returns what came back and how the
-    connection ended ("closed", "open", or the reset's exception name)."""
+async def _send_all_then_read(
+    http: str, chunks: list[bytes], read_s: float, pause: float = 0.0, expect_100: bool = False
+) -> tuple[bytes, str]:
+    """As Python's urllib: a blocking socket (in a thread) sends ``chunks`` (``pause`` s
+    apart; with ``expect_100`` the first, the headers, then the rest once ``100 Continue``
+    came; what comes meanwhile is kept too), then reads until the server closes (or ``read_s``
+    s pass); returns what came back and how the connection ended ("closed", "open", or the
+    reset's exception name)."""
 
     def client(addr) -> tuple[bytes, str]:
         data = b""
         with socket.create_connection(addr, timeout=read_s) as sock:
             try:
-                sock.sendall(payload)
+                if expect_100:
+                    sock.sendall(chunks[0])
+                    data = sock.recv(65536)
+                    assert data.startswith(b"HTTP/1.1 100"), data
+                for chunk in chunks[1:] if expect_100 else chunks:
+                    sock.sendall(chunk)
+                    time.sleep(pause)
+                    try:  # what came meanwhile (b"": the server's half-close)
+                        data += sock.recv(65536, socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        pass
                 while got := sock.recv(65536):
                     data += got
                 return data, "closed"
@@ -270,7 +294,7 @@ async def _send_all_then_read(http: str, payload: bytes, read_s: float) -> tuple
             except OSError as e:  # ConnectionResetError, BrokenPipeError
                 return data, type(e).__name__
 
-    async with _Server(http) as addr:
+    async with _Server(http, linger_s=2.0) as addr:
         return await asyncio.to_thread(client, addr)
 
 
@@ -278,24 +302,52 @@ async def _send_all_then_read(http: str, payload: bytes, read_s: float) -> tuple
 @pytest.mark.parametrize("version", ["HTTP/1.1", "HTTP/1.0"])
 def test_a_whole_body_sent_before_reading_on_a_closing_connection_gets_its_413(http, version):
     """A client that sends its whole oversized body before it reads (Python's urllib, which
-    sends ``Connection: close``; or HTTP/1.0) gets the 413, not a connection reset: the
-    server reads and drops the body before answering, as the connection closes after the
-    response (closing it with the body unread resets it, and the client lost the 413)."""
+    sends ``Connection: close``; or HTTP/1.0) gets the early 413, not a connection reset: the
+    server half-closes after the response and drops the rest of the body (closing with it
+    unread reset the connection, and the client lost the 413)."""
     body = b"a" * (16 << 20)  # more than the sockets buffer: unread when the server answers
     head = b"POST /big %s\r\nHost: x\r\nConnection: close\r\n" % version.encode()
     head += b"Content-Length: %d\r\n\r\n" % len(body)
-    data, end = asyncio.run(_send_all_then_read(http, head + body, read_s=10.0))
+    data, end = asyncio.run(_send_all_then_read(http, [head + body], read_s=10.0))
     assert data.startswith(b"HTTP/1.1 413") and end == "closed", (end, data[:200])
 
 
 @pytest.mark.parametrize("http", PARSERS)
+def test_a_chunked_body_sent_after_100_continue_gets_its_413(http):
+    """``Expect: 100-continue`` with a chunked body on ``Connection: close``: the server asks
+    for the body (its size is not declared), stops reading it past the limit and answers 413;
+    the client, still sending, gets the 413 and a clean close, not a reset."""
+    head = b"POST /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    head += b"Expect: 100-continue\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunk = b"%x\r\n%s\r\n" % (1 << 20, b"a" * (1 << 20))
+    chunks = [head] + [chunk] * 16 + [b"0\r\n\r\n"]
+    data, end = asyncio.run(_send_all_then_read(http, chunks, read_s=10.0, expect_100=True))
+    assert b"HTTP/1.1 413" in data and end == "closed", (end, data[:300])
+
+
+@pytest.mark.parametrize("http", PARSERS)
+def test_a_lingering_close_is_bounded(http):
+    """An early 413 on ``Connection: close`` for a declared 100 MB body that the client keeps
+    trickling: the server drops what comes and closes at its linger bound (2 s here), not at
+    the end of the body."""
+    head = b"POST /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    head += b"Content-Length: 99999999\r\n\r\n"
+    t0 = time.monotonic()
+    data, end = asyncio.run(
+        _send_all_then_read(http, [head] + [b"a" * 1000] * 100, read_s=10.0, pause=0.05)
+    )
+    assert data.startswith(b"HTTP/1.1 413") and end != "open", (end, data[:200])
+    assert time.monotonic() - t0 < 4.5
+
+
+@pytest.mark.parametrize("http", PARSERS)
 def test_a_closing_request_that_waits_for_100_continue_gets_its_413_at_once(http):
-    """``Expect: 100-continue``: the client sends no body until told to, so the 413 comes at
-    once (nothing is read first), and the connection closes."""
+    """``Expect: 100-continue`` with a declared oversized body: the 413 comes at once, without
+    ``100 Continue`` (the client then sends no body), and the connection closes."""
     head = b"POST /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
     head += b"Expect: 100-continue\r\nContent-Length: 5000\r\n\r\n"
-    data, still_open = asyncio.run(_exchange(http, [head], read_s=1.0))
-    assert data.startswith(b"HTTP/1.1 413") and not still_open, data
+    data, end = asyncio.run(_send_all_then_read(http, [head], read_s=2.0))
+    assert data.startswith(b"HTTP/1.1 413") and end == "closed", (end, data)
 
 
 @pytest.mark.parametrize("http", PARSERS)
