@@ -41,6 +41,11 @@ CASES = {  # text -> (content, [(name, arguments)])
         None,
         [("f", '{"x": 1}')],
     ),
+    "string_arguments_not_json": (  # encoded as a JSON string literal: arguments always parse
+        '<tool_call>{"name": "f", "arguments": "not json"}</tool_call>',
+        None,
+        [("f", '"not json"')],
+    ),
     "no_arguments": ('<tool_call>{"name": "f"}</tool_call>', None, [("f", "{}")]),
     "unclosed_valid": (
         '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n',
