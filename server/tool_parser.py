@@ -56,9 +56,10 @@ class Qwen3ToolParser:
     json.loads; ``arguments`` (or ``parameters``) that is not a string becomes a JSON string
     (json.dumps, ensure_ascii=False); a string is kept as is where it is JSON itself (a model
     that wrote the arguments object as a string), else encoded as a JSON string literal, so
-    ``arguments`` always parses as JSON (OpenAI's contract; vLLM encodes every string). A block that does not parse to an
-    object with a string ``name`` stays in the content verbatim, tags included. An unclosed block
-    at end of stream is parsed too (as vLLM does) and kept as content when it fails.
+    ``arguments`` always parses as JSON (OpenAI's contract; vLLM encodes every string). A block
+    that does not parse to an object with a string ``name`` stays in the content verbatim, tags
+    included. An unclosed block at end of stream is parsed too (as vLLM does) and kept as
+    content when it fails.
 
     Content is the text outside the blocks, with leading and trailing whitespace stripped. When
     streaming, text that could start ``<tool_call>`` is held back until resolved, a block is held
