@@ -26,10 +26,18 @@ from engine.core.structured_output import consume_forced, llg_tokenizer, matcher
 from server.errors import APIError
 from server.protocol import SamplingFields
 
-#: JSON layout the grammar allows: the separators of ``json.dumps`` (and of the chat templates'
-#: ``tojson``, so tool calls look as the model was taught), no other whitespace (near-flat
-#: logits would otherwise wander through it)
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: llguidance's JSON options: the layout the grammar allows -- the separators of ``json.dumps``
+#: (and of the chat templates' ``tojson``, so tool calls look as the model was taught), no other
+#: whitespace (near-flat logits would otherwise wander through it) -- and ``oneOf`` enforced as
+#: ``anyOf`` where llguidance cannot show its alternatives disjoint (a discriminated union over
+#: ``$ref``s, e.g.; it refuses such a schema otherwise), as xgrammar does and as the openai
+#: client's ``parse()`` rewrites it; a schema's own ``x-guidance`` key overrides these
+JSON_OPTIONS = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "coerce_one_of": True,
+}
 
 #: the parameters of a function defined without ``parameters`` (OpenAI: "an empty parameter list")
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}

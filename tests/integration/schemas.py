@@ -11,6 +11,7 @@ from __future__ import annotations
 
 S = {"type": "string", "maxLength": 6}
 I = {"type": "integer", "minimum": -50, "maximum": 50}  # noqa: E741
+REF_A, REF_B = {"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}
 
 
 def obj(props: dict, required: list[str] | None = None, **extra) -> dict:
@@ -73,6 +74,22 @@ SCHEMAS: list[dict] = [
                 ]
             }
         }
+    ),
+    obj(  # a discriminated union over $refs: a oneOf enforced as anyOf (llguidance's option)
+        {
+            "parts": {
+                "type": "array",
+                "items": {"oneOf": [REF_A, REF_B]},
+                "minItems": 1,
+                "maxItems": 3,
+            }
+        },
+        **{
+            "$defs": {
+                "A": obj({"kind": {"const": "a"}, "x": I}),
+                "B": obj({"kind": {"const": "b"}, "y": S}),
+            }
+        },
     ),
     obj({"maybe": {"type": ["integer", "null"], "minimum": 0, "maximum": 9}}),
     obj({"n": {"type": "null"}}),

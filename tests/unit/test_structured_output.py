@@ -29,7 +29,7 @@ from tests.integration.schemas import SCHEMAS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-OPTIONS = {"whitespace_flexible": False}
+OPTIONS = {"whitespace_flexible": False, "coerce_one_of": True}  # (oneOf as the server takes it)
 
 
 @pytest.fixture(scope="module")
