@@ -52,9 +52,10 @@ size, a 401 from the headers). When the connection then closes (``Connection: cl
 Python's ``urllib`` sends, or HTTP/1.0, or h11's rule for an unread body), closing the socket
 with body bytes unread resets it (TCP RST, RFC 9293 3.6.1), and a client that sends its whole
 body before it reads loses the response. So the guard half-closes instead (the response, then
-FIN), reads and drops what still comes, and closes when the client does, or after
-:data:`LINGER_S` at most (:func:`guarded_protocol`'s ``linger_s``; nginx's
-``lingering_close``).
+FIN), reads and drops what still comes, and closes when the client does, after
+:data:`LINGER_IDLE_S` without a byte, or after :data:`LINGER_S` in all (:func:`guarded_protocol`'s
+``linger_idle_s`` and ``linger_s``; nginx's ``lingering_close``); at those bounds the connection
+is aborted (reset), so a client that also stops reading cannot hold it open.
 
 The connection cap (``--limit-concurrency N``) is admission per connection
 (:class:`ConnectionSlots`): the first N open connections are served; a connection opened while N
@@ -85,8 +86,10 @@ REFUSE_WAIT_S = 1.0
 REFUSE_LINGER_S = 2.0
 #: the most seconds a connection that closes with its request's body still arriving (an early
 #: 413 or 401 on ``Connection: close``) is still read from, and what it sends dropped, after
-#: its response (nginx's ``lingering_time`` is 30 s)
+#: its response (nginx's ``lingering_time`` is 30 s) ...
 LINGER_S = 30.0
+#: ... and the most seconds it may send nothing meanwhile (nginx's ``lingering_timeout``, 5 s)
+LINGER_IDLE_S = 5.0
 
 
 def _error_response(status: str, message: str, kind: str, code: str, headers: str = "") -> bytes:
@@ -218,12 +221,13 @@ def guarded_protocol(
     http: str = "auto",
     max_header_bytes: int = 16384,
     linger_s: float = LINGER_S,
+    linger_idle_s: float = LINGER_IDLE_S,
 ) -> type[asyncio.Protocol]:
     """A protocol class for ``uvicorn.Config(http=...)``: :func:`protocol_base` of ``http``
     with the two read deadlines (seconds, > 0), the header size bound (bytes; h11 applies its
     own, ``uvicorn.Config(h11_max_incomplete_event_size=...)``, which should be the same), the
-    longest lingering close (``linger_s`` seconds) and, with ``slots``, the connection cap (see
-    the module docstring).
+    bounds of a lingering close (``linger_s`` seconds in all, ``linger_idle_s`` without a byte)
+    and, with ``slots``, the connection cap (see the module docstring).
 
     Raises:
         ValueError: as :func:`protocol_base`.
@@ -260,6 +264,7 @@ def guarded_protocol(
 
         def data_received(self, data: bytes) -> None:
             if self._lingering:  # the rest of a body whose response is written: dropped
+                self._linger_wait()
                 return
             if not self._has_slot:  # its request (whatever of it arrived) gets the 503
                 self._refuse()
@@ -388,8 +393,9 @@ def guarded_protocol(
 
         def _linger(self) -> None:
             """Close after a response whose request's body is still arriving (module
-            docstring, lingering close): half-close, drop what comes, close at the client's
-            end of the connection or after ``linger_s``."""
+            docstring, lingering close): half-close and drop what comes; the connection ends
+            when the client closes it, or is aborted at the bounds (``linger_idle_s`` without
+            a byte, ``linger_s`` in all)."""
             if self._lingering:
                 return
             self._cancel()
@@ -400,7 +406,16 @@ def guarded_protocol(
             self._unset_keepalive_if_required()
             self.transport.write_eof()
             self.flow.resume_reading()  # (paused by the body's high-water mark)
-            self._read_timer = self.loop.call_later(linger_s, self.transport.close)
+            self._linger_end = self.loop.time() + linger_s
+            self._linger_wait()
+
+        def _linger_wait(self) -> None:
+            """(Re)arm the lingering close's timer: ``linger_idle_s`` from now, or less where
+            the whole ``linger_s`` ends first; at expiry the connection is aborted."""
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+            wait = min(linger_idle_s, self._linger_end - self.loop.time())
+            self._read_timer = self.loop.call_later(max(wait, 0.0), self.transport.abort)
 
         def on_message_complete(self) -> None:
             super().on_message_complete()  # returns early for a body read after its response

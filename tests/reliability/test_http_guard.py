@@ -57,7 +57,7 @@ async def _app(scope, receive, send):
 
 class _Server:
     """The guard (1 s for headers, 1.5 s for a body, 16 KiB of incomplete headers, a lingering
-    close of at most ``linger_s``) around
+    close of at most ``linger_s``, ``linger_idle_s`` without a byte) around
     ``_app`` behind the server's 1,000-byte body limit, on a loopback port."""
 
     def __init__(
@@ -67,12 +67,18 @@ class _Server:
         keep_alive_s: int = 5,
         body_limit: int = 1000,
         linger_s: float = 30.0,
+        linger_idle_s: float = 5.0,
     ):
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(8)
         protocol = guarded_protocol(
-            header_s, 1.5, http=http, max_header_bytes=16384, linger_s=linger_s
+            header_s,
+            1.5,
+            http=http,
+            max_header_bytes=16384,
+            linger_s=linger_s,
+            linger_idle_s=linger_idle_s,
         )
         config = uvicorn.Config(
             BodySizeLimit(_app, body_limit),
@@ -338,6 +344,34 @@ def test_a_lingering_close_is_bounded(http):
     )
     assert data.startswith(b"HTTP/1.1 413") and end != "open", (end, data[:200])
     assert time.monotonic() - t0 < 4.5
+
+
+@pytest.mark.parametrize("http", PARSERS)
+def test_a_quiet_lingering_connection_is_dropped_at_the_idle_bound(http):
+    """The early 413 on ``Connection: close``, then the client neither sends its body nor
+    closes: the server drops the connection (its slot) at the idle bound (0.5 s here), not at
+    the whole linger bound (30 s)."""
+    head = b"POST /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    head += b"Content-Length: 99999999\r\n\r\n"
+
+    async def run():
+        srv = _Server(http, linger_idle_s=0.5)
+        async with srv as addr:
+            reader, writer = await asyncio.open_connection(*addr)
+            writer.write(head)
+            data = await asyncio.wait_for(reader.read(), 2.0)  # to the server's half-close
+            open_before = len(srv.server.server_state.connections)
+            await asyncio.sleep(1.5)
+            open_after = len(srv.server.server_state.connections)
+            writer.close()
+            return data, open_before, open_after
+
+    data, open_before, open_after = asyncio.run(run())
+    assert data.startswith(b"HTTP/1.1 413") and (open_before, open_after) == (1, 0), (
+        open_before,
+        open_after,
+        data[:100],
+    )
 
 
 @pytest.mark.parametrize("http", PARSERS)
