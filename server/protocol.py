@@ -218,9 +218,10 @@ class ChatMessage(_Lenient):
         return v
 
     def text(self) -> str | None:
-        """The content as one string (text parts joined)."""
+        """The content as one string: text parts joined with newlines (as vLLM joins them for
+        templates that take a string)."""
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "\n".join(p.text for p in self.content)
         return self.content
 
 

@@ -255,7 +255,7 @@ def test_prompt_is_the_checkpoint_template_as_transformers_renders_it(
         {**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages
     ]
     hf_messages = [
-        {**m, "content": "".join(p["text"] for p in m["content"])}
+        {**m, "content": "\n".join(p["text"] for p in m["content"])}  # (vLLM's join)
         if isinstance(m.get("content"), list)
         else m
         for m in hf_messages
