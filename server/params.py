@@ -124,7 +124,7 @@ def to_sampling_params(
     if req.min_tokens and max_tokens is not None and req.min_tokens > max_tokens:
         raise APIError(
             400,
-            f"min_tokens ({shown(req.min_tokens)}) must not exceed max_tokens "
+            f"min_tokens ({shown(req.min_tokens)}) must not exceed {max_tokens_param} "
             f"({shown(max_tokens)})",
             "min_tokens",
         )

@@ -333,6 +333,17 @@ def test_non_text_content_parts_are_named_as_unsupported(client):
         assert f"content parts of type '{part['type']}' are not supported" in err["message"]
 
 
+def test_min_tokens_over_the_limit_names_the_limit_field_sent(client):
+    """min_tokens over the completion limit: the message names the field the request used
+    (``max_completion_tokens`` or ``max_tokens``; it said max_tokens for either before)."""
+    for field in ("max_completion_tokens", "max_tokens"):
+        with pytest.raises(openai.BadRequestError) as e:
+            send(client, "chat", {field: 2, "min_tokens": 3})
+        err = e.value.body
+        assert err["param"] == "min_tokens", err
+        assert f"must not exceed {field} (2)" in err["message"], err
+
+
 def test_malformed_text_parts_are_named(client):
     """A part without ``type``, a text part without a string ``text``, a part that is not an
     object: each 400 names the part (it read "Input should be a valid string" before)."""
