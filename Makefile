@@ -20,9 +20,9 @@ $(VENV)/.installed: pyproject.toml
 	  $(VPY) -m pip install -q torch==2.13.0; \
 	fi
 	$(VPY) -m pip install -q -e '.[test]'
-	# lm-eval's API client for tests/integration/test_lm_eval.py, without the task machinery's
-	# dependencies (pyproject.toml: the test extras pin what the client imports; `.[eval]` is
-	# the whole harness)
+	@# lm-eval's API client for tests/integration/test_lm_eval.py, without the task machinery's
+	@# dependencies (pyproject.toml: the test extras pin what the client imports; `.[eval]` is
+	@# the whole harness)
 	$(VPY) -m pip install -q --no-deps lm-eval==0.4.13
 	touch $@
 

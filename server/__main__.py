@@ -42,6 +42,7 @@ _RANGES = [
     ("max_prefill_attention_with_decodes", 0, None),
     ("max_body_bytes", 1, None),
     ("api_server_count", 1, None),
+    ("tensor_parallel_size", 1, None),
     ("max_prompt_tokens", 1, None),
     ("graceful_timeout", 0, None),
     ("grammar_compile_timeout", 0.01, None),
@@ -130,6 +131,8 @@ class _EnvCheckedParser(argparse.ArgumentParser):
                 'argument --allow-credentials: not with "*" among --allowed-origins; list the '
                 "origins allowed to send credentials"
             )
+        if getattr(ns, "api_key", None) == "":
+            self.error("argument --api-key: empty; give a key, or leave it unset for no key check")
         device = getattr(ns, "device", None)
         if device is not None and not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
             self.error(f"argument --device: invalid device {device!r} (auto, cpu, cuda or cuda:N)")
@@ -581,6 +584,25 @@ def bad_switches(environ=os.environ) -> list[str]:
     return errors
 
 
+def check_memory(config) -> None:
+    """Refuse a KV-cache budget (``--kv-cache-memory-gb``) over this machine's physical memory
+    when the engine runs on the CPU, where the cache is host memory (a CUDA budget is checked
+    against the GPU when the engine allocates it).
+
+    Raises:
+        ValueError: naming the flag, the budget and the memory.
+    """
+    gib = config.kv_cache_memory_gb
+    if config.device_type != "cpu" or gib is None or config.num_kv_blocks is not None:
+        return
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    if gib > total:
+        raise ValueError(
+            f"argument --kv-cache-memory-gb: {gib:g} GiB is more than this machine's memory "
+            f"({total:.1f} GiB); the CPU engine keeps its KV cache in host memory"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -601,14 +623,23 @@ def main(argv: list[str] | None = None) -> None:
     from server.app import create_app
     from server.factory import build_context, engine_config, run_worker_rank_if_any
 
-    config = engine_config(args)
-    try:  # what the checkpoint refuses, before any process starts: one line, not a traceback
+    try:  # what the flags or the checkpoint refuse, before any process starts: one line
+        config = engine_config(args)
+        check_memory(config)
         model = ModelConfig.from_hf(config.model)
         check_max_model_len(config, model)
+        quantization = resolve_quantization(model, config.quantization)
+        model.check_quantization(quantization)
         if config.tensor_parallel_size > 1:
-            quantization = resolve_quantization(model, config.quantization)
             model.check_tensor_parallel(config.tensor_parallel_size, quantization)
         resolve_engine_mode(config, args.engine_mode)  # what the in-thread engine cannot do
+    except FileNotFoundError as exc:  # a directory without config.json
+        parser.error(
+            f"argument --model: {args.model!r} has no {os.path.basename(exc.filename or '')} "
+            "(not a Hugging Face checkpoint directory)"
+        )
+    except json.JSONDecodeError as exc:
+        parser.error(f"argument --model: its config.json is not valid JSON ({exc})")
     except ValueError as exc:
         parser.error(str(exc))
     code = run_worker_rank_if_any(config)

@@ -214,6 +214,21 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
+    def check_quantization(self, quantization: QuantizationConfig | None) -> None:
+        """Refuse a quantization this architecture cannot run (``quantization``: what the
+        model runs with, :func:`resolve_quantization`'s; None: none).
+
+        Raises:
+            ValueError: any quantization of a mixture-of-experts model (the fused MoE kernel,
+                ``kernels/fused_moe.py``, takes bfloat16/float16/float32 expert weights only).
+        """
+        if quantization is not None and self.num_experts:
+            raise ValueError(
+                f"{quantization.method} quantization of Qwen3-MoE is not supported: the "
+                "fused MoE kernel (kernels/fused_moe.py) takes bfloat16/float16/float32 expert "
+                "weights only; serve the unquantized checkpoint"
+            )
+
     def check_tensor_parallel(
         self, tp_size: int, quantization: QuantizationConfig | None = None
     ) -> None:

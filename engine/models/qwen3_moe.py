@@ -53,12 +53,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     ):
         if cfg.num_experts < 1:
             raise ValueError("Qwen3MoeForCausalLM needs a config with num_experts >= 1")
-        if cfg.quantization is not None:
-            raise ValueError(
-                f"{cfg.quantization.method} quantization of Qwen3-MoE is not supported: the "
-                "fused MoE kernel (kernels/fused_moe.py) takes bfloat16/float16/float32 expert "
-                "weights only; serve the unquantized checkpoint"
-            )
+        cfg.check_quantization(cfg.quantization)
         self.moe_backend = "triton" if attention_backend == "triton" else "torch"
         super().__init__(cfg, max_positions, attention_backend, compile_mode, tp, fuse_qk_rope)
 

@@ -303,3 +303,42 @@ def test_idle_polling_with_the_thread_core_is_refused(capsys):
     config = EngineConfig(model=str(ensure_embedded_checkpoint()), engine_idle_poll_ms=5)
     with pytest.raises(ValueError, match="not to the in-thread engine"):
         launch.start_engine_core(config, frozenset(), "thread")
+
+
+@pytest.mark.parametrize(
+    "flags,said",
+    [
+        (("--tensor-parallel-size", "0"), "--tensor-parallel-size (or QWEN_SERVE_TENSOR_PARALLEL"),
+        (("--distributed-init-method", "foo://bar"), "must be env:// or tcp://HOST:PORT"),
+        (("--api-key", ""), "argument --api-key (or QWEN_SERVE_API_KEY): empty"),
+        (("--kv-cache-memory-gb", "1e9"), "GiB is more than this machine's memory"),
+    ],
+    ids=["tp-0", "init-method", "empty-api-key", "kv-budget-over-ram"],
+)
+def test_start_up_errors_are_one_line(capsys, flags, said):
+    """What a new-user trial found as tracebacks (or, for an empty --api-key, a key that
+    accepted an empty bearer token): each a one-line error before start-up."""
+    assert said in _start_up_error(capsys, *flags)
+
+
+def test_a_directory_that_is_not_a_checkpoint_is_one_line(capsys, tmp_path):
+    """--model naming a directory without config.json, or with one that is not JSON: one line
+    naming --model (a FileNotFoundError / JSONDecodeError traceback before)."""
+    assert "has no config.json" in _start_up_error(capsys, "--model", str(tmp_path))
+    (tmp_path / "config.json").write_text("{bad")
+    err = _start_up_error(capsys, "--model", str(tmp_path))
+    assert "--model" in err and "config.json is not valid JSON" in err
+
+
+def test_quantizing_a_moe_checkpoint_is_refused_before_start_up(capsys, tiny_moe_checkpoint):
+    """--quantization fp8 of a Qwen3-MoE checkpoint: the model's own refusal, as one line
+    before any process starts (a traceback from the model's construction before)."""
+    from engine.core.config import ModelConfig, resolve_quantization
+
+    path, _ = tiny_moe_checkpoint
+    err = _start_up_error(capsys, "--model", path, "--quantization", "fp8")
+    assert "fp8 quantization of Qwen3-MoE is not supported" in err
+    model = ModelConfig.from_hf(path)
+    model.check_quantization(None)  # unquantized: served
+    with pytest.raises(ValueError, match="Qwen3-MoE is not supported"):
+        model.check_quantization(resolve_quantization(model, "fp8"))
