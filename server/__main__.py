@@ -131,8 +131,12 @@ class _EnvCheckedParser(argparse.ArgumentParser):
                 'argument --allow-credentials: not with "*" among --allowed-origins; list the '
                 "origins allowed to send credentials"
             )
-        if getattr(ns, "api_key", None) == "":
-            self.error("argument --api-key: empty; give a key, or leave it unset for no key check")
+        key = getattr(ns, "api_key", None)
+        if key is not None and (not key.strip() or key != key.strip()):
+            self.error(  # (clients' headers lose surrounding whitespace: it could never match)
+                "argument --api-key: empty, or with leading or trailing whitespace (a newline "
+                "from a secret file?); give the key itself, or leave it unset for no key check"
+            )
         device = getattr(ns, "device", None)
         if device is not None and not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
             self.error(f"argument --device: invalid device {device!r} (auto, cpu, cuda or cuda:N)")
@@ -603,6 +607,33 @@ def check_memory(config) -> None:
         )
 
 
+def read_model_config(model_dir: str):
+    """``ModelConfig.from_hf(model_dir)``, its failures on a directory that is no Hugging Face
+    checkpoint as one ``ValueError`` naming ``--model``: no ``config.json``, one that is not
+    JSON (or not UTF-8, or not an object), one without a key the architecture needs.
+
+    Raises:
+        ValueError: as above, or ``from_hf``'s own (an unsupported ``model_type``, ...).
+    """
+    from engine.core.config import ModelConfig
+
+    config_json = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config_json):
+        raise ValueError(
+            f"argument --model: {model_dir!r} has no config.json file (not a Hugging Face "
+            "checkpoint directory)"
+        )
+    try:
+        return ModelConfig.from_hf(model_dir)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"argument --model: {config_json} is not UTF-8 JSON ({exc})") from None
+    except (KeyError, TypeError, AttributeError) as exc:
+        what = f"no {exc}" if isinstance(exc, KeyError) else "not a JSON object of settings"
+        raise ValueError(
+            f"argument --model: {config_json} is not a usable model config ({what})"
+        ) from None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -618,7 +649,7 @@ def main(argv: list[str] | None = None) -> None:
             "also read from QWEN_SERVE_<FLAG>)",
             ", ".join(unknown),
         )
-    from engine.core.config import ModelConfig, check_max_model_len, resolve_quantization
+    from engine.core.config import check_max_model_len, resolve_quantization
     from engine.frontend.launch import resolve_engine_mode
     from server.app import create_app
     from server.factory import build_context, engine_config, run_worker_rank_if_any
@@ -626,21 +657,14 @@ def main(argv: list[str] | None = None) -> None:
     try:  # what the flags or the checkpoint refuse, before any process starts: one line
         config = engine_config(args)
         check_memory(config)
-        model = ModelConfig.from_hf(config.model)
+        model = read_model_config(config.model)
         check_max_model_len(config, model)
         quantization = resolve_quantization(model, config.quantization)
         model.check_quantization(quantization)
         if config.tensor_parallel_size > 1:
             model.check_tensor_parallel(config.tensor_parallel_size, quantization)
         resolve_engine_mode(config, args.engine_mode)  # what the in-thread engine cannot do
-    except FileNotFoundError as exc:  # a directory without config.json
-        parser.error(
-            f"argument --model: {args.model!r} has no {os.path.basename(exc.filename or '')} "
-            "(not a Hugging Face checkpoint directory)"
-        )
-    except json.JSONDecodeError as exc:
-        parser.error(f"argument --model: its config.json is not valid JSON ({exc})")
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         parser.error(str(exc))
     code = run_worker_rank_if_any(config)
     if code is not None:  # a torchrun rank other than 0: no HTTP server here

@@ -22,12 +22,16 @@ def _partial(buf: str, tag: str) -> int:
     return 0
 
 
-def _is_json(text: str) -> bool:
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")  # NaN / Infinity: Python's extension
+
+
+def _is_json_object(text: str) -> bool:
+    """Whether ``text`` is a JSON object (strict JSON: no NaN or Infinity)."""
     try:
-        json.loads(text)
+        return isinstance(json.loads(text, parse_constant=_reject_constant), dict)
     except (ValueError, RecursionError):
         return False
-    return True
 
 
 def _parse_call(body: str) -> dict | None:
@@ -39,7 +43,7 @@ def _parse_call(body: str) -> dict | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    if not isinstance(args, str) or not _is_json(args):
+    if not isinstance(args, str) or not _is_json_object(args):
         args = json.dumps(args, ensure_ascii=False)
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
@@ -54,9 +58,10 @@ class Qwen3ToolParser:
     Format: zero or more blocks ``<tool_call>\\n{"name": "fn", "arguments": {...}}\\n</tool_call>``,
     possibly after normal text and separated by newlines. Each block body is read with
     json.loads; ``arguments`` (or ``parameters``) that is not a string becomes a JSON string
-    (json.dumps, ensure_ascii=False); a string is kept as is where it is JSON itself (a model
-    that wrote the arguments object as a string), else encoded as a JSON string literal, so
-    ``arguments`` always parses as JSON (OpenAI's contract; vLLM encodes every string). A block
+    (json.dumps, ensure_ascii=False); a string is kept as is where it is a JSON object itself (a
+    model that wrote the arguments object as a string), else encoded as a JSON string literal
+    (``"123"`` stays the string "123"), so ``arguments`` always parses as JSON (OpenAI's
+    contract; vLLM encodes every string). A block
     that does not parse to an object with a string ``name`` stays in the content verbatim, tags
     included. An unclosed block at end of stream is parsed too (as vLLM does) and kept as
     content when it fails.

@@ -311,9 +311,10 @@ def test_idle_polling_with_the_thread_core_is_refused(capsys):
         (("--tensor-parallel-size", "0"), "--tensor-parallel-size (or QWEN_SERVE_TENSOR_PARALLEL"),
         (("--distributed-init-method", "foo://bar"), "must be env:// or tcp://HOST:PORT"),
         (("--api-key", ""), "argument --api-key (or QWEN_SERVE_API_KEY): empty"),
-        (("--kv-cache-memory-gb", "1e9"), "GiB is more than this machine's memory"),
+        (("--api-key", "key\n"), "with leading or trailing whitespace"),
+        (("--kv-cache-memory-gb", "1e9", "--device", "cpu"), "more than this machine's memory"),
     ],
-    ids=["tp-0", "init-method", "empty-api-key", "kv-budget-over-ram"],
+    ids=["tp-0", "init-method", "empty-api-key", "api-key-newline", "kv-budget-over-ram"],
 )
 def test_start_up_errors_are_one_line(capsys, flags, said):
     """What a new-user trial found as tracebacks (or, for an empty --api-key, a key that
@@ -322,12 +323,18 @@ def test_start_up_errors_are_one_line(capsys, flags, said):
 
 
 def test_a_directory_that_is_not_a_checkpoint_is_one_line(capsys, tmp_path):
-    """--model naming a directory without config.json, or with one that is not JSON: one line
-    naming --model (a FileNotFoundError / JSONDecodeError traceback before)."""
+    """--model naming a directory without config.json, or with one that is not JSON, not an
+    object, or without a key the architecture needs: one line naming --model (tracebacks
+    before: FileNotFoundError, JSONDecodeError, AttributeError, KeyError)."""
     assert "has no config.json" in _start_up_error(capsys, "--model", str(tmp_path))
-    (tmp_path / "config.json").write_text("{bad")
-    err = _start_up_error(capsys, "--model", str(tmp_path))
-    assert "--model" in err and "config.json is not valid JSON" in err
+    for text, said in (
+        ("{bad", "config.json is not UTF-8 JSON"),
+        ("[]", "not a usable model config (not a JSON object of settings)"),
+        ('{"model_type": "qwen3"}', "not a usable model config (no 'num_attention_heads')"),
+    ):
+        (tmp_path / "config.json").write_text(text)
+        err = _start_up_error(capsys, "--model", str(tmp_path), "--device", "cpu")
+        assert "--model" in err and said in err, err
 
 
 def test_quantizing_a_moe_checkpoint_is_refused_before_start_up(capsys, tiny_moe_checkpoint):

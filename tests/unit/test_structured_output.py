@@ -25,11 +25,12 @@ from engine.frontend.tokenizer import Tokenizer
 from engine.loader.embedded import ensure_embedded_checkpoint
 from engine.worker.build import build_engine
 from kernels.reference import apply_token_bitmask_ref
+from server.structured_outputs import JSON_OPTIONS
 from tests.integration.schemas import SCHEMAS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-OPTIONS = {"whitespace_flexible": False, "coerce_one_of": True}  # (oneOf as the server takes it)
+OPTIONS = JSON_OPTIONS  # the server's (its layout, and oneOf enforced as anyOf)
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,16 @@ CASES = {  # text -> (content, [(name, arguments)])
         None,
         [("f", '"not json"')],
     ),
+    "string_arguments_json_but_not_an_object": (  # "123" stays a string, not the number 123
+        '<tool_call>{"name": "f", "arguments": "123"}</tool_call>',
+        None,
+        [("f", '"123"')],
+    ),
+    "string_arguments_nan": (  # Python's json takes NaN; strict JSON parsers do not
+        '<tool_call>{"name": "f", "arguments": "NaN"}</tool_call>',
+        None,
+        [("f", '"NaN"')],
+    ),
     "no_arguments": ('<tool_call>{"name": "f"}</tool_call>', None, [("f", "{}")]),
     "unclosed_valid": (
         '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n',
