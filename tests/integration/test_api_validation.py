@@ -682,17 +682,15 @@ def test_fields_without_effect_accepted_and_text_parts_accepted(client, baseline
         },
     )
     assert out.choices[0].message.content == ref.choices[0].message.content
-    parts = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "text", "text": "Tell me a "},
-                {"type": "text", "text": "short story."},
-            ],
-        }
-    ]
-    out = client.chat.completions.create(**{**GREEDY, "messages": parts})
-    assert out.choices[0].message.content == baseline
+    # text parts: the same output as their text joined with a newline (vLLM's join)
+    parts = [{"type": "text", "text": "Tell me a"}, {"type": "text", "text": "short story."}]
+    out = client.chat.completions.create(
+        **{**GREEDY, "messages": [{"role": "user", "content": parts}]}
+    )
+    joined = [{"role": "user", "content": "Tell me a\nshort story."}]
+    ref = client.chat.completions.create(**{**GREEDY, "messages": joined})
+    assert out.choices[0].message.content == ref.choices[0].message.content
+    assert out.usage.prompt_tokens == ref.usage.prompt_tokens
     out = client.completions.create(
         model=MODEL, prompt="Hello", max_tokens=2, n=2, extra_body={"best_of": 2}
     )
