@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
@@ -37,19 +36,18 @@ from server.structured_outputs import (
     tool_parameters_grammars,
 )
 from server.text_check import check_request_text
+from server.tool_parser import json_object
 
 
 def tool_arguments(arguments: str | dict) -> str | dict:
     """An earlier turn's tool-call ``arguments`` for the chat template: the JSON string parsed
     into an object (as vLLM does), so templates that apply ``tojson`` (Qwen2.5) or print
     strings as they are (Qwen3) both render the JSON once; a string that is not a JSON object
+    (:func:`server.tool_parser.json_object`: nor one nested past the parser's recursion limit)
     is kept as it is."""
     if isinstance(arguments, str):
-        try:
-            parsed = json.loads(arguments)
-        except ValueError:
-            return arguments
-        return parsed if isinstance(parsed, dict) else arguments
+        parsed = json_object(arguments)
+        return arguments if parsed is None else parsed
     return arguments
 
 

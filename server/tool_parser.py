@@ -26,12 +26,14 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not JSON")  # NaN / Infinity: Python's extension
 
 
-def _is_json_object(text: str) -> bool:
-    """Whether ``text`` is a JSON object (strict JSON: no NaN or Infinity)."""
+def json_object(text: str) -> dict | None:
+    """``text`` parsed, where it is a JSON object (strict JSON: no NaN or Infinity); else None
+    (not JSON, another JSON value, or nested deeper than the parser's recursion limit)."""
     try:
-        return isinstance(json.loads(text, parse_constant=_reject_constant), dict)
+        value = json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError):
-        return False
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _parse_call(body: str) -> dict | None:
@@ -43,7 +45,7 @@ def _parse_call(body: str) -> dict | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    if not isinstance(args, str) or not _is_json_object(args):
+    if not isinstance(args, str) or json_object(args) is None:
         args = json.dumps(args, ensure_ascii=False)
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
@@ -61,10 +63,9 @@ class Qwen3ToolParser:
     (json.dumps, ensure_ascii=False); a string is kept as is where it is a JSON object itself (a
     model that wrote the arguments object as a string), else encoded as a JSON string literal
     (``"123"`` stays the string "123"), so ``arguments`` always parses as JSON (OpenAI's
-    contract; vLLM encodes every string). A block
-    that does not parse to an object with a string ``name`` stays in the content verbatim, tags
-    included. An unclosed block at end of stream is parsed too (as vLLM does) and kept as
-    content when it fails.
+    contract; vLLM encodes every string). A block that does not parse to an object with a string
+    ``name`` stays in the content verbatim, tags included. An unclosed block at end of stream is
+    parsed too (as vLLM does) and kept as content when it fails.
 
     Content is the text outside the blocks, with leading and trailing whitespace stripped. When
     streaming, text that could start ``<tool_call>`` is held back until resolved, a block is held

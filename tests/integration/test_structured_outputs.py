@@ -645,6 +645,9 @@ def test_arguments_that_are_not_a_json_object_stay_as_they_are():
     assert tool_arguments("not json") == "not json"
     assert tool_arguments("[1, 2]") == "[1, 2]"
     assert tool_arguments({"b": 2}) == {"b": 2}
+    deep = "[" * 100_000 + "]" * 100_000  # past json's recursion limit (a RecursionError, a 500)
+    assert tool_arguments(deep) == deep
+    assert tool_arguments('{"a": NaN}') == '{"a": NaN}'  # not JSON (the parser's json_object)
 
 
 # ------------------------------------------------------------------ with the reasoning parser
