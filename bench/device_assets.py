@@ -12,6 +12,9 @@ ignored folders the device calls name in ``carry`` (bench/gpu_env.sh installs th
 * ``.benchassets/tokenizer/``: tokenizer.json and tokenizer_config.json of the embedded
   checkpoint (the real Qwen3 vocabulary; ``--tokenizer-from`` of the benchmarks).
 * ``.basetree/``: ``git archive`` of a commit (``--basetree``: the previous main).
+* ``.benchassets/trees.txt``: which code a call carries, ``tree <HEAD>`` (with ``+ uncommitted
+  changes`` where tracked files differ from it) and ``basetree <commit>``; the device copy has
+  no git history, so ``bench/h200_pending.sh`` prints this file for the record.
 
 Usage::
 
@@ -151,10 +154,27 @@ def write_basetree(commit: str, dest: Path) -> None:
             tar.extractall(dest, filter="data")
 
 
+def git_out(*args: str) -> str:
+    """``git -C REPO args`` output, stripped (raises CalledProcessError when git fails)."""
+    return subprocess.run(
+        ["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def tree_stamps(basetree: str | None) -> str:
+    """The lines of ``.benchassets/trees.txt``: ``tree <HEAD short hash>`` (``+ uncommitted
+    changes`` appended where tracked files differ from HEAD) and ``basetree <short hash>``
+    (``basetree (not written)`` without one)."""
+    dirty = git_out("status", "--porcelain", "--untracked-files=no")
+    tree = git_out("rev-parse", "--short", "HEAD") + (" + uncommitted changes" if dirty else "")
+    base = git_out("rev-parse", "--short", basetree) if basetree else "(not written)"
+    return f"tree {tree}\nbasetree {base}\n"
+
+
 def main() -> None:
     """Write ``.whl`` (unless ``--skip-wheels``), ``.benchassets/tokenizer`` (unless
-    ``--skip-tokenizer``) and ``.basetree`` (with ``--basetree``); ``--dry-run`` only prints
-    the pins and the pip command."""
+    ``--skip-tokenizer``), ``.basetree`` (with ``--basetree``) and ``.benchassets/trees.txt``;
+    ``--dry-run`` only prints the pins and the pip command."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--basetree", metavar="COMMIT", help="write .basetree from this commit")
     ap.add_argument("--skip-wheels", action="store_true")
@@ -178,6 +198,10 @@ def main() -> None:
     if args.basetree:
         write_basetree(args.basetree, REPO / ".basetree")
         print(f".basetree = {args.basetree}")
+    stamps = REPO / ".benchassets" / "trees.txt"
+    stamps.parent.mkdir(parents=True, exist_ok=True)
+    stamps.write_text(tree_stamps(args.basetree))
+    print(stamps.read_text(), end="")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from bench.device_assets import (  # noqa: E402 - after the path insert
     canonical,
     closure,
     pip_download_command,
+    tree_stamps,
     wheels_to_carry,
     write_basetree,
 )
@@ -59,3 +60,18 @@ def test_basetree_is_the_commit_tracked_files(tmp_path):
     ).stdout  # fmt: skip
     assert (dest / "pyproject.toml").read_text() == committed
     assert not (dest / "stale").exists() and not (dest / ".venv").exists()
+
+
+def test_tree_stamps_name_head_and_the_basetree():
+    git = ["git", "-C", str(REPO)]
+    head = subprocess.run(
+        [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    tree, base = tree_stamps("HEAD").splitlines()  # (HEAD: a shallow clone has no parent)
+    assert tree == f"tree {head}" + (" + uncommitted changes" if dirty else "")
+    assert base == f"basetree {head}"
+    assert tree_stamps(None).splitlines()[1] == "basetree (not written)"
