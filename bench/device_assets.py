@@ -12,9 +12,12 @@ ignored folders the device calls name in ``carry`` (bench/gpu_env.sh installs th
 * ``.benchassets/tokenizer/``: tokenizer.json and tokenizer_config.json of the embedded
   checkpoint (the real Qwen3 vocabulary; ``--tokenizer-from`` of the benchmarks).
 * ``.basetree/``: ``git archive`` of a commit (``--basetree``: the previous main).
-* ``.benchassets/trees.txt``: which code a call carries, ``tree <HEAD>`` (with ``+ uncommitted
-  changes`` where tracked files differ from it) and ``basetree <commit>``; the device copy has
-  no git history, so ``bench/h200_pending.sh`` prints this file for the record.
+* ``.benchassets/trees.txt`` and ``.benchassets/tree.sha256``: the code these assets were made
+  beside, ``tree <HEAD>`` (``+ uncommitted changes`` where the working tree differs from it) and
+  ``basetree <commit>``, and the checksums of the files a call sends (tracked, and untracked
+  but not ignored); the device copy has no git history, so ``bench/h200_pending.sh`` prints
+  the stamps and checks the sums (a file changed or removed after this script ran is
+  reported; one added is not).
 
 Usage::
 
@@ -27,6 +30,7 @@ Raises SystemExit with pip's or git's exit status when either fails.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.metadata as md
 import re
 import shutil
@@ -142,39 +146,67 @@ def write_tokenizer(dest: Path) -> None:
         shutil.copy(ckpt / name, dest / name)
 
 
-def write_basetree(commit: str, dest: Path) -> None:
-    """Replace ``dest`` with the tracked files of ``commit`` (``git archive``)."""
+#: the file in ``.basetree`` naming the commit it was archived from
+BASETREE_STAMP = "BASETREE_COMMIT"
+
+
+def git_out(repo: Path, *args: str) -> str:
+    """``git -C repo args`` output, stripped.
+
+    Raises:
+        subprocess.CalledProcessError: git failed (its message in ``stderr``)."""
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def write_basetree(commit: str, dest: Path, repo: Path = REPO) -> None:
+    """Replace ``dest`` with the tracked files of ``commit`` (``git archive``), and name the
+    commit's short hash in ``dest / BASETREE_STAMP``."""
+    short = git_out(repo, "rev-parse", "--short", commit)
     with tempfile.TemporaryDirectory() as tmp:
         archive = Path(tmp) / "tree.tar"
-        subprocess.run(["git", "-C", str(REPO), "archive", "-o", str(archive), commit], check=True)
+        subprocess.run(["git", "-C", str(repo), "archive", "-o", str(archive), commit], check=True)
         if dest.exists():
             shutil.rmtree(dest)
         dest.mkdir(parents=True)
         with tarfile.open(archive) as tar:
             tar.extractall(dest, filter="data")
+    (dest / BASETREE_STAMP).write_text(short + "\n")
 
 
-def git_out(*args: str) -> str:
-    """``git -C REPO args`` output, stripped (raises CalledProcessError when git fails)."""
-    return subprocess.run(
-        ["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-
-def tree_stamps(basetree: str | None) -> str:
-    """The lines of ``.benchassets/trees.txt``: ``tree <HEAD short hash>`` (``+ uncommitted
-    changes`` appended where tracked files differ from HEAD) and ``basetree <short hash>``
-    (``basetree (not written)`` without one)."""
-    dirty = git_out("status", "--porcelain", "--untracked-files=no")
-    tree = git_out("rev-parse", "--short", "HEAD") + (" + uncommitted changes" if dirty else "")
-    base = git_out("rev-parse", "--short", basetree) if basetree else "(not written)"
+def tree_stamps(repo: Path, basetree: Path) -> str:
+    """The lines of ``.benchassets/trees.txt``: ``tree <HEAD short hash>`` (`` + uncommitted
+    changes`` appended where ``git status`` lists any change, untracked files not ignored
+    included: a call sends those too) and ``basetree <short hash>`` from ``basetree``'s stamp
+    (``basetree (none)`` where there is no stamp)."""
+    dirty = git_out(repo, "status", "--porcelain")
+    tree = git_out(repo, "rev-parse", "--short", "HEAD") + (
+        " + uncommitted changes" if dirty else ""
+    )
+    stamp = basetree / BASETREE_STAMP
+    base = stamp.read_text().strip() if stamp.is_file() else "(none)"
     return f"tree {tree}\nbasetree {base}\n"
+
+
+def tree_sums(repo: Path) -> str:
+    """``sha256sum``'s lines (``<hex>  <path>``, paths relative to ``repo``) for the files a
+    device call sends: tracked, and untracked but not ignored (``git ls-files --cached
+    --others --exclude-standard``), those present as regular files."""
+    listed = git_out(repo, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
+    lines = []
+    for rel in sorted(set(filter(None, listed.split("\0")))):
+        path = repo / rel
+        if path.is_file() and not path.is_symlink():
+            lines.append(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {rel}\n")
+    return "".join(lines)
 
 
 def main() -> None:
     """Write ``.whl`` (unless ``--skip-wheels``), ``.benchassets/tokenizer`` (unless
-    ``--skip-tokenizer``), ``.basetree`` (with ``--basetree``) and ``.benchassets/trees.txt``;
-    ``--dry-run`` only prints the pins and the pip command."""
+    ``--skip-tokenizer``), ``.basetree`` (with ``--basetree``), and the stamps
+    ``.benchassets/trees.txt`` and ``.benchassets/tree.sha256``; ``--dry-run`` only prints the
+    pins and the pip command."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--basetree", metavar="COMMIT", help="write .basetree from this commit")
     ap.add_argument("--skip-wheels", action="store_true")
@@ -198,10 +230,11 @@ def main() -> None:
     if args.basetree:
         write_basetree(args.basetree, REPO / ".basetree")
         print(f".basetree = {args.basetree}")
-    stamps = REPO / ".benchassets" / "trees.txt"
-    stamps.parent.mkdir(parents=True, exist_ok=True)
-    stamps.write_text(tree_stamps(args.basetree))
-    print(stamps.read_text(), end="")
+    assets = REPO / ".benchassets"
+    assets.mkdir(parents=True, exist_ok=True)
+    (assets / "trees.txt").write_text(tree_stamps(REPO, REPO / ".basetree"))
+    (assets / "tree.sha256").write_text(tree_sums(REPO))
+    print((assets / "trees.txt").read_text(), end="")
 
 
 if __name__ == "__main__":

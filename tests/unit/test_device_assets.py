@@ -4,19 +4,24 @@ closure (what the device image lacks, at the versions tested here) and writes th
 from __future__ import annotations
 
 import importlib.metadata as md
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.device_assets import (  # noqa: E402 - after the path insert
+    BASETREE_STAMP,
     DEVICE_IMAGE_HAS,
     canonical,
     closure,
     pip_download_command,
     tree_stamps,
+    tree_sums,
     wheels_to_carry,
     write_basetree,
 )
@@ -62,16 +67,41 @@ def test_basetree_is_the_commit_tracked_files(tmp_path):
     assert not (dest / "stale").exists() and not (dest / ".venv").exists()
 
 
-def test_tree_stamps_name_head_and_the_basetree():
-    git = ["git", "-C", str(REPO)]
-    head = subprocess.run(
-        [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    dirty = subprocess.run(
-        [*git, "status", "--porcelain", "--untracked-files=no"],
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
         capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
-    tree, base = tree_stamps("HEAD").splitlines()  # (HEAD: a shallow clone has no parent)
-    assert tree == f"tree {head}" + (" + uncommitted changes" if dirty else "")
-    assert base == f"basetree {head}"
-    assert tree_stamps(None).splitlines()[1] == "basetree (not written)"
+
+
+def test_stamps_name_the_commits_and_any_change_a_call_would_send(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / ".gitignore").write_text("/.basetree/\n/.benchassets/\n")
+    (repo / "a.py").write_text("x = 1\n")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "one")
+    first = _git(repo, "rev-parse", "--short", "HEAD")
+    (repo / "a.py").write_text("x = 2\n")
+    _git(repo, "commit", "-qam", "two")
+    head = _git(repo, "rev-parse", "--short", "HEAD")
+    base = repo / ".basetree"
+    assert tree_stamps(repo, base) == f"tree {head}\nbasetree (none)\n"
+    write_basetree("HEAD~1", base, repo)
+    assert (base / BASETREE_STAMP).read_text() == f"{first}\n"
+    assert (base / "a.py").read_text() == "x = 1\n"
+    assert tree_stamps(repo, base) == f"tree {head}\nbasetree {first}\n"  # ignored: clean
+    (repo / "new.py").write_text("y = 1\n")  # untracked, not ignored: a call sends it
+    assert tree_stamps(repo, base).startswith(f"tree {head} + uncommitted changes\n")
+    sums = tree_sums(repo)
+    assert [line.split("  ")[1] for line in sums.splitlines()] == [".gitignore", "a.py", "new.py"]
+    with pytest.raises(subprocess.CalledProcessError):
+        write_basetree("no-such-ref", tmp_path / "other", repo)
+    if shutil.which("sha256sum"):  # the device script checks the sums with it
+        (repo / ".benchassets").mkdir()
+        (repo / ".benchassets" / "tree.sha256").write_text(sums)
+        check = ["sha256sum", "-c", "--quiet", ".benchassets/tree.sha256"]
+        assert subprocess.run(check, cwd=repo, capture_output=True).returncode == 0
+        (repo / "a.py").write_text("x = 3\n")
+        assert subprocess.run(check, cwd=repo, capture_output=True).returncode != 0
