@@ -151,12 +151,12 @@ BASETREE_STAMP = "BASETREE_COMMIT"
 
 
 def git_out(repo: Path, *args: str) -> str:
-    """``git -C repo args`` output, stripped.
+    """``git -C repo args`` output, stripped (git's messages go to this process's stderr).
 
     Raises:
-        subprocess.CalledProcessError: git failed (its message in ``stderr``)."""
+        subprocess.CalledProcessError: git failed."""
     return subprocess.run(
-        ["git", "-C", str(repo), *args], capture_output=True, text=True, check=True
+        ["git", "-C", str(repo), *args], stdout=subprocess.PIPE, text=True, check=True
     ).stdout.strip()
 
 
@@ -166,7 +166,7 @@ def write_basetree(commit: str, dest: Path, repo: Path = REPO) -> None:
     short = git_out(repo, "rev-parse", "--short", commit)
     with tempfile.TemporaryDirectory() as tmp:
         archive = Path(tmp) / "tree.tar"
-        subprocess.run(["git", "-C", str(repo), "archive", "-o", str(archive), commit], check=True)
+        git_out(repo, "archive", "-o", str(archive), commit)
         if dest.exists():
             shutil.rmtree(dest)
         dest.mkdir(parents=True)
@@ -232,9 +232,10 @@ def main() -> None:
         print(f".basetree = {args.basetree}")
     assets = REPO / ".benchassets"
     assets.mkdir(parents=True, exist_ok=True)
-    (assets / "trees.txt").write_text(tree_stamps(REPO, REPO / ".basetree"))
+    stamps = tree_stamps(REPO, REPO / ".basetree")
+    (assets / "trees.txt").write_text(stamps)
     (assets / "tree.sha256").write_text(tree_sums(REPO))
-    print((assets / "trees.txt").read_text(), end="")
+    print(stamps, end="")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from bench.device_assets import (  # noqa: E402 - after the path insert
     DEVICE_IMAGE_HAS,
     canonical,
     closure,
+    git_out,
     pip_download_command,
     tree_stamps,
     tree_sums,
@@ -68,10 +69,8 @@ def test_basetree_is_the_commit_tracked_files(tmp_path):
 
 
 def _git(repo: Path, *args: str) -> str:
-    return subprocess.run(
-        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
+    """:func:`bench.device_assets.git_out` with a committer identity (a CI machine has none)."""
+    return git_out(repo, "-c", "user.name=t", "-c", "user.email=t@t", *args)
 
 
 def test_stamps_name_the_commits_and_any_change_a_call_would_send(tmp_path):
